@@ -1,0 +1,36 @@
+"""FP4 numerics: NVFP4 and MXFP4 block-scaled quantization (DESIGN.md section 1).
+
+All FP4 format math in trace_jax lives in this package.
+"""
+
+from trace_jax.fp4.numerics import (
+    E2M1_GRID,
+    E2M1_MAX,
+    E4M3_MAX,
+    e2m1_decode,
+    e4m3_decode,
+    e4m3_encode,
+    e8m0_decode,
+    e8m0_encode,
+    pack_bits,
+    pack_codes,
+    unpack_bits,
+    unpack_codes,
+)
+from trace_jax.fp4.qarray import (
+    FORMATS,
+    CompactGuidance,
+    Format,
+    QArray,
+    codes,
+    compact_guidance,
+    dequantize,
+    get_format,
+    mantissa_bits,
+)
+from trace_jax.fp4.quantize import (
+    ROUNDING_MODES,
+    fake_quant,
+    quantize,
+    quantize_with_fallbacks,
+)

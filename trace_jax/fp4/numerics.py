@@ -1,0 +1,209 @@
+"""Element and scale formats: the E2M1 grid, E4M3 and E8M0 scales, nibble and bit packing.
+
+Everything here is elementwise and format-level; block structure lives in `quantize.py`.
+Codes are uint8 holding 4 bits: bits 0-2 the magnitude code (0..7), bit 3 the sign.
+Adjacent magnitudes always differ in bit 0 of their code, which is why bit 0 (the
+"mantissa bit") is enough to pick between the two grid neighbours of a value.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# E2M1 magnitudes by code 0..7 (OCP MX v1.0, table 5; ml_dtypes float4_e2m1fn).
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+# Midpoints between adjacent grid values; all exact in float32.
+_E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_GRID[:-1], E2M1_GRID[1:]))
+SIGN_BIT = np.uint8(8)
+E8M0_BIAS = 127
+E8M0_NAN = 255
+
+
+def e2m1_decode(codes: jax.Array) -> jax.Array:
+  """Unsigned-or-signed 4-bit codes -> float32 values, exactly.
+
+  Built from the bit fields rather than a table gather: for exponent e >= 1 the value is
+  2^(e-1) * (1 + m/2), assembled directly as float32 bits; e == 0 is the subnormal m * 0.5.
+  """
+  codes = codes.astype(jnp.uint32)
+  mantissa = codes & 1
+  exponent = (codes >> 1) & 3
+  normal_bits = ((exponent + 126) << 23) | (mantissa << 22)
+  normal = jax.lax.bitcast_convert_type(normal_bits, jnp.float32)
+  magnitude = jnp.where(exponent == 0, mantissa.astype(jnp.float32) * 0.5, normal)
+  return jnp.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def e2m1_neighbours(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Codes of the two E2M1 grid neighbours of a non-negative finite magnitude.
+
+  Returns (lo_code, hi_code), uint8, with grid[lo] <= magnitude <= grid[hi], both clamped
+  to 6 (code 7). They coincide when the magnitude is on the grid or saturates; otherwise
+  hi_code == lo_code + 1, so the two differ in their lowest bit.
+  """
+  lo_code = jnp.zeros(magnitude.shape, jnp.uint8)
+  for g in E2M1_GRID[1:]:
+    lo_code = lo_code + (magnitude >= g).astype(jnp.uint8)
+  on_grid = magnitude == e2m1_decode(lo_code)
+  hi_code = jnp.where(on_grid | (lo_code == 7), lo_code, lo_code + 1)
+  return lo_code, hi_code
+
+
+def e2m1_round_nearest(magnitude: jax.Array, lo_code: jax.Array, hi_code: jax.Array) -> jax.Array:
+  """Round-half-to-even choice between the neighbours of `magnitude` (saturating)."""
+  midpoint = jnp.zeros(magnitude.shape, jnp.float32)
+  for code, mid in enumerate(_E2M1_MIDPOINTS):
+    midpoint = jnp.where(lo_code == code, jnp.float32(mid), midpoint)
+  hi_is_even = (hi_code & 1) == 0
+  take_hi = (magnitude > midpoint) | ((magnitude == midpoint) & hi_is_even)
+  return jnp.where((lo_code != hi_code) & take_hi, hi_code, lo_code)
+
+
+def e2m1_round_stochastic(
+    magnitude: jax.Array, lo_code: jax.Array, hi_code: jax.Array, uniform: jax.Array
+) -> jax.Array:
+  """Unbiased choice: hi with probability (|v| - lo) / (hi - lo), given uniform in [0, 1)."""
+  lo = e2m1_decode(lo_code)
+  hi = e2m1_decode(hi_code)
+  gap = jnp.where(hi > lo, hi - lo, 1.0)
+  p_hi = (magnitude - lo) / gap
+  return jnp.where(uniform < p_hi, hi_code, lo_code)
+
+
+def e2m1_round_to_bit(lo_code: jax.Array, hi_code: jax.Array, bit: jax.Array) -> jax.Array:
+  """Compact guidance: the neighbour whose code's lowest bit equals `bit`."""
+  return jnp.where((hi_code & 1) == (bit & 1), hi_code, lo_code)
+
+
+def e2m1_round_to_code(
+    lo_code: jax.Array, hi_code: jax.Array, recorded: jax.Array, nearest: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """Full guidance: the recorded magnitude code if it is a neighbour, else `nearest`.
+
+  Returns (code, fell_back) where fell_back marks elements that used `nearest`.
+  """
+  recorded = recorded & 7
+  usable = (recorded == lo_code) | (recorded == hi_code)
+  return jnp.where(usable, recorded, nearest), ~usable
+
+
+def e2m1_sign(codes_magnitude: jax.Array, negative: jax.Array) -> jax.Array:
+  """Attach the sign bit; zero stays code 0 (never -0), as compressed-tensors packs it."""
+  sign = jnp.where(negative & (codes_magnitude != 0), SIGN_BIT, np.uint8(0))
+  return codes_magnitude | sign
+
+
+# --- E4M3 block scales (NVFP4) ---------------------------------------------------------
+
+
+def e4m3_encode(values: jax.Array) -> jax.Array:
+  """Non-negative float32 -> E4M3 bits (uint8), RNE, subnormals kept, clipped to 448.
+
+  Integer arithmetic on the float32 bits instead of a convert to float8_e4m3fn: XLA on CPU
+  converts float8 in software and, once fused into a per-element loop, that dominates the
+  cost of quantization. Tests check it against ml_dtypes for every case.
+  """
+  values = jnp.minimum(values.astype(jnp.float32), E4M3_MAX)
+  # Subnormal range (< 2^-6): multiples of 2^-9; scaling by 2^9 is exact, round() is RNE.
+  subnormal = jnp.round(values * 512.0).astype(jnp.uint32)  # 0..8 (8 is 2^-6, bits 0x08)
+  bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
+  # Keep 3 of the 23 mantissa bits, rounding half to even; a carry bumps the exponent.
+  rounded = bits + 0x7FFFF + ((bits >> 20) & 1)
+  exponent = (rounded >> 23).astype(jnp.int32) - 127 + 7
+  normal = (exponent.astype(jnp.uint32) << 3) | ((rounded >> 20) & 7)
+  return jnp.where(values < 2.0**-6, subnormal, normal).astype(jnp.uint8)
+
+
+def e4m3_decode(bits: jax.Array) -> jax.Array:
+  """E4M3 bits (uint8) -> float32 (0x7F / 0xFF are NaN), from the bit fields, exactly."""
+  bits = bits.astype(jnp.uint32)
+  exponent = (bits >> 3) & 0xF
+  mantissa = bits & 7
+  normal = jax.lax.bitcast_convert_type(((exponent + 120) << 23) | (mantissa << 20), jnp.float32)
+  magnitude = jnp.where(exponent == 0, mantissa.astype(jnp.float32) * 2.0**-9, normal)
+  magnitude = jnp.where((bits & 0x7F) == 0x7F, jnp.float32(jnp.nan), magnitude)
+  return jnp.where((bits & 0x80) != 0, -magnitude, magnitude)
+
+
+# --- E8M0 block scales (MXFP4) ---------------------------------------------------------
+
+
+def floor_log2(values: jax.Array) -> jax.Array:
+  """floor(log2(v)) of non-negative float32, exactly, from the exponent field.
+
+  Zero and f32 subnormals give -127 (below any clamp we use); XLA on CPU flushes
+  subnormals in arithmetic anyway, so they cannot be told apart from zero.
+  """
+  bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.uint32)
+  return ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
+
+
+def e8m0_encode(exponent: jax.Array) -> jax.Array:
+  """Integer exponent -> E8M0 bits, clamped to [-127, 127] (OCP MX v1.0)."""
+  return (jnp.clip(exponent, -127, 127) + E8M0_BIAS).astype(jnp.uint8)
+
+
+def e8m0_decode(bits: jax.Array) -> jax.Array:
+  """E8M0 bits -> float32 2^(bits - 127); 0xFF is NaN. Built from f32 bit fields (exact)."""
+  bits = bits.astype(jnp.uint32)
+  normal = jax.lax.bitcast_convert_type(bits << 23, jnp.float32)
+  value = jnp.where(bits == 0, jnp.float32(2.0**-127), normal)
+  return jnp.where(bits == E8M0_NAN, jnp.float32(jnp.nan), value)
+
+
+# --- Packing ---------------------------------------------------------------------------
+
+
+def _check_len(n: int, multiple: int, what: str) -> None:
+  if n % multiple:
+    raise ValueError(f"{what}: axis length {n} is not a multiple of {multiple}")
+
+
+def _pack_nibble_pairs(nibbles: jax.Array) -> jax.Array:
+  """uint8 [..., 2m] holding 4-bit values -> uint8 [..., m], element 2i in the low nibble.
+
+  Done through a uint16 bitcast of each pair (little-endian: element 2i is the low byte)
+  rather than strided slices: XLA on CPU fuses a strided pack into the producer of the
+  codes and then runs about 10x slower.
+  """
+  pairs = nibbles.reshape(*nibbles.shape[:-1], nibbles.shape[-1] // 2, 2)
+  word = jax.lax.bitcast_convert_type(pairs, jnp.uint16)
+  return ((word & 0xF) | ((word >> 4) & 0xF0)).astype(jnp.uint8)
+
+
+def pack_codes(codes: jax.Array, axis: int = -1) -> jax.Array:
+  """4-bit codes [..., n] -> uint8 [..., n/2], element 2i in the low nibble."""
+  codes = jnp.moveaxis(jnp.asarray(codes).astype(jnp.uint8), axis, -1)
+  _check_len(codes.shape[-1], 2, "pack_codes")
+  return jnp.moveaxis(_pack_nibble_pairs(codes & 0xF), -1, axis)
+
+
+def unpack_codes(packed: jax.Array, axis: int = -1) -> jax.Array:
+  """uint8 [..., n/2] -> 4-bit codes uint8 [..., n] (inverse of `pack_codes`)."""
+  packed = jnp.moveaxis(jnp.asarray(packed).astype(jnp.uint8), axis, -1)
+  pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+  codes = pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+  return jnp.moveaxis(codes, -1, axis)
+
+
+def pack_bits(bits: jax.Array, axis: int = -1) -> jax.Array:
+  """Bits (0/1) [..., n] -> uint8 [..., n/8], element 8i + j in bit j."""
+  bits = jnp.moveaxis(jnp.asarray(bits).astype(jnp.uint8), axis, -1)
+  _check_len(bits.shape[-1], 8, "pack_bits")
+  quads = (bits & 1).reshape(*bits.shape[:-1], bits.shape[-1] // 4, 4)
+  word = jax.lax.bitcast_convert_type(quads, jnp.uint32)  # bit j of a quad at 8j
+  nibbles = (word | (word >> 7) | (word >> 14) | (word >> 21)) & 0xF
+  return jnp.moveaxis(_pack_nibble_pairs(nibbles.astype(jnp.uint8)), -1, axis)
+
+
+def unpack_bits(packed: jax.Array, axis: int = -1) -> jax.Array:
+  """uint8 [..., n/8] -> bits uint8 [..., n] (inverse of `pack_bits`)."""
+  packed = jnp.moveaxis(jnp.asarray(packed).astype(jnp.uint8), axis, -1)
+  shifts = jnp.arange(8, dtype=jnp.uint8)
+  bits = (packed[..., None] >> shifts) & 1
+  bits = bits.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+  return jnp.moveaxis(bits, -1, axis)

@@ -1,0 +1,304 @@
+"""Block-scaled FP4 quantization: NVFP4 and MXFP4, three rounding modes, fake quantization.
+
+NVFP4 (DESIGN.md section 1, the compressed-tensors / TransformerEngine convention):
+  1. gs = (448 * 6) / amax(|x| over the global group), gs = 1 where amax is 0;
+  2. s_b = e4m3(min(amax_b / 6 * gs, 448)) per block of 16 along the quantized axis;
+  3. v = x / (s_b / gs), in that order (v = 0 where s_b = 0);
+  4. code = e2m1(v) by the rounding mode; decode x_hat = code * (s_b / gs).
+MXFP4 (OCP MX v1.0): s_b = 2^(floor(log2(amax_b)) - 2) as E8M0, blocks of 32, gs = 1.
+
+The three rounding modes share steps 1-3 and the grid neighbours of |v|; they differ only
+in which neighbour they take. Guided rounding (TRACE, DESIGN.md section 3) skips steps 1-2
+and reuses the rollout's recorded scales.
+
+A global group that holds NaN or Inf gets a NaN global scale, so it dequantizes to NaN
+instead of silently to zero (which is what a plain cast to E2M1 does); the codes and block
+scales of such a group are those of the group with its non-finite values set to 0.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax.fp4 import numerics
+from trace_jax.fp4.qarray import CompactGuidance, QArray, dequantize, get_format
+
+ROUNDING_MODES = ("nearest", "stochastic", "guided")
+GlobalGroup = Union[str, int, Sequence[int]]
+Guidance = Union[QArray, CompactGuidance]
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _group_axes(global_group: GlobalGroup, ndim: int, axis: int) -> tuple[int, ...]:
+  """Axes that index separate global groups (non-negative, sorted).
+
+  "tensor": none (one global scale for the whole tensor, leading batch axes included);
+  "row": every axis but the quantized one (one per token); an int or a sequence of ints:
+  exactly those axes, e.g. `global_group=0` for stacked expert weights [E, K, N] gives one
+  global scale per expert.
+  """
+  if isinstance(global_group, str):
+    if global_group == "tensor":
+      return ()
+    if global_group == "row":
+      return tuple(a for a in range(ndim) if a != axis)
+    raise ValueError(
+        f"global_group={global_group!r} is not allowed; use 'tensor', 'row', or the axes "
+        "(an int or a tuple of ints) that each get their own global scale")
+  axes = (global_group,) if isinstance(global_group, (int, np.integer)) else tuple(global_group)
+  normalised = []
+  for a in axes:
+    if not isinstance(a, (int, np.integer)) or not -ndim <= a < ndim:
+      raise ValueError(f"global_group axis {a!r} is out of range for a {ndim}-d input")
+    if a % ndim == axis:
+      raise ValueError(
+          f"global_group axis {a} is the quantized axis; a global group must span it")
+    normalised.append(int(a) % ndim)
+  return tuple(sorted(set(normalised)))
+
+
+def _check_guidance(guidance: Any, shape: tuple[int, ...], fmt: str, axis: int) -> None:
+  """Raise a ValueError unless `guidance` was recorded for a tensor like this one."""
+  if not isinstance(guidance, (QArray, CompactGuidance)):
+    raise ValueError(
+        "rounding='guided' needs guidance=QArray (full guidance: recorded codes) or "
+        f"CompactGuidance (scales + mantissa bits); got {type(guidance).__name__}")
+  kind = "full" if isinstance(guidance, QArray) else "compact"
+  if guidance.fmt != fmt:
+    raise ValueError(f"{kind} guidance was recorded in fmt={guidance.fmt!r}, not {fmt!r}")
+  ndim = len(shape)
+  if guidance.axis % ndim != axis or len(guidance.shape) != ndim:
+    raise ValueError(
+        f"{kind} guidance has axis {guidance.axis} for shape {guidance.shape}; the input has "
+        f"axis {axis - ndim} and shape {shape}")
+  if tuple(guidance.shape) != tuple(shape):
+    raise ValueError(f"{kind} guidance was recorded for shape {guidance.shape}, input is {shape}")
+  gs_shape = tuple(guidance.global_scale.shape)
+  bad_gs = len(gs_shape) != ndim or gs_shape[axis] != 1 or any(
+      g not in (1, s) for g, s in zip(gs_shape, shape))
+  if bad_gs:
+    raise ValueError(
+        f"{kind} guidance global_scale has shape {gs_shape}; it must have size 1 along the "
+        f"quantized axis and broadcast against {shape}")
+
+
+def _validate(x, fmt, axis, rounding, key, guidance) -> tuple[int, Any]:
+  spec = get_format(fmt)
+  if rounding not in ROUNDING_MODES:
+    raise ValueError(f"rounding={rounding!r} is not allowed; use one of {ROUNDING_MODES}")
+  x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must be a floating array to quantize; got dtype {x.dtype}")
+  if x.ndim == 0:
+    raise ValueError("x must have at least one axis to quantize; got a scalar")
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")
+  axis = axis % x.ndim
+  n = x.shape[axis]
+  if n % spec.block_size:
+    raise ValueError(
+        f"{fmt} quantizes blocks of {spec.block_size}: axis {axis} of x has length {n}, "
+        f"not a multiple of {spec.block_size} (shape {x.shape})")
+  if rounding == "stochastic" and key is None:
+    raise ValueError("rounding='stochastic' needs key= (a jax.random key)")
+  if rounding == "guided":
+    if guidance is None:
+      raise ValueError("rounding='guided' needs guidance= (a QArray or CompactGuidance)")
+    _check_guidance(guidance, x.shape, fmt, axis)
+  elif guidance is not None:
+    raise ValueError(f"guidance= is only used with rounding='guided', not {rounding!r}")
+  return axis, x
+
+
+def _to_last(a: jax.Array, axis: int) -> jax.Array:
+  return jnp.moveaxis(a, axis, -1)
+
+
+def quantize_with_fallbacks(
+    x: jax.Array,
+    fmt: str = "nvfp4",
+    *,
+    axis: int = -1,
+    global_group: GlobalGroup = "tensor",
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+    guidance: Guidance | None = None,
+) -> tuple[QArray, jax.Array]:
+  """`quantize`, also returning a bool mask (input shape) of full-guidance fallbacks.
+
+  A fallback is an element whose recorded code was not one of the two grid neighbours of
+  its training value, so nearest rounding was used instead. Compact guidance always picks
+  a neighbour, and the other modes never fall back: their mask is all False.
+  """
+  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance)
+  return _quantize(x, key, guidance, fmt, axis, group_axes, rounding)
+
+
+def _resolve(x, fmt, axis, global_group, rounding, key, guidance):
+  """Validate, then return (x, axis >= 0, group_axes) for the jitted core."""
+  axis, x = _validate(x, fmt, axis, rounding, key, guidance)
+  if rounding == "guided":
+    # The guidance's global scale fixes the groups (its non-unit axes).
+    gs_shape = guidance.global_scale.shape
+    group_axes = tuple(a for a in range(x.ndim) if gs_shape[a] != 1)
+  else:
+    group_axes = _group_axes(global_group, x.ndim, axis)
+  return x, axis, group_axes
+
+
+def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding):
+  """The code path all modes share, on validated arguments, with the quantized axis last.
+
+  Returns (codes [..., nb, bs], scale_bits [..., nb], global_scale [..., 1] (NaN for
+  non-finite groups), fell_back [..., nb, bs]).
+  """
+  spec = get_format(fmt)
+  bs = spec.block_size
+  xl = _to_last(x.astype(jnp.float32), axis)  # [..., n]
+  # Axis `a` of x sits at position a (a < axis) or a - 1 (a > axis) once axis is last.
+  last_group_axes = tuple(a if a < axis else a - 1 for a in group_axes)
+  reduce_axes = tuple(a for a in range(xl.ndim) if a not in last_group_axes)
+  finite = jnp.all(jnp.isfinite(xl), axis=reduce_axes, keepdims=True)
+  xl = jnp.where(finite, xl, 0.0)
+  blocks = xl.reshape(*xl.shape[:-1], xl.shape[-1] // bs, bs)  # [..., nb, bs]
+
+  if rounding == "guided":
+    global_scale = _to_last(guidance.global_scale.astype(jnp.float32), axis)
+    scale_bits = _to_last(guidance.scales, axis)
+  else:
+    amax_b = jnp.max(jnp.abs(blocks), axis=-1)  # [..., nb]
+    if spec.has_global_scale:
+      amax = jnp.max(jnp.abs(xl), axis=reduce_axes, keepdims=True)
+      global_scale = jnp.where(amax > 0, (448.0 * 6.0) / amax, 1.0)
+      global_scale = jnp.minimum(global_scale, _F32_MAX)  # subnormal amax: stay finite
+      scale_bits = numerics.e4m3_encode(amax_b / 6.0 * global_scale)
+    else:
+      global_scale = jnp.ones([1 if a in reduce_axes else s for a, s in enumerate(xl.shape)],
+                              jnp.float32)
+      scale_bits = numerics.e8m0_encode(numerics.floor_log2(amax_b) - 2)
+
+  step = (spec.decode_scales(scale_bits) / global_scale)[..., None]  # s_b / gs
+  v = jnp.where(step > 0, blocks / step, 0.0)  # q = 0 where s_b = 0
+  magnitude = jnp.abs(v)
+  lo_code, hi_code = numerics.e2m1_neighbours(magnitude)
+  fell_back = jnp.zeros(v.shape, bool)
+  if rounding == "nearest":
+    code = numerics.e2m1_round_nearest(magnitude, lo_code, hi_code)
+  elif rounding == "stochastic":
+    uniform = jax.random.uniform(key, v.shape, jnp.float32)
+    code = numerics.e2m1_round_stochastic(magnitude, lo_code, hi_code, uniform)
+  elif isinstance(guidance, CompactGuidance):
+    bits = numerics.unpack_bits(_to_last(guidance.mantissa_bits, axis)).reshape(v.shape)
+    code = numerics.e2m1_round_to_bit(lo_code, hi_code, bits)
+  else:
+    recorded = numerics.unpack_codes(_to_last(guidance.packed, axis)).reshape(v.shape)
+    nearest = numerics.e2m1_round_nearest(magnitude, lo_code, hi_code)
+    code, fell_back = numerics.e2m1_round_to_code(lo_code, hi_code, recorded, nearest)
+  code = numerics.e2m1_sign(code, v < 0)
+  global_scale = jnp.where(finite, global_scale, jnp.nan)
+  return code, scale_bits, global_scale, fell_back
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+def _quantize(x, key, guidance, fmt, axis, group_axes, rounding):
+  code, scale_bits, global_scale, fell_back = _quantize_last(
+      x, key, guidance, fmt, axis, group_axes, rounding)
+  flat_shape = (*code.shape[:-2], -1)
+  q = QArray(
+      packed=jnp.moveaxis(numerics.pack_codes(code.reshape(flat_shape)), -1, axis),
+      scales=jnp.moveaxis(scale_bits, -1, axis),
+      global_scale=jnp.moveaxis(global_scale, -1, axis),
+      fmt=fmt,
+      axis=axis - x.ndim,
+  )
+  return q, jnp.moveaxis(fell_back.reshape(flat_shape), -1, axis)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+def _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding):
+  """dequantize(quantize(x)) without packing: the same ops as `dequantize`, bit for bit."""
+  code, scale_bits, global_scale, _ = _quantize_last(
+      x, key, guidance, fmt, axis, group_axes, rounding)
+  step = get_format(fmt).decode_scales(scale_bits) / global_scale  # s_b / gs
+  values = numerics.e2m1_decode(code) * step[..., None]
+  return jnp.moveaxis(values.reshape(*code.shape[:-2], -1), -1, axis).astype(x.dtype)
+
+
+def quantize(
+    x: jax.Array,
+    fmt: str = "nvfp4",
+    *,
+    axis: int = -1,
+    global_group: GlobalGroup = "tensor",
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+    guidance: Guidance | None = None,
+) -> QArray:
+  """Quantize `x` to block-scaled FP4 along `axis`.
+
+  Args:
+    x: floating array; computed in float32.
+    fmt: "nvfp4" (blocks of 16, E4M3 scales, f32 global scale) or "mxfp4" (blocks of 32,
+      E8M0 scales).
+    axis: the quantized (contraction) axis; its length must be a multiple of the block.
+    global_group: which elements share a global scale: "tensor" (all), "row" (one per
+      index of the other axes: per token), or an int / tuple of axes that each get their
+      own (e.g. 0 for stacked expert weights [E, K, N]). Ignored with guidance, whose
+      global_scale already fixes the groups.
+    rounding: "nearest" (round-half-to-even), "stochastic" (unbiased, needs `key`) or
+      "guided" (needs `guidance`).
+    key: PRNG key for stochastic rounding.
+    guidance: for "guided": a `QArray` the rollout recorded (full guidance: its codes) or
+      a `CompactGuidance` (its mantissa bits); its global and block scales are reused.
+
+  Returns:
+    A `QArray`.
+  """
+  q, _ = quantize_with_fallbacks(
+      x, fmt, axis=axis, global_group=global_group, rounding=rounding, key=key,
+      guidance=guidance)
+  return q
+
+
+def fake_quant(
+    x: jax.Array,
+    fmt: str = "nvfp4",
+    *,
+    axis: int = -1,
+    global_group: GlobalGroup = "tensor",
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+    guidance: Guidance | None = None,
+) -> jax.Array:
+  """dequantize(quantize(x, ...)) in x's dtype, with a straight-through gradient.
+
+  The gradient is the identity: a plain `astype(float4_e2m1fn)` would round the gradient
+  to FP4 too (the transpose of a convert is a convert). `key` and `guidance` are ordinary
+  pytree arguments (they work under jit, vmap, scan and grad; their cotangents are zero).
+  Arguments as for `quantize`.
+  """
+  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance)
+  return _fake_quant_ste(x, key, guidance, fmt, axis, group_axes, rounding)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fake_quant_ste(x, key, guidance, fmt, axis, group_axes, rounding):
+  return _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding)
+
+
+def _fake_quant_fwd(x, key, guidance, fmt, axis, group_axes, rounding):
+  return _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding), None
+
+
+def _fake_quant_bwd(fmt, axis, group_axes, rounding, residuals, g):
+  del fmt, axis, group_axes, rounding, residuals
+  return g, None, None
+
+
+_fake_quant_ste.defvjp(_fake_quant_fwd, _fake_quant_bwd)
