@@ -16,8 +16,6 @@ import numpy as np
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-# Midpoints between adjacent grid values; all exact in float32.
-_E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_GRID[:-1], E2M1_GRID[1:]))
 SIGN_BIT = np.uint8(8)
 E8M0_BIAS = 127
 E8M0_NAN = 255
@@ -39,28 +37,31 @@ def e2m1_decode(codes: jax.Array) -> jax.Array:
 
 
 def e2m1_neighbours(magnitude: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Codes of the two E2M1 grid neighbours of a non-negative finite magnitude.
+  """Codes of the two E2M1 grid neighbours of a non-negative magnitude.
 
   Returns (lo_code, hi_code), uint8, with grid[lo] <= magnitude <= grid[hi], both clamped
   to 6 (code 7). They coincide when the magnitude is on the grid or saturates; otherwise
   hi_code == lo_code + 1, so the two differ in their lowest bit.
+
+  From the float32 bit fields: for magnitude >= 1 the code is 2 + 2 * floor(log2 m) plus the
+  leading mantissa bit (the E2M1 grid above 1 is every float with one mantissa bit);
+  below 1 the grid step is 0.5.
   """
-  lo_code = jnp.zeros(magnitude.shape, jnp.uint8)
-  for g in E2M1_GRID[1:]:
-    lo_code = lo_code + (magnitude >= g).astype(jnp.uint8)
-  on_grid = magnitude == e2m1_decode(lo_code)
-  hi_code = jnp.where(on_grid | (lo_code == 7), lo_code, lo_code + 1)
-  return lo_code, hi_code
+  bits = jax.lax.bitcast_convert_type(magnitude.astype(jnp.float32), jnp.uint32)
+  exponent = (bits >> 23).astype(jnp.int32) - 127
+  normal = jnp.minimum(2 * exponent + 2 + ((bits >> 22) & 1).astype(jnp.int32), 7)
+  sub = (magnitude >= 0.5).astype(jnp.int32)
+  lo_code = jnp.where(magnitude >= 1, normal, sub).astype(jnp.uint8)
+  hi_code = jnp.where((magnitude > e2m1_decode(lo_code)) & (lo_code < 7), lo_code + 1, lo_code)
+  return lo_code, hi_code.astype(jnp.uint8)
 
 
 def e2m1_round_nearest(magnitude: jax.Array, lo_code: jax.Array, hi_code: jax.Array) -> jax.Array:
   """Round-half-to-even choice between the neighbours of `magnitude` (saturating)."""
-  midpoint = jnp.zeros(magnitude.shape, jnp.float32)
-  for code, mid in enumerate(_E2M1_MIDPOINTS):
-    midpoint = jnp.where(lo_code == code, jnp.float32(mid), midpoint)
+  midpoint = (e2m1_decode(lo_code) + e2m1_decode(hi_code)) * 0.5  # exact in float32
   hi_is_even = (hi_code & 1) == 0
   take_hi = (magnitude > midpoint) | ((magnitude == midpoint) & hi_is_even)
-  return jnp.where((lo_code != hi_code) & take_hi, hi_code, lo_code)
+  return jnp.where(take_hi, hi_code, lo_code)
 
 
 def e2m1_round_stochastic(

@@ -13,7 +13,7 @@ and reuses the rollout's recorded scales.
 
 A global group that holds NaN or Inf gets a NaN global scale, so it dequantizes to NaN
 instead of silently to zero (which is what a plain cast to E2M1 does); the codes and block
-scales of such a group are those of the group with its non-finite values set to 0.
+scales of such a group carry no meaning.
 """
 
 from __future__ import annotations
@@ -164,23 +164,23 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding):
   # Axis `a` of x sits at position a (a < axis) or a - 1 (a > axis) once axis is last.
   last_group_axes = tuple(a if a < axis else a - 1 for a in group_axes)
   reduce_axes = tuple(a for a in range(xl.ndim) if a not in last_group_axes)
-  finite = jnp.all(jnp.isfinite(xl), axis=reduce_axes, keepdims=True)
-  xl = jnp.where(finite, xl, 0.0)
   blocks = xl.reshape(*xl.shape[:-1], xl.shape[-1] // bs, bs)  # [..., nb, bs]
+  # One pass over the input: block amax, then the group's from the blocks'. max()
+  # propagates NaN and Inf, so the group amax also says whether the group is finite.
+  amax_b = jnp.max(jnp.abs(blocks), axis=-1)  # [..., nb]
+  amax = jnp.max(amax_b, axis=reduce_axes, keepdims=True)  # [..., 1]
+  finite = jnp.isfinite(amax)
 
   if rounding == "guided":
     global_scale = _to_last(guidance.global_scale.astype(jnp.float32), axis)
     scale_bits = _to_last(guidance.scales, axis)
   else:
-    amax_b = jnp.max(jnp.abs(blocks), axis=-1)  # [..., nb]
     if spec.has_global_scale:
-      amax = jnp.max(jnp.abs(xl), axis=reduce_axes, keepdims=True)
-      global_scale = jnp.where(amax > 0, (448.0 * 6.0) / amax, 1.0)
-      global_scale = jnp.minimum(global_scale, _F32_MAX)  # subnormal amax: stay finite
+      # gs = 1 where amax is 0; stay finite where amax is f32-subnormal.
+      global_scale = jnp.minimum((448.0 * 6.0) / jnp.where(amax > 0, amax, 448.0 * 6.0), _F32_MAX)
       scale_bits = numerics.e4m3_encode(amax_b / 6.0 * global_scale)
     else:
-      global_scale = jnp.ones([1 if a in reduce_axes else s for a, s in enumerate(xl.shape)],
-                              jnp.float32)
+      global_scale = jnp.ones(finite.shape, jnp.float32)
       scale_bits = numerics.e8m0_encode(numerics.floor_log2(amax_b) - 2)
 
   step = (spec.decode_scales(scale_bits) / global_scale)[..., None]  # s_b / gs

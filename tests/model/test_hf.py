@@ -1,0 +1,136 @@
+"""Hugging Face import: tiny random checkpoints made with transformers (see
+tests/fixtures/hf/make_fixtures.py) load and give the reference logits and experts."""
+
+import json
+import os
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trace_jax.model import hf
+
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
+ARCHS = ["qwen3_moe", "mixtral", "olmoe"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_checkpoint_matches_reference_logits_and_experts(arch):
+  model = hf.from_hf(str(FIXTURES / arch))
+  expected = np.load(FIXTURES / arch / "expected.npz")
+  logits, aux = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(expected["tokens"]))
+  tolerance = 1e-4 * expected["logits"].std()
+  np.testing.assert_allclose(logits, expected["logits"], rtol=0, atol=tolerance)
+  np.testing.assert_array_equal(aux["routing"], expected["experts"])
+
+
+def test_config_features_are_read():
+  qwen = hf.from_hf(str(FIXTURES / "qwen3_moe")).cfg
+  assert qwen.dense_layers == (1,) and qwen.qk_norm == "head" and qwen.norm_topk_prob
+  assert qwen.rope_theta == 1e6 and qwen.num_experts == 4  # rope_parameters, num_experts
+  mixtral = hf.from_hf(str(FIXTURES / "mixtral")).cfg  # sharded; top-level rope_theta
+  assert mixtral.rope_theta == 1e6 and mixtral.num_experts == 4 and mixtral.qk_norm == "none"
+  olmoe = hf.from_hf(str(FIXTURES / "olmoe")).cfg
+  assert olmoe.tie_embeddings and not olmoe.norm_topk_prob and olmoe.qk_norm == "full"
+
+
+def test_both_spellings_of_config_fields():
+  base = json.loads((FIXTURES / "mixtral" / "config.json").read_text())
+  new_style = dict(base)
+  new_style["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "default"}
+  del new_style["rope_theta"]
+  new_style["num_experts"] = new_style.pop("num_local_experts")
+  cfg = hf.config_from_hf(new_style)
+  assert cfg.rope_theta == 5e5 and cfg.num_experts == 4
+  scaled = dict(base, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+  with pytest.raises(ValueError, match="rope"):
+    hf.config_from_hf(scaled)
+
+
+def test_bfloat16_load():
+  model = hf.from_hf(str(FIXTURES / "olmoe"), dtype=jnp.bfloat16)
+  assert model.cfg.dtype == "bfloat16"
+  assert model.embed.get_value().dtype == jnp.bfloat16
+
+
+def _copy(arch, tmp_path):
+  dst = tmp_path / arch
+  shutil.copytree(FIXTURES / arch, dst)
+  return dst
+
+
+def test_unknown_architecture_lists_supported(tmp_path):
+  path = _copy("olmoe", tmp_path)
+  config = json.loads((path / "config.json").read_text())
+  config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+  (path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="model_type='llama'.*qwen3_moe.*mixtral.*olmoe"):
+    hf.from_hf(str(path))
+
+
+def _rewrite(path, edit):
+  tensors = {k: np.array(v) for k, v in hf.read_safetensors(str(path / "model.safetensors")).items()}
+  edit(tensors)
+  _write_safetensors(path / "model.safetensors", tensors)
+
+
+def _write_safetensors(path, tensors):
+  header, chunks, offset = {}, [], 0
+  for name, array in tensors.items():
+    data = np.ascontiguousarray(array, np.float32).tobytes()
+    header[name] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+    chunks.append(data)
+    offset += len(data)
+  blob = json.dumps(header).encode()
+  with open(path, "wb") as f:
+    f.write(len(blob).to_bytes(8, "little") + blob + b"".join(chunks))
+
+
+def test_missing_tensor_is_named(tmp_path):
+  path = _copy("olmoe", tmp_path)
+  _rewrite(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+  with pytest.raises(ValueError, match="missing tensor 'model.layers.1.self_attn.k_proj.weight'"):
+    hf.from_hf(str(path))
+
+
+def test_misshapen_tensor_is_named(tmp_path):
+  path = _copy("olmoe", tmp_path)
+
+  def shrink(t):
+    t["model.layers.0.mlp.experts.2.up_proj.weight"] = t["model.layers.0.mlp.experts.2.up_proj.weight"][:8]
+  _rewrite(path, shrink)
+  with pytest.raises(ValueError, match="experts"):
+    hf.from_hf(str(path))
+  path2 = _copy("qwen3_moe", tmp_path / "q")
+  _rewrite(path2, lambda t: t.update({"model.norm.weight": np.ones(7, np.float32)}))
+  with pytest.raises(ValueError, match="final_norm.scale has shape"):
+    hf.from_hf(str(path2))
+
+
+def test_fused_expert_layout_loads_the_same(tmp_path):
+  path = _copy("olmoe", tmp_path)
+  reference = hf.from_hf(str(path))
+
+  def fuse(t):
+    for layer in range(3):
+      p = f"model.layers.{layer}.mlp.experts"
+      gates = [t.pop(f"{p}.{e}.gate_proj.weight") for e in range(4)]
+      ups = [t.pop(f"{p}.{e}.up_proj.weight") for e in range(4)]
+      downs = [t.pop(f"{p}.{e}.down_proj.weight") for e in range(4)]
+      t[f"{p}.gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(gates, ups)])
+      t[f"{p}.down_proj"] = np.stack(downs)
+  _rewrite(path, fuse)
+  fused = hf.from_hf(str(path))
+  for name in ("w_gate", "w_up", "w_down"):
+    np.testing.assert_array_equal(getattr(fused.blocks[2].moe, name).get_value(),
+                                  getattr(reference.blocks[2].moe, name).get_value())
+
+
+def test_unused_tensors_are_an_error(tmp_path):
+  path = _copy("olmoe", tmp_path)
+  _rewrite(path, lambda t: t.update({"model.layers.0.mlp.shared_expert.weight": np.ones(3, np.float32)}))
+  with pytest.raises(ValueError, match="nothing loads.*shared_expert"):
+    hf.from_hf(str(path))

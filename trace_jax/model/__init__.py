@@ -1,0 +1,25 @@
+"""The MoE policy model (Flax NNX) with FP4 quantization sites, KV cache, HF import, sharding."""
+
+from trace_jax.model.cache import KVCache, init_cache
+from trace_jax.model.config import (
+    PRESETS,
+    ModelConfig,
+    get_preset,
+    mixtral_8x7b,
+    olmoe_1b_7b,
+    qwen3_30b_a3b,
+    small,
+    tiny,
+)
+from trace_jax.model.hf import from_hf
+from trace_jax.model.quant import (
+    ACTIVATION_SITES,
+    QUANTIZED_WEIGHTS,
+    QuantConfig,
+    SiteQuantizer,
+    is_quantized_weight,
+    quantize_weight,
+    resolve_layers,
+    weight_layout,
+)
+from trace_jax.model.transformer import Transformer

@@ -1,0 +1,42 @@
+"""Bytes of weights and KV cache, from shapes alone (`jax.eval_shape`: nothing materialised)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.model.cache import init_cache
+from trace_jax.model.config import ModelConfig
+from trace_jax.model.quant import QuantConfig, is_quantized_weight, quantize_weight
+from trace_jax.model.transformer import Transformer
+
+
+def abstract_params(cfg: ModelConfig):
+  """The model's parameters as ShapeDtypeStructs, by NNX state path."""
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  return {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(abstract))}
+
+
+def param_count(cfg: ModelConfig) -> int:
+  return sum(int(v.size) for v in abstract_params(cfg).values())
+
+
+def weight_bytes(cfg: ModelConfig, fmt: str | None = None) -> int:
+  """Bytes of all weights in bf16, or with the linear weights packed in `fmt` (NVFP4 /
+  MXFP4: codes, block scales, global scales) and the rest in bf16."""
+  total = 0
+  for path, value in abstract_params(cfg).items():
+    if fmt is not None and is_quantized_weight(path):
+      packed = jax.eval_shape(lambda w: quantize_weight(w, fmt), value)
+      total += sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(packed))
+    else:
+      total += value.size * 2
+  return int(total)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, quant: QuantConfig | None = None) -> float:
+  """KV-cache bytes per token over all layers: bf16, or FP4 if `quant` quantizes k and v."""
+  cache = jax.eval_shape(lambda: init_cache(cfg.replace(dtype="bfloat16"), 1, 16, quant))
+  leaves = jax.tree.leaves((cache.k, cache.v))
+  return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in leaves) / 16

@@ -1,0 +1,93 @@
+"""Grouped-query attention with RoPE, optional QK-norm, masks and a KV cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.model import cache as kv_cache
+from trace_jax.model.config import ModelConfig
+from trace_jax.model.layers import RMSNorm, apply_rope, matmul, normal_param
+from trace_jax.model.quant import SiteQuantizer
+
+_MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Softmax attention in float32.
+
+  Args:
+    q: [B, T, H, Dh].
+    k, v: [B, S, Hkv, Dh]; H is a multiple of Hkv (grouped-query attention).
+    mask: bool [B, T, S], True where query t may attend to key s.
+
+  Returns:
+    [B, T, H, Dh] in q's dtype.
+  """
+  b, t, h, dh = q.shape
+  hkv = k.shape[2]
+  q = q.reshape(b, t, hkv, h // hkv, dh)
+  precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision,
+                      preferred_element_type=jnp.float32) * (dh ** -0.5)
+  scores = jnp.where(mask[:, None, None], scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+  """Self-attention of one layer; quantization sites attn_in, k, v, attn_out."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, h, hkv, dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.q_proj = normal_param(rngs, (d, h * dh), cfg.init_std)
+    self.k_proj = normal_param(rngs, (d, hkv * dh), cfg.init_std)
+    self.v_proj = normal_param(rngs, (d, hkv * dh), cfg.init_std)
+    self.o_proj = normal_param(rngs, (h * dh, d), cfg.init_std)
+    if cfg.qk_norm == "head":
+      self.q_norm, self.k_norm = RMSNorm(dh, cfg.rms_eps), RMSNorm(dh, cfg.rms_eps)
+    elif cfg.qk_norm == "full":
+      self.q_norm, self.k_norm = RMSNorm(h * dh, cfg.rms_eps), RMSNorm(hkv * dh, cfg.rms_eps)
+    else:
+      self.q_norm = self.k_norm = None
+    self.qk_norm = cfg.qk_norm
+    self.clip_qkv = cfg.clip_qkv
+    self.shape = (h, hkv, dh)
+
+  def __call__(self, x, cos, sin, mask, layer: int, sq: SiteQuantizer, cache=None, index=None):
+    """x [B, T, d] (normed). mask: bool [B, T, S] over the keys (T keys without a cache,
+    the cache's L slots with one). Returns (out [B, T, d], (k, v) cache entries or None)."""
+    b, t, _ = x.shape
+    h, hkv, dh = self.shape
+    xq = sq(x, layer, "attn_in")
+    q = matmul(xq, sq.weight(self.q_proj.get_value()))
+    k = matmul(xq, sq.weight(self.k_proj.get_value()))
+    v = matmul(xq, sq.weight(self.v_proj.get_value()))
+    if self.qk_norm == "full":
+      q, k = self.q_norm(q), self.k_norm(k)
+    if self.clip_qkv is not None:
+      q, k, v = (jnp.clip(a, -self.clip_qkv, self.clip_qkv) for a in (q, k, v))
+    q, k, v = q.reshape(b, t, h, dh), k.reshape(b, t, hkv, dh), v.reshape(b, t, hkv, dh)
+    if self.qk_norm == "head":
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    new_entries = None
+    if cache is None:
+      k, v = sq(k, layer, "k"), sq(v, layer, "v")
+    else:
+      stored = []
+      for name, value in (("k", k), ("v", v)):
+        if sq.active(name):  # store the packed FP4 entry; attend to exactly its values
+          stored.append(sq.quantize_record(value, layer, name))
+        else:
+          stored.append(value)
+      new_entries = tuple(kv_cache.write_slots(entry, new, index)
+                          for entry, new in zip(cache, stored))
+      k, v = (kv_cache.read(entry, q.dtype) for entry in new_entries)
+    out = attend(q, k, v, mask).reshape(b, t, h * dh)
+    out = sq(out, layer, "attn_out")
+    return matmul(out, sq.weight(self.o_proj.get_value())), new_entries

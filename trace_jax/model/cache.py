@@ -1,0 +1,95 @@
+"""KV cache: bf16 (or the compute dtype) or FP4 (packed codes, E4M3 scales, per-token scales).
+
+Slots are written in order: a forward over T tokens writes slots [index, index + T) for
+every sequence of the batch, and `valid` marks which of them hold real tokens (padding
+and finished sequences write invalid slots, which attention never reads). RoPE positions
+are separate from slots, so left-padded prompts keep positions that start at 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import fp4
+from trace_jax.model.config import ModelConfig
+from trace_jax.model.quant import QuantConfig
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["k", "v", "valid", "index"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Per-layer K and V, [B, L, Hkv, Dh] arrays or `fp4.QArray`s of that shape.
+
+  Attributes:
+    k: tuple over layers.
+    v: tuple over layers.
+    valid: bool [B, L]: the slot holds a real token.
+    index: int32 scalar: the next slot to write.
+  """
+
+  k: tuple
+  v: tuple
+  valid: jax.Array
+  index: jax.Array
+
+  @property
+  def max_len(self) -> int:
+    return self.valid.shape[1]
+
+  @property
+  def quantized(self) -> bool:
+    return isinstance(self.k[0], fp4.QArray)
+
+  def bytes_per_token(self) -> float:
+    """Bytes of K and V stored per token (all layers), including scales."""
+    leaves = jax.tree_util.tree_leaves((self.k, self.v))
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    return total / (self.valid.shape[0] * self.valid.shape[1])
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,
+               quant: QuantConfig | None = None) -> KVCache:
+  """An empty cache; FP4 when `quant` quantizes the k and v sites, else the compute dtype."""
+  max_len = max_len or cfg.max_seq_len
+  if batch <= 0 or max_len <= 0:
+    raise ValueError(f"init_cache needs batch > 0 and max_len > 0; got {batch}, {max_len}")
+  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+
+  def entry(site):
+    if quant is not None and quant.quantizes(site):
+      block = fp4.get_format(quant.fmt).block_size
+      if cfg.head_dim % block:
+        raise ValueError(f"an {quant.fmt} KV cache needs head_dim divisible by {block}; "
+                         f"head_dim={cfg.head_dim}")
+      return fp4.QArray(
+          packed=jnp.zeros((*shape[:-1], cfg.head_dim // 2), jnp.uint8),
+          scales=jnp.zeros((*shape[:-1], cfg.head_dim // block), jnp.uint8),
+          global_scale=jnp.ones((*shape[:-1], 1), jnp.float32),
+          fmt=quant.fmt, axis=-1)
+    return jnp.zeros(shape, cfg.compute_dtype)
+
+  return KVCache(
+      k=tuple(entry("k") for _ in range(cfg.num_layers)),
+      v=tuple(entry("v") for _ in range(cfg.num_layers)),
+      valid=jnp.zeros((batch, max_len), bool),
+      index=jnp.zeros((), jnp.int32),
+  )
+
+
+def write_slots(entry, new, index: jax.Array):
+  """Write `new` ([B, T, ...] array or QArray) into slots [index, index + T) of `entry`."""
+  return jax.tree.map(
+      lambda old, n: jax.lax.dynamic_update_slice_in_dim(old, n.astype(old.dtype), index, axis=1),
+      entry, new)
+
+
+def read(entry, dtype) -> jax.Array:
+  """The cached K or V [B, L, Hkv, Dh] in `dtype` (dequantized if FP4)."""
+  if isinstance(entry, fp4.QArray):
+    return fp4.dequantize(entry, dtype)
+  return entry.astype(dtype)

@@ -1,0 +1,155 @@
+"""Model configuration and presets.
+
+Presets: `tiny` (tests), `small` (CPU experiments), and the published geometries of
+Qwen3-30B-A3B, Mixtral-8x7B and OLMoE-1B-7B (for byte accounting through `jax.eval_shape`
+and for real checkpoints on real accelerators).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+
+ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+QK_NORMS = ("none", "head", "full")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DISPATCHES = ("grouped", "dense")
+
+
+def _require(ok: bool, field: str, value, allowed: str) -> None:
+  if not ok:
+    raise ValueError(f"ModelConfig.{field}={value!r} is not allowed; {allowed}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """A decoder-only MoE transformer (Qwen3-MoE / Mixtral / OLMoE family)."""
+
+  name: str = "custom"  # preset name, for logs
+  arch: str = "qwen3_moe"  # the Hugging Face family whose layout and routing this follows
+  vocab_size: int
+  d_model: int  # hidden size
+  num_layers: int
+  num_heads: int  # query heads
+  num_kv_heads: int  # key/value heads (grouped-query attention)
+  head_dim: int
+  num_experts: int  # routed experts per MoE layer
+  num_experts_per_tok: int  # top-k
+  moe_ffn_dim: int  # each routed expert's SwiGLU width
+  ffn_dim: int = 0  # dense SwiGLU width, for the layers in `dense_layers`
+  dense_layers: tuple[int, ...] = ()  # layers with a dense feed-forward instead of MoE
+  shared_expert_dim: int = 0  # width of an always-on shared expert; 0 = none
+  shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE)
+  norm_topk_prob: bool = True  # renormalise the top-k router probabilities (Qwen3, Mixtral)
+  qk_norm: str = "none"  # "head": RMSNorm per head (Qwen3); "full": over all heads (OLMoE)
+  clip_qkv: float | None = None  # clamp q, k, v to +-clip_qkv (OLMoE option)
+  rope_theta: float = 10000.0
+  rms_eps: float = 1e-6
+  tie_embeddings: bool = False  # LM head = embedding transposed
+  sliding_window: int | None = None  # attend to at most this many previous slots
+  max_seq_len: int = 2048  # default KV-cache length
+  router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in training
+  dtype: str = "float32"  # compute dtype, "float32" or "bfloat16"; parameters stay float32
+  dispatch: str = "grouped"  # "grouped" (sorted tokens, ragged_dot) or "dense" (reference)
+  init_std: float = 0.02  # normal init of weight matrices
+
+  def __post_init__(self):
+    _require(self.arch in ARCHS, "arch", self.arch, f"use one of {ARCHS}")
+    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "num_experts", "num_experts_per_tok", "moe_ffn_dim", "max_seq_len"):
+      value = getattr(self, field)
+      _require(isinstance(value, int) and value > 0, field, value, "must be a positive int")
+    _require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", self.num_kv_heads,
+             f"must divide num_heads={self.num_heads}")
+    _require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (RoPE)")
+    _require(self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+             self.num_experts_per_tok, f"must be <= num_experts={self.num_experts}")
+    _require(all(0 <= i < self.num_layers for i in self.dense_layers), "dense_layers",
+             self.dense_layers, f"layer ids must lie in [0, {self.num_layers})")
+    _require(not self.dense_layers or self.ffn_dim > 0, "ffn_dim", self.ffn_dim,
+             "must be > 0 when dense_layers is set")
+    _require(self.shared_expert_dim >= 0, "shared_expert_dim", self.shared_expert_dim, "must be >= 0")
+    _require(self.qk_norm in QK_NORMS, "qk_norm", self.qk_norm, f"use one of {QK_NORMS}")
+    _require(self.dtype in DTYPES, "dtype", self.dtype, f"use one of {sorted(DTYPES)}")
+    _require(self.dispatch in DISPATCHES, "dispatch", self.dispatch, f"use one of {DISPATCHES}")
+    _require(self.sliding_window is None or self.sliding_window > 0, "sliding_window",
+             self.sliding_window, "must be None or > 0")
+    _require(self.rope_theta > 0 and self.rms_eps > 0, "rope_theta/rms_eps",
+             (self.rope_theta, self.rms_eps), "must be > 0")
+
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
+
+  @property
+  def num_moe_layers(self) -> int:
+    return len(self.moe_layers)
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def tiny(**overrides) -> ModelConfig:
+  """Tests: a jitted train step well under a second on 2 CPU cores."""
+  cfg = dict(name="tiny", vocab_size=128, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_ffn_dim=64, qk_norm="head",
+             max_seq_len=256)
+  return ModelConfig(**{**cfg, **overrides})
+
+
+def small(**overrides) -> ModelConfig:
+  """CPU experiments: trains meaningfully in minutes on 2 cores."""
+  cfg = dict(name="small", vocab_size=128, d_model=128, num_layers=4, num_heads=4,
+             num_kv_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_ffn_dim=128,
+             qk_norm="head", max_seq_len=512)
+  return ModelConfig(**{**cfg, **overrides})
+
+
+def qwen3_30b_a3b(**overrides) -> ModelConfig:
+  """Qwen/Qwen3-30B-A3B: 48 layers, 128 experts (top 8), GQA 32/4, QK-norm per head."""
+  cfg = dict(name="qwen3_30b_a3b", arch="qwen3_moe", vocab_size=151936, d_model=2048,
+             num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, num_experts=128,
+             num_experts_per_tok=8, moe_ffn_dim=768, ffn_dim=6144, norm_topk_prob=True,
+             qk_norm="head", rope_theta=1e6, rms_eps=1e-6, max_seq_len=40960,
+             dtype="bfloat16")
+  return ModelConfig(**{**cfg, **overrides})
+
+
+def mixtral_8x7b(**overrides) -> ModelConfig:
+  """mistralai/Mixtral-8x7B-v0.1: 32 layers, 8 experts (top 2), GQA 32/8."""
+  cfg = dict(name="mixtral_8x7b", arch="mixtral", vocab_size=32000, d_model=4096,
+             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, num_experts=8,
+             num_experts_per_tok=2, moe_ffn_dim=14336, norm_topk_prob=True, qk_norm="none",
+             rope_theta=1e6, rms_eps=1e-5, max_seq_len=32768, router_aux_loss_coef=0.02,
+             dtype="bfloat16")
+  return ModelConfig(**{**cfg, **overrides})
+
+
+def olmoe_1b_7b(**overrides) -> ModelConfig:
+  """allenai/OLMoE-1B-7B-0924: 16 layers, 64 experts (top 8, no renormalisation), QK-norm."""
+  cfg = dict(name="olmoe_1b_7b", arch="olmoe", vocab_size=50304, d_model=2048, num_layers=16,
+             num_heads=16, num_kv_heads=16, head_dim=128, num_experts=64, num_experts_per_tok=8,
+             moe_ffn_dim=1024, norm_topk_prob=False, qk_norm="full", rope_theta=10000.0,
+             rms_eps=1e-5, max_seq_len=4096, router_aux_loss_coef=0.01, dtype="bfloat16")
+  return ModelConfig(**{**cfg, **overrides})
+
+
+PRESETS: dict[str, Callable[..., ModelConfig]] = {
+    "tiny": tiny,
+    "small": small,
+    "qwen3_30b_a3b": qwen3_30b_a3b,
+    "mixtral_8x7b": mixtral_8x7b,
+    "olmoe_1b_7b": olmoe_1b_7b,
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+  if name not in PRESETS:
+    raise ValueError(f"preset={name!r} is not known; allowed: {sorted(PRESETS)}")
+  return PRESETS[name](**overrides)

@@ -1,0 +1,160 @@
+"""Mixture-of-Experts feed-forward: softmax router, top-k, SwiGLU experts, shared expert.
+
+Two dispatch paths that compute the same function:
+  grouped  tokens sorted by expert and multiplied with `jax.lax.ragged_dot`; the work grows
+           with k, not with the number of experts (the production path);
+  dense    every expert on every token, combined with a [N, E] weight matrix (a reference).
+Routed-expert activations are quantized per (token, expert) row, so a row's FP4 values do
+not depend on which other rows share its expert, and padding never feeds another row's scale.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.model.config import ModelConfig
+from trace_jax.model.layers import matmul, normal_param, swiglu
+from trace_jax.model.quant import SiteQuantizer
+
+
+class MLP(nnx.Module):
+  """A SwiGLU feed-forward: a dense layer, or the shared expert of an MoE layer."""
+
+  def __init__(self, d_model: int, ffn_dim: int, std: float, *, rngs: nnx.Rngs):
+    self.w_gate = normal_param(rngs, (d_model, ffn_dim), std)
+    self.w_up = normal_param(rngs, (d_model, ffn_dim), std)
+    self.w_down = normal_param(rngs, (ffn_dim, d_model), std)
+
+  def __call__(self, xq, layer: int, sq: SiteQuantizer, mid_site: str):
+    """xq: the already-quantized input [..., d]."""
+    gate = matmul(xq, sq.weight(self.w_gate.get_value()))
+    up = matmul(xq, sq.weight(self.w_up.get_value()))
+    return matmul(sq(swiglu(gate, up), layer, mid_site), sq.weight(self.w_down.get_value()))
+
+
+def route(probs: jax.Array, k: int, norm_topk: bool, routing: jax.Array | None):
+  """Top-k experts (descending probability) and their weights; `routing` replays experts.
+
+  Args:
+    probs: float32 [N, E] router softmax.
+    routing: int [N, k] experts to use instead of choosing (routing replay), or None.
+  Returns:
+    experts int32 [N, k], weights float32 [N, k].
+  """
+  if routing is None:
+    weights, experts = jax.lax.top_k(probs, k)
+  else:
+    experts = routing.astype(jnp.int32)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+  if norm_topk:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return experts, weights
+
+
+def load_balancing_loss(probs: jax.Array, experts: jax.Array, valid: jax.Array) -> jax.Array:
+  """Switch/Mixtral auxiliary loss E * sum_e f_e * P_e over valid tokens.
+
+  f_e: the share of (token, slot) choices that went to expert e, times k (as Hugging Face's
+  `load_balancing_loss_func` counts it); P_e: the mean router probability of e.
+  """
+  num_experts = probs.shape[-1]
+  w = valid.astype(jnp.float32)
+  count = jnp.maximum(jnp.sum(w), 1.0)
+  chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=1)  # [N, E]
+  f = jnp.sum(chosen * w[:, None], axis=0) / count
+  p = jnp.sum(probs * w[:, None], axis=0) / count
+  return num_experts * jnp.sum(f * p)
+
+
+class MoE(nnx.Module):
+  """One MoE feed-forward layer; quantization sites moe_in, moe_mid (and shared_mid)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, e, f = cfg.d_model, cfg.num_experts, cfg.moe_ffn_dim
+    self.router = normal_param(rngs, (d, e), cfg.init_std)
+    self.w_gate = normal_param(rngs, (e, d, f), cfg.init_std)
+    self.w_up = normal_param(rngs, (e, d, f), cfg.init_std)
+    self.w_down = normal_param(rngs, (e, f, d), cfg.init_std)
+    self.shared = (MLP(d, cfg.shared_expert_dim, cfg.init_std, rngs=rngs)
+                   if cfg.shared_expert_dim else None)
+    self.shared_gate = (normal_param(rngs, (d, 1), cfg.init_std)
+                        if cfg.shared_expert_dim and cfg.shared_expert_gate else None)
+    self.top_k = cfg.num_experts_per_tok
+    self.norm_topk = cfg.norm_topk_prob
+    self.dispatch = cfg.dispatch
+
+  def __call__(self, x, valid, layer: int, sq: SiteQuantizer, routing=None):
+    """x [B, T, d] (normed), valid bool [B, T]; routing int [B, T, k] to replay, or None.
+
+    Returns (out [B, T, d], stats) with stats: experts [B, T, k], lb_loss, load [E].
+    """
+    b, t, d = x.shape
+    n, k = b * t, self.top_k
+    # The router stays in float32: a flipped expert is a large, discrete mismatch.
+    logits = jnp.einsum("nd,de->ne", x.reshape(n, d).astype(jnp.float32), self.router.get_value(),
+                        precision=jax.lax.Precision.HIGHEST)
+    probs = jax.nn.softmax(logits, axis=-1)
+    experts, weights = route(probs, k, self.norm_topk,
+                             None if routing is None else routing.reshape(n, k))
+    xq = sq(x, layer, "moe_in").reshape(n, d)
+    w_gate, w_up, w_down = (sq.weight(w.get_value())
+                            for w in (self.w_gate, self.w_up, self.w_down))
+    if self.dispatch == "grouped":
+      y = self._grouped(xq, experts, w_gate, w_up, w_down, layer, sq, (b, t))
+    else:
+      y = self._dense(xq, experts, w_gate, w_up, w_down, layer, sq, (b, t))
+    out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)  # [N, d]
+    if self.shared is not None:
+      shared = self.shared(xq, layer, sq, "shared_mid")
+      if self.shared_gate is not None:
+        gate = jax.nn.sigmoid(matmul(xq, self.shared_gate.get_value().astype(xq.dtype)))
+        shared = gate * shared
+      out = out + shared
+    flat_valid = valid.reshape(n)
+    load = jnp.sum(jax.nn.one_hot(experts, probs.shape[-1]).sum(1) * flat_valid[:, None], 0)
+    stats = dict(experts=experts.reshape(b, t, k),
+                 lb_loss=load_balancing_loss(probs, experts, flat_valid),
+                 load=load / jnp.maximum(jnp.sum(load), 1.0))
+    return out.reshape(b, t, d), stats
+
+  def _grouped(self, xq, experts, w_gate, w_up, w_down, layer, sq, bt):
+    """Sorted-by-expert dispatch with ragged_dot. Returns y [N, k, d] in (token, slot) order."""
+    n, k = experts.shape
+    num_experts = w_gate.shape[0]
+    flat = experts.reshape(-1)  # [N * k], row r = token r // k, slot r % k
+    order = jnp.argsort(flat, stable=True)
+    inverse = jnp.argsort(order)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    xs = xq[order // k]  # [N * k, d], grouped by expert
+    precision = jax.lax.Precision.HIGHEST if xq.dtype == jnp.float32 else None
+
+    def gmm(lhs, rhs):
+      return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
+                                preferred_element_type=jnp.float32).astype(lhs.dtype)
+
+    h = swiglu(gmm(xs, w_gate), gmm(xs, w_up))  # [N * k, f], sorted
+    # Quantize in (token, slot) order so recorded and given guidance line up with tokens.
+    h = h[inverse].reshape(*bt, k, -1)
+    h = sq(h, layer, "moe_mid").reshape(n * k, -1)[order]
+    return gmm(h, w_down)[inverse].reshape(n, k, -1)
+
+  def _dense(self, xq, experts, w_gate, w_up, w_down, layer, sq, bt):
+    """Every expert on every token (reference). Returns y [N, k, d]."""
+    n, k = experts.shape
+    if sq.guidance:
+      raise ValueError("dispatch='dense' is a reference path without guidance; use 'grouped'")
+    precision = jax.lax.Precision.HIGHEST if xq.dtype == jnp.float32 else None
+
+    def einsum(spec, a, b):
+      return jnp.einsum(spec, a, b, precision=precision,
+                        preferred_element_type=jnp.float32).astype(a.dtype)
+
+    h = swiglu(einsum("nd,edf->enf", xq, w_gate), einsum("nd,edf->enf", xq, w_up))  # [E, N, f]
+    if sq.record and sq.active("moe_mid"):  # record the chosen rows, (token, slot) order
+      chosen = h[experts, jnp.arange(n)[:, None]]  # [N, k, f]
+      sq(chosen.reshape(*bt, k, -1), layer, "moe_mid")
+    h = sq(h, layer, "moe_mid", record=False)
+    y = einsum("enf,efd->end", h, w_down)  # [E, N, d]
+    return y[experts, jnp.arange(n)[:, None]]  # [N, k, d]

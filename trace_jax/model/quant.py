@@ -1,0 +1,212 @@
+"""Where the model quantizes, and how: `QuantConfig` and the per-forward `SiteQuantizer`.
+
+Quantization sites (DESIGN.md section 2), per layer:
+  attn_in     input of the q/k/v projections                 per token
+  attn_out    input of the output projection                 per token
+  k, v        cache entries, after RoPE (k)                  per (token, KV head)
+  moe_in      input of the experts' gate/up projections      per token, once
+  moe_mid     input of each routed expert's down projection  per (token, expert)
+  shared_mid  input of the shared expert's down projection   per token
+  mlp_in, mlp_mid   the same two for a dense feed-forward layer
+Weights of every linear layer are quantized per matrix (per expert for stacked experts).
+Router, norms, embeddings, LM head and the attention softmax stay in high precision.
+All arithmetic is `trace_jax.fp4`'s; nothing here rounds by itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any, Mapping, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import fp4
+
+ACTIVATION_SITES = ("attn_in", "attn_out", "k", "v", "moe_in", "moe_mid", "shared_mid",
+                    "mlp_in", "mlp_mid")
+PRECISIONS = ("fp4", "bf16")
+GUIDED_LAYER_NAMES = ("last_half", "all", "none")
+GuidedLayers = Union[str, int, Sequence[int]]
+SiteKey = tuple[int, str]
+
+
+def resolve_layers(guided_layers: GuidedLayers, num_layers: int, *, field: str = "guided_layers"
+                   ) -> tuple[int, ...]:
+  """"last_half" (the deeper half), "all", "none", a count from the top, or explicit ids."""
+  if isinstance(guided_layers, str):
+    if guided_layers == "last_half":
+      return tuple(range(num_layers - num_layers // 2, num_layers))
+    if guided_layers == "all":
+      return tuple(range(num_layers))
+    if guided_layers == "none":
+      return ()
+    raise ValueError(f"{field}={guided_layers!r} is not allowed; use one of "
+                     f"{GUIDED_LAYER_NAMES}, a count, or a list of layer ids")
+  if isinstance(guided_layers, bool):
+    raise ValueError(f"{field}={guided_layers!r} is not allowed; use a name, a count or a list")
+  if isinstance(guided_layers, int):
+    if not 0 <= guided_layers <= num_layers:
+      raise ValueError(f"{field}={guided_layers} must lie in [0, {num_layers}] (a count of "
+                       "layers from the top)")
+    return tuple(range(num_layers - guided_layers, num_layers))
+  layers = tuple(int(i) for i in guided_layers)
+  bad = [i for i in layers if not 0 <= i < num_layers]
+  if bad:
+    raise ValueError(f"{field} holds layer ids {bad} outside [0, {num_layers})")
+  return tuple(sorted(set(layers)))
+
+
+def _check_layers_spec(guided_layers: GuidedLayers) -> None:
+  """Validation that does not need the layer count."""
+  if isinstance(guided_layers, str):
+    resolve_layers(guided_layers, 1)
+  elif isinstance(guided_layers, bool):
+    resolve_layers(guided_layers, 1)
+  elif isinstance(guided_layers, int):
+    if guided_layers < 0:
+      raise ValueError(f"guided_layers={guided_layers} must be >= 0")
+  elif not all(isinstance(i, int) and i >= 0 for i in guided_layers):
+    raise ValueError(f"guided_layers={guided_layers!r} must hold non-negative layer ids")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantConfig:
+  """What the forward pass quantizes. `precision="bf16"` (or passing None) turns it all off."""
+
+  precision: str = "fp4"  # "fp4" or "bf16" (no quantization)
+  fmt: str = "nvfp4"  # "nvfp4" or "mxfp4"
+  weights: bool = True  # quantize every linear weight
+  sites: tuple[str, ...] = ACTIVATION_SITES  # activation sites to quantize
+  rounding: str = "nearest"  # at guided layers: "guided" (needs guidance); elsewhere nearest
+  guided_layers: GuidedLayers = "last_half"  # which layers `rounding` applies to
+
+  def __post_init__(self):
+    if self.precision not in PRECISIONS:
+      raise ValueError(f"QuantConfig.precision={self.precision!r} is not allowed; use one of {PRECISIONS}")
+    fp4.get_format(self.fmt)
+    if self.rounding not in fp4.ROUNDING_MODES:
+      raise ValueError(f"QuantConfig.rounding={self.rounding!r} is not allowed; use one of "
+                       f"{fp4.ROUNDING_MODES}")
+    object.__setattr__(self, "sites", tuple(self.sites))
+    unknown = [s for s in self.sites if s not in ACTIVATION_SITES]
+    if unknown:
+      raise ValueError(f"QuantConfig.sites has unknown sites {unknown}; allowed: {ACTIVATION_SITES}")
+    if not isinstance(self.guided_layers, (str, int)):
+      object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
+    _check_layers_spec(self.guided_layers)
+
+  @property
+  def enabled(self) -> bool:
+    return self.precision == "fp4"
+
+  def quantizes(self, site: str) -> bool:
+    return self.enabled and site in self.sites
+
+  def guided_layer_ids(self, num_layers: int) -> tuple[int, ...]:
+    return resolve_layers(self.guided_layers, num_layers)
+
+  def replace(self, **changes) -> "QuantConfig":
+    return dataclasses.replace(self, **changes)
+
+
+# Linear weights that FP4 quantizes; everything else (embedding, LM head, router, norms,
+# shared-expert gate) stays in high precision.
+QUANTIZED_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "w_gate", "w_up", "w_down"})
+
+
+def is_quantized_weight(path: tuple) -> bool:
+  """Whether the parameter at an NNX state path is a linear weight FP4 quantizes."""
+  return bool(path) and str(path[-1]) in QUANTIZED_WEIGHTS
+
+
+def weight_layout(ndim: int) -> tuple[int, Any]:
+  """(quantized axis, global_group) of a linear weight: [in, out] per matrix along `in`;
+  stacked experts [E, in, out] along `in` with one global scale per expert."""
+  if ndim == 2:
+    return 0, "tensor"
+  if ndim == 3:
+    return 1, 0
+  raise ValueError(f"a linear weight is [in, out] or [experts, in, out]; got {ndim} dims")
+
+
+def quantize_weight(w: jax.Array, fmt: str) -> fp4.QArray:
+  """The packed weight of the rollout path (made once per weight sync)."""
+  axis, group = weight_layout(w.ndim)
+  return fp4.quantize(w, fmt, axis=axis, global_group=group)
+
+
+class SiteQuantizer:
+  """Quantizes one forward pass's activations and weights, applying and recording guidance.
+
+  Created inside the forward (it is not a pytree); everything it records is returned by
+  the forward in `aux`.
+
+  Args:
+    quant: the QuantConfig, or None for no quantization.
+    num_layers: the model's layer count (to resolve guided layers).
+    dtype: compute dtype of the returned activations and weights.
+    guidance: (layer, site) -> `fp4.QArray` (full) or `fp4.CompactGuidance`, required for
+      every quantized site of a guided layer when quant.rounding == "guided".
+    record: keep the `fp4.QArray` of every quantized activation site.
+    key: PRNG key for quant.rounding == "stochastic".
+  """
+
+  def __init__(self, quant: QuantConfig | None, num_layers: int, dtype, *,
+               guidance: Mapping[SiteKey, Any] | None = None, record: bool = False,
+               key: jax.Array | None = None):
+    self.quant = quant if quant is not None and quant.enabled else None
+    self.dtype = dtype
+    self.guidance = dict(guidance or {})
+    self.record = record
+    self.records: dict[SiteKey, fp4.QArray] = {}
+    self.key = key
+    self.guided = set()
+    if self.quant is not None and self.quant.rounding != "nearest":
+      self.guided = set(self.quant.guided_layer_ids(num_layers))
+      if self.quant.rounding == "stochastic" and key is None:
+        raise ValueError("QuantConfig.rounding='stochastic' needs key= in the forward call")
+    if self.guidance and (self.quant is None or self.quant.rounding != "guided"):
+      raise ValueError("guidance was given but QuantConfig.rounding is not 'guided'")
+
+  def active(self, site: str) -> bool:
+    return self.quant is not None and self.quant.quantizes(site)
+
+  def _rounding(self, layer: int, site: str) -> dict:
+    if layer not in self.guided:
+      return {}
+    if self.quant.rounding == "stochastic":
+      site_key = jax.random.fold_in(jax.random.fold_in(self.key, layer), zlib.crc32(site.encode()))
+      return dict(rounding="stochastic", key=site_key)
+    if (layer, site) not in self.guidance:
+      raise ValueError(f"rounding='guided' at layer {layer} site {site!r}, but the guidance "
+                       f"has no entry for it (it has {sorted(self.guidance)[:8]}...)")
+    return dict(rounding="guided", guidance=self.guidance[(layer, site)])
+
+  def __call__(self, x: jax.Array, layer: int, site: str, *, record: bool = True) -> jax.Array:
+    """Fake-quantize activation `x` [..., n] per row at (layer, site); identity if off."""
+    if not self.active(site):
+      return x
+    kwargs = dict(global_group="row", **self._rounding(layer, site))
+    if self.record and record:
+      self.records[(layer, site)] = fp4.quantize(x, self.quant.fmt, **kwargs)
+    return fp4.fake_quant(x, self.quant.fmt, **kwargs)
+
+  def quantize_record(self, x: jax.Array, layer: int, site: str) -> fp4.QArray:
+    """The `fp4.QArray` of an activation site (for the FP4 KV cache)."""
+    kwargs = dict(global_group="row", **self._rounding(layer, site))
+    q = fp4.quantize(x, self.quant.fmt, **kwargs)
+    if self.record:
+      self.records[(layer, site)] = q
+    return q
+
+  def weight(self, w) -> jax.Array:
+    """A linear weight in the compute dtype: dequantized if packed (rollout path),
+    fake-quantized from the master weight if weights are quantized (training path)."""
+    if isinstance(w, fp4.QArray):
+      return fp4.dequantize(w, self.dtype)
+    if self.quant is not None and self.quant.weights:
+      axis, group = weight_layout(w.ndim)
+      w = fp4.fake_quant(w, self.quant.fmt, axis=axis, global_group=group)
+    return w.astype(self.dtype)

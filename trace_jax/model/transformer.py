@@ -1,0 +1,158 @@
+"""The policy model: a decoder-only MoE transformer in Flax NNX.
+
+Calling convention (a contract with the rollout and training paths):
+
+  logits, aux = model(tokens, positions=..., mask=..., quant=..., cache=..., routing=...,
+                      guidance=..., record=...)
+
+logits are float32 [B, T, V]; aux["routing"] is int32 [num_moe_layers, B, T, k] with each
+token's experts in descending router probability; aux also holds "lb_loss" (mean over MoE
+layers), "router_load" [num_moe_layers, E], "router_entropy", and, when asked, "cache" (the
+updated KVCache) and "sites" ({(layer, site): fp4.QArray} of every quantized activation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.model.attention import Attention
+from trace_jax.model.cache import KVCache
+from trace_jax.model.config import ModelConfig
+from trace_jax.model.layers import RMSNorm, normal_param, rope_tables
+from trace_jax.model.moe import MLP, MoE
+from trace_jax.model.quant import QuantConfig, SiteQuantizer
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: attention, then an MoE (or dense) feed-forward."""
+
+  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+    if layer in cfg.dense_layers:
+      self.mlp, self.moe = MLP(cfg.d_model, cfg.ffn_dim, cfg.init_std, rngs=rngs), None
+    else:
+      self.mlp, self.moe = None, MoE(cfg, rngs=rngs)
+    self.layer = layer
+
+  def __call__(self, x, cos, sin, attn_mask, valid, sq, cache=None, index=None, routing=None):
+    attn_out, entries = self.attn(self.attn_norm(x), cos, sin, attn_mask, self.layer, sq,
+                                  cache, index)
+    x = x + attn_out
+    h = self.mlp_norm(x)
+    if self.moe is not None:
+      out, stats = self.moe(h, valid, self.layer, sq, routing)
+    else:
+      out, stats = self.mlp(sq(h, self.layer, "mlp_in"), self.layer, sq, "mlp_mid"), None
+    return x + out, entries, stats
+
+
+def attention_mask(valid_keys, query_slots, key_slots, window: int | None) -> jax.Array:
+  """bool [B, T, S]: key s is a real token, not after query t, and within the window."""
+  causal = key_slots[None, None, :] <= query_slots[:, :, None]
+  if window is not None:
+    causal &= key_slots[None, None, :] > query_slots[:, :, None] - window
+  return valid_keys[:, None, :] & causal
+
+
+class Transformer(nnx.Module):
+  """Embedding, `num_layers` blocks, final RMSNorm and LM head."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
+    self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+    self.lm_head = (None if cfg.tie_embeddings
+                    else normal_param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std))
+
+  def __call__(
+      self,
+      tokens: jax.Array,
+      *,
+      positions: jax.Array | None = None,
+      mask: jax.Array | None = None,
+      quant: QuantConfig | None = None,
+      cache: KVCache | None = None,
+      routing: jax.Array | None = None,
+      guidance: Mapping[tuple[int, str], Any] | None = None,
+      record: bool = False,
+      key: jax.Array | None = None,
+  ) -> tuple[jax.Array, dict]:
+    """Forward over tokens [B, T].
+
+    Args:
+      tokens: int [B, T].
+      positions: int [B, T] RoPE positions; default the slot index (0.. T-1, or continuing
+        the cache).
+      mask: bool [B, T], False for padding; default all True.
+      quant: FP4 quantization (training path: fake-quantized master weights; rollout path:
+        params made by `quantize_params`). None or precision "bf16": off.
+      cache: a KVCache to write slots [cache.index, cache.index + T) into and attend over.
+      routing: int [num_moe_layers, B, T, k] experts to replay instead of routing.
+      guidance: {(layer, site): fp4 guidance} for quant.rounding == "guided".
+      record: return every quantized activation as aux["sites"].
+      key: PRNG key for stochastic rounding.
+    """
+    cfg = self.cfg
+    b, t = tokens.shape
+    if mask is None:
+      mask = jnp.ones((b, t), bool)
+    start = jnp.zeros((), jnp.int32) if cache is None else cache.index
+    slots = start + jnp.arange(t, dtype=jnp.int32)
+    if positions is None:
+      positions = jnp.broadcast_to(slots, (b, t))
+    if routing is not None and routing.shape[:3] != (cfg.num_moe_layers, b, t):
+      raise ValueError(f"routing has shape {routing.shape}; expected "
+                       f"({cfg.num_moe_layers}, {b}, {t}, {cfg.num_experts_per_tok})")
+    sq = SiteQuantizer(quant, cfg.num_layers, cfg.compute_dtype, guidance=guidance,
+                       record=record, key=key)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    if cache is None:
+      attn_mask = attention_mask(mask, jnp.broadcast_to(slots, (b, t)), slots, cfg.sliding_window)
+      valid_cache = None
+    else:
+      valid_cache = jax.lax.dynamic_update_slice_in_dim(cache.valid, mask, start, axis=1)
+      key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+      attn_mask = attention_mask(valid_cache, jnp.broadcast_to(slots, (b, t)), key_slots,
+                                 cfg.sliding_window)
+
+    x = jnp.take(self.embed.get_value(), tokens, axis=0).astype(cfg.compute_dtype)
+    new_k, new_v, moe_stats = [], [], []
+    for block in self.blocks:
+      layer_cache = None if cache is None else (cache.k[block.layer], cache.v[block.layer])
+      layer_routing = None
+      if routing is not None and block.moe is not None:
+        layer_routing = routing[len(moe_stats)]
+      x, entries, stats = block(x, cos, sin, attn_mask, mask, sq, layer_cache, start,
+                                layer_routing)
+      if entries is not None:
+        new_k.append(entries[0])
+        new_v.append(entries[1])
+      if stats is not None:
+        moe_stats.append(stats)
+    # Final norm and LM head in float32: the log-probabilities RL needs are read here.
+    h = self.final_norm(x).astype(jnp.float32)
+    head = self.embed.get_value().T if self.lm_head is None else self.lm_head.get_value()
+    logits = jnp.einsum("btd,dv->btv", h, head, precision=jax.lax.Precision.HIGHEST)
+
+    aux: dict = {}
+    if moe_stats:
+      aux["routing"] = jnp.stack([s["experts"] for s in moe_stats])
+      aux["lb_loss"] = jnp.mean(jnp.stack([s["lb_loss"] for s in moe_stats]))
+      aux["router_load"] = jnp.stack([s["load"] for s in moe_stats])
+    else:
+      aux["routing"] = jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32)
+      aux["lb_loss"] = jnp.zeros((), jnp.float32)
+      aux["router_load"] = jnp.zeros((0, cfg.num_experts), jnp.float32)
+    if cache is not None:
+      aux["cache"] = KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid_cache,
+                             index=start + t)
+    if record:
+      aux["sites"] = dict(sq.records)
+    return logits, aux
