@@ -53,9 +53,11 @@ class KVCache:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,
-               quant: QuantConfig | None = None) -> KVCache:
-  """An empty cache; FP4 when `quant` quantizes the k and v sites, else the compute dtype."""
+               quant: QuantConfig | None = None, dtype=None) -> KVCache:
+  """An empty cache; FP4 when `quant` quantizes the k and v sites, else `dtype` (default
+  the compute dtype)."""
   max_len = max_len or cfg.max_seq_len
+  dtype = cfg.compute_dtype if dtype is None else dtype
   if batch <= 0 or max_len <= 0:
     raise ValueError(f"init_cache needs batch > 0 and max_len > 0; got {batch}, {max_len}")
   shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
@@ -71,7 +73,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,
           scales=jnp.zeros((*shape[:-1], cfg.head_dim // block), jnp.uint8),
           global_scale=jnp.ones((*shape[:-1], 1), jnp.float32),
           fmt=quant.fmt, axis=-1)
-    return jnp.zeros(shape, cfg.compute_dtype)
+    return jnp.zeros(shape, dtype)
 
   return KVCache(
       k=tuple(entry("k") for _ in range(cfg.num_layers)),

@@ -150,17 +150,20 @@ class SiteQuantizer:
     guidance: (layer, site) -> `fp4.QArray` (full) or `fp4.CompactGuidance`, required for
       every quantized site of a guided layer when quant.rounding == "guided".
     record: keep the `fp4.QArray` of every quantized activation site.
+    record_inputs: keep every quantized site's input too (to check captures against).
     key: PRNG key for quant.rounding == "stochastic".
   """
 
   def __init__(self, quant: QuantConfig | None, num_layers: int, dtype, *,
                guidance: Mapping[SiteKey, Any] | None = None, record: bool = False,
-               key: jax.Array | None = None):
+               record_inputs: bool = False, key: jax.Array | None = None):
     self.quant = quant if quant is not None and quant.enabled else None
     self.dtype = dtype
     self.guidance = dict(guidance or {})
     self.record = record
+    self.record_inputs = record_inputs
     self.records: dict[SiteKey, fp4.QArray] = {}
+    self.inputs: dict[SiteKey, jax.Array] = {}
     self.key = key
     self.guided = set()
     if self.quant is not None and self.quant.rounding != "nearest":
@@ -189,8 +192,11 @@ class SiteQuantizer:
     if not self.active(site):
       return x
     kwargs = dict(global_group="row", **self._rounding(layer, site))
-    if self.record and record:
-      self.records[(layer, site)] = fp4.quantize(x, self.quant.fmt, **kwargs)
+    if record:
+      if self.record:
+        self.records[(layer, site)] = fp4.quantize(x, self.quant.fmt, **kwargs)
+      if self.record_inputs:
+        self.inputs[(layer, site)] = x
     return fp4.fake_quant(x, self.quant.fmt, **kwargs)
 
   def quantize_record(self, x: jax.Array, layer: int, site: str) -> fp4.QArray:
@@ -199,6 +205,8 @@ class SiteQuantizer:
     q = fp4.quantize(x, self.quant.fmt, **kwargs)
     if self.record:
       self.records[(layer, site)] = q
+    if self.record_inputs:
+      self.inputs[(layer, site)] = x
     return q
 
   def weight(self, w) -> jax.Array:

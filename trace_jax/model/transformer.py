@@ -82,7 +82,9 @@ class Transformer(nnx.Module):
       routing: jax.Array | None = None,
       guidance: Mapping[tuple[int, str], Any] | None = None,
       record: bool = False,
+      record_inputs: bool = False,
       key: jax.Array | None = None,
+      dtype=None,
   ) -> tuple[jax.Array, dict]:
     """Forward over tokens [B, T].
 
@@ -97,9 +99,13 @@ class Transformer(nnx.Module):
       routing: int [num_moe_layers, B, T, k] experts to replay instead of routing.
       guidance: {(layer, site): fp4 guidance} for quant.rounding == "guided".
       record: return every quantized activation as aux["sites"].
+      record_inputs: also return their inputs, before quantization, as aux["site_inputs"].
       key: PRNG key for stochastic rounding.
+      dtype: compute dtype for this call (default cfg.dtype), e.g. bf16 for a rollout of a
+        float32-configured policy.
     """
     cfg = self.cfg
+    dtype = cfg.compute_dtype if dtype is None else jnp.dtype(dtype)
     b, t = tokens.shape
     if mask is None:
       mask = jnp.ones((b, t), bool)
@@ -110,8 +116,8 @@ class Transformer(nnx.Module):
     if routing is not None and routing.shape[:3] != (cfg.num_moe_layers, b, t):
       raise ValueError(f"routing has shape {routing.shape}; expected "
                        f"({cfg.num_moe_layers}, {b}, {t}, {cfg.num_experts_per_tok})")
-    sq = SiteQuantizer(quant, cfg.num_layers, cfg.compute_dtype, guidance=guidance,
-                       record=record, key=key)
+    sq = SiteQuantizer(quant, cfg.num_layers, dtype, guidance=guidance, record=record,
+                       record_inputs=record_inputs, key=key)
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     if cache is None:
       attn_mask = attention_mask(mask, jnp.broadcast_to(slots, (b, t)), slots, cfg.sliding_window)
@@ -122,7 +128,7 @@ class Transformer(nnx.Module):
       attn_mask = attention_mask(valid_cache, jnp.broadcast_to(slots, (b, t)), key_slots,
                                  cfg.sliding_window)
 
-    x = jnp.take(self.embed.get_value(), tokens, axis=0).astype(cfg.compute_dtype)
+    x = jnp.take(self.embed.get_value(), tokens, axis=0).astype(dtype)
     new_k, new_v, moe_stats = [], [], []
     for block in self.blocks:
       layer_cache = None if cache is None else (cache.k[block.layer], cache.v[block.layer])
@@ -155,4 +161,6 @@ class Transformer(nnx.Module):
                              index=start + t)
     if record:
       aux["sites"] = dict(sq.records)
+    if record_inputs:
+      aux["site_inputs"] = dict(sq.inputs)
     return logits, aux

@@ -1,0 +1,205 @@
+"""TRACE guidance: what the rollout records of its FP4 rounding, for the trainer to follow.
+
+One pytree type, defined here once: the rollout engine captures it, the training path
+consumes it. For every guided (layer, site) it holds, aligned with the rollout's token
+slots [B, S]:
+  compact  `fp4.CompactGuidance`: per-row global scale (f32), E4M3 block-scale bits and the
+           mantissa bit of every element (8 per uint8): 1.5 bits per element;
+  full     `fp4.QArray`: global scale, block scales and whole 4-bit codes: 4.5 bits;
+and the experts every MoE layer chose (routing replay), int8 (int16 past 127 experts),
+[num_moe_layers, B, S, k]. It lives on the host between rollout and training
+(`to_host` / `to_device`) and can be spilled to disk for long trajectories (`save`/`load`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import tempfile
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax import fp4
+
+GUIDANCE_MODES = ("none", "compact", "full")
+SiteKey = tuple[int, str]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["sites", "routing"],
+                   meta_fields=["mode", "layers"])
+@dataclasses.dataclass(frozen=True)
+class Guidance:
+  """Recorded FP4 rounding outcomes and routing of a batch of trajectories.
+
+  Attributes:
+    sites: {(layer, site): fp4.CompactGuidance (compact) or fp4.QArray (full)}, every
+      array [B, S, ...] in the rollout's slot order.
+    routing: int8/int16 [num_moe_layers, B, S, k] chosen experts, or None.
+    mode: "compact", "full" or "none" (routing only).
+    layers: the guided layer ids.
+  """
+
+  sites: dict
+  routing: Any
+  mode: str
+  layers: tuple
+
+  def __post_init__(self):
+    if self.mode not in GUIDANCE_MODES:
+      raise ValueError(f"Guidance.mode={self.mode!r} is not allowed; use one of {GUIDANCE_MODES}")
+
+  @property
+  def tokens_shape(self) -> tuple[int, int]:
+    """(B, S) of the trajectories this guidance is aligned with."""
+    if self.sites:
+      first = next(iter(self.sites.values()))
+      return tuple(first.global_scale.shape[:2])
+    if self.routing is not None:
+      return tuple(self.routing.shape[1:3])
+    return (0, 0)
+
+  def site_map(self) -> dict[SiteKey, Any]:
+    """{(layer, site): fp4 guidance}, what the model's guided forward takes."""
+    return dict(self.sites)
+
+  def nbytes(self) -> dict[str, int]:
+    """Bytes by kind: "scales" (global and block), "bits" (mantissa bits or codes), "routing"."""
+    scales = bits = 0
+    for g in self.sites.values():
+      scales += _bytes(g.global_scale) + _bytes(g.scales)
+      bits += _bytes(g.mantissa_bits if isinstance(g, fp4.CompactGuidance) else g.packed)
+    routing = 0 if self.routing is None else _bytes(self.routing)
+    return {"scales": scales, "bits": bits, "routing": routing, "total": scales + bits + routing}
+
+  def bytes_per_token(self) -> float:
+    """Every byte the guidance carries (scales, bits or codes, routing) per token slot."""
+    b, s = self.tokens_shape
+    return self.nbytes()["total"] / max(b * s, 1)
+
+  def select_layers(self, layers) -> "Guidance":
+    """The guidance of a subset of the guided layers (routing kept)."""
+    layers = tuple(sorted(set(int(i) for i in layers)))
+    missing = [i for i in layers if i not in self.layers]
+    if missing:
+      raise ValueError(f"layers {missing} are not guided here (guided: {self.layers})")
+    sites = {k: v for k, v in self.sites.items() if k[0] in layers}
+    return Guidance(sites=sites, routing=self.routing, mode=self.mode, layers=layers)
+
+  def without_routing(self) -> "Guidance":
+    return dataclasses.replace(self, routing=None)
+
+  def to_host(self) -> "Guidance":
+    """A copy whose arrays are NumPy arrays in host memory."""
+    return jax.device_get(self)
+
+  def to_device(self, sharding=None) -> "Guidance":
+    return jax.device_put(self, sharding)
+
+  def save(self, path: str) -> None:
+    """Write to one .npz file (atomically: a temporary file renamed into place)."""
+    arrays = {}
+    for (layer, site), g in self.sites.items():
+      for field in dataclasses.fields(g):
+        value = getattr(g, field.name)
+        if not isinstance(value, (str, int)):  # fmt and axis go into the meta entry
+          arrays[f"site/{layer}/{site}/{field.name}"] = np.asarray(value)
+      kind = "full" if isinstance(g, fp4.QArray) else "compact"
+      arrays[f"meta/{layer}/{site}"] = np.asarray(json.dumps({"kind": kind, "fmt": g.fmt,
+                                                              "axis": g.axis}))
+    if self.routing is not None:
+      arrays["routing"] = np.asarray(self.routing)
+    arrays["meta"] = np.asarray(json.dumps({"mode": self.mode, "layers": list(self.layers)}))
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".npz.tmp")
+    os.close(fd)
+    try:
+      with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+      os.replace(tmp, path)
+    except BaseException:
+      if os.path.exists(tmp):
+        os.remove(tmp)
+      raise
+
+  @classmethod
+  def load(cls, path: str) -> "Guidance":
+    """Read what `save` wrote; arrays come back as host NumPy arrays."""
+    with np.load(path) as data:
+      meta = json.loads(str(data["meta"]))
+      sites = {}
+      for name in data.files:
+        if not name.startswith("meta/"):
+          continue
+        _, layer, site = name.split("/")
+        info = json.loads(str(data[name]))
+        get = lambda field: data[f"site/{layer}/{site}/{field}"]
+        if info["kind"] == "full":
+          g = fp4.QArray(packed=get("packed"), scales=get("scales"),
+                         global_scale=get("global_scale"), fmt=info["fmt"], axis=info["axis"])
+        else:
+          g = fp4.CompactGuidance(global_scale=get("global_scale"), scales=get("scales"),
+                                  mantissa_bits=get("mantissa_bits"), fmt=info["fmt"],
+                                  axis=info["axis"])
+        sites[(int(layer), site)] = g
+      routing = data["routing"] if "routing" in data.files else None
+    return cls(sites=sites, routing=routing, mode=meta["mode"], layers=tuple(meta["layers"]))
+
+
+def _bytes(a) -> int:
+  return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+
+
+def routing_dtype(num_experts: int):
+  return jnp.int8 if num_experts <= 127 else jnp.int16
+
+
+def from_records(records: Mapping[SiteKey, fp4.QArray], mode: str, layers) -> dict:
+  """The guidance entries of recorded site QArrays for the guided layers."""
+  if mode not in GUIDANCE_MODES:
+    raise ValueError(f"guidance mode {mode!r} is not allowed; use one of {GUIDANCE_MODES}")
+  if mode == "none":
+    return {}
+  layers = set(layers)
+  out = {}
+  for key, q in records.items():
+    if key[0] in layers:
+      out[key] = q if mode == "full" else fp4.compact_guidance(q)
+  return out
+
+
+def check_fits(guidance: Guidance, *, tokens_shape, layers, sites, num_moe_layers=None,
+               mode=None) -> None:
+  """Raise a ValueError saying what differs if `guidance` does not fit a training batch.
+
+  Args:
+    tokens_shape: (B, S) of the batch.
+    layers: the layer ids the training QuantConfig guides.
+    sites: the activation sites it quantizes.
+    num_moe_layers: expected routing layers (None: routing not required).
+    mode: expected mode, or None for any.
+  """
+  if mode is not None and guidance.mode != mode:
+    raise ValueError(f"guidance mode is {guidance.mode!r}; the training config expects {mode!r}")
+  if guidance.sites and tuple(guidance.tokens_shape) != tuple(tokens_shape):
+    raise ValueError(f"guidance covers {guidance.tokens_shape[0]} sequences x "
+                     f"{guidance.tokens_shape[1]} slots; the batch is {tokens_shape[0]} x "
+                     f"{tokens_shape[1]} (misaligned positions or another batch)")
+  missing_layers = sorted(set(layers) - set(guidance.layers))
+  if missing_layers:
+    raise ValueError(f"the training config guides layers {sorted(layers)}; the guidance "
+                     f"has layers {list(guidance.layers)} (missing {missing_layers})")
+  if guidance.mode != "none":
+    missing = sorted((l, s) for l in layers for s in sites if (l, s) not in guidance.sites)
+    if missing:
+      raise ValueError(f"guidance lacks sites {missing[:6]}")
+  if num_moe_layers is not None:
+    if guidance.routing is None:
+      raise ValueError("routing replay needs recorded routing; the guidance has none")
+    if guidance.routing.shape[0] != num_moe_layers or tuple(guidance.routing.shape[1:3]) != tuple(tokens_shape):
+      raise ValueError(f"guidance routing has shape {tuple(guidance.routing.shape)}; expected "
+                       f"({num_moe_layers}, {tokens_shape[0]}, {tokens_shape[1]}, k)")

@@ -1,0 +1,95 @@
+"""Rollout configuration: sampling, precision, guidance capture."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Union
+
+from trace_jax import fp4
+from trace_jax.guidance import GUIDANCE_MODES
+from trace_jax.model.quant import QuantConfig, _check_layers_spec
+
+PRECISIONS = ("bf16", "fp4")
+COMPUTE_DTYPES = ("bfloat16", "float32")
+LOGPROB_MODES = ("tempered", "sampling")
+
+
+def _require(ok: bool, where: str, field: str, value, allowed: str) -> None:
+  if not ok:
+    raise ValueError(f"{where}.{field}={value!r} is not allowed; {allowed}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+  """How the next token is drawn.
+
+  `Rollout.logprobs` are always the log-probabilities of the full tempered distribution
+  softmax(logits / temperature) (temperature 1 when greedy): what the training path
+  computes, so the RL importance ratio compares like with like. With top-k / top-p the
+  token was drawn from the truncated, renormalised distribution; its log-probability under
+  that one is `Rollout.sampling_logprobs`.
+  """
+
+  temperature: float = 1.0  # > 0; ignored when greedy
+  top_k: int = 0  # keep the k most likely tokens; 0 = off
+  top_p: float = 1.0  # keep the smallest set with probability >= top_p; 1 = off
+  greedy: bool = False  # argmax instead of sampling
+  max_new_tokens: int = 32  # per call (per turn in multi-turn)
+  stop_tokens: tuple[int, ...] = ()  # a sequence ends after emitting one of these
+
+  def __post_init__(self):
+    where = "SamplingConfig"
+    _require(self.temperature > 0, where, "temperature", self.temperature,
+             "must be > 0 (use greedy=True for argmax)")
+    _require(isinstance(self.top_k, int) and self.top_k >= 0, where, "top_k", self.top_k,
+             "must be an int >= 0")
+    _require(0 < self.top_p <= 1, where, "top_p", self.top_p, "must lie in (0, 1]")
+    _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0, where,
+             "max_new_tokens", self.max_new_tokens, "must be an int > 0")
+    object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+  """A rollout engine's precision, cache, sampling and guidance capture."""
+
+  precision: str = "fp4"  # "fp4": W4A4 + FP4 KV cache; "bf16": unquantized (weights,
+  #   activations and cache in compute_dtype)
+  fmt: str = "nvfp4"  # FP4 format when precision="fp4"
+  compute_dtype: str = "bfloat16"  # activations; "float32" for exactness tests
+  max_len: int = 256  # KV-cache slots: prompt + all turns' tokens
+  sampling: SamplingConfig = SamplingConfig()
+  guidance: str = "compact"  # "none", "compact" or "full"
+  guided_layers: Union[str, int, Sequence[int]] = "last_half"  # "all", "none", count, ids
+  record_routing: bool = True  # keep every MoE layer's experts (routing replay)
+  pad_id: int = 0  # token written to slots that hold nothing
+  prompt_bucket: int = 16  # pad prompt / observation chunks to a multiple (fewer recompiles)
+  kernels: str = "xla"  # matmul / attention implementation ("xla")
+
+  def __post_init__(self):
+    where = "RolloutConfig"
+    _require(self.precision in PRECISIONS, where, "precision", self.precision,
+             f"use one of {PRECISIONS}")
+    fp4.get_format(self.fmt)
+    _require(self.compute_dtype in COMPUTE_DTYPES, where, "compute_dtype", self.compute_dtype,
+             f"use one of {COMPUTE_DTYPES}")
+    _require(self.max_len > 0, where, "max_len", self.max_len, "must be > 0")
+    _require(self.guidance in GUIDANCE_MODES, where, "guidance", self.guidance,
+             f"use one of {GUIDANCE_MODES}")
+    _require(self.precision == "fp4" or self.guidance == "none", where, "guidance",
+             self.guidance, "a bf16 rollout has no FP4 rounding to record; use 'none'")
+    _require(self.prompt_bucket > 0, where, "prompt_bucket", self.prompt_bucket, "must be > 0")
+    _require(self.kernels in ("xla",), where, "kernels", self.kernels, "use 'xla'")
+    if not isinstance(self.guided_layers, (str, int)):
+      object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
+    _check_layers_spec(self.guided_layers)
+
+  @property
+  def quant(self) -> QuantConfig | None:
+    """The model QuantConfig of this rollout (rollouts always round to nearest)."""
+    if self.precision != "fp4":
+      return None
+    return QuantConfig(precision="fp4", fmt=self.fmt)
+
+  def replace(self, **changes) -> "RolloutConfig":
+    return dataclasses.replace(self, **changes)

@@ -1,0 +1,372 @@
+"""The rollout engine: jitted prefill + decode loop over a KV cache, with guidance capture.
+
+Layout of a rollout: every sequence of the batch owns slots 0..S-1 of one token buffer and
+one KV cache. The prompt is left-padded into the first P slots; each decode step writes one
+slot for all sequences at once (a sequence that has stopped writes an invalid slot);
+multi-turn observations are fed as a left-padded chunk after the last generated slot.
+Masks say which slots hold prompt, response or environment tokens; RoPE positions count
+each sequence's own valid tokens, so padding and holes never shift them. The training path
+runs the same [B, S] buffers, so recorded guidance lines up with it slot for slot.
+
+  engine = RolloutEngine(policy, RolloutConfig(...))   # weight sync: quantize_params once
+  rollout = engine.generate(prompts, key)              # list of token lists
+  rollout = engine.continue_(rollout, observations, key)   # next turn, same cache
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from trace_jax import guidance as guidance_lib
+from trace_jax.model.cache import KVCache, init_cache
+from trace_jax.model.quant import resolve_layers
+from trace_jax.model.transformer import Transformer
+from trace_jax.rollout.config import RolloutConfig
+from trace_jax.rollout.params import quantize_params_jit
+from trace_jax.rollout.sampling import sample
+
+FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+FINISH_NAMES = ("running", "stop", "length")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens", "positions", "prompt_mask", "response_mask", "env_mask", "logprobs",
+                 "sampling_logprobs", "finish", "guidance", "routing", "cache", "site_inputs"],
+    meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """A batch of trajectories.
+
+  Attributes:
+    tokens: int32 [B, S]; slots that hold nothing have the pad id.
+    positions: int32 [B, S] RoPE positions (the training path uses the same).
+    prompt_mask, response_mask, env_mask: bool [B, S]: which slots hold prompt tokens,
+      generated tokens (the stop token included) and environment observations.
+    logprobs: float32 [B, S], log-probability of each generated token under
+      softmax(logits / temperature), the full tempered distribution (0 elsewhere).
+    sampling_logprobs: float32 [B, S], under the distribution actually sampled (after
+      top-k / top-p; equal to `logprobs` without them; 0 for greedy).
+    finish: int32 [B]: FINISH_STOP (emitted a stop token) or FINISH_LENGTH (hit
+      max_new_tokens) for the last turn.
+    guidance: the captured `Guidance` (or None when guidance="none" and no routing).
+    routing: int8/int16 [num_moe_layers, B, S, k], the experts chosen at every slot.
+    cache: the KV cache, to continue from.
+    site_inputs: {(layer, site): activation [B, S, ...]} before quantization, only when
+      asked for (checks and studies).
+  """
+
+  tokens: jax.Array
+  positions: jax.Array
+  prompt_mask: jax.Array
+  response_mask: jax.Array
+  env_mask: jax.Array
+  logprobs: jax.Array
+  sampling_logprobs: jax.Array
+  finish: jax.Array
+  guidance: Any
+  routing: Any
+  cache: Any
+  site_inputs: Any
+
+  @property
+  def mask(self) -> jax.Array:
+    """Every slot that holds a real token."""
+    return self.prompt_mask | self.response_mask | self.env_mask
+
+  @property
+  def lengths(self) -> jax.Array:
+    """int32 [B]: real tokens per sequence."""
+    return jnp.sum(self.mask, axis=-1, dtype=jnp.int32)
+
+  @property
+  def response_lengths(self) -> jax.Array:
+    return jnp.sum(self.response_mask, axis=-1, dtype=jnp.int32)
+
+  def finish_reasons(self) -> list[str]:
+    return [FINISH_NAMES[int(f)] for f in np.asarray(self.finish)]
+
+  def sequences(self) -> list[list[int]]:
+    """Each sequence's real tokens, in order."""
+    tokens, mask = np.asarray(self.tokens), np.asarray(self.mask)
+    return [t[m].tolist() for t, m in zip(tokens, mask)]
+
+  def responses(self) -> list[list[int]]:
+    """Each sequence's generated tokens (all turns), in order."""
+    tokens, mask = np.asarray(self.tokens), np.asarray(self.response_mask)
+    return [t[m].tolist() for t, m in zip(tokens, mask)]
+
+  def to_host(self) -> "Rollout":
+    """The trajectories on the host, without the cache (which stays with the engine)."""
+    return jax.device_get(dataclasses.replace(self, cache=None))
+
+
+# --- Inside jit ---------------------------------------------------------------------------
+
+
+def _write(buffer, new, slot, axis=1):
+  """Write `new` (pytree of [.., T, ..] arrays) into `buffer` at slots [slot, slot + T)."""
+  return jax.tree.map(
+      lambda b, n: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), slot, axis=axis),
+      buffer, new)
+
+
+def _empty_like(tree, slots: int, axis: int = 1):
+  """Buffers shaped like `tree` but with `slots` along `axis`; global scales start at 1 so
+  that guidance of empty slots decodes to 0, never to NaN."""
+
+  def empty(path, leaf):
+    shape = list(leaf.shape)
+    shape[axis] = slots
+    fill = 1 if any(getattr(p, "name", None) == "global_scale" for p in path) else 0
+    return jnp.full(shape, fill, leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(empty, tree)
+
+
+def _forward(graphdef, params, tokens, positions, mask, cache, config: RolloutConfig,
+             capture: bool, capture_inputs: bool):
+  model = nnx.merge(graphdef, params)
+  return model(tokens, positions=positions, mask=mask, quant=config.quant, cache=cache,
+               record=capture, record_inputs=capture_inputs, dtype=config.compute_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Statics:
+  """Hashable static arguments of the jitted functions."""
+
+  config: RolloutConfig
+  guided_layers: tuple[int, ...]
+  routing_dtype: Any
+  capture_inputs: bool
+
+  @property
+  def capture(self) -> bool:
+    return self.config.guidance != "none" or self.capture_inputs
+
+
+def _captured(aux, st: _Statics):
+  """(guidance site entries, routing, inputs) of one forward's aux, for the guided layers."""
+  sites = guidance_lib.from_records(aux.get("sites", {}), st.config.guidance, st.guided_layers)
+  routing = aux["routing"].astype(st.routing_dtype) if st.config.record_routing else None
+  inputs = None
+  if st.capture_inputs:
+    inputs = {k: v for k, v in aux["site_inputs"].items() if k[0] in st.guided_layers}
+  return sites, routing, inputs
+
+
+_MASKS = {"prompt": "prompt_mask", "env": "env_mask", "response": "response_mask"}
+
+
+def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Statics):
+  """Run a left-padded chunk [B, C] of prompt, observation or sampled tokens at the next
+  slots: write tokens, positions, mask, cache and what is captured.
+
+  Returns the updated rollout and the logits [B, V] after the chunk's last slot.
+  """
+  slot = r.cache.index
+  start_pos = jnp.sum(r.mask, axis=-1, dtype=jnp.int32)[:, None]
+  positions = start_pos + jnp.maximum(jnp.cumsum(chunk_mask, axis=-1) - 1, 0)
+  logits, aux = _forward(graphdef, params, chunk, positions, chunk_mask, r.cache, st.config,
+                         st.capture, st.capture_inputs)
+  sites, routing, inputs = _captured(aux, st)
+  updates = dict(
+      tokens=_write(r.tokens, jnp.where(chunk_mask, chunk, st.config.pad_id), slot),
+      positions=_write(r.positions, positions, slot),
+      cache=aux["cache"],
+  )
+  updates[_MASKS[kind]] = _write(getattr(r, _MASKS[kind]), chunk_mask, slot)
+  if r.guidance is not None and sites:
+    updates["guidance"] = dataclasses.replace(r.guidance, sites=_write(r.guidance.sites, sites, slot))
+  if routing is not None:
+    updates["routing"] = _write(r.routing, routing, slot, axis=2)
+  if inputs is not None:
+    updates["site_inputs"] = _write(r.site_inputs, inputs, slot)
+  return dataclasses.replace(r, **updates), logits[:, -1]
+
+
+def _decode(graphdef, params, r: Rollout, logits, done, key, st: _Statics) -> Rollout:
+  """Sample up to max_new_tokens per sequence (lax.while_loop; stops when all are done)."""
+  sampling = st.config.sampling
+  stop_tokens = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
+
+  def cond(carry):
+    step, _, _, done, _, _ = carry
+    return (step < sampling.max_new_tokens) & ~jnp.all(done)
+
+  def body(carry):
+    step, r, logits, done, finish, key = carry
+    key, sample_key = jax.random.split(key)
+    token, logp, sampling_logp = sample(logits, sample_key, sampling)
+    active = ~done
+    stopped = active & jnp.isin(token, stop_tokens)
+    slot = r.cache.index
+    r = dataclasses.replace(
+        r,
+        logprobs=_write(r.logprobs, jnp.where(active, logp, 0.0)[:, None], slot),
+        sampling_logprobs=_write(r.sampling_logprobs,
+                                 jnp.where(active, sampling_logp, 0.0)[:, None], slot),
+    )
+    # Feed the token (also the last one: the cache and guidance must hold every token).
+    r, logits = _feed(graphdef, params, r, token[:, None], active[:, None], "response", st)
+    finish = jnp.where(stopped, FINISH_STOP, finish)
+    return step + 1, r, logits, done | stopped, finish, key
+
+  finish = jnp.where(done, r.finish, FINISH_RUNNING)
+  carry = (jnp.zeros((), jnp.int32), r, logits, done, finish, key)
+  _, r, _, done, finish, _ = jax.lax.while_loop(cond, body, carry)
+  return dataclasses.replace(r, finish=jnp.where(done, finish, FINISH_LENGTH))
+
+
+def _empty_rollout(graphdef, params, batch: int, st: _Statics) -> Rollout:
+  """Empty buffers for a batch, shaped from one abstract forward."""
+  cfg = nnx.merge(graphdef, params).cfg
+  config = st.config
+  slots = config.max_len
+  cache = init_cache(cfg, batch, slots, config.quant, dtype=jnp.dtype(config.compute_dtype))
+  one = jnp.zeros((batch, 1), jnp.int32)
+  sites, routing, inputs = jax.eval_shape(
+      lambda p, c: _captured(_forward(graphdef, p, one, one, one > -1, c, config, st.capture,
+                                      st.capture_inputs)[1], st), params, cache)
+  guidance = None
+  if config.guidance != "none" or routing is not None:
+    guidance = guidance_lib.Guidance(
+        sites=_empty_like(sites, slots), routing=None, mode=config.guidance,
+        layers=st.guided_layers if config.guidance != "none" else ())
+  zeros = lambda dtype: jnp.zeros((batch, slots), dtype)
+  return Rollout(
+      tokens=jnp.full((batch, slots), config.pad_id, jnp.int32), positions=zeros(jnp.int32),
+      prompt_mask=zeros(bool), response_mask=zeros(bool), env_mask=zeros(bool),
+      logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32),
+      finish=jnp.zeros((batch,), jnp.int32), guidance=guidance,
+      routing=None if routing is None else _empty_like(routing, slots, axis=2),
+      cache=cache, site_inputs=None if inputs is None else _empty_like(inputs, slots))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _generate(graphdef, params, prompt, prompt_mask, key, st: _Statics) -> Rollout:
+  r = _empty_rollout(graphdef, params, prompt.shape[0], st)
+  r, logits = _feed(graphdef, params, r, prompt, prompt_mask, "prompt", st)
+  done = jnp.zeros((prompt.shape[0],), bool)
+  return _finalise(_decode(graphdef, params, r, logits, done, key, st))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _continue(graphdef, params, r: Rollout, chunk, chunk_mask, key, st: _Statics) -> Rollout:
+  r, logits = _feed(graphdef, params, r, chunk, chunk_mask, "env", st)
+  done = ~jnp.any(chunk_mask, axis=-1)  # no observation: the episode has ended
+  return _finalise(_decode(graphdef, params, r, logits, done, key, st))
+
+
+def _finalise(r: Rollout) -> Rollout:
+  """Attach the routing to the guidance (routing replay travels with it)."""
+  if r.guidance is not None and r.routing is not None:
+    r = dataclasses.replace(r, guidance=dataclasses.replace(r.guidance, routing=r.routing))
+  return r
+
+
+# --- Host side ------------------------------------------------------------------------------
+
+
+def _pad_left(sequences: Sequence[Sequence[int]], bucket: int, pad_id: int, what: str):
+  """Left-pad token lists into int32 [B, C] (C a multiple of `bucket`) and a bool mask."""
+  lengths = [len(s) for s in sequences]
+  width = max(max(lengths), 1)
+  width = -(-width // bucket) * bucket
+  tokens = np.full((len(sequences), width), pad_id, np.int32)
+  mask = np.zeros((len(sequences), width), bool)
+  for i, seq in enumerate(sequences):
+    if len(seq):
+      tokens[i, width - len(seq):] = np.asarray(seq, np.int32)
+      mask[i, width - len(seq):] = True
+  return jnp.asarray(tokens), jnp.asarray(mask)
+
+
+def _check_tokens(sequences, vocab: int, what: str, allow_empty: bool):
+  if not isinstance(sequences, (list, tuple)) or not len(sequences):
+    raise ValueError(f"{what}: an empty batch; pass a non-empty list of token lists")
+  for i, seq in enumerate(sequences):
+    if not len(seq) and not allow_empty:
+      raise ValueError(f"{what}[{i}] is empty; every prompt needs at least one token")
+    bad = [t for t in seq if not 0 <= int(t) < vocab]
+    if bad:
+      raise ValueError(f"{what}[{i}] holds token ids {bad[:5]} outside [0, {vocab})")
+
+
+class RolloutEngine:
+  """Generates FP4 (or bf16) rollouts of a policy and captures TRACE guidance.
+
+  Args:
+    policy: the Transformer whose weights to roll out.
+    config: RolloutConfig.
+    capture_inputs: also keep every guided site's activation before quantization
+      (`Rollout.site_inputs`; for checks and studies, memory-hungry).
+  """
+
+  def __init__(self, policy: Transformer, config: RolloutConfig, *, capture_inputs: bool = False):
+    self.config = config
+    self.cfg = policy.cfg
+    cfg = policy.cfg
+    guided = resolve_layers(config.guided_layers, cfg.num_layers, field="guided_layers")
+    bad_stops = [t for t in config.sampling.stop_tokens if not 0 <= t < cfg.vocab_size]
+    if bad_stops:
+      raise ValueError(f"stop_tokens {bad_stops} lie outside the vocabulary [0, {cfg.vocab_size})")
+    if not 0 <= config.pad_id < cfg.vocab_size:
+      raise ValueError(f"pad_id={config.pad_id} lies outside the vocabulary [0, {cfg.vocab_size})")
+    self.statics = _Statics(config=config, guided_layers=guided if config.guidance != "none" else (),
+                            routing_dtype=guidance_lib.routing_dtype(cfg.num_experts),
+                            capture_inputs=capture_inputs)
+    self.graphdef = None
+    self.params = None
+    self.sync(policy)
+
+  def sync(self, policy: Transformer) -> None:
+    """Weight sync: re-make the rollout's (packed FP4 or bf16) weights from the policy."""
+    graphdef, state = nnx.split(policy)
+    self.graphdef = graphdef
+    self.params = quantize_params_jit(state, self.config.quant,
+                                      dtype=jnp.dtype(self.config.compute_dtype))
+
+  def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array) -> Rollout:
+    """Sample continuations of `prompts` (token lists of any lengths)."""
+    _check_tokens(prompts, self.cfg.vocab_size, "prompts", allow_empty=False)
+    tokens, mask = _pad_left(prompts, self.config.prompt_bucket, self.config.pad_id, "prompts")
+    need = tokens.shape[1] + self.config.sampling.max_new_tokens
+    if need > self.config.max_len:
+      raise ValueError(f"the longest prompt ({max(len(p) for p in prompts)} tokens, padded to "
+                       f"{tokens.shape[1]}) plus max_new_tokens="
+                       f"{self.config.sampling.max_new_tokens} needs {need} slots; "
+                       f"max_len={self.config.max_len}")
+    return _generate(self.graphdef, self.params, tokens, mask, key, self.statics)
+
+  def continue_(self, rollout: Rollout, observations: Sequence[Sequence[int]],
+                key: jax.Array) -> Rollout:
+    """Append each sequence's observation tokens (an empty list ends its episode) and
+    keep decoding from the same cache: a multi-turn episode is one growing sequence."""
+    if rollout.cache is None:
+      raise ValueError("this rollout has no cache (moved to host?); continue the device one")
+    if len(observations) != rollout.tokens.shape[0]:
+      raise ValueError(f"observations for {len(observations)} sequences; the rollout has "
+                       f"{rollout.tokens.shape[0]}")
+    _check_tokens(observations, self.cfg.vocab_size, "observations", allow_empty=True)
+    chunk, mask = _pad_left(observations, self.config.prompt_bucket, self.config.pad_id,
+                            "observations")
+    need = int(rollout.cache.index) + chunk.shape[1] + self.config.sampling.max_new_tokens
+    if need > self.config.max_len:
+      raise ValueError(f"continuing needs {need} slots (used {int(rollout.cache.index)}, "
+                       f"observations padded to {chunk.shape[1]}, max_new_tokens="
+                       f"{self.config.sampling.max_new_tokens}); max_len={self.config.max_len}")
+    return _continue(self.graphdef, self.params, rollout, chunk, mask, key, self.statics)
+
+
+def generate(policy: Transformer, prompts: Sequence[Sequence[int]], *, config: RolloutConfig,
+             key: jax.Array) -> Rollout:
+  """One-off: weight sync and generation (use a RolloutEngine to reuse the synced weights)."""
+  return RolloutEngine(policy, config).generate(prompts, key)

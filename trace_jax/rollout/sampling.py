@@ -1,0 +1,57 @@
+"""Next-token sampling: temperature, top-k, top-p (nucleus), greedy; and its log-probabilities."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.rollout.config import SamplingConfig
+
+_NEG_INF = -jnp.inf
+
+
+def filter_logits(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array:
+  """Set to -inf every logit outside the top-k and outside the nucleus (top-p).
+
+  The nucleus is the smallest set of most likely tokens whose probability reaches top_p;
+  the most likely token is always kept. Tokens tied with the last kept one stay too.
+
+  Args:
+    scaled: float32 [B, V] logits already divided by the temperature.
+  """
+  filtered = scaled
+  if top_k and top_k < scaled.shape[-1]:
+    kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+    filtered = jnp.where(scaled < kth, _NEG_INF, filtered)
+  if top_p < 1.0:
+    sorted_logits = jnp.sort(filtered, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < top_p  # the first token always has mass_before 0
+    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    filtered = jnp.where(filtered < threshold, _NEG_INF, filtered)
+  return filtered
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: SamplingConfig):
+  """Draw one token per row.
+
+  Args:
+    logits: float32 [B, V].
+
+  Returns:
+    tokens int32 [B]; logprobs [B] under softmax(logits / T) (T = 1 if greedy);
+    sampling_logprobs [B] under the distribution actually sampled (after top-k / top-p;
+    0 for greedy).
+  """
+  logits = logits.astype(jnp.float32)
+  if sampling.greedy:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], -1)[:, 0]
+    return tokens, logp, jnp.zeros_like(logp)
+  scaled = logits / sampling.temperature
+  filtered = filter_logits(scaled, sampling.top_k, sampling.top_p)
+  tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+  logp = jnp.take_along_axis(jax.nn.log_softmax(scaled), tokens[:, None], -1)[:, 0]
+  sampling_logp = jnp.take_along_axis(jax.nn.log_softmax(filtered), tokens[:, None], -1)[:, 0]
+  return tokens, logp, sampling_logp
