@@ -39,7 +39,7 @@ def main(argv):
   for name in _PRESETS.value:
     policy = M.Transformer(M.get_preset(name), rngs=nnx.Rngs(0))
     for batch in map(int, _BATCHES.value):
-      prompts = [[(7 * i + j) % policy.cfg.vocab_size + 1 for j in range(_PROMPT.value)]
+      prompts = [[(7 * i + j) % (policy.cfg.vocab_size - 1) + 1 for j in range(_PROMPT.value)]
                  for i in range(batch)]
       for length in map(int, _LENGTHS.value):
         seconds = {}

@@ -87,17 +87,19 @@ def test_select_layers_and_without_routing():
 
 def test_check_fits_says_what_differs():
   g = _guidance("compact")
-  sites = tuple(SITE_SHAPES)
-  G.check_fits(g, tokens_shape=(B, S), layers=(1,), sites=sites, num_moe_layers=2, mode="compact")
+  required = {(1, site) for site in SITE_SHAPES}
+  G.check_fits(g, tokens_shape=(B, S), required=required, num_moe_layers=2, mode="compact")
   with pytest.raises(ValueError, match="3 sequences x 10 slots; the batch is 3 x 12"):
-    G.check_fits(g, tokens_shape=(B, 12), layers=(1,), sites=sites)
+    G.check_fits(g, tokens_shape=(B, 12), required=required)
   with pytest.raises(ValueError, match="missing \\[0\\]"):
-    G.check_fits(g, tokens_shape=(B, S), layers=(0, 1), sites=sites)
+    G.check_fits(g, tokens_shape=(B, S), required=required | {(0, "k")})
   with pytest.raises(ValueError, match="mode is 'compact'; the training config expects 'full'"):
-    G.check_fits(g, tokens_shape=(B, S), layers=(1,), sites=sites, mode="full")
+    G.check_fits(g, tokens_shape=(B, S), required=required, mode="full")
   with pytest.raises(ValueError, match="lacks sites"):
-    G.check_fits(g, tokens_shape=(B, S), layers=(1,), sites=sites + ("shared_mid",))
+    G.check_fits(g, tokens_shape=(B, S), required=required | {(1, "shared_mid")})
   with pytest.raises(ValueError, match="routing"):
-    G.check_fits(g.without_routing(), tokens_shape=(B, S), layers=(1,), sites=sites, num_moe_layers=2)
+    G.check_fits(g.without_routing(), tokens_shape=(B, S), required=required, num_moe_layers=2)
+  with pytest.raises(ValueError, match="covers 2 MoE layers; the model has 3"):
+    G.check_fits(g, tokens_shape=(B, S), required=required, num_moe_layers=3)
   with pytest.raises(ValueError, match="Guidance.mode='partial'"):
     G.Guidance(sites={}, routing=None, mode="partial", layers=())

@@ -90,6 +90,16 @@ class Guidance:
     sites = {k: v for k, v in self.sites.items() if k[0] in layers}
     return Guidance(sites=sites, routing=self.routing, mode=self.mode, layers=layers)
 
+  def to_compact(self) -> "Guidance":
+    """Compact guidance from full guidance: the same scales and the codes' mantissa bits,
+    exactly what a compact capture of the same rollout records."""
+    if self.mode == "compact":
+      return self
+    if self.mode != "full":
+      raise ValueError(f"only full guidance holds codes to make compact guidance of; mode={self.mode!r}")
+    sites = {k: fp4.compact_guidance(q) for k, q in self.sites.items()}
+    return dataclasses.replace(self, sites=sites, mode="compact")
+
   def without_routing(self) -> "Guidance":
     return dataclasses.replace(self, routing=None)
 
@@ -172,34 +182,35 @@ def from_records(records: Mapping[SiteKey, fp4.QArray], mode: str, layers) -> di
   return out
 
 
-def check_fits(guidance: Guidance, *, tokens_shape, layers, sites, num_moe_layers=None,
+def check_fits(guidance: Guidance, *, tokens_shape, required, num_moe_layers=None,
                mode=None) -> None:
   """Raise a ValueError saying what differs if `guidance` does not fit a training batch.
 
   Args:
     tokens_shape: (B, S) of the batch.
-    layers: the layer ids the training QuantConfig guides.
-    sites: the activation sites it quantizes.
-    num_moe_layers: expected routing layers (None: routing not required).
-    mode: expected mode, or None for any.
+    required: the (layer, site) keys the training config rounds by guidance.
+    num_moe_layers: expected routing layers (None: routing replay not asked for).
+    mode: expected mode ("compact" / "full"), or None for either.
   """
   if mode is not None and guidance.mode != mode:
     raise ValueError(f"guidance mode is {guidance.mode!r}; the training config expects {mode!r}")
-  if guidance.sites and tuple(guidance.tokens_shape) != tuple(tokens_shape):
+  if (guidance.sites or guidance.routing is not None) and tuple(guidance.tokens_shape) != tuple(tokens_shape):
     raise ValueError(f"guidance covers {guidance.tokens_shape[0]} sequences x "
                      f"{guidance.tokens_shape[1]} slots; the batch is {tokens_shape[0]} x "
                      f"{tokens_shape[1]} (misaligned positions or another batch)")
-  missing_layers = sorted(set(layers) - set(guidance.layers))
+  required = set(required)
+  missing_layers = sorted({layer for layer, _ in required} - set(guidance.layers))
   if missing_layers:
-    raise ValueError(f"the training config guides layers {sorted(layers)}; the guidance "
-                     f"has layers {list(guidance.layers)} (missing {missing_layers})")
-  if guidance.mode != "none":
-    missing = sorted((l, s) for l in layers for s in sites if (l, s) not in guidance.sites)
-    if missing:
-      raise ValueError(f"guidance lacks sites {missing[:6]}")
+    raise ValueError(f"the training config guides layers {sorted({l for l, _ in required})}; "
+                     f"the guidance has layers {list(guidance.layers)} (missing {missing_layers})")
+  if required and guidance.mode == "none":
+    raise ValueError("the training config rounds by guidance, but the guidance mode is 'none'")
+  missing = sorted(required - set(guidance.sites))
+  if missing:
+    raise ValueError(f"guidance lacks sites {missing[:6]}")
   if num_moe_layers is not None:
     if guidance.routing is None:
       raise ValueError("routing replay needs recorded routing; the guidance has none")
-    if guidance.routing.shape[0] != num_moe_layers or tuple(guidance.routing.shape[1:3]) != tuple(tokens_shape):
-      raise ValueError(f"guidance routing has shape {tuple(guidance.routing.shape)}; expected "
-                       f"({num_moe_layers}, {tokens_shape[0]}, {tokens_shape[1]}, k)")
+    if guidance.routing.shape[0] != num_moe_layers:
+      raise ValueError(f"guidance routing covers {guidance.routing.shape[0]} MoE layers; the "
+                       f"model has {num_moe_layers}")

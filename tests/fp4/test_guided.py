@@ -76,11 +76,15 @@ def test_values_that_cross_a_neighbour_fall_back_as_designed():
   expected_full = np.where(usable, recorded | sign, nearest)
   np.testing.assert_array_equal(fp4.codes(q_full), expected_full)
 
-  q_compact = fp4.quantize(jnp.asarray(x_new), rounding="guided",
-                           guidance=fp4.compact_guidance(q_ref))
+  q_compact, compact_fell_back = fp4.quantize_with_fallbacks(
+      jnp.asarray(x_new), rounding="guided", guidance=fp4.compact_guidance(q_ref))
   chosen = np.where((hi & 1) == (recorded & 1), hi, lo)
   expected_compact = chosen | np.where((x_new < 0) & (chosen != 0), 8, 0)
   np.testing.assert_array_equal(fp4.codes(q_compact), expected_compact)
+  # Compact falls back only where the single neighbour (on the grid / saturated) has the
+  # other lowest bit.
+  np.testing.assert_array_equal(compact_fell_back, (lo == hi) & ((lo & 1) != (recorded & 1)))
+  assert np.asarray(compact_fell_back).any()
 
 
 def test_guided_keeps_recorded_scales_even_when_the_input_changes_scale():

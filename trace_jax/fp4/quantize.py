@@ -130,11 +130,12 @@ def quantize_with_fallbacks(
     key: jax.Array | None = None,
     guidance: Guidance | None = None,
 ) -> tuple[QArray, jax.Array]:
-  """`quantize`, also returning a bool mask (input shape) of full-guidance fallbacks.
+  """`quantize`, also returning a bool mask (input shape) of guidance fallbacks.
 
-  A fallback is an element whose recorded code was not one of the two grid neighbours of
-  its training value, so nearest rounding was used instead. Compact guidance always picks
-  a neighbour, and the other modes never fall back: their mask is all False.
+  Full guidance falls back where the recorded code is not one of the two grid neighbours of
+  the training value (nearest rounding is used instead). Compact guidance falls back where
+  the value sits exactly on the grid or saturates, so its only neighbour's lowest bit
+  differs from the recorded one (that neighbour is taken). Other modes never fall back.
   """
   x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance)
   return _quantize(x, key, guidance, fmt, axis, group_axes, rounding)
@@ -196,6 +197,7 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding):
   elif isinstance(guidance, CompactGuidance):
     bits = numerics.unpack_bits(_to_last(guidance.mantissa_bits, axis)).reshape(v.shape)
     code = numerics.e2m1_round_to_bit(lo_code, hi_code, bits)
+    fell_back = (lo_code == hi_code) & ((lo_code & 1) != (bits & 1))
   else:
     recorded = numerics.unpack_codes(_to_last(guidance.packed, axis)).reshape(v.shape)
     nearest = numerics.e2m1_round_nearest(magnitude, lo_code, hi_code)

@@ -121,6 +121,21 @@ def is_quantized_weight(path: tuple) -> bool:
   return bool(path) and str(path[-1]) in QUANTIZED_WEIGHTS
 
 
+def layer_sites(cfg, quant: QuantConfig | None) -> dict[int, tuple[str, ...]]:
+  """The activation sites each layer of a model (ModelConfig `cfg`) quantizes."""
+  if quant is None or not quant.enabled:
+    return {layer: () for layer in range(cfg.num_layers)}
+  out = {}
+  for layer in range(cfg.num_layers):
+    sites = ["attn_in", "attn_out", "k", "v"]
+    if layer in cfg.dense_layers:
+      sites += ["mlp_in", "mlp_mid"]
+    else:
+      sites += ["moe_in", "moe_mid"] + (["shared_mid"] if cfg.shared_expert_dim else [])
+    out[layer] = tuple(s for s in sites if s in quant.sites)
+  return out
+
+
 def weight_layout(ndim: int) -> tuple[int, Any]:
   """(quantized axis, global_group) of a linear weight: [in, out] per matrix along `in`;
   stacked experts [E, in, out] along `in` with one global scale per expert."""
@@ -163,6 +178,7 @@ class SiteQuantizer:
     self.record = record
     self.record_inputs = record_inputs
     self.records: dict[SiteKey, fp4.QArray] = {}
+    self.fallbacks: dict[SiteKey, jax.Array] = {}  # guided sites: bool, input-shaped
     self.inputs: dict[SiteKey, jax.Array] = {}
     self.key = key
     self.guided = set()
@@ -193,18 +209,22 @@ class SiteQuantizer:
       return x
     kwargs = dict(global_group="row", **self._rounding(layer, site))
     if record:
-      if self.record:
-        self.records[(layer, site)] = fp4.quantize(x, self.quant.fmt, **kwargs)
-      if self.record_inputs:
-        self.inputs[(layer, site)] = x
+      self._record(x, layer, site, kwargs)
     return fp4.fake_quant(x, self.quant.fmt, **kwargs)
 
   def quantize_record(self, x: jax.Array, layer: int, site: str) -> fp4.QArray:
     """The `fp4.QArray` of an activation site (for the FP4 KV cache)."""
     kwargs = dict(global_group="row", **self._rounding(layer, site))
-    q = fp4.quantize(x, self.quant.fmt, **kwargs)
-    if self.record:
-      self.records[(layer, site)] = q
+    return self._record(x, layer, site, kwargs, always=True)
+
+  def _record(self, x, layer, site, kwargs, always=False):
+    q = None
+    if self.record or always:
+      q, fell_back = fp4.quantize_with_fallbacks(x, self.quant.fmt, **kwargs)
+      if self.record:
+        self.records[(layer, site)] = q
+        if kwargs.get("rounding") == "guided":
+          self.fallbacks[(layer, site)] = fell_back
     if self.record_inputs:
       self.inputs[(layer, site)] = x
     return q

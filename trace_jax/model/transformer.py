@@ -8,7 +8,8 @@ Calling convention (a contract with the rollout and training paths):
 logits are float32 [B, T, V]; aux["routing"] is int32 [num_moe_layers, B, T, k] with each
 token's experts in descending router probability; aux also holds "lb_loss" (mean over MoE
 layers), "router_load" [num_moe_layers, E], "router_entropy", and, when asked, "cache" (the
-updated KVCache) and "sites" ({(layer, site): fp4.QArray} of every quantized activation).
+updated KVCache), "sites" ({(layer, site): fp4.QArray} of every quantized activation) and
+"fallbacks" ({(layer, site): bool mask} of guidance fallbacks at guided sites).
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ class Transformer(nnx.Module):
                              index=start + t)
     if record:
       aux["sites"] = dict(sq.records)
+      aux["fallbacks"] = dict(sq.fallbacks)
     if record_inputs:
       aux["site_inputs"] = dict(sq.inputs)
     return logits, aux

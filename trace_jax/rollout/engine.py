@@ -103,9 +103,12 @@ class Rollout:
     tokens, mask = np.asarray(self.tokens), np.asarray(self.response_mask)
     return [t[m].tolist() for t, m in zip(tokens, mask)]
 
+  def without_cache(self) -> "Rollout":
+    return dataclasses.replace(self, cache=None)
+
   def to_host(self) -> "Rollout":
     """The trajectories on the host, without the cache (which stays with the engine)."""
-    return jax.device_get(dataclasses.replace(self, cache=None))
+    return jax.device_get(self.without_cache())
 
 
 # --- Inside jit ---------------------------------------------------------------------------

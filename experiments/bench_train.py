@@ -1,0 +1,73 @@
+"""Training-step time: bf16, FP4 QAT (nearest), TRACE compact and TRACE full, as ratios to bf16.
+
+  python experiments/bench_train.py                           # tiny and small, batch 8 x 128 slots
+  python experiments/bench_train.py --presets=tiny --repeats=2  # quick
+
+One rollout batch (FP4, full guidance on every layer, routing) feeds all four; each step is a
+jitted forward + backward of a policy-gradient surrogate over the response tokens plus an
+Adam update, measured in the same run.
+"""
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from trace_jax import model as M
+from trace_jax import rollout as R
+from trace_jax.model.quant import resolve_layers
+from trace_jax.training import training_forward
+from trace_jax.utils import markdown_table, time_jitted
+
+_PRESETS = flags.DEFINE_list("presets", ["tiny", "small"], "Presets.")
+_BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step.")
+_NEW = flags.DEFINE_integer("new_tokens", 112, "Generated tokens per sequence (prompt 16).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions (median).")
+
+
+def main(argv):
+  del argv
+  rows = []
+  for name in _PRESETS.value:
+    policy = M.Transformer(M.get_preset(name), rngs=nnx.Rngs(0))
+    config = R.RolloutConfig(guidance="full", guided_layers="all", max_len=16 + _NEW.value,
+                             sampling=R.SamplingConfig(max_new_tokens=_NEW.value))
+    prompts = [[1 + (i * 5 + j) % 90 for j in range(16)] for i in range(_BATCH.value)]
+    rollout = R.RolloutEngine(policy, config).generate(prompts, jax.random.key(0)).without_cache()
+    half = resolve_layers("last_half", policy.cfg.num_layers)
+    arms = {
+        "bf16": (None, None, False),
+        "fp4-qat": (M.QuantConfig(), None, False),
+        "trace compact": (M.QuantConfig(rounding="guided"),
+                          rollout.guidance.to_compact().select_layers(half), True),
+        "trace full": (M.QuantConfig(rounding="guided", guided_layers="all"), rollout.guidance, True),
+    }
+    seconds, bytes_per_token = {}, {}
+    for arm, (quant, guidance, replay) in arms.items():
+      model = M.Transformer(policy.cfg, rngs=nnx.Rngs(0))
+      opt = nnx.Optimizer(model, optax.adam(1e-5), wrt=nnx.Param)
+
+      @nnx.jit
+      def step(model, opt, r, guidance, quant=quant, replay=replay):
+        def loss_fn(model):
+          logp, _, _ = training_forward(model, r.tokens, r.positions, r.mask, quant=quant,
+                                        guidance=guidance, routing_replay=replay,
+                                        dtype=jnp.bfloat16)
+          return -jnp.sum(logp * r.response_mask) / jnp.maximum(jnp.sum(r.response_mask), 1)
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return loss
+
+      seconds[arm] = time_jitted(step, model, opt, rollout, guidance, repeats=_REPEATS.value)
+      bytes_per_token[arm] = 0 if guidance is None else guidance.bytes_per_token()
+    for arm in arms:
+      rows.append((name, arm, f"{seconds[arm] * 1e3:.1f}", f"{seconds[arm] / seconds['bf16']:.2f}x",
+                   f"{bytes_per_token[arm]:.0f}"))
+  print(f"\nbatch {_BATCH.value} x {16 + _NEW.value} slots, bf16 compute, backend "
+        f"{jax.default_backend()}\n")
+  print(markdown_table(["preset", "arm", "step ms", "vs bf16", "guidance bytes/token"], rows))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,98 @@
+"""The mismatch study: training-inference mismatch under bf16, FP4 QAT, and TRACE guidance.
+
+  python experiments/mismatch.py --preset=small --json_out=runs/mismatch-small.json
+  python experiments/mismatch.py --preset=tiny --sft_steps=50 --rollouts=16 --json_out=/tmp/m.json  # quick
+
+Writes the JSON (modes, bytes_per_token, sweep, targets), a PNG of mismatch against the
+number of guided layers next to it (or at --png_out), and prints a table.
+"""
+
+import os
+
+from absl import app, flags
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from trace_jax.rl.mismatch_study import MODES, StudyConfig, run_study  # noqa: E402
+from trace_jax.utils import markdown_table, write_json  # noqa: E402
+
+_PRESET = flags.DEFINE_string("preset", "small", "Model preset.")
+_JSON = flags.DEFINE_string("json_out", None, "Where to write the JSON results.", required=True)
+_PNG = flags.DEFINE_string("png_out", None, "Plot path (default: next to --json_out).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the SFT data, init and rollouts.")
+_SFT_STEPS = flags.DEFINE_integer("sft_steps", 300, "SFT warm-start steps.")
+_ROLLOUTS = flags.DEFINE_integer("rollouts", 64, "Sequences in the studied batch.")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 48, "Max generated tokens per sequence.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
+_DTYPE = flags.DEFINE_enum("compute_dtype", "bfloat16", ["bfloat16", "float32"],
+                           "Activation dtype of both paths.")
+_TASK = flags.DEFINE_string("task", "arith", "Built-in task for the warm start and prompts.")
+
+
+def plot(results: dict, path: str) -> None:
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for mode, marker in (("compact", "o"), ("full", "s")):
+    rows = [r for r in results["sweep"] if r["mode"] == mode]
+    xs = [r["guided_layers"] for r in rows]
+    axes[0].semilogy(xs, [max(r["k3_kl"], 1e-12) for r in rows], marker=marker, label=f"guided {mode}")
+    axes[1].plot(xs, [r["code_disagree_frac"] for r in rows], marker=marker, label=f"guided {mode}")
+  for mode, style in (("none", "--"), ("bf16", ":")):
+    axes[0].axhline(max(results["modes"][mode]["k3_kl"], 1e-12), ls=style, c="gray",
+                    label=f"{mode} (no guidance)" if mode == "none" else "bf16 both paths")
+  axes[1].axhline(results["modes"]["none"]["code_disagree_frac"], ls="--", c="gray",
+                  label="none (no guidance)")
+  axes[0].set(xlabel="guided layers (from the top)", ylabel="mismatch/k3_kl",
+              title="KL(rollout || training path)")
+  axes[1].set(xlabel="guided layers (from the top)", ylabel="FP4 codes that differ",
+              title="activation code disagreement")
+  for ax in axes:
+    ax.legend(fontsize=8)
+  fig.suptitle(f"{results['model']['preset']}: FP4 rollout vs training path, "
+               f"{results['config']['compute_dtype']} compute")
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  config = StudyConfig(preset=_PRESET.value, task=_TASK.value, seed=_SEED.value,
+                       sft_steps=_SFT_STEPS.value, rollouts=_ROLLOUTS.value,
+                       new_tokens=_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
+                       compute_dtype=_DTYPE.value)
+  results = run_study(config)
+  png = _PNG.value or os.path.splitext(_JSON.value)[0] + ".png"
+  plot(results, png)
+  write_json(_JSON.value, results)
+
+  rows = []
+  for mode in MODES:
+    m = results["modes"][mode]
+    cdf = m["code_disagree_frac"]
+    rows.append((mode, f"{m['k3_kl']:.3e}", f"{m['kl']:.3e}", f"{m['logp_abs_diff']:.3e}",
+                 f"{m['prob_diff_max']:.3f}", "-" if cdf is None else f"{cdf:.4%}",
+                 f"{m['guidance/agree_frac']:.4%}" if "guidance/agree_frac" in m else "-"))
+  print(f"\n{results['model']['preset']}, {results['rollout']['sequences']} sequences, "
+        f"{results['rollout']['response_tokens']} response tokens, FP4 reward "
+        f"{results['rollout']['fp4_reward_mean']:.2f}, SFT nll {results['sft']['final_nll']:.3f}\n")
+  print(markdown_table(["mode", "k3_kl", "kl", "logp_abs_diff", "prob_diff_max",
+                        "code_disagree_frac", "guidance agree"], rows))
+  sweep = [(r["mode"], r["guided_layers"], f"{r['k3_kl']:.3e}", f"{r['code_disagree_frac']:.4%}",
+            f"{r['bytes_per_token']:.0f}") for r in results["sweep"]]
+  print()
+  print(markdown_table(["guidance", "guided layers", "k3_kl", "code_disagree_frac", "bytes/token"], sweep))
+  t = results["targets"]
+  print(f"\nbytes per token: compact {results['bytes_per_token']['compact']:.0f}, full "
+        f"{results['bytes_per_token']['full']:.0f}")
+  print(f"targets: full cuts k3_kl {t['full_k3_reduction']:.1f}x (>= 10x: {t['met']['full_10x']}); "
+        f"compact {t['compact_k3_reduction']:.1f}x (>= 2x: {t['met']['compact_2x']}); "
+        f"compact {t['bytes_ratio_full_over_compact']:.2f}x smaller than full "
+        f"(>= 5.5x: {t['met']['bytes_5.5x']})")
+  print(f"\nwrote {_JSON.value} and {png} ({results['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+  app.run(main)

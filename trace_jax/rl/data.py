@@ -1,0 +1,51 @@
+"""Glue between tasks (text) and the policy (token ids): prompts and SFT demonstrations."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from trace_jax.tasks.base import Item, Task
+from trace_jax.tasks.tokenizer import Tokenizer
+
+
+def prompt_ids(tokenizer: Tokenizer, item: Item) -> list[int]:
+  """<bos> + the prompt text."""
+  return [tokenizer.bos_id] + tokenizer.encode(item.prompt)
+
+
+def observation_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+  """An environment observation, wrapped in <obs> ... </obs> when the tokenizer has them."""
+  ids = tokenizer.encode(text)
+  if hasattr(tokenizer, "obs_id"):
+    return [tokenizer.obs_id] + ids + [tokenizer.obs_end_id]
+  return ids
+
+
+def demonstration_pairs(task: Task, tokenizer: Tokenizer, seed: int, n: int
+                        ) -> list[tuple[list[int], list[int]]]:
+  """(prompt ids, completion ids) of n solver demonstrations, for SFT.
+
+  Single-turn: the completion is the demonstration + <eos>. Multi-turn: the solver's episode
+  is played through the task's environment and flattened into one sequence of actions
+  (each ending in <eos>) and observations; the loss mask of `sft_batch` covers it all, so
+  observations are learned too (cheap, and harmless for a warm start).
+  """
+  pairs = []
+  for item in task.sample(seed, n):
+    prompt = prompt_ids(tokenizer, item)
+    if not task.multi_turn:
+      pairs.append((prompt, tokenizer.encode(item.demonstration) + [tokenizer.eos_id]))
+      continue
+    completion, state = [], task.reset(item)
+    for action in item.demonstration:
+      completion += tokenizer.encode(action) + [tokenizer.eos_id]
+      state, step = task.step(state, action)
+      if step.done:
+        break
+      completion += observation_ids(tokenizer, step.observation)
+    pairs.append((prompt, completion))
+  return pairs
+
+
+def decode_responses(tokenizer: Tokenizer, responses: Sequence[Sequence[int]]) -> list[str]:
+  return [tokenizer.decode(r) for r in responses]

@@ -1,0 +1,180 @@
+"""The mismatch study: how much training-inference mismatch TRACE guidance removes.
+
+1. Warm-start a policy with SFT on a built-in task, so its distributions are not uniform.
+2. Sample a batch of FP4 rollouts (W4A4 + FP4 KV, decode one token at a time) that capture
+   full guidance on every layer plus routing; every guidance variant studied is derived from
+   this one capture (compact = the codes' mantissa bits; fewer layers = a subset), so all
+   modes score the very same samples. A separate bf16 rollout gives the bf16 floor.
+3. Recompute the sampled tokens' log-probabilities on the training path (whole sequences,
+   prefill shapes) under each mode and compare with what the rollout reported.
+
+No noise is injected anywhere: the paths differ only as real systems do (decode vs prefill
+shapes and reduction orders, bf16 rounding, XLA's fusion of the rollout's step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from trace_jax.model.config import get_preset
+from trace_jax.model.quant import QuantConfig, resolve_layers
+from trace_jax.model.transformer import Transformer
+from trace_jax.rl import data
+from trace_jax.rl.metrics import code_disagreement, guidance_agreement, mismatch_metrics
+from trace_jax.rollout.config import RolloutConfig, SamplingConfig
+from trace_jax.rollout.engine import RolloutEngine
+from trace_jax.tasks.registry import get_task
+from trace_jax.tasks.tokenizer import CharTokenizer
+from trace_jax.training.forward import training_forward
+from trace_jax.training.sft import sft_batch, train_sft
+
+MODES = ("bf16", "none", "compact", "full")
+REPORTED = ("k3_kl", "kl", "logp_abs_diff", "prob_diff_mean", "prob_diff_max")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StudyConfig:
+  """The study's knobs (the script's flags)."""
+
+  preset: str = "small"
+  task: str = "arith"
+  seed: int = 0
+  sft_steps: int = 300  # warm start
+  sft_batch: int = 32
+  sft_lr: float = 3e-3
+  rollouts: int = 64  # sequences in the studied batch
+  new_tokens: int = 48
+  temperature: float = 1.0
+  compute_dtype: str = "bfloat16"  # both paths, as in production
+  fmt: str = "nvfp4"
+
+  def __post_init__(self):
+    for name in ("sft_steps", "sft_batch", "rollouts", "new_tokens"):
+      if getattr(self, name) < (0 if name == "sft_steps" else 1):
+        raise ValueError(f"StudyConfig.{name}={getattr(self, name)} is too small")
+    if self.compute_dtype not in ("bfloat16", "float32"):
+      raise ValueError(f"StudyConfig.compute_dtype={self.compute_dtype!r}; use bfloat16 or float32")
+
+
+def _sft(policy, task, tokenizer, config: StudyConfig, progress: bool) -> list[float]:
+  pairs = data.demonstration_pairs(task, tokenizer, config.seed, 8)
+  length = max(len(p) + len(c) for p, c in pairs) + 16
+  length = -(-length // 16) * 16
+
+  def batches(step):
+    pairs = data.demonstration_pairs(task, tokenizer, config.seed * 100_003 + step, config.sft_batch)
+    return sft_batch(pairs, length, tokenizer.pad_id)
+
+  return train_sft(policy, batches, steps=config.sft_steps, learning_rate=config.sft_lr,
+                   progress=progress)
+
+
+def _rollout_config(config: StudyConfig, tokenizer, **kwargs) -> RolloutConfig:
+  sampling = SamplingConfig(temperature=config.temperature, max_new_tokens=config.new_tokens,
+                            stop_tokens=(tokenizer.eos_id,))
+  return RolloutConfig(compute_dtype=config.compute_dtype, max_len=16 * 8 + config.new_tokens,
+                       prompt_bucket=16, sampling=sampling, **kwargs)
+
+
+def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
+  """Run the study; returns a JSON-ready dict (see experiments/mismatch.py)."""
+  start = time.time()
+  task = get_task(config.task)
+  tokenizer = CharTokenizer()
+  cfg = get_preset(config.preset, vocab_size=max(get_preset(config.preset).vocab_size,
+                                                 tokenizer.vocab_size))
+  policy = Transformer(cfg, rngs=nnx.Rngs(config.seed))
+  sft_losses = _sft(policy, task, tokenizer, config, progress)
+
+  items = task.sample(config.seed + 10_000, config.rollouts)
+  prompts = [data.prompt_ids(tokenizer, item) for item in items]
+  key = jax.random.key(config.seed)
+  fp4_engine = RolloutEngine(policy, _rollout_config(config, tokenizer, precision="fp4",
+                                                     fmt=config.fmt, guidance="full",
+                                                     guided_layers="all"))
+  fp4_rollout = fp4_engine.generate(prompts, key)
+  bf16_engine = RolloutEngine(policy, _rollout_config(config, tokenizer, precision="bf16",
+                                                      guidance="none"))
+  bf16_rollout = bf16_engine.generate(prompts, key)
+  full = fp4_rollout.guidance
+  compact = full.to_compact()
+  half = resolve_layers("last_half", cfg.num_layers)
+  dtype = jnp.dtype(config.compute_dtype)
+
+  forward = nnx.jit(
+      lambda m, r, g, quant, replay: training_forward(
+          m, r.tokens, r.positions, r.mask, quant=quant, guidance=g, routing_replay=replay,
+          temperature=config.temperature, dtype=dtype, record=True),
+      static_argnums=(3, 4))
+
+  def measure(rollout, quant, guidance, replay):
+    logp, _, aux = forward(policy, rollout.without_cache(), guidance, quant, replay)
+    m = mismatch_metrics(rollout.logprobs, logp, rollout.response_mask)
+    row = {name: m[f"mismatch/{name}"] for name in REPORTED}
+    row.update({k: m[k] for k in ("is_ratio/mean", "is_ratio/max", "is_ratio/min", "tis/clip_frac")})
+    if quant is not None:
+      codes = code_disagreement(full.sites, aux["sites"], rollout.mask)
+      row["code_disagree_frac"] = codes["code_disagree_frac"]
+      row["code_disagree_per_layer"] = codes["per_layer"]
+      row["code_disagree_per_site"] = codes["per_site"]
+      row.update(guidance_agreement(aux["fallbacks"], rollout.mask))
+    else:
+      row["code_disagree_frac"] = None  # nothing is quantized on either path
+    return row
+
+  guided = lambda layers: QuantConfig(fmt=config.fmt, rounding="guided", guided_layers=layers)
+  modes = {
+      "bf16": measure(bf16_rollout, None, None, False),
+      "none": measure(fp4_rollout, QuantConfig(fmt=config.fmt), None, False),
+      "compact": measure(fp4_rollout, guided("last_half"), compact.select_layers(half), True),
+      "full": measure(fp4_rollout, guided("all"), full, True),
+  }
+  sweep = []
+  for n in range(cfg.num_layers + 1):
+    layers = resolve_layers(n, cfg.num_layers)
+    for mode, guidance in (("compact", compact), ("full", full)):
+      row = measure(fp4_rollout, guided(n), guidance.select_layers(layers), True)
+      sweep.append({"mode": mode, "guided_layers": n, **{k: row[k] for k in
+                    ("k3_kl", "kl", "logp_abs_diff", "prob_diff_max", "code_disagree_frac")},
+                    "bytes_per_token": guidance.select_layers(layers).bytes_per_token()})
+
+  bytes_per_token = {"compact": compact.select_layers(half).bytes_per_token(),
+                     "full": full.bytes_per_token()}
+  texts = data.decode_responses(tokenizer, fp4_rollout.responses())
+  rewards = [task.score(item, text) for item, text in zip(items, texts)]
+  k3 = {m: modes[m]["k3_kl"] for m in MODES}
+  targets = {
+      "full_k3_reduction": k3["none"] / max(k3["full"], 1e-30),
+      "compact_k3_reduction": k3["none"] / max(k3["compact"], 1e-30),
+      "bytes_ratio_full_over_compact": bytes_per_token["full"] / bytes_per_token["compact"],
+  }
+  targets["met"] = {"full_10x": targets["full_k3_reduction"] >= 10,
+                    "compact_2x": targets["compact_k3_reduction"] >= 2,
+                    "bytes_5.5x": targets["bytes_ratio_full_over_compact"] >= 5.5}
+  return {
+      "config": dataclasses.asdict(config),
+      "model": {"preset": cfg.name, "layers": cfg.num_layers, "guided_half": list(half)},
+      "compute_dtype": {
+          "rollout": f"{config.compute_dtype} activations, one-token decode steps over the KV "
+                     "cache (FP4 weights dequantized on the fly, FP4 KV cache)",
+          "training": f"{config.compute_dtype} activations, whole-sequence prefill from float32 "
+                      "master weights fake-quantized to FP4",
+          "high_precision": "router, norms (float32 inside), attention softmax and LM head in float32",
+      },
+      "modes": modes,
+      "bytes_per_token": bytes_per_token,
+      "sweep": sweep,
+      "targets": targets,
+      "sft": {"steps": config.sft_steps, "first_nll": sft_losses[0] if sft_losses else None,
+              "final_nll": float(np.mean(sft_losses[-10:])) if sft_losses else None},
+      "rollout": {"sequences": config.rollouts,
+                  "response_tokens": int(np.asarray(fp4_rollout.response_mask).sum()),
+                  "fp4_reward_mean": float(np.mean(rewards))},
+      "seconds": time.time() - start,
+  }
