@@ -14,8 +14,7 @@ from trace_jax.fp4 import numerics
 def _round_nearest_values(v):
   v = jnp.asarray(v, jnp.float32)
   magnitude = jnp.abs(v)
-  lo, hi = numerics.e2m1_neighbours(magnitude)
-  code = numerics.e2m1_sign(numerics.e2m1_round_nearest(magnitude, lo, hi), v < 0)
+  code = numerics.e2m1_sign(numerics.e2m1_round_nearest(magnitude), v < 0)
   return np.asarray(code), np.asarray(fp4.e2m1_decode(code))
 
 

@@ -156,8 +156,9 @@ def _resolve(x, fmt, axis, global_group, rounding, key, guidance):
 def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding):
   """The code path all modes share, on validated arguments, with the quantized axis last.
 
-  Returns (codes [..., nb, bs], scale_bits [..., nb], global_scale [..., 1] (NaN for
-  non-finite groups), fell_back [..., nb, bs]).
+  Returns (codes [..., nb, bs], values [..., nb, bs] (the codes' E2M1 values, before the
+  scale), scale_bits [..., nb], global_scale [..., 1] (NaN for non-finite groups),
+  fell_back [..., nb, bs]).
   """
   spec = get_format(fmt)
   bs = spec.block_size
@@ -186,30 +187,38 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding):
 
   step = (spec.decode_scales(scale_bits) / global_scale)[..., None]  # s_b / gs
   v = jnp.where(step > 0, blocks / step, 0.0)  # q = 0 where s_b = 0
-  magnitude = jnp.abs(v)
-  lo_code, hi_code = numerics.e2m1_neighbours(magnitude)
+  exponent, spacing, units = numerics.e2m1_grid_units(jnp.abs(v))
+  lo_units, hi_units = jnp.floor(units), jnp.ceil(units)
   fell_back = jnp.zeros(v.shape, bool)
   if rounding == "nearest":
-    code = numerics.e2m1_round_nearest(magnitude, lo_code, hi_code)
+    chosen = numerics.round_half_even(units)  # even units are even codes
   elif rounding == "stochastic":
     uniform = jax.random.uniform(key, v.shape, jnp.float32)
-    code = numerics.e2m1_round_stochastic(magnitude, lo_code, hi_code, uniform)
-  elif isinstance(guidance, CompactGuidance):
-    bits = numerics.unpack_bits(_to_last(guidance.mantissa_bits, axis)).reshape(v.shape)
-    code = numerics.e2m1_round_to_bit(lo_code, hi_code, bits)
-    fell_back = (lo_code == hi_code) & ((lo_code & 1) != (bits & 1))
+    chosen = lo_units + (uniform < units - lo_units)  # hi with probability frac(units)
   else:
-    recorded = numerics.unpack_codes(_to_last(guidance.packed, axis)).reshape(v.shape)
-    nearest = numerics.e2m1_round_nearest(magnitude, lo_code, hi_code)
-    code, fell_back = numerics.e2m1_round_to_code(lo_code, hi_code, recorded, nearest)
-  code = numerics.e2m1_sign(code, v < 0)
+    lo_code = numerics.e2m1_unit_code(exponent, lo_units)
+    hi_code = numerics.e2m1_unit_code(exponent, hi_units)
+    if isinstance(guidance, CompactGuidance):
+      bits = numerics.unpack_bits(_to_last(guidance.mantissa_bits, axis)).reshape(v.shape)
+      chosen = jnp.where((hi_code & 1) == (bits & 1), hi_units, lo_units)
+      fell_back = (lo_code == hi_code) & ((lo_code & 1) != (bits & 1))
+    else:
+      recorded = numerics.unpack_codes(_to_last(guidance.packed, axis)).reshape(v.shape) & 7
+      fell_back = (recorded != lo_code) & (recorded != hi_code)
+      chosen = jnp.where(recorded == lo_code, lo_units,
+                         jnp.where(recorded == hi_code, hi_units,
+                                   numerics.round_half_even(units)))
+  negative = v < 0
+  code = numerics.e2m1_sign(numerics.e2m1_unit_code(exponent, chosen), negative)
+  magnitude = numerics.e2m1_unit_value(chosen, spacing)
+  value = jnp.where(negative & (magnitude > 0), -magnitude, magnitude)  # 0 stays +0
   global_scale = jnp.where(finite, global_scale, jnp.nan)
-  return code, scale_bits, global_scale, fell_back
+  return code, value, scale_bits, global_scale, fell_back
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
 def _quantize(x, key, guidance, fmt, axis, group_axes, rounding):
-  code, scale_bits, global_scale, fell_back = _quantize_last(
+  code, _, scale_bits, global_scale, fell_back = _quantize_last(
       x, key, guidance, fmt, axis, group_axes, rounding)
   flat_shape = (*code.shape[:-2], -1)
   q = QArray(
@@ -225,11 +234,11 @@ def _quantize(x, key, guidance, fmt, axis, group_axes, rounding):
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
 def _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding):
   """dequantize(quantize(x)) without packing: the same ops as `dequantize`, bit for bit."""
-  code, scale_bits, global_scale, _ = _quantize_last(
+  _, value, scale_bits, global_scale, _ = _quantize_last(
       x, key, guidance, fmt, axis, group_axes, rounding)
   step = get_format(fmt).decode_scales(scale_bits) / global_scale  # s_b / gs
-  values = numerics.e2m1_decode(code) * step[..., None]
-  return jnp.moveaxis(values.reshape(*code.shape[:-2], -1), -1, axis).astype(x.dtype)
+  values = value * step[..., None]
+  return jnp.moveaxis(values.reshape(*value.shape[:-2], -1), -1, axis).astype(x.dtype)
 
 
 def quantize(
