@@ -11,7 +11,6 @@ which the second table shows and which is what bounds decode on a GPU.
 
 from absl import app, flags
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax import model as M

@@ -9,7 +9,7 @@ number of guided layers next to it (or at --png_out), and prints a table.
 
 import os
 
-from absl import app, flags
+from absl import app, flags, logging
 import matplotlib
 
 matplotlib.use("Agg")
@@ -59,6 +59,7 @@ def plot(results: dict, path: str) -> None:
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
   config = StudyConfig(preset=_PRESET.value, task=_TASK.value, seed=_SEED.value,
                        sft_steps=_SFT_STEPS.value, rollouts=_ROLLOUTS.value,
                        new_tokens=_NEW_TOKENS.value, temperature=_TEMPERATURE.value,

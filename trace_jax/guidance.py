@@ -100,6 +100,18 @@ class Guidance:
     sites = {k: fp4.compact_guidance(q) for k, q in self.sites.items()}
     return dataclasses.replace(self, sites=sites, mode="compact")
 
+  def take(self, rows) -> "Guidance":
+    """The guidance of some sequences (a minibatch): rows index the batch axis."""
+    return dataclasses.replace(
+        self, sites=jax.tree.map(lambda a: a[rows], self.sites),
+        routing=None if self.routing is None else self.routing[:, rows])
+
+  def trim(self, slots: int) -> "Guidance":
+    """The first `slots` token slots."""
+    return dataclasses.replace(
+        self, sites=jax.tree.map(lambda a: a[:, :slots], self.sites),
+        routing=None if self.routing is None else self.routing[:, :, :slots])
+
   def without_routing(self) -> "Guidance":
     return dataclasses.replace(self, routing=None)
 

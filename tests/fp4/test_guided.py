@@ -1,7 +1,6 @@
 """Guided rounding (DESIGN.md section 3): recorded scales, mantissa bits or codes."""
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 

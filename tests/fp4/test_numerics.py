@@ -1,6 +1,5 @@
 """E2M1 / E4M3 / E8M0 element and scale numerics against ml_dtypes and the format specs."""
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

@@ -1,6 +1,5 @@
 """NVFP4 / MXFP4 quantization against the spec: golden examples, a NumPy reference, modes."""
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np

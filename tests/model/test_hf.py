@@ -2,7 +2,6 @@
 tests/fixtures/hf/make_fixtures.py) load and give the reference logits and experts."""
 
 import json
-import os
 import pathlib
 import shutil
 

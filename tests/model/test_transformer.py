@@ -163,11 +163,16 @@ def test_recorded_sites_are_the_quantized_activations(tiny_model):
   cfg = tiny_model.cfg
   expected_sites = {"attn_in", "attn_out", "k", "v", "moe_in", "moe_mid"}
   assert set(sites) == {(layer, s) for layer in range(cfg.num_layers) for s in expected_sites}
-  # Layer 0's attention input is attn_norm(embedding): quantize it independently.
+  # Every record is fp4.quantize of that site's input, per row, bit for bit.
+  _, aux_inputs = nnx.jit(lambda m, t: m(t, quant=FP4, record=True, record_inputs=True))(tiny_model, tokens)
+  for key, recorded in aux_inputs["sites"].items():
+    expected = fp4.quantize(aux_inputs["site_inputs"][key], global_group="row")
+    np.testing.assert_array_equal(recorded.packed, expected.packed, err_msg=str(key))
+    np.testing.assert_array_equal(recorded.global_scale, expected.global_scale, err_msg=str(key))
+  # Layer 0's attention input is attn_norm(embedding), computed here independently.
   x = tiny_model.embed.get_value()[tokens]
-  expected = fp4.quantize(tiny_model.blocks[0].attn_norm(x), global_group="row")
-  np.testing.assert_array_equal(sites[(0, "attn_in")].packed, expected.packed)
-  np.testing.assert_array_equal(sites[(0, "attn_in")].global_scale, expected.global_scale)
+  np.testing.assert_allclose(aux_inputs["site_inputs"][(0, "attn_in")],
+                             tiny_model.blocks[0].attn_norm(x), rtol=1e-6, atol=1e-6)
   chex.assert_shape(sites[(0, "k")].global_scale, (2, 12, cfg.num_kv_heads, 1))
   chex.assert_shape(sites[(1, "moe_mid")].packed, (2, 12, cfg.num_experts_per_tok, cfg.moe_ffn_dim // 2))
 

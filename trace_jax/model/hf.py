@@ -14,7 +14,6 @@ import json
 import os
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

@@ -81,6 +81,8 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
   return model
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-  """Shard the leading (batch) axis over "data"."""
-  return NamedSharding(mesh, P("data", *([None] * (ndim - 1))))
+def batch_sharding(mesh: Mesh, ndim: int = 2, axis: int = 0) -> NamedSharding:
+  """Shard the batch axis (`axis`, leading by default) over "data"."""
+  spec = [None] * ndim
+  spec[axis] = "data"
+  return NamedSharding(mesh, P(*spec))

@@ -9,13 +9,13 @@ from trace_jax.tasks.tokenizer import Tokenizer
 
 
 def prompt_ids(tokenizer: Tokenizer, item: Item) -> list[int]:
-  """<bos> + the prompt text."""
-  return [tokenizer.bos_id] + tokenizer.encode(item.prompt)
+  """<bos> + the prompt text (characters the tokenizer lacks become '?')."""
+  return [tokenizer.bos_id] + tokenizer.encode(item.prompt, errors="replace")
 
 
 def observation_ids(tokenizer: Tokenizer, text: str) -> list[int]:
   """An environment observation, wrapped in <obs> ... </obs> when the tokenizer has them."""
-  ids = tokenizer.encode(text)
+  ids = tokenizer.encode(text, errors="replace")
   if hasattr(tokenizer, "obs_id"):
     return [tokenizer.obs_id] + ids + [tokenizer.obs_end_id]
   return ids
@@ -34,7 +34,8 @@ def demonstration_pairs(task: Task, tokenizer: Tokenizer, seed: int, n: int
   for item in task.sample(seed, n):
     prompt = prompt_ids(tokenizer, item)
     if not task.multi_turn:
-      pairs.append((prompt, tokenizer.encode(item.demonstration) + [tokenizer.eos_id]))
+      pairs.append((prompt, tokenizer.encode(item.demonstration, errors="replace")
+                     + [tokenizer.eos_id]))
       continue
     completion, state = [], task.reset(item)
     for action in item.demonstration:

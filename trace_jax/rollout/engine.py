@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx
 
 from trace_jax import guidance as guidance_lib
-from trace_jax.model.cache import KVCache, init_cache
+from trace_jax.model.cache import init_cache
+from trace_jax.model.sharding import batch_sharding
 from trace_jax.model.quant import resolve_layers
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
@@ -105,6 +106,24 @@ class Rollout:
 
   def without_cache(self) -> "Rollout":
     return dataclasses.replace(self, cache=None)
+
+  def trim(self, slots: int) -> "Rollout":
+    """The first `slots` slots (all real tokens must lie there), without the cache."""
+    per_slot = lambda a: None if a is None else a[:, :slots]
+    return dataclasses.replace(
+        self, cache=None,
+        **{f: per_slot(getattr(self, f)) for f in ("tokens", "positions", "prompt_mask",
+                                                    "response_mask", "env_mask", "logprobs",
+                                                    "sampling_logprobs")},
+        guidance=None if self.guidance is None else self.guidance.trim(slots),
+        routing=None if self.routing is None else self.routing[:, :, :slots],
+        site_inputs=None if self.site_inputs is None else jax.tree.map(per_slot, self.site_inputs))
+
+  @property
+  def used_slots(self) -> int:
+    """Slots written so far (the cache's write index)."""
+    mask = np.asarray(self.mask)
+    return int(np.nonzero(mask.any(axis=0))[0].max()) + 1 if mask.any() else 0
 
   def to_host(self) -> "Rollout":
     """The trajectories on the host, without the cache (which stays with the engine)."""
@@ -311,10 +330,13 @@ class RolloutEngine:
     config: RolloutConfig.
     capture_inputs: also keep every guided site's activation before quantization
       (`Rollout.site_inputs`; for checks and studies, memory-hungry).
+    mesh: a device mesh whose "data" axis splits the batch (data-parallel rollouts).
   """
 
-  def __init__(self, policy: Transformer, config: RolloutConfig, *, capture_inputs: bool = False):
+  def __init__(self, policy: Transformer, config: RolloutConfig, *, capture_inputs: bool = False,
+               mesh=None):
     self.config = config
+    self.mesh = mesh
     self.cfg = policy.cfg
     cfg = policy.cfg
     guided = resolve_layers(config.guided_layers, cfg.num_layers, field="guided_layers")
@@ -347,7 +369,13 @@ class RolloutEngine:
                        f"{tokens.shape[1]}) plus max_new_tokens="
                        f"{self.config.sampling.max_new_tokens} needs {need} slots; "
                        f"max_len={self.config.max_len}")
+    tokens, mask = self._place(tokens), self._place(mask)
     return _generate(self.graphdef, self.params, tokens, mask, key, self.statics)
+
+  def _place(self, array):
+    if self.mesh is None:
+      return array
+    return jax.device_put(array, batch_sharding(self.mesh, array.ndim))
 
   def continue_(self, rollout: Rollout, observations: Sequence[Sequence[int]],
                 key: jax.Array) -> Rollout:
@@ -366,6 +394,7 @@ class RolloutEngine:
       raise ValueError(f"continuing needs {need} slots (used {int(rollout.cache.index)}, "
                        f"observations padded to {chunk.shape[1]}, max_new_tokens="
                        f"{self.config.sampling.max_new_tokens}); max_len={self.config.max_len}")
+    chunk, mask = self._place(chunk), self._place(mask)
     return _continue(self.graphdef, self.params, rollout, chunk, mask, key, self.statics)
 
 

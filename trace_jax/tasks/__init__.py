@@ -2,5 +2,7 @@
 
 from trace_jax.tasks.arithmetic import Arithmetic
 from trace_jax.tasks.base import EnvStep, Item, Task
+from trace_jax.tasks.coding import Coding
+from trace_jax.tasks.search import Search
 from trace_jax.tasks.registry import get_task, register, registered
 from trace_jax.tasks.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer

@@ -1,11 +1,13 @@
 """Reasoning: multi-step integer arithmetic, evaluated left to right, with an exact answer.
 
-  prompt         "37+8-15+4="
-  demonstration  "37+8=45;45-15=30;30+4=34;#34"
+  prompt         "7+8-5+4="            (terms=4)
+  demonstration  "7+8=15;15-5=10;10+4=14;#14"
   score          1.0 if the number after the last '#' equals the answer, else 0.0
 
-Difficulty: `terms` (operands, >= 2: steps = terms - 1) and `max_operand`. Small enough for a
-CPU model to learn, multi-step so that one wrong digit anywhere costs the reward.
+Difficulty: `terms` (operands, >= 2: the chain has terms - 1 steps, each written out) and
+`max_operand`. The default, two single-digit operands, is what a `small` CPU model learns
+from a short SFT and then improves with RL in minutes; three or more terms make multi-step
+chains where one wrong digit anywhere costs the reward.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class Arithmetic(Task):
   name = "arith"
   kind = "reasoning"
 
-  def __init__(self, terms: int = 3, max_operand: int = 20, ops: str = "+-"):
+  def __init__(self, terms: int = 2, max_operand: int = 9, ops: str = "+-"):
     if not isinstance(terms, int) or terms < 2:
       raise ValueError(f"arith: terms={terms!r} must be an int >= 2")
     if not isinstance(max_operand, int) or max_operand < 1:

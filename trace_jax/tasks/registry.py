@@ -6,9 +6,13 @@ from typing import Callable
 
 from trace_jax.tasks.arithmetic import Arithmetic
 from trace_jax.tasks.base import Task
+from trace_jax.tasks.coding import Coding
+from trace_jax.tasks.search import Search
 
 _REGISTRY: dict[str, Callable[..., Task]] = {
-    "arith": Arithmetic,
+    "arith": Arithmetic,  # reasoning
+    "coding": Coding,  # coding
+    "search": Search,  # long-horizon, multi-turn
 }
 
 

@@ -14,7 +14,7 @@ class Tokenizer(Protocol):
   bos_id: int
   eos_id: int
 
-  def encode(self, text: str) -> list[int]: ...
+  def encode(self, text: str, errors: str = "strict") -> list[int]: ...
 
   def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -32,11 +32,12 @@ class CharTokenizer:
     self.vocab_size = len(SPECIALS) + len(chars)
     self.pad_id, self.bos_id, self.eos_id, self.obs_id, self.obs_end_id = range(len(SPECIALS))
 
-  def encode(self, text: str) -> list[int]:
+  def encode(self, text: str, errors: str = "strict") -> list[int]:
+    """Ids of the characters; errors="replace" maps unknown ones to '?', "strict" raises."""
     unknown = sorted(set(c for c in text if c not in self._to_id))
-    if unknown:
+    if unknown and errors == "strict":
       raise ValueError(f"CharTokenizer cannot encode characters {unknown!r}")
-    return [self._to_id[c] for c in text]
+    return [self._to_id.get(c, self._to_id["?"]) for c in text]
 
   def decode(self, ids: Sequence[int]) -> str:
     """Text of the ids; special tokens are dropped, ids out of range become '?'."""
@@ -63,12 +64,15 @@ class HFTokenizer:
     self.vocab_size = self._tok.get_vocab_size()
 
     def special(name, candidates):
-      for token in ([name] if name else []) + candidates:
+      if name:  # asked for by name: it must exist
+        tid = self._tok.token_to_id(name)
+        if tid is None:
+          raise ValueError(f"{path}: no token {name!r}")
+        return tid
+      for token in candidates:
         tid = self._tok.token_to_id(token)
         if tid is not None:
           return tid
-      if name:
-        raise ValueError(f"{path}: no token {name!r}")
       return None
 
     self.eos_id = special(eos, ["</s>", "<|endoftext|>", "<|im_end|>", "<eos>"])
@@ -79,7 +83,8 @@ class HFTokenizer:
     self.bos_id = self.eos_id if self.bos_id is None else self.bos_id
     self.pad_id = self.eos_id if self.pad_id is None else self.pad_id
 
-  def encode(self, text: str) -> list[int]:
+  def encode(self, text: str, errors: str = "strict") -> list[int]:
+    del errors  # byte-level BPE encodes any text
     return self._tok.encode(text, add_special_tokens=False).ids
 
   def decode(self, ids: Sequence[int]) -> str:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -45,29 +45,35 @@ def sft_loss(model: Transformer, tokens, loss_mask, valid, quant: QuantConfig | 
   return nll + model.cfg.router_aux_loss_coef * aux["lb_loss"], nll
 
 
+@functools.lru_cache(maxsize=None)
+def _optimizer(learning_rate: float, steps: int, warmup: int):
+  """One transformation per schedule: optimizers built from the same one share compiled steps
+  (the transformation is part of the jitted step's static structure)."""
+  warmup = min(warmup, steps // 2)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup,
+                                                max(steps, warmup + 1), learning_rate * 0.1)
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
+
+
+@functools.partial(nnx.jit, static_argnames="quant")
+def _sft_step(model, opt, tokens, loss_mask, valid, *, quant):
+  (_, nll), grads = nnx.value_and_grad(lambda m: sft_loss(m, tokens, loss_mask, valid, quant),
+                                       has_aux=True)(model)
+  opt.update(model, grads)
+  return nll
+
+
 def train_sft(model: Transformer, batches: Callable[[int], tuple], *, steps: int,
               learning_rate: float = 3e-3, quant: QuantConfig | None = None,
               progress: bool = True, warmup: int = 20) -> list[float]:
   """Train `model` in place on `batches(step) -> sft_batch(...)`; returns the NLLs."""
   if steps < 0:
     raise ValueError(f"steps={steps} must be >= 0")
-  warmup = min(warmup, steps // 2)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup,
-                                                max(steps, warmup + 1), learning_rate * 0.1)
-  opt = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)),
-                      wrt=nnx.Param)
-
-  @nnx.jit
-  def step(model, opt, tokens, loss_mask, valid):
-    (_, nll), grads = nnx.value_and_grad(lambda m: sft_loss(m, tokens, loss_mask, valid, quant),
-                                         has_aux=True)(model)
-    opt.update(model, grads)
-    return nll
-
+  opt = nnx.Optimizer(model, _optimizer(learning_rate, steps, warmup), wrt=nnx.Param)
   losses = []
   bar = tqdm(range(steps), desc="sft", disable=not progress, leave=False)
   for i in bar:
-    nll = float(step(model, opt, *batches(i)))
+    nll = float(_sft_step(model, opt, *batches(i), quant=quant))
     if not np.isfinite(nll):
       raise FloatingPointError(f"SFT loss became {nll} at step {i}")
     losses.append(nll)

@@ -1,0 +1,103 @@
+"""The main job: RL of a small MoE policy from FP4 rollouts, with TRACE guidance by default.
+
+  python experiments/rl.py                                   # small, arith, arm trace, ~7 min on 2 cores
+  python experiments/rl.py --arm=fp4-qat --seed=1 --steps=30
+  python experiments/rl.py --task=search --max_new_tokens=6  # multi-turn
+  python experiments/rl.py --workdir=runs/x                  # resumes if runs/x holds a checkpoint
+
+Arms: bf16, fp4-rollout (FP4 rollout, bf16 training + TIS), fp4-qat (FP4 QAT, nearest),
+trace (guided QAT: compact, deeper half, routing replay), trace-full, ptq (bf16 training,
+evaluated in FP4). Writes <workdir>/metrics.jsonl, summary.json, reward.png, mismatch.png
+and prints a final table. A warm start (SFT on solver demonstrations) is made in the workdir
+first unless one is there.
+"""
+
+import os
+import time
+
+from absl import app, flags, logging
+
+from trace_jax.rl import report
+from trace_jax.rl.config import ARMS, RLConfig
+from trace_jax.rl.grpo import LossConfig
+from trace_jax.rl.trainer import Trainer, read_metrics
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<arm>-<task>-<time>).")
+_ARM = flags.DEFINE_string("arm", "trace", f"One of {sorted(ARMS)}.")
+_TASK = flags.DEFINE_string("task", "arith", "Task: arith, coding, search, or rg:<name>.")
+_TASK_OPTIONS = flags.DEFINE_list("task_options", [], "key=value options of the task (ints parsed).")
+_D = RLConfig()
+_PRESET = flags.DEFINE_string("preset", _D.preset, "Model preset.")
+_STEPS = flags.DEFINE_integer("steps", _D.steps, "RL steps.")
+_SEED = flags.DEFINE_integer("seed", _D.seed, "Seed of everything random.")
+_PROMPTS = flags.DEFINE_integer("prompts_per_step", _D.prompts_per_step, "Problems per step.")
+_GROUP = flags.DEFINE_integer("group_size", _D.group_size, "Samples per problem.")
+_NEW = flags.DEFINE_integer("max_new_tokens", _D.max_new_tokens, "Max tokens per turn.")
+_TEMP = flags.DEFINE_float("temperature", _D.temperature, "Sampling temperature.")
+_LR = flags.DEFINE_float("learning_rate", _D.learning_rate, "Adam learning rate.")
+_MINIBATCHES = flags.DEFINE_integer("minibatches", 2, "Updates per step.")
+_CLIP_LOW = flags.DEFINE_float("clip_low", 0.2, "Ratio clip below: 1 - clip_low.")
+_CLIP_HIGH = flags.DEFINE_float("clip_high", 0.28, "Ratio clip above: 1 + clip_high.")
+_AGG = flags.DEFINE_enum("aggregation", "token", ["token", "sequence"], "Loss aggregation.")
+_STD = flags.DEFINE_bool("std_norm", True, "Divide advantages by the group std.")
+_KL = flags.DEFINE_float("kl_coef", 0.0, "KL-to-reference weight.")
+_CORR = flags.DEFINE_enum("rollout_correction", "auto", ["auto", "tis", "mask", "none"],
+                          "Correction on pi_old / pi_rollout (auto: TIS for fp4-rollout).")
+_TIS = flags.DEFINE_float("tis_threshold", 2.0, "TIS truncation / masking threshold.")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", _D.eval_every, "Greedy evaluation period (steps).")
+_EVAL_SIZE = flags.DEFINE_integer("eval_size", _D.eval_size, "Evaluation problems.")
+_SFT = flags.DEFINE_integer("sft_steps", _D.sft_steps, "Warm-start SFT steps (when the workdir has none).")
+_MESH = flags.DEFINE_list("mesh", ["1", "1", "1"], "data,expert,model device counts.")
+_DTYPE = flags.DEFINE_enum("compute_dtype", "bfloat16", ["bfloat16", "float32"], "Activations.")
+
+
+def _options():
+  out = []
+  for kv in _TASK_OPTIONS.value:
+    if "=" not in kv:
+      raise app.UsageError(f"--task_options expects key=value, got {kv!r}")
+    k, v = kv.split("=", 1)
+    out.append((k, int(v) if v.lstrip("-").isdigit() else v))
+  return tuple(out)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
+  try:
+    config = RLConfig(
+        arm=_ARM.value, task=_TASK.value, task_options=_options(), preset=_PRESET.value,
+        seed=_SEED.value, steps=_STEPS.value, prompts_per_step=_PROMPTS.value,
+        group_size=_GROUP.value, max_new_tokens=_NEW.value, temperature=_TEMP.value,
+        learning_rate=_LR.value, minibatches=_MINIBATCHES.value,
+        loss=LossConfig(clip_low=_CLIP_LOW.value, clip_high=_CLIP_HIGH.value,
+                        aggregation=_AGG.value, std_norm=_STD.value, kl_coef=_KL.value,
+                        tis_threshold=_TIS.value),
+        correction=_CORR.value, eval_every=_EVAL_EVERY.value, eval_size=_EVAL_SIZE.value,
+        sft_steps=_SFT.value, mesh=tuple(int(m) for m in _MESH.value),
+        compute_dtype=_DTYPE.value)
+    workdir = _WORKDIR.value or os.path.join(
+        "runs", f"{config.arm}-{config.task.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    start = time.time()
+    trainer = Trainer(config, workdir)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  print(f"workdir {trainer.workdir}; warm start: {trainer.warmstart}")
+  trainer.run()
+  metrics = read_metrics(trainer.workdir)
+  summary = report.summarize(config, metrics, time.time() - start, trainer.warmstart)
+  report.write_summary(trainer.workdir, summary)
+  plots = report.plot(metrics, trainer.workdir, f"{config.arm} on {config.task} ({config.preset})")
+  print()
+  print(report.final_table(metrics))
+  print(f"\n{config.arm} on {config.task}: greedy {summary['eval_precision']} eval reward "
+        f"{summary['initial_eval_reward']} -> {summary['final_eval_reward']}, mean k3_kl "
+        f"{summary['mean_k3_kl']:.3e}, guidance {summary['guidance_bytes_per_token']:.0f} B/token, "
+        f"rollout {summary['rollout_seconds']:.0f} s, train {summary['train_seconds']:.0f} s, "
+        f"wall {summary['wall_seconds']:.0f} s")
+  print(f"wrote {os.path.join(trainer.workdir, 'summary.json')}, metrics.jsonl, "
+        f"{', '.join(os.path.basename(p) for p in plots)}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,138 @@
+"""The RL trainer end to end: each task kind, exact resume, bad input, a device mesh."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from trace_jax.rl import report
+from trace_jax.rl.config import RLConfig
+from trace_jax.rl.trainer import Trainer, read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIMING = ("rollout_seconds", "train_seconds")
+
+
+def _config(**overrides):
+  base = dict(preset="tiny", steps=2, prompts_per_step=2, group_size=4, minibatches=2, max_new_tokens=8,
+              sft_steps=3, sft_batch=8, eval_size=4, eval_every=2, checkpoint_every=1)
+  return RLConfig(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("task, options", [("arith", ()), ("coding", ()),
+                                           ("search", (("bits", 3), ("max_turns", 5)))])
+def test_short_run_on_each_task_kind(tmp_path, task, options):
+  # arith and coding share one prompt width, so the second reuses the first's compilations.
+  config = _config(task=task, task_options=options, max_new_tokens=4 if task == "search" else 8,
+                   prompt_bucket=8 if task == "search" else 32)
+  trainer = Trainer(config, str(tmp_path), progress=False)
+  history = trainer.run()
+  assert [m["step"] for m in history] == [1, 2]
+  for m in history:
+    for key in ("rewards/mean", "mismatch/k3_kl", "mismatch/kl", "is_ratio/mean", "tis/clip_frac",
+                "pg_clipfrac", "entropy", "completions/mean_length", "guidance/bytes_per_token",
+                "guidance/agree_frac"):
+      assert key in m and np.isfinite(m[key]), key
+  assert history[-1]["guidance/bytes_per_token"] > 0  # the trace arm captures guidance
+  if task == "search":
+    assert max(m["episodes/mean_turns"] for m in history) > 1
+  metrics = read_metrics(str(tmp_path))
+  assert "eval/reward_fp4" in metrics[0] and "eval/reward_bf16" in metrics[-1]
+  summary = report.summarize(config, metrics, 1.0, trainer.warmstart)
+  for key in ("arm", "task", "steps", "initial_eval_reward", "final_eval_reward", "mean_k3_kl",
+              "guidance_bytes_per_token", "rollout_seconds", "train_seconds"):
+    assert summary[key] is not None, key
+  for path in report.plot(metrics, str(tmp_path), "test"):
+    assert os.path.getsize(path) > 1000
+
+
+def _params(trainer):
+  return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.policy)))
+
+
+def test_resume_continues_exactly(tmp_path):
+  config = _config(steps=4, eval_every=0, prompt_bucket=32)
+  straight = Trainer(config, str(tmp_path / "straight"), progress=False)
+  straight.run()
+  first = Trainer(dataclasses.replace(config, steps=2), str(tmp_path / "resumed"), progress=False)
+  first.run()
+  resumed = Trainer(config, str(tmp_path / "resumed"), progress=False)
+  assert resumed.step == 2 and resumed.warmstart["loaded"]
+  resumed.run()
+  jax.tree.map(np.testing.assert_array_equal, _params(resumed), _params(straight))
+  a = read_metrics(str(tmp_path / "straight"))
+  b = read_metrics(str(tmp_path / "resumed"))
+  assert [m["step"] for m in b] == [1, 2, 3, 4]
+  strip = lambda m: {k: v for k, v in m.items() if k not in TIMING}
+  assert [strip(m) for m in a] == [strip(m) for m in b]
+
+
+def test_resume_with_another_config_names_the_fields(tmp_path):
+  Trainer(_config(steps=1, eval_every=0, prompt_bucket=32), str(tmp_path), progress=False).run()
+  with pytest.raises(ValueError, match=r"\['group_size', 'learning_rate'\]"):
+    Trainer(_config(steps=1, eval_every=0, prompt_bucket=32, learning_rate=1e-3, group_size=2),
+            str(tmp_path), progress=False)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(arm="int8"), "arm='int8'.*trace"),
+    (dict(task="chess"), "task='chess'.*arith"),
+    (dict(preset="huge"), "preset='huge'.*tiny"),
+    (dict(group_size=3, minibatches=2, prompts_per_step=1), "minibatches"),
+    (dict(correction="always"), "correction='always'"),
+])
+def test_bad_configs(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    _config(**overrides)
+
+
+def test_unwritable_workdir(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  with pytest.raises(ValueError, match="not writable"):
+    Trainer(_config(), str(blocker / "run"), progress=False)
+
+
+MESH_SCRIPT = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    from trace_jax.rl.config import RLConfig
+    from trace_jax.rl.trainer import Trainer
+    assert jax.device_count() == 8
+    config = RLConfig(preset="tiny", steps=2, prompts_per_step=4, group_size=4, minibatches=2, max_new_tokens=8,
+                      sft_steps=0, eval_size=8, eval_every=0, checkpoint_every=0,
+                      mesh=(8, 1, 1))
+    trainer = Trainer(config, sys.argv[1], progress=False)
+    history = trainer.run()
+    assert all(np.isfinite(m["loss"]) for m in history)
+    tokens = trainer.engine.generate([[1, 5, 6]] * 16, jax.random.key(0)).tokens
+    assert len(tokens.sharding.device_set) == 8, tokens.sharding
+    print("OK", [round(m["rewards/mean"], 3) for m in history])
+""")
+
+
+def test_data_parallel_run_on_eight_devices(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  result = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(tmp_path)], capture_output=True,
+                          text=True, env=env, timeout=900)
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert "OK" in result.stdout
+
+
+@pytest.mark.slow
+def test_main_job_script(tmp_path):
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "rl.py"), f"--workdir={tmp_path}",
+         "--steps=4", "--sft_steps=10", "--eval_every=2", "--eval_size=8", "--prompts_per_step=4"]
+  result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["arm"] == "trace" and summary["steps"] == 4
+  assert (tmp_path / "reward.png").exists() and (tmp_path / "mismatch.png").exists()

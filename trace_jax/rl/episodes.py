@@ -1,0 +1,74 @@
+"""Play a batch of task items with a rollout engine: one turn, or a multi-turn episode whose
+observations are appended to the same growing sequences (and KV cache)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from trace_jax.rl import data
+from trace_jax.rollout.engine import Rollout, RolloutEngine
+from trace_jax.tasks.base import Item, Task
+from trace_jax.tasks.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class Episodes:
+  """A played batch: the rollout (all turns), each sequence's reward and action texts."""
+
+  rollout: Rollout
+  rewards: np.ndarray  # float32 [B]
+  actions: list[list[str]]  # per sequence, the text of each turn's action
+  turns: np.ndarray  # int32 [B], actions taken
+
+
+def max_len_for(task: Task, prompt_len: int, max_new_tokens: int, bucket: int) -> int:
+  """Cache slots an episode can need: the padded prompt, then per turn the action and
+  the padded observation."""
+  rounded = lambda n: -(-n // bucket) * bucket
+  per_turn = max_new_tokens + (rounded(8) if task.multi_turn else 0)
+  return rounded(prompt_len) + task.max_turns * per_turn
+
+
+def play(engine: RolloutEngine, task: Task, tokenizer: Tokenizer, items: Sequence[Item],
+         key: jax.Array) -> Episodes:
+  """Roll out `items` (one sequence each) to the end of their episodes and score them."""
+  prompts = [data.prompt_ids(tokenizer, item) for item in items]
+  rollout = engine.generate(prompts, jax.random.fold_in(key, 0))
+  n = len(items)
+  if not task.multi_turn:
+    texts = data.decode_responses(tokenizer, rollout.responses())
+    rewards = np.asarray([task.score(item, text) for item, text in zip(items, texts)], np.float32)
+    return Episodes(rollout, rewards, [[t] for t in texts], np.ones(n, np.int32))
+
+  states = [task.reset(item) for item in items]
+  rewards = np.zeros(n, np.float32)
+  done = np.zeros(n, bool)
+  actions = [[] for _ in range(n)]
+  seen = np.zeros_like(np.asarray(rollout.response_mask))
+  for turn in range(task.max_turns):
+    response = np.asarray(rollout.response_mask)
+    tokens = np.asarray(rollout.tokens)
+    new = response & ~seen
+    seen = response
+    observations = []
+    for i in range(n):
+      if done[i]:
+        observations.append([])
+        continue
+      text = tokenizer.decode(tokens[i][new[i]])
+      actions[i].append(text)
+      states[i], step = task.step(states[i], text)
+      if step.done:
+        done[i], rewards[i] = True, step.reward
+        observations.append([])
+      else:
+        observations.append(data.observation_ids(tokenizer, step.observation))
+    if done.all() or turn == task.max_turns - 1:
+      break
+    rollout = engine.continue_(rollout, observations, jax.random.fold_in(key, turn + 1))
+  turns = np.asarray([len(a) for a in actions], np.int32)
+  return Episodes(rollout, rewards, actions, turns)

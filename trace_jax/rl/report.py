@@ -1,0 +1,105 @@
+"""What an RL run leaves behind: summary.json, PNG plots, a final table."""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from trace_jax.rl.config import RLConfig  # noqa: E402
+from trace_jax.utils import markdown_table, write_json  # noqa: E402
+
+
+def eval_curve(metrics: list[dict], precision: str):
+  rows = [(m["step"], m[f"eval/reward_{precision}"]) for m in metrics
+          if f"eval/reward_{precision}" in m]
+  return [r[0] for r in rows], [r[1] for r in rows]
+
+
+def summarize(config: RLConfig, metrics: list[dict], wall_seconds: float,
+              warmstart: dict | None = None) -> dict:
+  """The summary.json contract: arm, task, steps, initial/final eval reward (in the arm's
+  deployment precision: bf16 for the bf16 arm, FP4 otherwise), mean k3 KL, guidance bytes
+  per token, rollout and train seconds; plus both precisions' evals."""
+  train = [m for m in metrics if "rewards/mean" in m]
+  deploy = config.arm_spec.deploy
+  summary = {"arm": config.arm, "task": config.task, "preset": config.preset, "seed": config.seed,
+             "steps": max([m["step"] for m in train], default=0)}
+  for precision in ("fp4", "bf16"):
+    steps, rewards = eval_curve(metrics, precision)
+    summary[f"initial_eval_reward_{precision}"] = rewards[0] if rewards else None
+    summary[f"final_eval_reward_{precision}"] = rewards[-1] if rewards else None
+  summary["eval_precision"] = deploy
+  summary["initial_eval_reward"] = summary[f"initial_eval_reward_{deploy}"]
+  summary["final_eval_reward"] = summary[f"final_eval_reward_{deploy}"]
+  mean = lambda key: float(np.mean([m[key] for m in train if key in m])) if train else None
+  summary.update({
+      "mean_k3_kl": mean("mismatch/k3_kl"),
+      "mean_logp_abs_diff": mean("mismatch/logp_abs_diff"),
+      "mean_train_reward": mean("rewards/mean"),
+      "guidance_bytes_per_token": mean("guidance/bytes_per_token"),
+      "rollout_seconds": float(sum(m["rollout_seconds"] for m in train)),
+      "train_seconds": float(sum(m["train_seconds"] for m in train)),
+      "wall_seconds": wall_seconds,
+      "warmstart": warmstart,
+      "config": config.to_dict(),
+  })
+  return summary
+
+
+def plot(metrics: list[dict], workdir: str, title: str) -> list[str]:
+  """reward.png (train reward, greedy evals) and mismatch.png (k3 KL, |dlogp|) over steps."""
+  train = [m for m in metrics if "rewards/mean" in m]
+  paths = []
+  fig, ax = plt.subplots(figsize=(7, 4))
+  if train:
+    steps = [m["step"] for m in train]
+    rewards = np.asarray([m["rewards/mean"] for m in train])
+    ax.plot(steps, rewards, alpha=0.3, label="train reward (sampled)")
+    window = min(10, len(rewards))
+    smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
+    ax.plot(steps[window - 1:], smooth, label=f"train reward, mean of {window}")
+  for precision, marker in (("fp4", "o"), ("bf16", "s")):
+    steps, rewards = eval_curve(metrics, precision)
+    if steps:
+      ax.plot(steps, rewards, marker=marker, label=f"greedy eval, {precision}")
+  ax.set(xlabel="step", ylabel="reward", title=title, ylim=(-0.02, 1.02))
+  ax.legend()
+  paths.append(os.path.join(workdir, "reward.png"))
+  fig.tight_layout()
+  fig.savefig(paths[-1], dpi=110)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(7, 4))
+  if train:
+    steps = [m["step"] for m in train]
+    ax.semilogy(steps, [max(m["mismatch/k3_kl"], 1e-12) for m in train], label="mismatch/k3_kl")
+    ax.semilogy(steps, [max(m["mismatch/logp_abs_diff"], 1e-12) for m in train],
+                label="mismatch/logp_abs_diff")
+  ax.set(xlabel="step", title=f"{title}: rollout vs training path")
+  ax.legend()
+  paths.append(os.path.join(workdir, "mismatch.png"))
+  fig.tight_layout()
+  fig.savefig(paths[-1], dpi=110)
+  plt.close(fig)
+  return paths
+
+
+def final_table(metrics: list[dict]) -> str:
+  rows = []
+  for m in metrics:
+    if "eval/reward_fp4" in m or "eval/reward_bf16" in m:
+      fmt = lambda k, f="{:.3f}": f.format(m[k]) if k in m else "-"
+      rows.append((m["step"], fmt("eval/reward_fp4"), fmt("eval/reward_bf16"),
+                   fmt("rewards/mean"), fmt("mismatch/k3_kl", "{:.2e}"),
+                   fmt("guidance/agree_frac", "{:.4f}")))
+  return markdown_table(["step", "eval fp4", "eval bf16", "train reward", "k3_kl",
+                         "guidance agree"], rows)
+
+
+def write_summary(workdir: str, summary: dict) -> None:
+  write_json(os.path.join(workdir, "summary.json"), summary)

@@ -1,0 +1,331 @@
+"""The RL loop (DESIGN.md section 4):
+
+  for each step:
+    1. sample problems, `group_size` samples each;
+    2. roll out with the arm's precision, capturing its guidance (one or more turns);
+    3. move the guidance to the host (where it waits for the trainer), then back;
+    4. training-path log-probs of the sampled tokens = pi_old, with the arm's quantization,
+       guidance and routing replay; the mismatch metrics compare them with the rollout's;
+    5. minibatch GRPO updates (optax);
+    6. weight sync: the rollout engines re-quantize the new weights (`quantize_params`);
+  and every `eval_every` steps a greedy evaluation in FP4 and in bf16.
+
+Everything random derives from (seed, step), and checkpoints hold the policy, optimizer,
+reference policy and step, so a resumed run continues exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm.auto import tqdm
+
+from trace_jax.model.config import get_preset
+from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model
+from trace_jax.model.transformer import Transformer
+from trace_jax.rl import data
+from trace_jax.rl import episodes as episodes_lib
+from trace_jax.rl import warmstart
+from trace_jax.rl.checkpoint import Checkpoints
+from trace_jax.rl.config import RLConfig
+from trace_jax.rl.grpo import group_advantages, grpo_loss
+from trace_jax.rl.metrics import code_disagreement, guidance_agreement, mismatch_metrics
+from trace_jax.rollout.config import RolloutConfig, SamplingConfig
+from trace_jax.rollout.engine import RolloutEngine
+from trace_jax.tasks.registry import get_task
+from trace_jax.tasks.tokenizer import CharTokenizer
+from trace_jax.training.forward import token_entropy, training_forward
+
+_STATIC = ("quant", "replay", "dtype", "temperature")
+
+
+@functools.partial(nnx.jit, static_argnames=_STATIC)
+def _old_logprobs(policy, batch, guidance, *, quant, replay, dtype, temperature):
+  logp, logits, aux = training_forward(policy, batch["tokens"], batch["positions"], batch["mask"],
+                                       quant=quant, guidance=guidance, routing_replay=replay,
+                                       temperature=temperature, dtype=dtype, record=True)
+  return logp, token_entropy(logits, temperature), aux.get("fallbacks", {}), aux.get("sites", {})
+
+
+@functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config",))
+def _train_step(policy, opt, batch, guidance, ref_logp, *, quant, replay, dtype, temperature,
+                loss_config):
+  def loss_fn(policy):
+    logp, _, aux = training_forward(policy, batch["tokens"], batch["positions"], batch["mask"],
+                                    quant=quant, guidance=guidance, routing_replay=replay,
+                                    temperature=temperature, dtype=dtype)
+    loss, stats = grpo_loss(logp, batch["old_logp"], batch["rollout_logp"], batch["advantages"],
+                            batch["response_mask"], loss_config, ref_logp)
+    return loss + policy.cfg.router_aux_loss_coef * aux["lb_loss"], stats
+
+  (loss, stats), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
+  opt.update(policy, grads)
+  return loss, stats, optax.global_norm(grads)
+
+
+@functools.lru_cache(maxsize=None)
+def _optimizer(learning_rate: float):
+  """One transformation per learning rate, so runs of one config share compiled steps."""
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(learning_rate))
+
+
+def check_workdir(workdir: str) -> str:
+  """An absolute, writable workdir (created), or a ValueError before any work."""
+  path = os.path.abspath(workdir)
+  try:
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, ".write_test")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise ValueError(f"workdir {workdir!r} is not writable: {e}") from e
+  return path
+
+
+class Trainer:
+  """One RL run in `workdir` (resumed if the workdir holds a checkpoint of the same config)."""
+
+  def __init__(self, config: RLConfig, workdir: str, *, progress: bool = True):
+    self.config = config
+    self.workdir = check_workdir(workdir)
+    self.progress = progress
+    self.checkpoints = Checkpoints(os.path.join(self.workdir, "checkpoints"))
+    latest = self.checkpoints.latest_step()
+    if latest is not None:  # refuse a resume with another config before any work
+      saved = self.checkpoints.read_meta(latest)["config"]
+      differing = config.differences(saved)
+      if differing:
+        raise ValueError(f"{self.workdir} holds a checkpoint of a different config; fields that "
+                         f"differ: {differing} (use another --workdir)")
+    self.task = get_task(config.task, **dict(config.task_options))
+    self.tokenizer = CharTokenizer()
+    preset = get_preset(config.preset)
+    self.model_cfg = preset.replace(vocab_size=max(preset.vocab_size, self.tokenizer.vocab_size))
+    self.arm = config.arm_spec
+    self.mesh = make_mesh(*config.mesh) if np.prod(config.mesh) > 1 else None
+
+    self.policy = Transformer(self.model_cfg, rngs=nnx.Rngs(config.seed))
+    self.warmstart = warmstart.load_or_train(
+        self.policy, self.workdir, self.task, self.tokenizer, steps=config.sft_steps,
+        batch=config.sft_batch, seed=config.seed, learning_rate=config.sft_learning_rate,
+        progress=progress)
+    if self.mesh is not None:
+      shard_model(self.policy, self.mesh)
+    self.reference = None
+    if config.loss.kl_coef > 0:  # a frozen copy of the warm start (its own Variables)
+      self.reference = nnx.merge(*nnx.split(self.policy))
+    self.opt = nnx.Optimizer(self.policy, _optimizer(config.learning_rate), wrt=nnx.Param)
+    self.step = 0
+    if latest is not None:
+      self._restore(latest)
+
+    prompt_len = max(len(p) for p in self._prompt_ids(self.task.sample(0, 64)))
+    bucket = config.prompt_bucket or (8 if self.task.multi_turn else 16)
+    max_len = episodes_lib.max_len_for(self.task, prompt_len, config.max_new_tokens, bucket)
+    sampling = SamplingConfig(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                              stop_tokens=(self.tokenizer.eos_id,))
+    base = RolloutConfig(max_len=max_len, prompt_bucket=bucket, sampling=sampling,
+                         compute_dtype=config.compute_dtype, pad_id=self.tokenizer.pad_id)
+    self.engine = RolloutEngine(self.policy, base.replace(
+        precision=self.arm.rollout_precision, guidance=self.arm.guidance,
+        guided_layers=self.arm.guided_layers, record_routing=self.arm.routing_replay),
+        mesh=self.mesh)
+    greedy = base.replace(sampling=SamplingConfig(greedy=True, max_new_tokens=config.max_new_tokens,
+                                                  stop_tokens=(self.tokenizer.eos_id,)),
+                          guidance="none", record_routing=False)
+    self.eval_engines = {"fp4": RolloutEngine(self.policy, greedy.replace(precision="fp4"), mesh=self.mesh),
+                         "bf16": RolloutEngine(self.policy, greedy.replace(precision="bf16"), mesh=self.mesh)}
+    self.eval_items = self.task.sample(10_007 * config.seed + 999_983, config.eval_size)
+    self.metrics_path = os.path.join(self.workdir, "metrics.jsonl")
+    self._truncate_metrics(self.step)
+
+  # --- state --------------------------------------------------------------------------------
+
+  def _state(self) -> dict:
+    state = {"policy": nnx.state(self.policy), "opt": nnx.state(self.opt)}
+    if self.reference is not None:
+      state["reference"] = nnx.state(self.reference)
+    return state
+
+  def _restore(self, step: int) -> None:
+    restored = self.checkpoints.restore(step, self._state())
+    nnx.update(self.policy, restored["policy"])
+    nnx.update(self.opt, restored["opt"])
+    if self.reference is not None:
+      nnx.update(self.reference, restored["reference"])
+    self.step = int(self.checkpoints.read_meta(step)["step"])
+
+  def save(self) -> None:
+    meta = {"step": self.step, "config": self.config.to_dict(),
+            "seed_key": [int(x) for x in jax.random.key_data(self._key(self.step))]}
+    self.checkpoints.save(self.step, self._state(), meta)
+
+  def _truncate_metrics(self, step: int) -> None:
+    """Keep only the metrics of steps a resumed run has already done."""
+    if not os.path.exists(self.metrics_path):
+      return
+    with open(self.metrics_path) as f:
+      lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(self.metrics_path, "w") as f:
+      f.writelines(lines)
+
+  # --- one step -----------------------------------------------------------------------------
+
+  def _key(self, step: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(self.config.seed), step)
+
+  def _prompt_ids(self, items):
+    return [data.prompt_ids(self.tokenizer, item) for item in items]
+
+  def _static(self) -> dict:
+    return dict(quant=self.arm.train_quant, replay=self.arm.routing_replay,
+                dtype=jnp.dtype(self.config.compute_dtype), temperature=self.config.temperature)
+
+  def _shard(self, tree, axis: int = 0):
+    """Split the batch axis of every array over the mesh's "data" axis."""
+    if self.mesh is None or tree is None:
+      return tree
+    return jax.tree.map(lambda a: jax.device_put(a, batch_sharding(self.mesh, a.ndim, axis)), tree)
+
+  def _shard_guidance(self, guidance):
+    if self.mesh is None or guidance is None:
+      return guidance
+    return dataclasses.replace(guidance, sites=self._shard(guidance.sites),
+                               routing=self._shard(guidance.routing, axis=1))
+
+  def train_step(self) -> dict:
+    """One RL step; returns its metrics."""
+    config, step = self.config, self.step + 1
+    key = self._key(step)
+    start = time.time()
+    problems = self.task.sample(1_000_003 * config.seed + step, config.prompts_per_step)
+    items = [item for item in problems for _ in range(config.group_size)]
+    played = episodes_lib.play(self.engine, self.task, self.tokenizer, items, key)
+    slots = -(-played.rollout.used_slots // 16) * 16
+    rollout = played.rollout.trim(min(slots, played.rollout.tokens.shape[1]))
+    guidance = None
+    if rollout.guidance is not None and (self.arm.guidance != "none" or self.arm.routing_replay):
+      guidance = rollout.guidance.to_host()  # held on the host between rollout and training
+    rollout_seconds = time.time() - start
+
+    start = time.time()
+    if guidance is not None:
+      guidance = self._shard_guidance(guidance.to_device())
+    batch = self._shard({"tokens": rollout.tokens, "positions": rollout.positions,
+                         "mask": rollout.mask, "response_mask": rollout.response_mask,
+                         "rollout_logp": rollout.logprobs})
+    static = self._static()
+    old_logp, entropy, fallbacks, train_sites = _old_logprobs(self.policy, batch, guidance, **static)
+    ref_logp = None
+    if self.reference is not None:
+      ref_logp = _old_logprobs(self.reference, batch, guidance, **static)[0]
+    rewards = jnp.asarray(played.rewards)
+    advantages = group_advantages(rewards, config.group_size, std_norm=config.loss.std_norm)
+    batch.update(old_logp=old_logp, advantages=self._shard(advantages))
+    losses, stats_list, norms = [], [], []
+    size = config.batch // config.minibatches
+    for epoch in range(config.epochs):
+      for m in range(config.minibatches):
+        rows = np.arange(m * size, (m + 1) * size)
+        mini = jax.tree.map(lambda a: a[rows], batch)
+        mini_guidance = None if guidance is None else guidance.take(rows)
+        mini_ref = None if ref_logp is None else ref_logp[rows]
+        loss, stats, norm = _train_step(self.policy, self.opt, mini, mini_guidance, mini_ref,
+                                        loss_config=config.loss_config, **static)
+        losses.append(float(loss))
+        stats_list.append(jax.device_get(stats))
+        norms.append(float(norm))
+    if not np.all(np.isfinite(losses)):
+      raise FloatingPointError(f"step {step}: the loss is {losses}; stopping before it spreads")
+    for engine in (self.engine, *self.eval_engines.values()):
+      engine.sync(self.policy)  # weight sync
+    train_seconds = time.time() - start
+
+    response_mask = np.asarray(rollout.response_mask)
+    metrics = {"step": step, "rewards/mean": float(np.mean(played.rewards)),
+               "rewards/std": float(np.std(played.rewards)), "loss": float(np.mean(losses)),
+               "grad_norm": float(np.mean(norms)),
+               "pg_clipfrac": float(np.mean([s["pg_clipfrac"] for s in stats_list])),
+               "rollout_correction_frac": float(np.mean([s["rollout_correction_frac"] for s in stats_list])),
+               "kl_ref": float(np.mean([s["kl_ref"] for s in stats_list])),
+               "entropy": float(np.sum(np.asarray(entropy) * response_mask) / max(response_mask.sum(), 1)),
+               "completions/mean_length": float(response_mask.sum(1).mean()),
+               "episodes/mean_turns": float(played.turns.mean()),
+               "guidance/bytes_per_token": 0.0 if guidance is None or self.arm.guidance == "none"
+               else float(guidance.bytes_per_token()),
+               "rollout_seconds": rollout_seconds, "train_seconds": train_seconds}
+    metrics.update(mismatch_metrics(rollout.logprobs, old_logp, rollout.response_mask,
+                                    tis_threshold=config.loss.tis_threshold))
+    metrics.update(guidance_agreement(fallbacks, rollout.mask))
+    if guidance is not None and guidance.mode == "full":  # the rollout's codes are known
+      codes = code_disagreement(guidance.sites, train_sites, rollout.mask)
+      metrics["mismatch/code_disagree_frac"] = codes["code_disagree_frac"]
+      metrics.update({f"mismatch/code_disagree/layer_{layer}": frac
+                      for layer, frac in codes["per_layer"].items()})
+    self.step = step
+    return metrics
+
+  # --- evaluation ---------------------------------------------------------------------------
+
+  def evaluate(self) -> dict:
+    """Greedy reward on the fixed evaluation problems, in FP4 and in bf16."""
+    out = {}
+    if not self.eval_items:
+      return out
+    key = jax.random.key(0)
+    for precision, engine in self.eval_engines.items():
+      played = episodes_lib.play(engine, self.task, self.tokenizer, self.eval_items, key)
+      out[f"eval/reward_{precision}"] = float(np.mean(played.rewards))
+    return out
+
+  # --- the run --------------------------------------------------------------------------------
+
+  def log(self, metrics: dict) -> None:
+    with open(self.metrics_path, "a") as f:
+      f.write(json.dumps(metrics) + "\n")
+
+  def run(self) -> list[dict]:
+    """Train until config.steps; returns the metrics of the steps run now."""
+    config = self.config
+    context = jax.set_mesh(self.mesh) if self.mesh is not None else _nullcontext()
+    history = []
+    with context:
+      if self.step == 0 and config.eval_every:
+        self.log({"step": 0, **self.evaluate()})
+      bar = tqdm(range(self.step, config.steps), desc=f"rl {config.arm}", disable=not self.progress,
+                 initial=self.step, total=config.steps)
+      for _ in bar:
+        metrics = self.train_step()
+        if config.eval_every and (self.step % config.eval_every == 0 or self.step == config.steps):
+          metrics.update(self.evaluate())
+        self.log(metrics)
+        history.append(metrics)
+        bar.set_postfix(reward=f"{metrics['rewards/mean']:.2f}",
+                        k3=f"{metrics['mismatch/k3_kl']:.1e}")
+        if config.checkpoint_every and (self.step % config.checkpoint_every == 0
+                                        or self.step == config.steps):
+          self.save()
+    return history
+
+
+class _nullcontext:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  with open(os.path.join(os.path.abspath(workdir), "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
