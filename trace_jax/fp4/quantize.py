@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.fp4 import numerics
-from trace_jax.fp4.qarray import CompactGuidance, QArray, dequantize, get_format
+from trace_jax.fp4.qarray import CompactGuidance, QArray, get_format
 
 ROUNDING_MODES = ("nearest", "stochastic", "guided")
 GlobalGroup = Union[str, int, Sequence[int]]
@@ -167,11 +167,11 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding):
   last_group_axes = tuple(a if a < axis else a - 1 for a in group_axes)
   reduce_axes = tuple(a for a in range(xl.ndim) if a not in last_group_axes)
   blocks = xl.reshape(*xl.shape[:-1], xl.shape[-1] // bs, bs)  # [..., nb, bs]
-  # One pass over the input: block amax, then the group's from the blocks'. max()
-  # propagates NaN and Inf, so the group amax also says whether the group is finite.
+  # Block amax, then the group's from the blocks'. Whether a group is finite is checked
+  # on its own: a max may drop NaN (Pallas kernels on CPU and GPU do).
   amax_b = jnp.max(jnp.abs(blocks), axis=-1)  # [..., nb]
   amax = jnp.max(amax_b, axis=reduce_axes, keepdims=True)  # [..., 1]
-  finite = jnp.isfinite(amax)
+  finite = jnp.all(jnp.isfinite(blocks).all(-1), axis=reduce_axes, keepdims=True)
 
   if rounding == "guided":
     global_scale = _to_last(guidance.global_scale.astype(jnp.float32), axis)
@@ -212,6 +212,10 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding):
   code = numerics.e2m1_sign(numerics.e2m1_unit_code(exponent, chosen), negative)
   magnitude = numerics.e2m1_unit_value(chosen, spacing)
   value = jnp.where(negative & (magnitude > 0), -magnitude, magnitude)  # 0 stays +0
+  # A non-finite group is marked by its NaN global scale; its codes and block scales are
+  # zeroed so that every implementation (XLA or a kernel) writes the same bytes there.
+  code = jnp.where(finite[..., None], code, 0).astype(code.dtype)
+  scale_bits = jnp.where(finite, scale_bits, 0).astype(scale_bits.dtype)
   global_scale = jnp.where(finite, global_scale, jnp.nan)
   return code, value, scale_bits, global_scale, fell_back
 

@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax import fp4, kernels
 from trace_jax.model import cache as kv_cache
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.layers import RMSNorm, apply_rope, matmul, normal_param
+from trace_jax.model.layers import RMSNorm, apply_rope, normal_param
 from trace_jax.model.quant import SiteQuantizer
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
@@ -63,9 +64,9 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     h, hkv, dh = self.shape
     xq = sq(x, layer, "attn_in")
-    q = matmul(xq, sq.weight(self.q_proj.get_value()))
-    k = matmul(xq, sq.weight(self.k_proj.get_value()))
-    v = matmul(xq, sq.weight(self.v_proj.get_value()))
+    q = sq.matmul(xq, self.q_proj.get_value())
+    k = sq.matmul(xq, self.k_proj.get_value())
+    v = sq.matmul(xq, self.v_proj.get_value())
     if self.qk_norm == "full":
       q, k = self.q_norm(q), self.k_norm(k)
     if self.clip_qkv is not None:
@@ -87,7 +88,13 @@ class Attention(nnx.Module):
           stored.append(value)
       new_entries = tuple(kv_cache.write_slots(entry, new, index)
                           for entry, new in zip(cache, stored))
+      if t == 1 and sq.kernels == "pallas" and isinstance(new_entries[0], fp4.QArray):
+        # A decode step: attend over the packed cache without dequantizing it.
+        lengths = jnp.broadcast_to(index + 1, (b,))
+        out = kernels.decode_attention(q[:, 0], *new_entries, lengths, mask[:, 0])
+        out = sq(out.reshape(b, 1, h * dh), layer, "attn_out")
+        return sq.matmul(out, self.o_proj.get_value()), new_entries
       k, v = (kv_cache.read(entry, q.dtype) for entry in new_entries)
     out = attend(q, k, v, mask).reshape(b, t, h * dh)
     out = sq(out, layer, "attn_out")
-    return matmul(out, sq.weight(self.o_proj.get_value())), new_entries
+    return sq.matmul(out, self.o_proj.get_value()), new_entries

@@ -29,9 +29,9 @@ class MLP(nnx.Module):
 
   def __call__(self, xq, layer: int, sq: SiteQuantizer, mid_site: str):
     """xq: the already-quantized input [..., d]."""
-    gate = matmul(xq, sq.weight(self.w_gate.get_value()))
-    up = matmul(xq, sq.weight(self.w_up.get_value()))
-    return matmul(sq(swiglu(gate, up), layer, mid_site), sq.weight(self.w_down.get_value()))
+    gate = sq.matmul(xq, self.w_gate.get_value())
+    up = sq.matmul(xq, self.w_up.get_value())
+    return sq.matmul(sq(swiglu(gate, up), layer, mid_site), self.w_down.get_value())
 
 
 def route(probs: jax.Array, k: int, norm_topk: bool, routing: jax.Array | None):
@@ -99,8 +99,7 @@ class MoE(nnx.Module):
     experts, weights = route(probs, k, self.norm_topk,
                              None if routing is None else routing.reshape(n, k))
     xq = sq(x, layer, "moe_in").reshape(n, d)
-    w_gate, w_up, w_down = (sq.weight(w.get_value())
-                            for w in (self.w_gate, self.w_up, self.w_down))
+    w_gate, w_up, w_down = (w.get_value() for w in (self.w_gate, self.w_up, self.w_down))
     if self.dispatch == "grouped":
       y = self._grouped(xq, experts, w_gate, w_up, w_down, layer, sq, (b, t))
     else:
@@ -128,11 +127,9 @@ class MoE(nnx.Module):
     inverse = jnp.argsort(order)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = xq[order // k]  # [N * k, d], grouped by expert
-    precision = jax.lax.Precision.HIGHEST if xq.dtype == jnp.float32 else None
 
     def gmm(lhs, rhs):
-      return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
-                                preferred_element_type=jnp.float32).astype(lhs.dtype)
+      return sq.ragged_dot(lhs, rhs, group_sizes)
 
     h = swiglu(gmm(xs, w_gate), gmm(xs, w_up))  # [N * k, f], sorted
     # Quantize in (token, slot) order so recorded and given guidance line up with tokens.
@@ -145,6 +142,7 @@ class MoE(nnx.Module):
     n, k = experts.shape
     if sq.guidance:
       raise ValueError("dispatch='dense' is a reference path without guidance; use 'grouped'")
+    w_gate, w_up, w_down = (sq.weight(w) for w in (w_gate, w_up, w_down))
     precision = jax.lax.Precision.HIGHEST if xq.dtype == jnp.float32 else None
 
     def einsum(spec, a, b):

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence, Union
 import jax
 import jax.numpy as jnp
 
-from trace_jax import fp4
+from trace_jax import fp4, kernels as kernels_lib
 
 ACTIVATION_SITES = ("attn_in", "attn_out", "k", "v", "moe_in", "moe_mid", "shared_mid",
                     "mlp_in", "mlp_mid")
@@ -167,12 +167,17 @@ class SiteQuantizer:
     record: keep the `fp4.QArray` of every quantized activation site.
     record_inputs: keep every quantized site's input too (to check captures against).
     key: PRNG key for quant.rounding == "stochastic".
+    kernels: "xla" (dequantize, then XLA dots), "pallas" (the `trace_jax.kernels`: fused
+      quantization, FP4 matmuls over packed weights, FP4 decode attention; forward only,
+      for the rollout) or "auto" (Pallas on GPU).
   """
 
   def __init__(self, quant: QuantConfig | None, num_layers: int, dtype, *,
                guidance: Mapping[SiteKey, Any] | None = None, record: bool = False,
-               record_inputs: bool = False, key: jax.Array | None = None):
+               record_inputs: bool = False, key: jax.Array | None = None,
+               kernels: str = "xla"):
     self.quant = quant if quant is not None and quant.enabled else None
+    self.kernels = kernels_lib.resolve(kernels)
     self.dtype = dtype
     self.guidance = dict(guidance or {})
     self.record = record
@@ -207,15 +212,28 @@ class SiteQuantizer:
     """Fake-quantize activation `x` [..., n] per row at (layer, site); identity if off."""
     if not self.active(site):
       return x
-    kwargs = dict(global_group="row", **self._rounding(layer, site))
+    rounding = self._rounding(layer, site)
+    if self.kernels == "pallas" and not rounding:  # nearest: the fused kernel
+      return fp4.dequantize(self._kernel_quantize(x, layer, site, record), x.dtype)
+    kwargs = dict(global_group="row", **rounding)
     if record:
       self._record(x, layer, site, kwargs)
     return fp4.fake_quant(x, self.quant.fmt, **kwargs)
 
   def quantize_record(self, x: jax.Array, layer: int, site: str) -> fp4.QArray:
     """The `fp4.QArray` of an activation site (for the FP4 KV cache)."""
-    kwargs = dict(global_group="row", **self._rounding(layer, site))
-    return self._record(x, layer, site, kwargs, always=True)
+    rounding = self._rounding(layer, site)
+    if self.kernels == "pallas" and not rounding:
+      return self._kernel_quantize(x, layer, site, True)
+    return self._record(x, layer, site, dict(global_group="row", **rounding), always=True)
+
+  def _kernel_quantize(self, x, layer, site, record):
+    q, _ = kernels_lib.quantize(x, self.quant.fmt)
+    if record and self.record:
+      self.records[(layer, site)] = q
+    if record and self.record_inputs:
+      self.inputs[(layer, site)] = x
+    return q
 
   def _record(self, x, layer, site, kwargs, always=False):
     q = None
@@ -238,3 +256,24 @@ class SiteQuantizer:
       axis, group = weight_layout(w.ndim)
       w = fp4.fake_quant(w, self.quant.fmt, axis=axis, global_group=group)
     return w.astype(self.dtype)
+
+  def _pallas(self, w) -> bool:
+    return self.kernels == "pallas" and isinstance(w, fp4.QArray)
+
+  def matmul(self, x: jax.Array, w) -> jax.Array:
+    """x [..., in] @ w [in, out] (float32 accumulation, x's dtype); a packed weight goes
+    through the FP4 matmul kernel when kernels are on."""
+    if self._pallas(w):
+      return kernels_lib.fp4_matmul(x, w, out_dtype=x.dtype)
+    w = self.weight(w)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = jnp.einsum("...i,io->...o", x, w, precision=precision, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+  def ragged_dot(self, lhs: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
+    """Grouped matmul of rows sorted by expert with stacked expert weights [E, in, out]."""
+    if self._pallas(w):
+      return kernels_lib.moe_gmm(lhs, w, group_sizes, out_dtype=lhs.dtype)
+    precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    return jax.lax.ragged_dot(lhs, self.weight(w), group_sizes, precision=precision,
+                              preferred_element_type=jnp.float32).astype(lhs.dtype)

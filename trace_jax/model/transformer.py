@@ -86,6 +86,7 @@ class Transformer(nnx.Module):
       record_inputs: bool = False,
       key: jax.Array | None = None,
       dtype=None,
+      kernels: str = "xla",
   ) -> tuple[jax.Array, dict]:
     """Forward over tokens [B, T].
 
@@ -104,6 +105,8 @@ class Transformer(nnx.Module):
       key: PRNG key for stochastic rounding.
       dtype: compute dtype for this call (default cfg.dtype), e.g. bf16 for a rollout of a
         float32-configured policy.
+      kernels: "xla", "pallas" or "auto" (Pallas on GPU): whether packed FP4 weights and
+        the FP4 cache go through `trace_jax.kernels` (forward only: the rollout path).
     """
     cfg = self.cfg
     dtype = cfg.compute_dtype if dtype is None else jnp.dtype(dtype)
@@ -118,7 +121,7 @@ class Transformer(nnx.Module):
       raise ValueError(f"routing has shape {routing.shape}; expected "
                        f"({cfg.num_moe_layers}, {b}, {t}, {cfg.num_experts_per_tok})")
     sq = SiteQuantizer(quant, cfg.num_layers, dtype, guidance=guidance, record=record,
-                       record_inputs=record_inputs, key=key)
+                       record_inputs=record_inputs, key=key, kernels=kernels)
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     if cache is None:
       attn_mask = attention_mask(mask, jnp.broadcast_to(slots, (b, t)), slots, cfg.sliding_window)

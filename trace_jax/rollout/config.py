@@ -7,6 +7,7 @@ from typing import Sequence, Union
 
 from trace_jax import fp4
 from trace_jax.guidance import GUIDANCE_MODES
+from trace_jax.kernels import KERNEL_MODES
 from trace_jax.model.quant import QuantConfig, _check_layers_spec
 
 PRECISIONS = ("bf16", "fp4")
@@ -64,7 +65,8 @@ class RolloutConfig:
   record_routing: bool = True  # keep every MoE layer's experts (routing replay)
   pad_id: int = 0  # token written to slots that hold nothing
   prompt_bucket: int = 16  # pad prompt / observation chunks to a multiple (fewer recompiles)
-  kernels: str = "xla"  # matmul / attention implementation ("xla")
+  kernels: str = "auto"  # "auto" (Pallas kernels on GPU, XLA elsewhere), "pallas" (on CPU:
+  #   interpret mode, slow, for tests) or "xla" (dequantize, then XLA dots)
 
   def __post_init__(self):
     where = "RolloutConfig"
@@ -79,7 +81,8 @@ class RolloutConfig:
     _require(self.precision == "fp4" or self.guidance == "none", where, "guidance",
              self.guidance, "a bf16 rollout has no FP4 rounding to record; use 'none'")
     _require(self.prompt_bucket > 0, where, "prompt_bucket", self.prompt_bucket, "must be > 0")
-    _require(self.kernels in ("xla",), where, "kernels", self.kernels, "use 'xla'")
+    _require(self.kernels in KERNEL_MODES, where, "kernels", self.kernels,
+             f"use one of {KERNEL_MODES}")
     if not isinstance(self.guided_layers, (str, int)):
       object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
     _check_layers_spec(self.guided_layers)

@@ -157,7 +157,8 @@ def _forward(graphdef, params, tokens, positions, mask, cache, config: RolloutCo
              capture: bool, capture_inputs: bool):
   model = nnx.merge(graphdef, params)
   return model(tokens, positions=positions, mask=mask, quant=config.quant, cache=cache,
-               record=capture, record_inputs=capture_inputs, dtype=config.compute_dtype)
+               record=capture, record_inputs=capture_inputs, dtype=config.compute_dtype,
+               kernels=config.kernels)
 
 
 @dataclasses.dataclass(frozen=True)

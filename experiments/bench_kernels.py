@@ -1,0 +1,147 @@
+"""Pallas FP4 kernels against the XLA dequantize-then-compute path and against bf16.
+
+  python experiments/bench_kernels.py                # on a GPU: Qwen3-30B-A3B decode shapes
+  python experiments/bench_kernels.py --smoke        # tiny shapes (the CPU default)
+
+At decode shapes (batch 1 to 256 query tokens, a long KV cache) each kernel is timed
+beside the XLA path the model takes without kernels (dequantize, then dot/attend) and the
+bf16 computation, in the same run. "bytes" counts what the computation must read from
+memory (weights or cache in their stored format, plus activations) and GB/s is bytes over
+time, shown against a copy's bandwidth measured in the same run: decode is bound by these
+bytes, which is why FP4 (4.5 bits per element with scales) can beat bf16 (16 bits).
+
+On CPU the kernels run in Pallas interpret mode (Python-speed emulation), so the default
+there is a tiny smoke configuration: it checks that everything runs, not how fast.
+"""
+
+from __future__ import annotations
+
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax import fp4, kernels
+from trace_jax.kernels import decode_attention_lib, fp4_matmul_lib, moe_gmm_lib, quantize_lib
+from trace_jax.utils import markdown_table, time_jitted
+
+_SMOKE = flags.DEFINE_bool("smoke", None, "Tiny shapes (default: on unless on a GPU).")
+_BATCHES = flags.DEFINE_list("batches", None, "Decode batch sizes (default 1,32,256; smoke 1,4).")
+_KV_LEN = flags.DEFINE_integer("kv_len", None, "KV-cache slots (default 4096; smoke 64).")
+_REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (default 20; smoke 2).")
+
+# Qwen3-30B-A3B: d_model 2048, 32 query / 4 KV heads of 128, 128 experts (top 8) of 768.
+FULL = dict(d_model=2048, q_out=4096, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
+            ffn=768)
+SMOKE = dict(d_model=64, q_out=64, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2, ffn=32)
+
+
+def _nbytes(*trees) -> int:
+  return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(trees)))
+
+
+def _copy_bandwidth(nbytes: int, repeats: int) -> float:
+  x = jnp.zeros((nbytes // 4,), jnp.float32)
+  seconds = time_jitted(jax.jit(lambda a: a + 1.0), x, repeats=repeats)
+  return 2 * x.size * 4 / seconds  # read + write
+
+
+def _cases(shape, batch, kv_len, rng):
+  """(kernel, [(impl, fn, args, bytes)]) for one batch size."""
+  d, f, e, k = shape["d_model"], shape["ffn"], shape["experts"], shape["top_k"]
+  keys = jax.random.split(rng, 8)
+  bf16 = jnp.bfloat16
+  x = jax.random.normal(keys[0], (batch, d), bf16)
+  out = []
+
+  # fp4_matmul: a q projection [d, q_out].
+  w = jax.random.normal(keys[1], (d, shape["q_out"]), jnp.float32) * 0.02
+  wq, wb = fp4.quantize(w, axis=0), w.astype(bf16)
+  out.append(("fp4_matmul", [
+      ("pallas", jax.jit(lambda x, w: kernels.fp4_matmul(x, w, out_dtype=bf16)), (x, wq),
+       _nbytes(x, wq)),
+      ("xla dequant+dot", jax.jit(lambda x, w: fp4_matmul_lib.xla(x, w, out_dtype=bf16)), (x, wq),
+       _nbytes(x, wq)),
+      ("bf16", jax.jit(lambda x, w: (x @ w).astype(bf16)), (x, wb), _nbytes(x, wb)),
+  ]))
+
+  # moe_gmm: batch tokens routed to top_k of the experts (the gate projection).
+  experts = jax.random.randint(keys[2], (batch * k,), 0, e)
+  sizes = jnp.bincount(experts, length=e).astype(jnp.int32)
+  rows = jax.random.normal(keys[3], (batch * k, d), bf16)
+  we = jax.random.normal(keys[4], (e, d, f), jnp.float32) * 0.02
+  weq, web = fp4.quantize(we, axis=1, global_group=0), we.astype(bf16)
+  used = int(np.count_nonzero(np.asarray(sizes)))  # only touched experts must be read
+  out.append(("moe_gmm", [
+      ("pallas", jax.jit(lambda a, w, s: kernels.moe_gmm(a, w, s)), (rows, weq, sizes),
+       _nbytes(rows) + _nbytes(weq) * used // e),
+      ("xla dequant+ragged_dot", jax.jit(moe_gmm_lib.xla), (rows, weq, sizes),
+       _nbytes(rows) + _nbytes(weq) * used // e),
+      ("bf16 ragged_dot", jax.jit(lambda a, w, s: jax.lax.ragged_dot(a, w, s)), (rows, web, sizes),
+       _nbytes(rows) + _nbytes(web) * used // e),
+  ]))
+
+  # decode_attention over a full cache.
+  hkv, dh, h = shape["kv_heads"], shape["head_dim"], shape["heads"]
+  q = jax.random.normal(keys[5], (batch, h, dh), bf16)
+  kv = jax.random.normal(keys[6], (2, batch, kv_len, hkv, dh), jnp.float32)
+  kq, vq = (fp4.quantize(a, global_group="row") for a in kv)
+  kb, vb = kv.astype(bf16)
+  lengths = jnp.full((batch,), kv_len, jnp.int32)
+
+  def bf16_attention(q, k, v):
+    qg = q.reshape(batch, hkv, h // hkv, dh)
+    s = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=jnp.float32) * dh ** -0.5
+    p = jax.nn.softmax(s, axis=-1).astype(bf16)
+    return jnp.einsum("bkgs,bskd->bkgd", p, v, preferred_element_type=jnp.float32).astype(bf16)
+
+  out.append(("decode_attention", [
+      ("pallas", jax.jit(kernels.decode_attention), (q, kq, vq, lengths), _nbytes(q, kq, vq)),
+      ("xla dequant+attend", jax.jit(decode_attention_lib.xla), (q, kq, vq, lengths),
+       _nbytes(q, kq, vq)),
+      ("bf16", jax.jit(bf16_attention), (q, kb, vb), _nbytes(q, kb, vb)),
+  ]))
+
+  # quantize: activations of the batch, codes + scales + guidance bits out.
+  xa = jax.random.normal(keys[7], (batch, d), bf16)
+  q_out = _nbytes(quantize_lib.reference(xa))  # codes, scales, global scales, guidance bits
+  out.append(("quantize", [
+      ("pallas (fused, + guidance bits)", jax.jit(kernels.quantize), (xa,), _nbytes(xa) + q_out),
+      ("xla quantize + mantissa_bits", jax.jit(quantize_lib.reference), (xa,), _nbytes(xa) + q_out),
+      ("bf16 copy", jax.jit(lambda a: a + 0), (xa,), 2 * _nbytes(xa)),
+  ]))
+  return out
+
+
+def main(argv):
+  del argv
+  on_gpu = jax.default_backend() == "gpu"
+  smoke = (not on_gpu) if _SMOKE.value is None else _SMOKE.value
+  shape = SMOKE if smoke else FULL
+  batches = [int(b) for b in (_BATCHES.value or (["1", "4"] if smoke else ["1", "32", "256"]))]
+  kv_len = _KV_LEN.value or (64 if smoke else 4096)
+  repeats = _REPEATS.value or (2 if smoke else 20)
+  start = time.time()
+  copy = _copy_bandwidth(1 << (24 if smoke else 30), repeats)
+  rows = []
+  for batch in batches:
+    for kernel, impls in _cases(shape, batch, kv_len, jax.random.key(batch)):
+      baseline = None
+      for impl, fn, args, nbytes in impls:
+        seconds = time_jitted(fn, *args, repeats=repeats, warmup=1)
+        baseline = baseline or seconds  # the first row (the kernel) is the reference time
+        rows.append((kernel, batch, impl, f"{seconds * 1e3:.3f}", f"{nbytes / 1024:.1f}",
+                     f"{nbytes / seconds / 1e9:.1f}", f"{nbytes / seconds / copy:.0%}",
+                     f"{seconds / baseline:.2f}x"))
+  mode = "interpret mode (CPU emulation: not a speed figure)" if not on_gpu else "compiled"
+  print(f"\n{'smoke' if smoke else 'Qwen3-30B-A3B decode'} shapes {shape}, KV {kv_len} slots; "
+        f"backend {jax.default_backend()}, kernels {mode}; copy bandwidth {copy / 1e9:.1f} GB/s; "
+        f"{time.time() - start:.0f} s\n")
+  print(markdown_table(["kernel", "batch", "implementation", "ms", "KiB read", "GB/s",
+                        "of copy BW", "time / pallas"], rows))
+
+
+if __name__ == "__main__":
+  app.run(main)

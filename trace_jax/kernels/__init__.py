@@ -1,0 +1,24 @@
+"""Pallas kernels for the FP4 hot path (DESIGN.md section 7).
+
+Each module holds a kernel, its `reference()` (the same math in plain XLA) and `xla()` (the
+dequantize-then-compute path the model takes without kernels); every kernel takes
+`interpret=` (default: interpret mode unless on a GPU) and `poison=` (tests).
+
+  fp4_matmul        x [M, K] (bf16, or FP4 per token) @ FP4 weight [K, N]
+  moe_gmm           grouped matmul over FP4 expert weights (ragged_dot semantics)
+  decode_attention  one query token over the FP4 KV cache, flash-decoding splits
+  quantize          fused per-token NVFP4/MXFP4 quantization + compact guidance bits
+
+`dispatch.resolve("auto" | "pallas" | "xla")` picks the implementation; the model and the
+rollout engine take it as `kernels=`.
+"""
+
+from trace_jax.kernels import decode_attention as decode_attention_lib
+from trace_jax.kernels import fp4_matmul as fp4_matmul_lib
+from trace_jax.kernels import moe_gmm as moe_gmm_lib
+from trace_jax.kernels import quantize as quantize_lib
+from trace_jax.kernels.decode_attention import decode_attention
+from trace_jax.kernels.dispatch import KERNEL_MODES, check_mode, resolve
+from trace_jax.kernels.fp4_matmul import fp4_matmul
+from trace_jax.kernels.moe_gmm import moe_gmm
+from trace_jax.kernels.quantize import quantize

@@ -1,0 +1,156 @@
+"""FP4 weight x activation matmul: y [M, N] = x [M, K] @ w [K, N], w in packed FP4.
+
+W4A16: x in bf16 (or float32). W4A4: x an FP4 `QArray` quantized per token (the rollout's
+activations). The kernel reads the packed weight bytes and E4M3 block scales, turns each
+nibble into value * s_b in registers (exact in bf16, DESIGN.md section 7), multiplies with
+float32 accumulation and applies the global scales once, after the accumulation:
+
+  y[m, n] = sum_k x[m, k] * (c[k, n] * s_b[k, n]) / gs_w        (W4A16)
+  y[m, n] = sum_k (c_x * s_bx)[m, k] * (c * s_b)[k, n] / (gs_x[m] * gs_w)   (W4A4)
+
+Grid: (M / block_m, N / block_n); each program loops over K in block_k steps. Rows are
+padded to a power-of-two tile (decode batches are small). The weight is the rollout's
+`quantize_weight` layout: [K, N] quantized along K (packed [K/2, N], scales [K/16, N]).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from trace_jax import fp4
+from trace_jax.fp4 import tiles
+from trace_jax.kernels import dispatch
+
+_F32 = jnp.float32
+
+
+def _check(x, w: fp4.QArray) -> tuple[int, int, int]:
+  if not isinstance(w, fp4.QArray) or w.packed.ndim != 2 or w.axis != -2:
+    raise ValueError("fp4_matmul: w must be a 2-D fp4.QArray [K, N] quantized along K "
+                     f"(axis=-2); got {type(w).__name__} with "
+                     f"{getattr(w, 'packed', w).shape} and axis={getattr(w, 'axis', None)}")
+  k, n = w.packed.shape[0] * 2, w.packed.shape[1]
+  x_k = x.packed.shape[-1] * 2 if isinstance(x, fp4.QArray) else x.shape[-1]
+  if x_k != k:
+    raise ValueError(f"fp4_matmul: x has K={x_k} but w has K={k}")
+  if isinstance(x, fp4.QArray) and x.axis != -1:
+    raise ValueError(f"fp4_matmul: a quantized x must be quantized along its last axis; "
+                     f"got axis={x.axis}")
+  return x_k, k, n
+
+
+def _kernel(*refs, fmt, x_fmt, block_k, steps, dtype):
+  if x_fmt is None:
+    xe_ref, xo_ref, p_ref, s_ref, g_ref, o_ref = refs
+  else:
+    xp_ref, xs_ref, xg_ref, p_ref, s_ref, g_ref, o_ref = refs
+  w_block = fp4.get_format(fmt).block_size
+  half = block_k // 2
+
+  def step(i, acc):
+    rows = pl.ds(pl.multiple_of(i * half, half), half)
+    w_even, w_odd = tiles.scaled_pairs(p_ref[rows, :], s_ref[pl.ds(i * (block_k // w_block),
+                                                                    block_k // w_block), :],
+                                       fmt, axis=0)
+    if x_fmt is None:
+      x_even, x_odd = xe_ref[:, rows], xo_ref[:, rows]
+    else:
+      x_block = fp4.get_format(x_fmt).block_size
+      x_even, x_odd = tiles.scaled_pairs(
+          xp_ref[:, rows], xs_ref[:, pl.ds(i * (block_k // x_block), block_k // x_block)],
+          x_fmt, axis=1)
+    acc += jnp.dot(x_even.astype(dtype), w_even.astype(dtype), preferred_element_type=_F32)
+    acc += jnp.dot(x_odd.astype(dtype), w_odd.astype(dtype), preferred_element_type=_F32)
+    return acc
+
+  acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, _F32))
+  scale = g_ref[...] if x_fmt is None else xg_ref[...] * g_ref[...]
+  o_ref[...] = (acc / scale).astype(o_ref.dtype)
+
+
+def _pad_rows(a: jax.Array, rows: int, value=0) -> jax.Array:
+  return jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)), constant_values=value)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "poison", "block_n",
+                                             "block_k"))
+def fp4_matmul(x, w: fp4.QArray, *, out_dtype=jnp.float32, interpret: bool | None = None,
+               poison: bool = False, block_n: int | None = None, block_k: int | None = None):
+  """x [..., K] (array, or per-token `fp4.QArray`) @ FP4 w [K, N] -> [..., N] `out_dtype`.
+
+  Args:
+    x: activations, bf16/float32 (W4A16) or an `fp4.QArray` along the last axis (W4A4).
+    w: packed weight from `fp4.quantize(w, fmt, axis=0)`.
+    out_dtype: output dtype (the accumulation is float32 either way).
+    interpret: run in Pallas interpret mode; default: on unless the backend is a GPU.
+    poison: fill the output before the kernel so unwritten elements show (tests).
+    block_n, block_k: tile sizes (default: the largest of 128/64/32/16 dividing N, of
+      256/128/64/32 dividing K).
+  """
+  _, k, n = _check(x, w)
+  quantized_x = isinstance(x, fp4.QArray)
+  lead = (x.packed if quantized_x else x).shape[:-1]
+  block_n = block_n or dispatch.block_size(n, (128, 64, 32, 16), "N")
+  block_k = block_k or dispatch.block_size(k, (256, 128, 64, 32), "K")
+  for name, value, size in (("block_n", block_n, n), ("block_k", block_k, k)):
+    if size % value or value % 32 and name == "block_k":
+      raise ValueError(f"fp4_matmul: {name}={value} must divide {size}"
+                       + (" and be a multiple of 32" if name == "block_k" else ""))
+  m = 1
+  for d in lead:
+    m *= d
+  block_m = dispatch.row_block(m)
+  rows = -(-m // block_m) * block_m
+  gs_w = jnp.broadcast_to(w.global_scale.astype(_F32).reshape(-1)[:1], (1, n)) \
+      if w.global_scale.size == 1 else w.global_scale.astype(_F32).reshape(1, n)
+  if quantized_x:
+    xp = _pad_rows(x.packed.reshape(m, k // 2), rows)
+    xs = _pad_rows(x.scales.reshape(m, -1), rows)
+    xg = _pad_rows(x.global_scale.astype(_F32).reshape(m, 1), rows, 1.0)
+    x_inputs = (xp, xs, xg)
+    x_specs = [pl.BlockSpec((block_m, k // 2), lambda i, j: (i, 0)),
+               pl.BlockSpec((block_m, xs.shape[1]), lambda i, j: (i, 0)),
+               pl.BlockSpec((block_m, 1), lambda i, j: (i, 0))]
+    dtype = jnp.bfloat16 if x.fmt == "nvfp4" and w.fmt == "nvfp4" else _F32
+  else:
+    x2 = _pad_rows(x.reshape(m, k), rows)
+    x_inputs = (x2[:, 0::2], x2[:, 1::2])  # the even and odd elements (see fp4.tiles)
+    x_specs = [pl.BlockSpec((block_m, k // 2), lambda i, j: (i, 0))] * 2
+    dtype = x.dtype
+  kernel = functools.partial(_kernel, fmt=w.fmt, x_fmt=x.fmt if quantized_x else None,
+                             block_k=block_k, steps=k // block_k, dtype=dtype)
+  w_specs = [pl.BlockSpec((k // 2, block_n), lambda i, j: (0, j)),
+             pl.BlockSpec((w.scales.shape[0], block_n), lambda i, j: (0, j)),
+             pl.BlockSpec((1, block_n), lambda i, j: (0, j))]
+  y = dispatch.pallas_call(
+      kernel, out_shape=[jax.ShapeDtypeStruct((rows, n), out_dtype)],
+      grid=(rows // block_m, n // block_n), in_specs=[*x_specs, *w_specs],
+      out_specs=[pl.BlockSpec((block_m, block_n), lambda i, j: (i, j))],
+      inputs=(*x_inputs, w.packed, w.scales, gs_w),
+      interpret=dispatch.interpret_default(interpret), poison=poison, name="fp4_matmul")[0]
+  return y[:m].reshape(*lead, n)
+
+
+def reference(x, w: fp4.QArray, *, out_dtype=jnp.float32):
+  """The kernel's math in plain XLA: one float32 dot, then the global scales."""
+  _check(x, w)
+  if isinstance(x, fp4.QArray):
+    xv, gs_x = tiles.block_scaled_values(x), x.global_scale.astype(_F32)
+  else:
+    xv, gs_x = x.astype(_F32), jnp.ones((), _F32)
+  y = jnp.einsum("...k,kn->...n", xv, tiles.block_scaled_values(w),
+                 precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32)
+  return (y / (gs_x * w.global_scale.astype(_F32))).astype(out_dtype)
+
+
+def xla(x, w: fp4.QArray, *, out_dtype=jnp.float32):
+  """The XLA path the model takes without kernels: dequantize, then a dot."""
+  _check(x, w)
+  dtype = jnp.bfloat16 if isinstance(x, fp4.QArray) else x.dtype
+  xv = fp4.dequantize(x, dtype) if isinstance(x, fp4.QArray) else x
+  return jnp.einsum("...k,kn->...n", xv, fp4.dequantize(w, dtype),
+                    preferred_element_type=_F32).astype(out_dtype)
