@@ -16,6 +16,7 @@ padded to a power-of-two tile (decode batches are small). The weight is the roll
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -96,17 +97,14 @@ def fp4_matmul(x, w: fp4.QArray, *, out_dtype=jnp.float32, interpret: bool | Non
   lead = (x.packed if quantized_x else x).shape[:-1]
   block_n = block_n or dispatch.block_size(n, (128, 64, 32, 16), "N")
   block_k = block_k or dispatch.block_size(k, (256, 128, 64, 32), "K")
-  for name, value, size in (("block_n", block_n, n), ("block_k", block_k, k)):
-    if size % value or value % 32 and name == "block_k":
-      raise ValueError(f"fp4_matmul: {name}={value} must divide {size}"
-                       + (" and be a multiple of 32" if name == "block_k" else ""))
-  m = 1
-  for d in lead:
-    m *= d
+  if n % block_n:
+    raise ValueError(f"fp4_matmul: block_n={block_n} must divide N={n}")
+  if k % block_k or block_k % 32:
+    raise ValueError(f"fp4_matmul: block_k={block_k} must divide K={k} and be a multiple of 32")
+  m = math.prod(lead)
   block_m = dispatch.row_block(m)
   rows = -(-m // block_m) * block_m
-  gs_w = jnp.broadcast_to(w.global_scale.astype(_F32).reshape(-1)[:1], (1, n)) \
-      if w.global_scale.size == 1 else w.global_scale.astype(_F32).reshape(1, n)
+  gs_w = jnp.broadcast_to(w.global_scale.astype(_F32).reshape(1, -1), (1, n))  # per tensor
   if quantized_x:
     xp = _pad_rows(x.packed.reshape(m, k // 2), rows)
     xs = _pad_rows(x.scales.reshape(m, -1), rows)

@@ -10,6 +10,7 @@ together. Bit for bit `fp4.quantize(x, fmt, axis=-1, global_group="row")` and
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +45,7 @@ def quantize(x: jax.Array, fmt: str = "nvfp4", *, interpret: bool | None = None,
   """
   block = _check(x, fmt)
   lead, k = x.shape[:-1], x.shape[-1]
-  m = 1
-  for d in lead:
-    m *= d
+  m = math.prod(lead)
   block_m = block_m or dispatch.row_block(m)
   rows = -(-m // block_m) * block_m
   x2 = jnp.pad(x.reshape(m, k), ((0, rows - m), (0, 0)))
