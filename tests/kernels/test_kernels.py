@@ -11,7 +11,8 @@ from flax import nnx
 from trace_jax import fp4, kernels
 from trace_jax import model as M
 from trace_jax import rollout as R
-from trace_jax.kernels import decode_attention_lib, fp4_matmul_lib, moe_gmm_lib, quantize_lib
+from trace_jax.kernels import (decode_attention_lib, dispatch, fp4_matmul_lib, moe_gmm_lib,
+                               quantize_lib)
 from trace_jax.model.attention import attend
 
 
@@ -162,3 +163,11 @@ def test_bench_kernels_smoke_runs():
   assert result.returncode == 0, result.stderr[-3000:]
   for kernel in ("fp4_matmul", "moe_gmm", "decode_attention", "quantize"):
     assert f"| {kernel} | 1 | pallas" in result.stdout
+
+
+def test_auto_probe_checks_every_kernel_even_when_first_asked_inside_a_trace():
+  """`kernels="auto"` on a GPU first checks that the kernels compile and agree with their
+  references (else it falls back to XLA with a warning); the check must run eagerly even
+  when it is first needed while the model is being traced."""
+  dispatch.probe.cache_clear()
+  assert jax.jit(lambda x: x * dispatch.probe(True))(1.0) == 1.0

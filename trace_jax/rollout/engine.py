@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from trace_jax import guidance as guidance_lib
+from trace_jax import kernels as kernels_lib
 from trace_jax.model.cache import init_cache
 from trace_jax.model.sharding import batch_sharding
 from trace_jax.model.quant import resolve_layers
@@ -339,6 +340,8 @@ class RolloutEngine:
     self.config = config
     self.mesh = mesh
     self.cfg = policy.cfg
+    # "pallas" or "xla": resolved here, outside any trace ("auto" probes the kernels once).
+    self.kernels = kernels_lib.resolve(config.kernels)
     cfg = policy.cfg
     guided = resolve_layers(config.guided_layers, cfg.num_layers, field="guided_layers")
     bad_stops = [t for t in config.sampling.stop_tokens if not 0 <= t < cfg.vocab_size]
