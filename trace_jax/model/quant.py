@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import fp4, kernels as kernels_lib
+from trace_jax.model import layers
 
 ACTIVATION_SITES = ("attn_in", "attn_out", "k", "v", "moe_in", "moe_mid", "shared_mid",
                     "mlp_in", "mlp_mid")
@@ -265,10 +266,7 @@ class SiteQuantizer:
     through the FP4 matmul kernel when kernels are on."""
     if self._pallas(w):
       return kernels_lib.fp4_matmul(x, w, out_dtype=x.dtype)
-    w = self.weight(w)
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jnp.einsum("...i,io->...o", x, w, precision=precision, preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    return layers.matmul(x, self.weight(w))
 
   def ragged_dot(self, lhs: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     """Grouped matmul of rows sorted by expert with stacked expert weights [E, in, out]."""
