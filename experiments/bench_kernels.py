@@ -24,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax import fp4, kernels
-from trace_jax.kernels import decode_attention_lib, fp4_matmul_lib, moe_gmm_lib, quantize_lib
+from trace_jax.kernels import quantize_lib
+from trace_jax.model import layers
+from trace_jax.model.attention import attend
 from trace_jax.utils import markdown_table, time_jitted
 
 _SMOKE = flags.DEFINE_bool("smoke", None, "Tiny shapes (default: on unless on a GPU).")
@@ -62,9 +64,9 @@ def _cases(shape, batch, kv_len, rng):
   out.append(("fp4_matmul", [
       ("pallas", jax.jit(lambda x, w: kernels.fp4_matmul(x, w, out_dtype=bf16)), (x, wq),
        _nbytes(x, wq)),
-      ("xla dequant+dot", jax.jit(lambda x, w: fp4_matmul_lib.xla(x, w, out_dtype=bf16)), (x, wq),
-       _nbytes(x, wq)),
-      ("bf16", jax.jit(lambda x, w: (x @ w).astype(bf16)), (x, wb), _nbytes(x, wb)),
+      ("xla dequant+dot", jax.jit(lambda x, w: layers.matmul(x, fp4.dequantize(w, bf16))),
+       (x, wq), _nbytes(x, wq)),
+      ("bf16", jax.jit(layers.matmul), (x, wb), _nbytes(x, wb)),
   ]))
 
   # moe_gmm: batch tokens routed to top_k of the experts (the gate projection).
@@ -77,9 +79,10 @@ def _cases(shape, batch, kv_len, rng):
   out.append(("moe_gmm", [
       ("pallas", jax.jit(lambda a, w, s: kernels.moe_gmm(a, w, s)), (rows, weq, sizes),
        _nbytes(rows) + _nbytes(weq) * used // e),
-      ("xla dequant+ragged_dot", jax.jit(moe_gmm_lib.xla), (rows, weq, sizes),
-       _nbytes(rows) + _nbytes(weq) * used // e),
-      ("bf16 ragged_dot", jax.jit(lambda a, w, s: jax.lax.ragged_dot(a, w, s)), (rows, web, sizes),
+      ("xla dequant+ragged_dot",
+       jax.jit(lambda a, w, s: layers.ragged_matmul(a, fp4.dequantize(w, bf16), s)),
+       (rows, weq, sizes), _nbytes(rows) + _nbytes(weq) * used // e),
+      ("bf16 ragged_dot", jax.jit(layers.ragged_matmul), (rows, web, sizes),
        _nbytes(rows) + _nbytes(web) * used // e),
   ]))
 
@@ -91,17 +94,16 @@ def _cases(shape, batch, kv_len, rng):
   kb, vb = kv.astype(bf16)
   lengths = jnp.full((batch,), kv_len, jnp.int32)
 
-  def bf16_attention(q, k, v):
-    qg = q.reshape(batch, hkv, h // hkv, dh)
-    s = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=jnp.float32) * dh ** -0.5
-    p = jax.nn.softmax(s, axis=-1).astype(bf16)
-    return jnp.einsum("bkgs,bskd->bkgd", p, v, preferred_element_type=jnp.float32).astype(bf16)
+  keep = jnp.ones((batch, 1, kv_len), bool)
+
+  def attention(q, k, v):  # the model's attention (one query token), over a dequantized cache
+    k, v = (fp4.dequantize(a, bf16) if isinstance(a, fp4.QArray) else a for a in (k, v))
+    return attend(q[:, None], k, v, keep)[:, 0]
 
   out.append(("decode_attention", [
       ("pallas", jax.jit(kernels.decode_attention), (q, kq, vq, lengths), _nbytes(q, kq, vq)),
-      ("xla dequant+attend", jax.jit(decode_attention_lib.xla), (q, kq, vq, lengths),
-       _nbytes(q, kq, vq)),
-      ("bf16", jax.jit(bf16_attention), (q, kb, vb), _nbytes(q, kb, vb)),
+      ("xla dequant+attend", jax.jit(attention), (q, kq, vq), _nbytes(q, kq, vq)),
+      ("bf16", jax.jit(attention), (q, kb, vb), _nbytes(q, kb, vb)),
   ]))
 
   # quantize: activations of the batch, codes + scales + guidance bits out.

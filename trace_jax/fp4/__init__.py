@@ -22,6 +22,7 @@ from trace_jax.fp4.qarray import (
     CompactGuidance,
     Format,
     QArray,
+    block_scaled_values,
     codes,
     compact_guidance,
     dequantize,

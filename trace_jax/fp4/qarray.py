@@ -145,6 +145,15 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
 
 
 @jax.jit
+def block_scaled_values(q: QArray) -> jax.Array:
+  """c * s_b of every element, without the global scale (float32, the dequantized shape):
+  what FP4 kernels multiply before they divide by the global scales, after accumulating."""
+  fmt = q.format
+  return numerics.e2m1_decode(codes(q)) * _expand_blocks(fmt.decode_scales(q.scales), q.axis,
+                                                         fmt.block_size)
+
+
+@jax.jit
 def mantissa_bits(q: QArray) -> jax.Array:
   """Compact-guidance bits of `q`: bit 0 of every code, packed 8 per uint8 along its axis."""
   return numerics.pack_bits(codes(q) & 1, q.axis)

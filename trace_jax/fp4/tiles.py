@@ -28,6 +28,21 @@ def _broadcast_blocks(scale: jax.Array, axis: int, repeat: int) -> jax.Array:
   return expanded.reshape(*scale.shape[:axis], scale.shape[axis] * repeat, *scale.shape[axis + 1:])
 
 
+def even_odd(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
+  """The even and odd elements of x along `axis`: the order of a packed tile's low and
+  high nibbles, for the other operand of a dot with it."""
+  axis = axis % x.ndim
+  take = lambda start: jax.lax.slice_in_dim(x, start, x.shape[axis], 2, axis)  # noqa: E731
+  return take(0), take(1)
+
+
+def interleave(even: jax.Array, odd: jax.Array, axis: int = -1) -> jax.Array:
+  """Inverse of `even_odd`."""
+  axis = axis % even.ndim
+  pairs = jnp.stack([even, odd], axis=axis + 1)
+  return pairs.reshape(*even.shape[:axis], 2 * even.shape[axis], *even.shape[axis + 1:])
+
+
 def scaled_pairs(packed: jax.Array, scale_bits: jax.Array, fmt: str, axis: int
                  ) -> tuple[jax.Array, jax.Array]:
   """The (even, odd) elements of a packed tile times their block scale, float32.
@@ -68,10 +83,3 @@ def quantize_rows(x: jax.Array, fmt: str = "nvfp4"
   return (numerics.pack_codes(code), scale_bits, global_scale,
           numerics.pack_bits(code & 1))
 
-
-def block_scaled_values(q) -> jax.Array:
-  """c * s_b of every element of a `QArray` (no global scale), float32, its dequantized
-  shape: what the kernels multiply before they divide by the global scales."""
-  spec = get_format(q.fmt)
-  scale = jnp.repeat(spec.decode_scales(q.scales), spec.block_size, axis=q.axis)
-  return numerics.e2m1_decode(numerics.unpack_codes(q.packed, q.axis)) * scale

@@ -1,8 +1,8 @@
 """Pallas kernels for the FP4 hot path (DESIGN.md section 7).
 
-Each module holds a kernel, its `reference()` (the same math in plain XLA) and `xla()` (the
-dequantize-then-compute path the model takes without kernels); every kernel takes
-`interpret=` (default: interpret mode unless on a GPU) and `poison=` (tests).
+Each module holds a kernel and its `reference()` (the same math in plain XLA); every kernel
+takes `interpret=` (default: interpret mode unless on a GPU) and `poison=` (tests). Without
+kernels the model dequantizes and runs XLA dots (`experiments/bench_kernels.py` times both).
 
   fp4_matmul        x [M, K] (bf16, or FP4 per token) @ FP4 weight [K, N]
   moe_gmm           grouped matmul over FP4 expert weights (ragged_dot semantics)

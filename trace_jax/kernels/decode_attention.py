@@ -142,15 +142,14 @@ def decode_attention(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Ar
                 cache_spec(dh // 2), cache_spec(v.scales.shape[-1]), cache_spec(1),
                 pl.BlockSpec((None, split), lambda i, j, s: (i, s))],
       out_specs=[part_spec, part_spec, stat_spec, stat_spec],
-      inputs=(lengths.astype(jnp.int32), qg[..., 0::2], qg[..., 1::2],
+      inputs=(lengths.astype(jnp.int32), *tiles.even_odd(qg),
               k.packed, k.scales, k.global_scale.astype(_F32),
               v.packed, v.scales, v.global_scale.astype(_F32), valid),
       interpret=interpret, poison=poison, name="decode_attention")
   # Combine the splits: rescale each partial to the overall max, then normalise.
   weight = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # [B, Hkv, S, G, 1]
   total = jnp.sum(weight * l, axis=2)  # [B, Hkv, G, 1]
-  combined = [jnp.sum(weight * part, axis=2) for part in (out_even, out_odd)]
-  out = jnp.stack(combined, axis=-1).reshape(b, hkv, padded, dh)
+  out = tiles.interleave(*(jnp.sum(weight * part, axis=2) for part in (out_even, out_odd)))
   out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
   return out[:, :, :groups].reshape(b, h, dh).astype(q.dtype)
 
@@ -161,8 +160,8 @@ def reference(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Array,
   0 for a sequence with no valid slot."""
   b, length, hkv, dh = _check(q, k, v, lengths, valid)
   h = q.shape[1]
-  keys = tiles.block_scaled_values(k) / k.global_scale
-  values = tiles.block_scaled_values(v) / v.global_scale
+  keys = fp4.block_scaled_values(k) / k.global_scale
+  values = fp4.block_scaled_values(v) / v.global_scale
   qg = q.astype(_F32).reshape(b, hkv, h // hkv, dh)
   scores = jnp.einsum("bkgd,bskd->bkgs", qg, keys,
                       precision=jax.lax.Precision.HIGHEST) * dh ** -0.5
@@ -178,19 +177,3 @@ def reference(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Array,
   out = jnp.einsum("bkgs,bskd->bkgd", probs, values, precision=jax.lax.Precision.HIGHEST)
   return out.reshape(b, h, dh).astype(q.dtype)
 
-
-def xla(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Array,
-        valid: jax.Array | None = None) -> jax.Array:
-  """The XLA path the model takes without kernels: dequantize the whole cache, attend."""
-  b, length, hkv, dh = _check(q, k, v, lengths, valid)
-  h = q.shape[1]
-  keys, values = fp4.dequantize(k, q.dtype), fp4.dequantize(v, q.dtype)
-  qg = q.reshape(b, hkv, h // hkv, dh)
-  scores = jnp.einsum("bkgd,bskd->bkgs", qg, keys, preferred_element_type=_F32) * dh ** -0.5
-  keep = jnp.arange(length)[None, :] < lengths[:, None]
-  if valid is not None:
-    keep = keep & valid
-  scores = jnp.where(keep[:, None, None, :], scores, _NEG)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-  out = jnp.einsum("bkgs,bskd->bkgd", probs, values, preferred_element_type=_F32)
-  return out.reshape(b, h, dh).astype(q.dtype)

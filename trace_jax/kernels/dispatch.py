@@ -103,12 +103,19 @@ def block_size(n: int, preferred: tuple[int, ...], what: str) -> int:
   raise ValueError(f"{what}={n} must be a multiple of one of {preferred}")
 
 
-def row_block(m: int, largest: int = 64) -> int:
-  """A power-of-two row tile for m rows (at least 16, the smallest GPU dot tile)."""
-  b = 16
-  while b < min(m, largest):
-    b *= 2
-  return b
+def row_tiling(m: int, block_m: int | None = None, largest: int = 64) -> tuple[int, int]:
+  """(row tile, padded row count) for m rows: by default a power-of-two tile of at least 16
+  (the smallest GPU dot tile) and at most `largest`."""
+  if block_m is None:
+    block_m = 16
+    while block_m < min(m, largest):
+      block_m *= 2
+  return block_m, -(-m // block_m) * block_m
+
+
+def pad_rows(a: jax.Array, rows: int, value=0) -> jax.Array:
+  """a [m, ...] padded with `value` to `rows` rows (the row tiling's remainder)."""
+  return jnp.pad(a, ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1), constant_values=value)
 
 
 def poisoned(shape, dtype):

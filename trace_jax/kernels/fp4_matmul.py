@@ -44,37 +44,49 @@ def _check(x, w: fp4.QArray) -> tuple[int, int, int]:
   return x_k, k, n
 
 
+def accumulate(load_x, w_packed_ref, w_scales_ref, *, fmt, block_k, steps, shape, dtype,
+               index=()):
+  """The K loop of one output tile, shared with `moe_gmm`: sum over K of x @ (c * s_b).
+
+  Args:
+    load_x: (step, packed rows) -> the (even, odd) elements of x's tile for those rows.
+    w_packed_ref, w_scales_ref: the weight's packed codes [..., K/2, bn] and scales.
+    index: leading indices into the weight refs (the expert, for `moe_gmm`).
+  """
+  w_block = fp4.get_format(fmt).block_size
+  half = block_k // 2
+  every = slice(None)
+
+  def step(i, acc):
+    rows = pl.ds(pl.multiple_of(i * half, half), half)
+    scales = pl.ds(i * (block_k // w_block), block_k // w_block)
+    w_even, w_odd = tiles.scaled_pairs(w_packed_ref[(*index, rows, every)],
+                                       w_scales_ref[(*index, scales, every)], fmt, axis=0)
+    x_even, x_odd = load_x(i, rows)
+    acc += jnp.dot(x_even.astype(dtype), w_even.astype(dtype), preferred_element_type=_F32)
+    acc += jnp.dot(x_odd.astype(dtype), w_odd.astype(dtype), preferred_element_type=_F32)
+    return acc
+
+  return jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, _F32))
+
+
 def _kernel(*refs, fmt, x_fmt, block_k, steps, dtype):
   if x_fmt is None:
     xe_ref, xo_ref, p_ref, s_ref, g_ref, o_ref = refs
   else:
     xp_ref, xs_ref, xg_ref, p_ref, s_ref, g_ref, o_ref = refs
-  w_block = fp4.get_format(fmt).block_size
-  half = block_k // 2
 
-  def step(i, acc):
-    rows = pl.ds(pl.multiple_of(i * half, half), half)
-    w_even, w_odd = tiles.scaled_pairs(p_ref[rows, :], s_ref[pl.ds(i * (block_k // w_block),
-                                                                    block_k // w_block), :],
-                                       fmt, axis=0)
+  def load_x(i, rows):
     if x_fmt is None:
-      x_even, x_odd = xe_ref[:, rows], xo_ref[:, rows]
-    else:
-      x_block = fp4.get_format(x_fmt).block_size
-      x_even, x_odd = tiles.scaled_pairs(
-          xp_ref[:, rows], xs_ref[:, pl.ds(i * (block_k // x_block), block_k // x_block)],
-          x_fmt, axis=1)
-    acc += jnp.dot(x_even.astype(dtype), w_even.astype(dtype), preferred_element_type=_F32)
-    acc += jnp.dot(x_odd.astype(dtype), w_odd.astype(dtype), preferred_element_type=_F32)
-    return acc
+      return xe_ref[:, rows], xo_ref[:, rows]
+    x_block = fp4.get_format(x_fmt).block_size
+    scales = pl.ds(i * (block_k // x_block), block_k // x_block)
+    return tiles.scaled_pairs(xp_ref[:, rows], xs_ref[:, scales], x_fmt, axis=1)
 
-  acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, _F32))
+  acc = accumulate(load_x, p_ref, s_ref, fmt=fmt, block_k=block_k, steps=steps,
+                   shape=o_ref.shape, dtype=dtype)
   scale = g_ref[...] if x_fmt is None else xg_ref[...] * g_ref[...]
   o_ref[...] = (acc / scale).astype(o_ref.dtype)
-
-
-def _pad_rows(a: jax.Array, rows: int, value=0) -> jax.Array:
-  return jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)), constant_values=value)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "poison", "block_n",
@@ -102,21 +114,19 @@ def fp4_matmul(x, w: fp4.QArray, *, out_dtype=jnp.float32, interpret: bool | Non
   if k % block_k or block_k % 32:
     raise ValueError(f"fp4_matmul: block_k={block_k} must divide K={k} and be a multiple of 32")
   m = math.prod(lead)
-  block_m = dispatch.row_block(m)
-  rows = -(-m // block_m) * block_m
+  block_m, rows = dispatch.row_tiling(m)
   gs_w = jnp.broadcast_to(w.global_scale.astype(_F32).reshape(1, -1), (1, n))  # per tensor
   if quantized_x:
-    xp = _pad_rows(x.packed.reshape(m, k // 2), rows)
-    xs = _pad_rows(x.scales.reshape(m, -1), rows)
-    xg = _pad_rows(x.global_scale.astype(_F32).reshape(m, 1), rows, 1.0)
+    xp = dispatch.pad_rows(x.packed.reshape(m, k // 2), rows)
+    xs = dispatch.pad_rows(x.scales.reshape(m, -1), rows)
+    xg = dispatch.pad_rows(x.global_scale.astype(_F32).reshape(m, 1), rows, 1.0)
     x_inputs = (xp, xs, xg)
     x_specs = [pl.BlockSpec((block_m, k // 2), lambda i, j: (i, 0)),
                pl.BlockSpec((block_m, xs.shape[1]), lambda i, j: (i, 0)),
                pl.BlockSpec((block_m, 1), lambda i, j: (i, 0))]
     dtype = jnp.bfloat16 if x.fmt == "nvfp4" and w.fmt == "nvfp4" else _F32
   else:
-    x2 = _pad_rows(x.reshape(m, k), rows)
-    x_inputs = (x2[:, 0::2], x2[:, 1::2])  # the even and odd elements (see fp4.tiles)
+    x_inputs = tiles.even_odd(dispatch.pad_rows(x.reshape(m, k), rows))  # see fp4.tiles
     x_specs = [pl.BlockSpec((block_m, k // 2), lambda i, j: (i, 0))] * 2
     dtype = x.dtype
   kernel = functools.partial(_kernel, fmt=w.fmt, x_fmt=x.fmt if quantized_x else None,
@@ -137,18 +147,10 @@ def reference(x, w: fp4.QArray, *, out_dtype=jnp.float32):
   """The kernel's math in plain XLA: one float32 dot, then the global scales."""
   _check(x, w)
   if isinstance(x, fp4.QArray):
-    xv, gs_x = tiles.block_scaled_values(x), x.global_scale.astype(_F32)
+    xv, gs_x = fp4.block_scaled_values(x), x.global_scale.astype(_F32)
   else:
     xv, gs_x = x.astype(_F32), jnp.ones((), _F32)
-  y = jnp.einsum("...k,kn->...n", xv, tiles.block_scaled_values(w),
+  y = jnp.einsum("...k,kn->...n", xv, fp4.block_scaled_values(w),
                  precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32)
   return (y / (gs_x * w.global_scale.astype(_F32))).astype(out_dtype)
 
-
-def xla(x, w: fp4.QArray, *, out_dtype=jnp.float32):
-  """The XLA path the model takes without kernels: dequantize, then a dot."""
-  _check(x, w)
-  dtype = jnp.bfloat16 if isinstance(x, fp4.QArray) else x.dtype
-  xv = fp4.dequantize(x, dtype) if isinstance(x, fp4.QArray) else x
-  return jnp.einsum("...k,kn->...n", xv, fp4.dequantize(w, dtype),
-                    preferred_element_type=_F32).astype(out_dtype)

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from trace_jax import fp4
 from trace_jax.fp4 import tiles
-from trace_jax.kernels import dispatch
+from trace_jax.kernels import dispatch, fp4_matmul
 
 _F32 = jnp.float32
 
@@ -43,26 +43,15 @@ def _check(lhs, w: fp4.QArray, group_sizes) -> tuple[int, int, int]:
 def _kernel(first_ref, last_ref, start_ref, end_ref, xe_ref, xo_ref, p_ref, s_ref, g_ref,
             o_ref, *, fmt, block_m, block_k, steps, dtype):
   tile = pl.program_id(0)
-  w_block = fp4.get_format(fmt).block_size
-  half = block_k // 2
   rows = tile * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
 
   def expert(e, out):
     start, end = start_ref[e], end_ref[e]
 
     def product(out):
-      def step(i, acc):
-        ks = pl.ds(pl.multiple_of(i * half, half), half)
-        w_even, w_odd = tiles.scaled_pairs(
-            p_ref[e, ks, :], s_ref[e, pl.ds(i * (block_k // w_block), block_k // w_block), :],
-            fmt, axis=0)
-        acc += jnp.dot(xe_ref[:, ks].astype(dtype), w_even.astype(dtype),
-                       preferred_element_type=_F32)
-        acc += jnp.dot(xo_ref[:, ks].astype(dtype), w_odd.astype(dtype),
-                       preferred_element_type=_F32)
-        return acc
-
-      acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(out.shape, _F32))
+      acc = fp4_matmul.accumulate(lambda i, ks: (xe_ref[:, ks], xo_ref[:, ks]), p_ref, s_ref,
+                                  fmt=fmt, block_k=block_k, steps=steps, shape=out.shape,
+                                  dtype=dtype, index=(e,))
       mine = (rows >= start) & (rows < end)
       return out + jnp.where(mine, acc / g_ref[pl.ds(e, 1), :], 0.0)
 
@@ -87,10 +76,9 @@ def moe_gmm(lhs: jax.Array, w: fp4.QArray, group_sizes: jax.Array, *, out_dtype=
   num_experts, k, n = _check(lhs, w, group_sizes)
   out_dtype = out_dtype or lhs.dtype
   r = lhs.shape[0]
-  block_m = block_m or dispatch.row_block(r)
+  block_m, rows = dispatch.row_tiling(r, block_m)
   block_n = block_n or dispatch.block_size(n, (128, 64, 32, 16), "N")
   block_k = block_k or dispatch.block_size(k, (256, 128, 64, 32), "K")
-  rows = -(-r // block_m) * block_m
   tiles_m = rows // block_m
   sizes = group_sizes.astype(jnp.int32)
   ends = jnp.cumsum(sizes)
@@ -101,7 +89,7 @@ def moe_gmm(lhs: jax.Array, w: fp4.QArray, group_sizes: jax.Array, *, out_dtype=
   first = jnp.searchsorted(ends, tile_lo, side="right").astype(jnp.int32)
   last = jnp.minimum(jnp.searchsorted(ends, tile_lo + block_m - 1, side="right"),
                      num_experts - 1).astype(jnp.int32)
-  x = jnp.pad(lhs, ((0, rows - r), (0, 0)))
+  x_even, x_odd = tiles.even_odd(dispatch.pad_rows(lhs, rows))
   gs = jnp.broadcast_to(w.global_scale.astype(_F32).reshape(num_experts, 1), (num_experts, n))
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
   kernel = functools.partial(_kernel, fmt=w.fmt, block_m=block_m, block_k=block_k,
@@ -115,7 +103,7 @@ def moe_gmm(lhs: jax.Array, w: fp4.QArray, group_sizes: jax.Array, *, out_dtype=
                 pl.BlockSpec((num_experts, w.scales.shape[1], block_n), lambda i, j: (0, 0, j)),
                 pl.BlockSpec((num_experts, block_n), lambda i, j: (0, j))],
       out_specs=[pl.BlockSpec((block_m, block_n), lambda i, j: (i, j))],
-      inputs=(first, last, starts, ends, x[:, 0::2], x[:, 1::2], w.packed, w.scales, gs),
+      inputs=(first, last, starts, ends, x_even, x_odd, w.packed, w.scales, gs),
       interpret=dispatch.interpret_default(interpret), poison=poison, name="moe_gmm")[0]
   return y[:r]
 
@@ -124,16 +112,10 @@ def reference(lhs: jax.Array, w: fp4.QArray, group_sizes: jax.Array, *, out_dtyp
   """The kernel's math in plain XLA: ragged_dot over c * s_b, then each row's expert's
   global scale."""
   _check(lhs, w, group_sizes)
-  y = jax.lax.ragged_dot(lhs.astype(_F32), tiles.block_scaled_values(w), group_sizes,
+  y = jax.lax.ragged_dot(lhs.astype(_F32), fp4.block_scaled_values(w), group_sizes,
                          precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32)
   expert_of_row = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(lhs.shape[0]),
                                    side="right")
   gs = jnp.concatenate([w.global_scale.reshape(-1).astype(_F32), jnp.ones((1,), _F32)])
   return (y / gs[expert_of_row][:, None]).astype(out_dtype or lhs.dtype)
 
-
-def xla(lhs: jax.Array, w: fp4.QArray, group_sizes: jax.Array, *, out_dtype=None):
-  """The XLA path the model takes without kernels: dequantize all experts, ragged_dot."""
-  _check(lhs, w, group_sizes)
-  return jax.lax.ragged_dot(lhs, fp4.dequantize(w, lhs.dtype), group_sizes,
-                            preferred_element_type=_F32).astype(out_dtype or lhs.dtype)

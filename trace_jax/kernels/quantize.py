@@ -46,9 +46,8 @@ def quantize(x: jax.Array, fmt: str = "nvfp4", *, interpret: bool | None = None,
   block = _check(x, fmt)
   lead, k = x.shape[:-1], x.shape[-1]
   m = math.prod(lead)
-  block_m = block_m or dispatch.row_block(m)
-  rows = -(-m // block_m) * block_m
-  x2 = jnp.pad(x.reshape(m, k), ((0, rows - m), (0, 0)))
+  block_m, rows = dispatch.row_tiling(m, block_m)
+  x2 = dispatch.pad_rows(x.reshape(m, k), rows)
   widths = (k // 2, k // block, 1, k // 8)
   dtypes = (jnp.uint8, jnp.uint8, jnp.float32, jnp.uint8)
   packed, scales, global_scale, bits = dispatch.pallas_call(

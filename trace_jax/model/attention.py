@@ -88,13 +88,11 @@ class Attention(nnx.Module):
           stored.append(value)
       new_entries = tuple(kv_cache.write_slots(entry, new, index)
                           for entry, new in zip(cache, stored))
-      if t == 1 and sq.kernels == "pallas" and isinstance(new_entries[0], fp4.QArray):
-        # A decode step: attend over the packed cache without dequantizing it.
-        lengths = jnp.broadcast_to(index + 1, (b,))
-        out = kernels.decode_attention(q[:, 0], *new_entries, lengths, mask[:, 0])
-        out = sq(out.reshape(b, 1, h * dh), layer, "attn_out")
-        return sq.matmul(out, self.o_proj.get_value()), new_entries
-      k, v = (kv_cache.read(entry, q.dtype) for entry in new_entries)
-    out = attend(q, k, v, mask).reshape(b, t, h * dh)
-    out = sq(out, layer, "attn_out")
+      k, v = new_entries
+    if t == 1 and sq.kernels == "pallas" and isinstance(k, fp4.QArray):
+      # A decode step: attend over the packed cache without dequantizing it.
+      out = kernels.decode_attention(q[:, 0], k, v, jnp.broadcast_to(index + 1, (b,)), mask[:, 0])
+    else:  # (read: dequantize a packed cache entry; a no-op cast otherwise)
+      out = attend(q, kv_cache.read(k, q.dtype), kv_cache.read(v, q.dtype), mask)
+    out = sq(out.reshape(b, t, h * dh), layer, "attn_out")
     return sq.matmul(out, self.o_proj.get_value()), new_entries

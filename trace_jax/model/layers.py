@@ -41,11 +41,23 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return x * cos + rotated * sin
 
 
+def _precision(dtype):
+  """Full float32 products for float32 compute (exactness tests); the default otherwise."""
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   """x [..., in] @ w [in, out] with float32 accumulation, returned in x's dtype."""
-  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-  y = jnp.einsum("...i,io->...o", x, w, precision=precision, preferred_element_type=jnp.float32)
+  y = jnp.einsum("...i,io->...o", x, w, precision=_precision(x.dtype),
+                 preferred_element_type=jnp.float32)
   return y.astype(x.dtype)
+
+
+def ragged_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """Rows of lhs [R, in] sorted by group @ w [groups, in, out] (`jax.lax.ragged_dot`),
+  float32 accumulation, returned in lhs's dtype."""
+  return jax.lax.ragged_dot(lhs, w, group_sizes, precision=_precision(lhs.dtype),
+                            preferred_element_type=jnp.float32).astype(lhs.dtype)
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

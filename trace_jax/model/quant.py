@@ -20,7 +20,6 @@ import zlib
 from typing import Any, Mapping, Sequence, Union
 
 import jax
-import jax.numpy as jnp
 
 from trace_jax import fp4, kernels as kernels_lib
 from trace_jax.model import layers
@@ -213,38 +212,36 @@ class SiteQuantizer:
     """Fake-quantize activation `x` [..., n] per row at (layer, site); identity if off."""
     if not self.active(site):
       return x
-    rounding = self._rounding(layer, site)
-    if self.kernels == "pallas" and not rounding:  # nearest: the fused kernel
-      return fp4.dequantize(self._kernel_quantize(x, layer, site, record), x.dtype)
-    kwargs = dict(global_group="row", **rounding)
+    kwargs = dict(global_group="row", **self._rounding(layer, site))
+    if self._fused(kwargs):  # the kernel quantizes anyway; its QArray gives the values
+      return fp4.dequantize(self._record(x, layer, site, kwargs, always=True, keep=record),
+                            x.dtype)
     if record:
       self._record(x, layer, site, kwargs)
     return fp4.fake_quant(x, self.quant.fmt, **kwargs)
 
   def quantize_record(self, x: jax.Array, layer: int, site: str) -> fp4.QArray:
     """The `fp4.QArray` of an activation site (for the FP4 KV cache)."""
-    rounding = self._rounding(layer, site)
-    if self.kernels == "pallas" and not rounding:
-      return self._kernel_quantize(x, layer, site, True)
-    return self._record(x, layer, site, dict(global_group="row", **rounding), always=True)
+    kwargs = dict(global_group="row", **self._rounding(layer, site))
+    return self._record(x, layer, site, kwargs, always=True)
 
-  def _kernel_quantize(self, x, layer, site, record):
-    q, _ = kernels_lib.quantize(x, self.quant.fmt)
-    if record and self.record:
-      self.records[(layer, site)] = q
-    if record and self.record_inputs:
-      self.inputs[(layer, site)] = x
-    return q
+  def _fused(self, kwargs) -> bool:
+    """Whether this site quantizes with the fused kernel (nearest rounding only)."""
+    return self.kernels == "pallas" and "rounding" not in kwargs
 
-  def _record(self, x, layer, site, kwargs, always=False):
+  def _record(self, x, layer, site, kwargs, always=False, keep=True):
+    """Quantize (if recording, or `always`), keeping the QArray / input if recording."""
     q = None
-    if self.record or always:
-      q, fell_back = fp4.quantize_with_fallbacks(x, self.quant.fmt, **kwargs)
-      if self.record:
+    if (keep and self.record) or always:
+      if self._fused(kwargs):
+        q, fell_back = kernels_lib.quantize(x, self.quant.fmt)[0], None
+      else:
+        q, fell_back = fp4.quantize_with_fallbacks(x, self.quant.fmt, **kwargs)
+      if keep and self.record:
         self.records[(layer, site)] = q
         if kwargs.get("rounding") == "guided":
           self.fallbacks[(layer, site)] = fell_back
-    if self.record_inputs:
+    if keep and self.record_inputs:
       self.inputs[(layer, site)] = x
     return q
 
@@ -272,6 +269,4 @@ class SiteQuantizer:
     """Grouped matmul of rows sorted by expert with stacked expert weights [E, in, out]."""
     if self._pallas(w):
       return kernels_lib.moe_gmm(lhs, w, group_sizes, out_dtype=lhs.dtype)
-    precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
-    return jax.lax.ragged_dot(lhs, self.weight(w), group_sizes, precision=precision,
-                              preferred_element_type=jnp.float32).astype(lhs.dtype)
+    return layers.ragged_matmul(lhs, self.weight(w), group_sizes)

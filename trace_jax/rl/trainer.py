@@ -232,7 +232,7 @@ class Trainer:
     rewards = jnp.asarray(played.rewards)
     advantages = group_advantages(rewards, config.group_size, std_norm=config.loss.std_norm)
     batch.update(old_logp=old_logp, advantages=self._shard(advantages))
-    losses, stats_list, norms = [], [], []
+    updates = []  # (loss, stats, grad norm) per minibatch, left on device until all ran
     size = config.batch // config.minibatches
     for epoch in range(config.epochs):
       for m in range(config.minibatches):
@@ -240,13 +240,11 @@ class Trainer:
         mini = jax.tree.map(lambda a: a[rows], batch)
         mini_guidance = None if guidance is None else guidance.take(rows)
         mini_ref = None if ref_logp is None else ref_logp[rows]
-        loss, stats, norm = _train_step(self.policy, self.opt, mini, mini_guidance, mini_ref,
-                                        loss_config=config.loss_config, **static)
-        losses.append(float(loss))
-        stats_list.append(jax.device_get(stats))
-        norms.append(float(norm))
+        updates.append(_train_step(self.policy, self.opt, mini, mini_guidance, mini_ref,
+                                   loss_config=config.loss_config, **static))
+    losses, stats_list, norms = zip(*jax.device_get(updates))
     if not np.all(np.isfinite(losses)):
-      raise FloatingPointError(f"step {step}: the loss is {losses}; stopping before it spreads")
+      raise FloatingPointError(f"step {step}: the loss is {list(losses)}; stopping before it spreads")
     for engine in (self.engine, *self.eval_engines.values()):
       engine.sync(self.policy)  # weight sync
     train_seconds = time.time() - start
@@ -255,9 +253,7 @@ class Trainer:
     metrics = {"step": step, "rewards/mean": float(np.mean(played.rewards)),
                "rewards/std": float(np.std(played.rewards)), "loss": float(np.mean(losses)),
                "grad_norm": float(np.mean(norms)),
-               "pg_clipfrac": float(np.mean([s["pg_clipfrac"] for s in stats_list])),
-               "rollout_correction_frac": float(np.mean([s["rollout_correction_frac"] for s in stats_list])),
-               "kl_ref": float(np.mean([s["kl_ref"] for s in stats_list])),
+               **{name: float(np.mean([s[name] for s in stats_list])) for name in stats_list[0]},
                "entropy": float(np.sum(np.asarray(entropy) * response_mask) / max(response_mask.sum(), 1)),
                "completions/mean_length": float(response_mask.sum(1).mean()),
                "episodes/mean_turns": float(played.turns.mean()),
