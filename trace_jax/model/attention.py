@@ -64,9 +64,9 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     h, hkv, dh = self.shape
     xq = sq(x, layer, "attn_in")
-    q = sq.matmul(xq, self.q_proj.get_value())
-    k = sq.matmul(xq, self.k_proj.get_value())
-    v = sq.matmul(xq, self.v_proj.get_value())
+    q = sq.matmul(xq, self.q_proj.get_value(), "attention")
+    k = sq.matmul(xq, self.k_proj.get_value(), "attention")
+    v = sq.matmul(xq, self.v_proj.get_value(), "attention")
     if self.qk_norm == "full":
       q, k = self.q_norm(q), self.k_norm(k)
     if self.clip_qkv is not None:
@@ -95,4 +95,4 @@ class Attention(nnx.Module):
     else:  # (read: dequantize a packed cache entry; a no-op cast otherwise)
       out = attend(q, kv_cache.read(k, q.dtype), kv_cache.read(v, q.dtype), mask)
     out = sq(out.reshape(b, t, h * dh), layer, "attn_out")
-    return sq.matmul(out, self.o_proj.get_value()), new_entries
+    return sq.matmul(out, self.o_proj.get_value(), "attention"), new_entries
