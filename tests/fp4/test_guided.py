@@ -1,6 +1,7 @@
 """Guided rounding (DESIGN.md section 3): recorded scales, mantissa bits or codes."""
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -20,7 +21,8 @@ def _neighbour_codes(magnitude):
 
 def _step(q):
   block = q.format.block_size
-  return np.repeat(np.asarray(q.format.decode_scales(q.scales) / q.global_scale), block, -1)
+  step = np.asarray(q.format.decode_scales(q.scales)) / np.asarray(q.global_scale)  # true division
+  return np.repeat(step, block, -1)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -123,3 +125,49 @@ def test_guided_rejects_mismatched_guidance():
     fp4.quantize(x, rounding="guided", guidance={"scales": 1})
   with pytest.raises(ValueError, match="only used with rounding='guided'"):
     fp4.quantize(x, guidance=q_row)
+
+
+def test_mantissa_bits_decide_exact_ties():
+  """At an exact E2M1 midpoint nearest rounding takes the even code; compact guidance takes
+  whichever neighbour has the recorded bit, ties included. bf16 inputs: block 0 holds the
+  row amax 10.5 (gs = 2688 / 10.5 = 256, s_b = 448), block 1 the amax 6 * s_b / 256 for an
+  E4M3 s_b that is not a power of two, so every other element, a midpoint times the step
+  s_b / 256, is an exact tie."""
+  rng = np.random.default_rng(24)
+  rows = 256
+  mids = np.asarray([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+  scales = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  scales = scales[(scales >= 2) & (scales < 448)]
+  scales = scales[scales / 2.0 ** np.floor(np.log2(scales)) != 1]  # not powers of two
+  s_b = np.stack([np.full(rows, 448.0), rng.choice(scales, rows)], 1)
+  step = (s_b / 256).astype(np.float32)  # [rows, 2]
+  x = np.zeros((rows, 2, 16), np.float32)
+  x[:, :, 0] = step * 6
+  x[:, :, 1:] = (rng.choice(mids, (rows, 2, 15)) * rng.choice([-1, 1], (rows, 2, 15))
+                 * step[..., None])
+  x = jnp.asarray(x.reshape(rows, 32), jnp.bfloat16)
+  v = np.asarray(x, np.float32).reshape(rows, 2, 16) / step[..., None]
+  lo, hi = _neighbour_codes(np.abs(v))
+  assert ((lo != hi)[:, :, 1:]).all()  # every element but the block maxima is a tie
+  reciprocal = np.asarray(x, np.float32).reshape(rows, 2, 16) * (1 / step[..., None])
+  assert (reference.e2m1_codes(reciprocal) != reference.e2m1_codes(v)).any()  # can fail
+
+  q = fp4.quantize(x, global_group="row")
+  np.testing.assert_array_equal(q.scales, s_b.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+  nearest = np.where((lo & 1) == 0, lo, hi)  # the even neighbour
+  sign = np.where(v < 0, 8, 0)
+  np.testing.assert_array_equal(np.asarray(fp4.codes(q)).reshape(rows, 2, 16) & 7, nearest)
+
+  # Record random mantissa bits (a rollout whose values sat on either side of the tie).
+  bits = rng.integers(0, 2, (rows, 2, 16)).astype(np.uint8)
+  bits[:, :, 0] = 1  # the block maxima (code 7) keep their own bit
+  recorded = fp4.CompactGuidance(
+      global_scale=q.global_scale, scales=q.scales,
+      mantissa_bits=fp4.pack_bits(jnp.asarray(bits.reshape(rows, 32))), fmt="nvfp4", axis=-1)
+  guided, fell_back = fp4.quantize_with_fallbacks(x, rounding="guided", guidance=recorded)
+  chosen = np.where((hi & 1) == bits, hi, lo)
+  sign = np.where(chosen != 0, sign, 0)  # zero stays +0
+  np.testing.assert_array_equal(fp4.codes(guided), (chosen | sign).reshape(rows, 32))
+  assert not np.asarray(fell_back).any()
+  odd = ((chosen & 1) == 1)[:, :, 1:]
+  assert odd.mean() > 0.3  # the bit, not round-half-to-even, decided those ties

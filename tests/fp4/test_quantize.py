@@ -121,8 +121,9 @@ def test_nvfp4_matches_reference_bit_for_bit(kind, global_group):
   np.testing.assert_array_equal(fp4.codes(q), codes)
   np.testing.assert_array_equal(q.scales, scale_bits)
   np.testing.assert_array_equal(q.global_scale, gs)
+  # NumPy divides truly (a jnp division by a broadcast would be a reciprocal multiply).
   expected = reference.e2m1_values(codes).reshape(6, 8, 4, 16) * (
-      fp4.e4m3_decode(jnp.asarray(scale_bits)) / gs)[..., None]
+      np.asarray(fp4.e4m3_decode(jnp.asarray(scale_bits))) / gs)[..., None]
   np.testing.assert_array_equal(fp4.dequantize(q), np.asarray(expected).reshape(x.shape))
 
 
@@ -167,7 +168,7 @@ def test_codes_and_dequantize_agree_with_ml_dtypes_values():
   for fmt in ("nvfp4", "mxfp4"):
     q = fp4.quantize(x, fmt, global_group="row")
     block = q.format.block_size
-    step = q.format.decode_scales(q.scales) / q.global_scale
+    step = np.asarray(q.format.decode_scales(q.scales)) / np.asarray(q.global_scale)
     expected = reference.e2m1_values(np.asarray(fp4.codes(q))) * np.repeat(np.asarray(step), block, -1)
     np.testing.assert_array_equal(fp4.dequantize(q), expected)
     assert fp4.dequantize(q, jnp.bfloat16).dtype == jnp.bfloat16

@@ -21,6 +21,25 @@ E8M0_BIAS = 127
 E8M0_NAN = 255
 
 
+def true_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+  """IEEE float32 division, numerator / denominator, correctly rounded, that XLA cannot
+  rewrite into a multiplication by a reciprocal.
+
+  XLA's algebraic simplifier turns `a / b` with a constant or broadcast `b` into
+  `a * (1 / b)`, which can be 1 ulp off; FP4 rounding turns that ulp into a flipped tie
+  (v exactly 1.75 becomes code 3 instead of 4; an ideal block scale of exactly 336 becomes
+  E4M3 352 instead of 320). The spec (and compressed-tensors) divides, so we divide by
+  `b + 0 * a`: the same value for finite `a` (adding a zero of either sign to a nonzero
+  `b` is exact, and `b = 0` gives a zero too), but an operand the simplifier cannot see as
+  a broadcast or a constant, and no compiler may fold `0 * a` (it is NaN for infinite or
+  NaN `a`). A non-finite numerator therefore gives NaN, which FP4 callers flag anyway.
+  Plain elementwise ops, so Pallas lowers it too (a float division stays a division).
+  """
+  numerator = jnp.asarray(numerator, jnp.float32)
+  denominator = jnp.asarray(denominator, jnp.float32)
+  return numerator / (denominator + numerator * 0.0)
+
+
 def e2m1_decode(codes: jax.Array) -> jax.Array:
   """Unsigned-or-signed 4-bit codes -> float32 values, exactly.
 

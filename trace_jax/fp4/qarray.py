@@ -139,7 +139,7 @@ def _expand_blocks(scale: jax.Array, axis: int, block_size: int) -> jax.Array:
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
   """x_hat = code value * (s_b / gs), computed in float32, then cast to `dtype`."""
   fmt = q.format
-  step = fmt.decode_scales(q.scales) / q.global_scale  # s_b / gs, per block
+  step = numerics.true_divide(fmt.decode_scales(q.scales), q.global_scale)  # s_b / gs, per block
   values = numerics.e2m1_decode(codes(q)) * _expand_blocks(step, q.axis, fmt.block_size)
   return values.astype(dtype)
 

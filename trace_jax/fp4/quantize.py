@@ -5,6 +5,8 @@ NVFP4 (DESIGN.md section 1, the compressed-tensors / TransformerEngine conventio
   2. s_b = e4m3(min(amax_b / 6 * gs, 448)) per block of 16 along the quantized axis;
   3. v = x / (s_b / gs), in that order (v = 0 where s_b = 0);
   4. code = e2m1(v) by the rounding mode; decode x_hat = code * (s_b / gs).
+Every division is a true IEEE division (`numerics.true_divide`), so exact ties (frequent
+with bf16 inputs) round as the spec says, bit for bit with compressed-tensors.
 MXFP4 (OCP MX v1.0): s_b = 2^(floor(log2(amax_b)) - 2) as E8M0, blocks of 32, gs = 1.
 
 The three rounding modes share steps 1-3 and the grid neighbours of |v|; they differ only
@@ -179,14 +181,16 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding):
   else:
     if spec.has_global_scale:
       # gs = 1 where amax is 0; stay finite where amax is f32-subnormal.
+      # True divisions (numerics.true_divide), as the spec divides: a reciprocal
+      # multiply would flip exact ties of the block scale and of the codes.
       global_scale = jnp.minimum((448.0 * 6.0) / jnp.where(amax > 0, amax, 448.0 * 6.0), _F32_MAX)
-      scale_bits = numerics.e4m3_encode(amax_b / 6.0 * global_scale)
+      scale_bits = numerics.e4m3_encode(numerics.true_divide(amax_b, 6.0) * global_scale)
     else:
       global_scale = jnp.ones(finite.shape, jnp.float32)
       scale_bits = numerics.e8m0_encode(numerics.floor_log2(amax_b) - 2)
 
-  step = (spec.decode_scales(scale_bits) / global_scale)[..., None]  # s_b / gs
-  v = jnp.where(step > 0, blocks / step, 0.0)  # q = 0 where s_b = 0
+  step = numerics.true_divide(spec.decode_scales(scale_bits), global_scale)[..., None]  # s_b / gs
+  v = jnp.where(step > 0, numerics.true_divide(blocks, step), 0.0)  # q = 0 where s_b = 0
   exponent, spacing, units = numerics.e2m1_grid_units(jnp.abs(v))
   lo_units, hi_units = jnp.floor(units), jnp.ceil(units)
   fell_back = jnp.zeros(v.shape, bool)
@@ -240,7 +244,7 @@ def _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding):
   """dequantize(quantize(x)) without packing: the same ops as `dequantize`, bit for bit."""
   _, value, scale_bits, global_scale, _ = _quantize_last(
       x, key, guidance, fmt, axis, group_axes, rounding)
-  step = get_format(fmt).decode_scales(scale_bits) / global_scale  # s_b / gs
+  step = numerics.true_divide(get_format(fmt).decode_scales(scale_bits), global_scale)  # s_b / gs
   values = value * step[..., None]
   return jnp.moveaxis(values.reshape(*value.shape[:-2], -1), -1, axis).astype(x.dtype)
 
