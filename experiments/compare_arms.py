@@ -2,6 +2,7 @@
 
   python experiments/compare_arms.py --out=runs/arms            # ~25 min on 2 cores
   python experiments/compare_arms.py --out=/tmp/arms --steps=10 --sft_steps=20   # quick
+  python experiments/compare_arms.py --out=runs/arms-ekv --fp4_sites=experts+kv --fmt=mxfp4
 
 Runs bf16, fp4-rollout, fp4-qat, trace and trace-full through experiments/rl.py's trainer,
 each in <out>/<arm>, all starting from one SFT warm start (made once, copied). The ptq row
@@ -31,6 +32,8 @@ _SFT = flags.DEFINE_integer("sft_steps", None, "Warm-start steps (default: RLCon
 _SEED = flags.DEFINE_integer("seed", 0, "Seed shared by all arms.")
 _TASK = flags.DEFINE_string("task", "arith", "Task.")
 _PRESET = flags.DEFINE_string("preset", None, "Model preset (default: RLConfig's).")
+_FP4_SITES = flags.DEFINE_string("fp4_sites", None, "FP4 scope: all or experts+kv (default: RLConfig's).")
+_FMT = flags.DEFINE_string("fmt", None, "FP4 format: nvfp4 or mxfp4 (default: RLConfig's).")
 
 TRAINED = ("bf16", "fp4-rollout", "fp4-qat", "trace", "trace-full")
 
@@ -39,7 +42,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
   overrides = {k: v for k, v in (("steps", _STEPS.value), ("sft_steps", _SFT.value),
-                                 ("preset", _PRESET.value)) if v is not None}
+                                 ("preset", _PRESET.value), ("fp4_sites", _FP4_SITES.value),
+                                 ("fmt", _FMT.value)) if v is not None}
   out = os.path.abspath(_OUT.value)
   summaries = {}
   for arm in TRAINED:

@@ -2,6 +2,12 @@
 
   python experiments/mismatch.py --preset=small --json_out=runs/mismatch-small.json
   python experiments/mismatch.py --preset=tiny --sft_steps=50 --rollouts=16 --json_out=/tmp/m.json  # quick
+  python experiments/mismatch.py --preset=small --fp4_sites=experts+kv --json_out=runs/mismatch-ekv.json
+
+Modes: bf16 (both paths), none (FP4 QAT, nearest, own routing), none+replay (nearest with the
+rollout's experts), compact / full (guided, with replay). Guidance targets are stated
+against none+replay (full <= 1/10, compact <= 1/2 of its k3), so guidance is not credited
+with what routing replay removes; none shows the replay effect on its own.
 
 Writes the JSON (modes, bytes_per_token, sweep, targets), a PNG of mismatch against the
 number of guided layers next to it (or at --png_out), and prints a table.
@@ -19,7 +25,10 @@ from trace_jax.rl.mismatch_study import MODES, StudyConfig, run_study  # noqa: E
 from trace_jax.utils import markdown_table, write_json  # noqa: E402
 
 _PRESET = flags.DEFINE_string("preset", "small", "Model preset.")
-_JSON = flags.DEFINE_string("json_out", None, "Where to write the JSON results.", required=True)
+_JSON = flags.DEFINE_string("json_out", "runs/mismatch.json", "Where to write the JSON results.")
+_D = StudyConfig()
+_FP4_SITES = flags.DEFINE_string("fp4_sites", _D.fp4_sites, "FP4 scope: all or experts+kv.")
+_FMT = flags.DEFINE_string("fmt", _D.fmt, "FP4 format: nvfp4 or mxfp4.")
 _PNG = flags.DEFINE_string("png_out", None, "Plot path (default: next to --json_out).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the SFT data, init and rollouts.")
 _SFT_STEPS = flags.DEFINE_integer("sft_steps", 300, "SFT warm-start steps.")
@@ -38,9 +47,9 @@ def plot(results: dict, path: str) -> None:
     xs = [r["guided_layers"] for r in rows]
     axes[0].semilogy(xs, [max(r["k3_kl"], 1e-12) for r in rows], marker=marker, label=f"guided {mode}")
     axes[1].plot(xs, [r["code_disagree_frac"] for r in rows], marker=marker, label=f"guided {mode}")
-  for mode, style in (("none", "--"), ("bf16", ":")):
+  for mode, style in (("none", "--"), ("none+replay", "-."), ("bf16", ":")):
     axes[0].axhline(max(results["modes"][mode]["k3_kl"], 1e-12), ls=style, c="gray",
-                    label=f"{mode} (no guidance)" if mode == "none" else "bf16 both paths")
+                    label="bf16 both paths" if mode == "bf16" else f"{mode} (no guidance)")
   axes[1].axhline(results["modes"]["none"]["code_disagree_frac"], ls="--", c="gray",
                   label="none (no guidance)")
   axes[0].set(xlabel="guided layers (from the top)", ylabel="mismatch/k3_kl",
@@ -63,24 +72,27 @@ def main(argv):
   config = StudyConfig(preset=_PRESET.value, task=_TASK.value, seed=_SEED.value,
                        sft_steps=_SFT_STEPS.value, rollouts=_ROLLOUTS.value,
                        new_tokens=_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
-                       compute_dtype=_DTYPE.value)
+                       compute_dtype=_DTYPE.value, fp4_sites=_FP4_SITES.value, fmt=_FMT.value)
   results = run_study(config)
   png = _PNG.value or os.path.splitext(_JSON.value)[0] + ".png"
   plot(results, png)
   write_json(_JSON.value, results)
 
   rows = []
+  pct = lambda v: "-" if v is None else f"{v:.4%}"  # noqa: E731
   for mode in MODES:
     m = results["modes"][mode]
-    cdf = m["code_disagree_frac"]
     rows.append((mode, f"{m['k3_kl']:.3e}", f"{m['kl']:.3e}", f"{m['logp_abs_diff']:.3e}",
-                 f"{m['prob_diff_max']:.3f}", "-" if cdf is None else f"{cdf:.4%}",
-                 f"{m['guidance/agree_frac']:.4%}" if "guidance/agree_frac" in m else "-"))
+                 f"{m['prob_diff_max']:.3f}", pct(m["code_disagree_frac"]),
+                 pct(m["one_step_frac"]), pct(m.get("mantissa_disagree_frac")),
+                 pct(m.get("scale_disagree_frac")), pct(m.get("guidance/followed_frac"))))
   print(f"\n{results['model']['preset']}, {results['rollout']['sequences']} sequences, "
         f"{results['rollout']['response_tokens']} response tokens, FP4 reward "
         f"{results['rollout']['fp4_reward_mean']:.2f}, SFT nll {results['sft']['final_nll']:.3f}\n")
+  print(f"FP4 scope: {results['config']['fp4_sites']}, {results['config']['fmt']}\n")
   print(markdown_table(["mode", "k3_kl", "kl", "logp_abs_diff", "prob_diff_max",
-                        "code_disagree_frac", "guidance agree"], rows))
+                        "code_disagree_frac", "one-step share", "mantissa-bit disagree",
+                        "block-scale disagree", "guidance followed"], rows))
   sweep = [(r["mode"], r["guided_layers"], f"{r['k3_kl']:.3e}", f"{r['code_disagree_frac']:.4%}",
             f"{r['bytes_per_token']:.0f}") for r in results["sweep"]]
   print()
@@ -88,7 +100,12 @@ def main(argv):
   t = results["targets"]
   print(f"\nbytes per token: compact {results['bytes_per_token']['compact']:.0f}, full "
         f"{results['bytes_per_token']['full']:.0f}")
-  print(f"targets: full cuts k3_kl {t['full_k3_reduction']:.1f}x (>= 10x: {t['met']['full_10x']}); "
+  qwen = results["qwen3_30b_a3b_bytes_per_token"]
+  print(markdown_table(["Qwen3-30B-A3B guidance bytes/token", "compact (last half)", "full (all)"],
+                       [(scope, f"{b['compact']:.0f}", f"{b['full']:.0f}") for scope, b in qwen.items()]))
+  print(f"replay alone cuts k3_kl {t['replay_k3_reduction']:.1f}x (none / none+replay)")
+  print(f"targets vs none+replay: full cuts k3_kl {t['full_k3_reduction']:.1f}x "
+        f"(>= 10x: {t['met']['full_10x']}); "
         f"compact {t['compact_k3_reduction']:.1f}x (>= 2x: {t['met']['compact_2x']}); "
         f"compact {t['bytes_ratio_full_over_compact']:.2f}x smaller than full "
         f"(>= 5.5x: {t['met']['bytes_5.5x']})")

@@ -2,6 +2,7 @@
 
   python experiments/rl.py                                   # small, arith, arm trace, ~7 min on 2 cores
   python experiments/rl.py --arm=fp4-qat --seed=1 --steps=30
+  python experiments/rl.py --arm=trace --fp4_sites=experts+kv --fmt=mxfp4 --steps=30
   python experiments/rl.py --task=search --max_new_tokens=6  # multi-turn
   python experiments/rl.py --workdir=runs/x                  # resumes if runs/x holds a checkpoint
 
@@ -49,6 +50,9 @@ _EVAL_SIZE = flags.DEFINE_integer("eval_size", _D.eval_size, "Evaluation problem
 _SFT = flags.DEFINE_integer("sft_steps", _D.sft_steps, "Warm-start SFT steps (when the workdir has none).")
 _MESH = flags.DEFINE_list("mesh", ["1", "1", "1"], "data,expert,model device counts.")
 _DTYPE = flags.DEFINE_enum("compute_dtype", "bfloat16", ["bfloat16", "float32"], "Activations.")
+_FP4_SITES = flags.DEFINE_string("fp4_sites", _D.fp4_sites,
+                                 "FP4 scope: all, or experts+kv (the method's: routed experts and KV cache).")
+_FMT = flags.DEFINE_string("fmt", _D.fmt, "FP4 format: nvfp4 or mxfp4.")
 
 
 def _options():
@@ -75,7 +79,7 @@ def main(argv):
                         tis_threshold=_TIS.value),
         correction=_CORR.value, eval_every=_EVAL_EVERY.value, eval_size=_EVAL_SIZE.value,
         sft_steps=_SFT.value, mesh=tuple(int(m) for m in _MESH.value),
-        compute_dtype=_DTYPE.value)
+        compute_dtype=_DTYPE.value, fp4_sites=_FP4_SITES.value, fmt=_FMT.value)
     workdir = _WORKDIR.value or os.path.join(
         "runs", f"{config.arm}-{config.task.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
     start = time.time()

@@ -182,3 +182,23 @@ def test_fused_quantize_kernel_keeps_ties():
   np.testing.assert_array_equal(q.scales, scale_bits)
   np.testing.assert_array_equal(q.global_scale, gs)
   np.testing.assert_array_equal(bits, fp4.mantissa_bits(fp4.quantize(jnp.asarray(x), global_group="row")))
+
+
+def test_true_divide_lowers_for_cuda_through_pallas_triton():
+  """Inside a Pallas kernel lowered for CUDA, `true_divide` is Triton's precise division
+  (a plain one there lowers to the approximate div.full.f32)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as pl_triton
+  from jax._src.pallas.triton import lowering as triton_lowering
+
+  def kernel(a_ref, b_ref, o_ref):
+    o_ref[...] = numerics.true_divide(a_ref[...], b_ref[...])
+
+  def f(a, b):
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
+                          compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1))(a, b)
+
+  a, b = jnp.ones((16, 16)), jnp.ones((16, 1))
+  text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text
+  assert numerics._ieee_div_p in triton_lowering.triton_lowering_rules  # noqa: SLF001

@@ -57,5 +57,49 @@ def test_guidance_agreement():
   fallbacks[(1, "k")][1, 1] = True  # masked token
   mask = np.asarray([[True, True], [True, False]])
   out = metrics.guidance_agreement(fallbacks, mask)
-  assert out == {"guidance/agree_frac": pytest.approx(1 - 3 / 24), "guidance/fallbacks": 3}
+  assert out == {"guidance/followed_frac": pytest.approx(1 - 3 / 24), "guidance/fallbacks": 3}
   assert metrics.guidance_agreement({}, mask) == {}
+
+
+def _hand_counts(a_codes, b_codes, mask):
+  """Disagreeing codes and those one signed grid step apart, by explicit value lookups."""
+  values = np.asarray(fp4.E2M1_GRID)
+  signed = lambda c: np.where(c & 8, -1, 1) * np.searchsorted(values, values[c & 7])  # noqa: E731
+  differ, one = 0, 0
+  for idx in zip(*np.nonzero(a_codes != b_codes)):
+    if mask[idx[:2]]:
+      differ += 1
+      one += abs(int(signed(a_codes[idx])) - int(signed(b_codes[idx]))) == 1
+  return differ, one
+
+
+def test_fp4_disagreement_bits_scales_codes_and_one_step_share():
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((2, 4, 64)).astype(np.float32)
+  y = x * (1 + rng.uniform(-0.15, 0.15, x.shape)).astype(np.float32)  # nearby values
+  y[1, 1] *= 3.0  # a token whose scales change
+  y[0, 2, :5] *= -1  # sign flips: two or more grid steps apart
+  a = fp4.quantize(jnp.asarray(x), global_group="row")
+  b = fp4.quantize(jnp.asarray(y), global_group="row")
+  mask = np.ones((2, 4), bool)
+  mask[1, 3] = False
+  a_codes, b_codes = np.asarray(fp4.codes(a)), np.asarray(fp4.codes(b))
+  differ, one = _hand_counts(a_codes, b_codes, mask)
+  assert 0 < one < differ
+  bits = ((a_codes & 1) != (b_codes & 1))[mask].sum() / (7 * 64)
+  scales = (np.asarray(a.scales) != np.asarray(b.scales)) | (
+      np.asarray(a.global_scale) != np.asarray(b.global_scale))
+  out = metrics.fp4_disagreement({(3, "moe_in"): a}, {(3, "moe_in"): b}, mask)
+  assert out["code_disagree_frac"] == pytest.approx(differ / (7 * 64))
+  assert out["one_step_frac"] == pytest.approx(one / differ)
+  assert out["mantissa_disagree_frac"] == pytest.approx(bits)
+  assert out["scale_disagree_frac"] == pytest.approx(scales[mask].sum() / (7 * 4))
+  assert out["per_layer"][3]["one_step_frac"] == pytest.approx(one / differ)
+  # Compact guidance: bits and scales are measurable, codes are not.
+  compact = metrics.fp4_disagreement({(3, "moe_in"): fp4.compact_guidance(a)}, {(3, "moe_in"): b}, mask)
+  assert compact["mantissa_disagree_frac"] == pytest.approx(bits)
+  assert compact["scale_disagree_frac"] == out["scale_disagree_frac"]
+  assert compact["code_disagree_frac"] is None and compact["one_step_frac"] is None
+  flat = metrics.disagreement_metrics({(3, "moe_in"): fp4.compact_guidance(a)}, {(3, "moe_in"): b}, mask)
+  assert set(flat) == {"mismatch/mantissa_disagree_frac", "mismatch/mantissa_disagree/layer_3",
+                       "mismatch/scale_disagree_frac", "mismatch/scale_disagree/layer_3"}

@@ -38,7 +38,8 @@ def test_short_run_on_each_task_kind(tmp_path, task, options):
   for m in history:
     for key in ("rewards/mean", "mismatch/k3_kl", "mismatch/kl", "is_ratio/mean", "tis/clip_frac",
                 "pg_clipfrac", "entropy", "completions/mean_length", "guidance/bytes_per_token",
-                "guidance/agree_frac"):
+                "guidance/followed_frac", "mismatch/mantissa_disagree_frac",
+                "mismatch/scale_disagree_frac", "mismatch/mantissa_disagree/layer_0"):
       assert key in m and np.isfinite(m[key]), key
   assert history[-1]["guidance/bytes_per_token"] > 0  # the trace arm captures guidance
   if task == "search":
@@ -87,6 +88,8 @@ def test_resume_with_another_config_names_the_fields(tmp_path):
     (dict(preset="huge"), "preset='huge'.*tiny"),
     (dict(group_size=3, minibatches=2, prompts_per_step=1), "minibatches"),
     (dict(correction="always"), "correction='always'"),
+    (dict(fp4_sites="experts"), "fp4_sites='experts'.*experts\\+kv"),
+    (dict(fmt="fp8"), "fmt='fp8'.*mxfp4"),
 ])
 def test_bad_configs(overrides, match):
   with pytest.raises(ValueError, match=match):

@@ -134,17 +134,25 @@ def test_guidance_that_does_not_fit_is_an_error(policy, captured):
     T.training_forward(policy, r.tokens, r.positions, r.mask, quant=FULL_ALL)
   with pytest.raises(ValueError, match="the batch is 4 x 24"):
     T.training_forward(policy, r.tokens[:, :24], r.positions[:, :24], r.mask[:, :24],
-                       quant=FULL_ALL, guidance=g)
+                       quant=FULL_ALL, guidance=g, routing_replay=True)
   with pytest.raises(ValueError, match="missing \\[0\\]"):
     T.training_forward(policy, r.tokens, r.positions, r.mask, quant=FULL_ALL,
-                       guidance=g.select_layers([1]))
+                       guidance=g.select_layers([1]), routing_replay=True)
   with pytest.raises(ValueError, match="routing replay needs recorded routing"):
     T.training_forward(policy, r.tokens, r.positions, r.mask, quant=M.QuantConfig(),
                        guidance=g.without_routing(), routing_replay=True)
+  with pytest.raises(ValueError, match="needs routing_replay=True"):
+    T.training_forward(policy, r.tokens, r.positions, r.mask, quant=FULL_ALL, guidance=g,
+                       routing_replay=False)
+  # Guiding only attention sites does not depend on the experts: no replay needed.
+  attention_only = M.QuantConfig(rounding="guided", guided_layers="all", sites=("attn_in", "k"))
+  T.training_forward(policy, r.tokens, r.positions, r.mask, quant=attention_only, guidance=g,
+                     routing_replay=False)
   with pytest.raises(ValueError, match="lacks sites"):
     partial = G.Guidance(sites={k: v for k, v in g.sites.items() if k[1] != "v"},
                          routing=g.routing, mode="full", layers=g.layers)
-    T.training_forward(policy, r.tokens, r.positions, r.mask, quant=FULL_ALL, guidance=partial)
+    T.training_forward(policy, r.tokens, r.positions, r.mask, quant=FULL_ALL, guidance=partial,
+                       routing_replay=True)
 
 
 def test_guidance_pytree_scans_over_layers(captured):

@@ -8,9 +8,16 @@ Adjacent magnitudes always differ in bit 0 of their code, which is why bit 0 (th
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
+from jax._src import dispatch as jax_dispatch  # apply_primitive: no public path
+from jax._src.lib.triton import dialect as triton_dialect  # Pallas' Triton bindings
+from jax._src.pallas.triton import lowering as pallas_triton_lowering
+from jax.interpreters import ad, batching, mlir
 
 # E2M1 magnitudes by code 0..7 (OCP MX v1.0, table 5; ml_dtypes float4_e2m1fn).
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -21,23 +28,45 @@ E8M0_BIAS = 127
 E8M0_NAN = 255
 
 
+def _xla_true_divide(numerator, denominator):
+  return numerator / (denominator + numerator * 0.0)
+
+
+# One primitive, so each backend gets a division it cannot weaken: on XLA `a / (b + 0 * a)`
+# (see `true_divide`), in Pallas' Triton lowering `tt.precise_divf` (PTX div.rn.f32; a plain
+# division there lowers to the approximate div.full.f32, up to 2 ulp off).
+_ieee_div_p = jex_core.Primitive("fp4_ieee_div")
+_ieee_div_p.def_impl(functools.partial(jax_dispatch.apply_primitive, _ieee_div_p))
+_ieee_div_p.def_abstract_eval(lambda a, b: jax.core.ShapedArray(a.shape, a.dtype))
+mlir.register_lowering(_ieee_div_p, mlir.lower_fun(_xla_true_divide, multiple_results=False))
+ad.defjvp(_ieee_div_p, lambda g, a, b: g / b, lambda g, a, b: -g * a / (b * b))
+batching.defbroadcasting(_ieee_div_p)
+
+
+@pallas_triton_lowering.register_lowering(_ieee_div_p)
+def _triton_true_divide(ctx, numerator, denominator):
+  del ctx
+  return triton_dialect.precise_divf(numerator, denominator)
+
+
 def true_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
-  """IEEE float32 division, numerator / denominator, correctly rounded, that XLA cannot
-  rewrite into a multiplication by a reciprocal.
+  """IEEE float32 division, numerator / denominator, correctly rounded on every path.
 
   XLA's algebraic simplifier turns `a / b` with a constant or broadcast `b` into
   `a * (1 / b)`, which can be 1 ulp off; FP4 rounding turns that ulp into a flipped tie
   (v exactly 1.75 becomes code 3 instead of 4; an ideal block scale of exactly 336 becomes
-  E4M3 352 instead of 320). The spec (and compressed-tensors) divides, so we divide by
-  `b + 0 * a`: the same value for finite `a` (adding a zero of either sign to a nonzero
+  E4M3 352 instead of 320). The spec (and compressed-tensors) divides, so on XLA we divide
+  by `b + 0 * a`: the same value for finite `a` (adding a zero of either sign to a nonzero
   `b` is exact, and `b = 0` gives a zero too), but an operand the simplifier cannot see as
   a broadcast or a constant, and no compiler may fold `0 * a` (it is NaN for infinite or
   NaN `a`). A non-finite numerator therefore gives NaN, which FP4 callers flag anyway.
-  Plain elementwise ops, so Pallas lowers it too (a float division stays a division).
+  Inside a Pallas kernel lowered through Triton (CUDA) the same primitive becomes
+  `tt.precise_divf` (div.rn.f32), since Triton lowers a plain float division to the
+  approximate div.full.f32.
   """
-  numerator = jnp.asarray(numerator, jnp.float32)
-  denominator = jnp.asarray(denominator, jnp.float32)
-  return numerator / (denominator + numerator * 0.0)
+  numerator, denominator = jnp.broadcast_arrays(jnp.asarray(numerator, jnp.float32),
+                                                jnp.asarray(denominator, jnp.float32))
+  return _ieee_div_p.bind(numerator, denominator)
 
 
 def e2m1_decode(codes: jax.Array) -> jax.Array:

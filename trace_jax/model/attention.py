@@ -33,9 +33,17 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
   scores = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision,
                       preferred_element_type=jnp.float32) * (dh ** -0.5)
   scores = jnp.where(mask[:, None, None], scores, _MASKED)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision,
+  probs = jax.nn.softmax(scores, axis=-1)
+  # A masked slot gets probability 0, but 0 * NaN is NaN: a stale cache slot (or a later
+  # token) holding NaN or Inf would poison every query. Zero non-finite values before the
+  # product, then mark NaN exactly the queries that give such a slot positive weight.
+  finite = jnp.all(jnp.isfinite(v), axis=-1)  # [B, S, Hkv]
+  v = jnp.where(finite[..., None], v, jnp.zeros((), v.dtype))
+  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, precision=precision,
                    preferred_element_type=jnp.float32)
+  seen = jnp.where(mask[:, None, None], probs, 0.0)
+  poisoned = jnp.einsum("bkgts,bsk->btkg", seen, (~finite).astype(jnp.float32)) > 0
+  out = jnp.where(poisoned[..., None], jnp.nan, out)
   return out.reshape(b, t, h, dh).astype(q.dtype)
 
 

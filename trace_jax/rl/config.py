@@ -6,7 +6,8 @@ import dataclasses
 from typing import Any
 
 from trace_jax.model.config import PRESETS
-from trace_jax.model.quant import QuantConfig
+from trace_jax import fp4
+from trace_jax.model.quant import SITE_SCOPES, QuantConfig
 from trace_jax.rl.grpo import LossConfig
 from trace_jax.tasks.registry import registered
 
@@ -60,6 +61,8 @@ class RLConfig:
   """One RL run. Everything random derives from `seed` and the step number."""
 
   arm: str = "trace"
+  fp4_sites: str = "all"  # FP4 scope of rollout and QAT: "all" or "experts+kv" (the method's)
+  fmt: str = "nvfp4"  # FP4 format of rollout, QAT and the FP4 evaluation: "nvfp4" or "mxfp4"
   task: str = "arith"
   task_options: tuple = ()  # (name, value) pairs passed to get_task
   preset: str = "small"
@@ -86,6 +89,11 @@ class RLConfig:
 
   def __post_init__(self):
     get_arm(self.arm)
+    if self.fp4_sites not in SITE_SCOPES:
+      raise ValueError(f"RLConfig.fp4_sites={self.fp4_sites!r} is not allowed; use one of "
+                       f"{SITE_SCOPES}")
+    if self.fmt not in fp4.FORMATS:
+      raise ValueError(f"RLConfig.fmt={self.fmt!r} is not allowed; use one of {sorted(fp4.FORMATS)}")
     if self.preset not in PRESETS:
       raise ValueError(f"preset={self.preset!r} is not known; presets: {sorted(PRESETS)}")
     if not (self.task in registered() or self.task.startswith("rg:")):
@@ -122,6 +130,12 @@ class RLConfig:
   @property
   def arm_spec(self) -> Arm:
     return get_arm(self.arm)
+
+  @property
+  def train_quant(self) -> QuantConfig | None:
+    """The arm's training-path QuantConfig in this run's FP4 scope and format."""
+    quant = self.arm_spec.train_quant
+    return None if quant is None else quant.replace(sites=self.fp4_sites, fmt=self.fmt)
 
   @property
   def loss_config(self) -> LossConfig:

@@ -11,6 +11,8 @@ of a step) RL compares. With r = pi_train / pi_rollout:
   mismatch/prob_diff_max   max  |pi_rollout - pi_train|
   is_ratio/{mean,max,min}  of r
   tis/clip_frac            share of tokens with r above the truncation threshold
+
+and, where both paths quantize, how their FP4 outcomes differ (`fp4_disagreement`).
 """
 
 from __future__ import annotations
@@ -90,10 +92,13 @@ def code_disagreement(rollout_sites: Mapping, train_sites: Mapping, mask) -> dic
 
 
 def guidance_agreement(fallbacks: Mapping, mask) -> dict:
-  """`guidance/agree_frac` (share of guided elements that followed the rollout's recorded
-  decision) and `guidance/fallbacks` (how many did not: full guidance whose recorded code
-  was not a neighbour of the training value; compact guidance on a single forced
-  neighbour). Empty when nothing was guided."""
+  """`guidance/followed_frac`: the share of guided elements that could follow the rollout's
+  recorded decision (1 - the fallback rate), and `guidance/fallbacks`: how many could not
+  (full guidance whose recorded code was not a neighbour of the training value; compact
+  guidance on a single forced neighbour). It is not code agreement: under compact guidance
+  an element that followed its bit may still land on another code (other neighbours); see
+  `fp4_disagreement` for what the two paths' outcomes really share. Empty when nothing was
+  guided."""
   mask = np.asarray(mask)
   fell, total = 0, 0
   for value in fallbacks.values():
@@ -103,4 +108,78 @@ def guidance_agreement(fallbacks: Mapping, mask) -> dict:
     total += int(np.sum(weights))
   if not total:
     return {}
-  return {"guidance/agree_frac": 1.0 - fell / total, "guidance/fallbacks": fell}
+  return {"guidance/followed_frac": 1.0 - fell / total, "guidance/fallbacks": fell}
+
+
+def _signed_grid_index(codes: np.ndarray) -> np.ndarray:
+  """E2M1 codes -> position on the signed grid (-7..7; both zeros are 0)."""
+  magnitude = (codes & 7).astype(np.int32)
+  return np.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def fp4_disagreement(rollout_sites: Mapping, train_sites: Mapping, mask) -> dict:
+  """How the two paths' FP4 outcomes differ, overall and per layer.
+
+  Compact guidance records the mantissa bit of every element and every block scale, so
+  those two disagreements are measurable for any FP4 arm that captures it; full codes only
+  where the rollout recorded them (full guidance). `one_step_frac` is the share of
+  disagreeing codes exactly one step apart on the signed E2M1 grid (the method reports
+  > 99%: the reason one bit per element suffices).
+
+  Args:
+    rollout_sites: {(layer, site): fp4.QArray (full) or fp4.CompactGuidance}.
+    train_sites: {(layer, site): fp4.QArray} of the training forward (`record=True`).
+    mask: bool [B, S], the token slots to count.
+
+  Returns:
+    {"mantissa_disagree_frac", "scale_disagree_frac", "code_disagree_frac" (None without
+    codes), "one_step_frac" (None without codes or without disagreement),
+    "per_layer": {layer: the same four}} over the keys both hold.
+  """
+  mask = np.asarray(mask)
+  counts: dict = {}  # layer -> [bit diff, bits, scale diff, scales, code diff, codes, one step]
+  for key in sorted(set(rollout_sites) & set(train_sites)):
+    r, t = rollout_sites[key], train_sites[key]
+    c = counts.setdefault(key[0], [0] * 7)
+    t_codes = np.asarray(fp4.codes(t))
+    weights = _element_weights(mask, t_codes.shape)
+    r_bits = np.asarray(fp4.codes(r)) & 1 if isinstance(r, fp4.QArray) else \
+        np.asarray(fp4.numerics.unpack_bits(r.mantissa_bits, r.axis))
+    c[0] += int(np.sum((r_bits != (t_codes & 1)) & weights))
+    c[1] += int(np.sum(weights))
+    same_scale = (np.asarray(r.scales) == np.asarray(t.scales)) & \
+        (np.asarray(r.global_scale) == np.asarray(t.global_scale))
+    scale_weights = _element_weights(mask, same_scale.shape)
+    c[2] += int(np.sum(~same_scale & scale_weights))
+    c[3] += int(np.sum(scale_weights))
+    if isinstance(r, fp4.QArray):
+      r_codes = np.asarray(fp4.codes(r))
+      differ = (r_codes != t_codes) & weights
+      steps = np.abs(_signed_grid_index(r_codes) - _signed_grid_index(t_codes))
+      c[4] += int(np.sum(differ))
+      c[5] += int(np.sum(weights))
+      c[6] += int(np.sum(differ & (steps == 1)))
+
+  def summary(c):
+    frac = lambda a, b: a / b if b else None  # noqa: E731
+    return {"mantissa_disagree_frac": frac(c[0], c[1]), "scale_disagree_frac": frac(c[2], c[3]),
+            "code_disagree_frac": frac(c[4], c[5]), "one_step_frac": frac(c[6], c[4])}
+
+  total = [sum(c[i] for c in counts.values()) for i in range(7)]
+  return {**summary(total), "per_layer": {layer: summary(c) for layer, c in sorted(counts.items())}}
+
+
+def disagreement_metrics(rollout_sites: Mapping, train_sites: Mapping, mask) -> dict[str, float]:
+  """`fp4_disagreement` as flat RL metrics: mismatch/{mantissa,scale,code}_disagree_frac,
+  mismatch/code_one_step_frac and per layer mismatch/<kind>_disagree/layer_<i>."""
+  d = fp4_disagreement(rollout_sites, train_sites, mask)
+  out = {}
+  for kind in ("mantissa", "scale", "code"):
+    if d[f"{kind}_disagree_frac"] is None:
+      continue
+    out[f"mismatch/{kind}_disagree_frac"] = d[f"{kind}_disagree_frac"]
+    for layer, row in d["per_layer"].items():
+      out[f"mismatch/{kind}_disagree/layer_{layer}"] = row[f"{kind}_disagree_frac"]
+  if d["one_step_frac"] is not None:
+    out["mismatch/code_one_step_frac"] = d["one_step_frac"]
+  return out

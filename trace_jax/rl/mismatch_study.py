@@ -6,7 +6,11 @@
    this one capture (compact = the codes' mantissa bits; fewer layers = a subset), so all
    modes score the very same samples. A separate bf16 rollout gives the bf16 floor.
 3. Recompute the sampled tokens' log-probabilities on the training path (whole sequences,
-   prefill shapes) under each mode and compare with what the rollout reported.
+   prefill shapes) under each mode and compare with what the rollout reported. Modes:
+   "bf16" (both paths bf16), "none" (FP4 QAT, nearest rounding, the path's own routing),
+   "none+replay" (nearest rounding with the rollout's experts: what routing replay alone
+   removes), "compact" and "full" (guided, with replay). Guidance is judged against
+   "none+replay", so it is not credited with what replay removes.
 
 No noise is injected anywhere: the paths differ only as real systems do (decode vs prefill
 shapes and reduction orders, bf16 rounding, XLA's fusion of the rollout's step).
@@ -22,11 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trace_jax.model.config import get_preset
-from trace_jax.model.quant import QuantConfig, resolve_layers
+from trace_jax.model.config import get_preset, qwen3_30b_a3b
+from trace_jax.model.quant import SITE_SCOPES, QuantConfig, resolve_layers
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl import data
-from trace_jax.rl.metrics import code_disagreement, guidance_agreement, mismatch_metrics
+from trace_jax.rl.metrics import fp4_disagreement, guidance_agreement, mismatch_metrics
+from trace_jax.rollout.accounting import guidance_bytes_per_token
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
@@ -34,7 +39,7 @@ from trace_jax.tasks.tokenizer import CharTokenizer
 from trace_jax.training.forward import training_forward
 from trace_jax.training.sft import sft_batch, train_sft
 
-MODES = ("bf16", "none", "compact", "full")
+MODES = ("bf16", "none", "none+replay", "compact", "full")
 REPORTED = ("k3_kl", "kl", "logp_abs_diff", "prob_diff_mean", "prob_diff_max")
 
 
@@ -53,11 +58,14 @@ class StudyConfig:
   temperature: float = 1.0
   compute_dtype: str = "bfloat16"  # both paths, as in production
   fmt: str = "nvfp4"
+  fp4_sites: str = "all"  # FP4 scope: "all" or "experts+kv"
 
   def __post_init__(self):
     for name in ("sft_steps", "sft_batch", "rollouts", "new_tokens"):
       if getattr(self, name) < (0 if name == "sft_steps" else 1):
         raise ValueError(f"StudyConfig.{name}={getattr(self, name)} is too small")
+    if self.fp4_sites not in SITE_SCOPES:
+      raise ValueError(f"StudyConfig.fp4_sites={self.fp4_sites!r}; use one of {SITE_SCOPES}")
     if self.compute_dtype not in ("bfloat16", "float32"):
       raise ValueError(f"StudyConfig.compute_dtype={self.compute_dtype!r}; use bfloat16 or float32")
 
@@ -96,8 +104,8 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
   prompts = [data.prompt_ids(tokenizer, item) for item in items]
   key = jax.random.key(config.seed)
   fp4_engine = RolloutEngine(policy, _rollout_config(config, tokenizer, precision="fp4",
-                                                     fmt=config.fmt, guidance="full",
-                                                     guided_layers="all"))
+                                                     fmt=config.fmt, fp4_sites=config.fp4_sites,
+                                                     guidance="full", guided_layers="all"))
   fp4_rollout = fp4_engine.generate(prompts, key)
   bf16_engine = RolloutEngine(policy, _rollout_config(config, tokenizer, precision="bf16",
                                                       guidance="none"))
@@ -119,19 +127,21 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
     row = {name: m[f"mismatch/{name}"] for name in REPORTED}
     row.update({k: m[k] for k in ("is_ratio/mean", "is_ratio/max", "is_ratio/min", "tis/clip_frac")})
     if quant is not None:
-      codes = code_disagreement(full.sites, aux["sites"], rollout.mask)
-      row["code_disagree_frac"] = codes["code_disagree_frac"]
-      row["code_disagree_per_layer"] = codes["per_layer"]
-      row["code_disagree_per_site"] = codes["per_site"]
+      d = fp4_disagreement(full.sites, aux["sites"], rollout.mask)
+      row.update({k: d[k] for k in ("code_disagree_frac", "one_step_frac",
+                                    "mantissa_disagree_frac", "scale_disagree_frac")})
+      row["per_layer"] = d["per_layer"]
       row.update(guidance_agreement(aux["fallbacks"], rollout.mask))
-    else:
-      row["code_disagree_frac"] = None  # nothing is quantized on either path
+    else:  # nothing is quantized on either path
+      row.update(code_disagree_frac=None, one_step_frac=None)
     return row
 
-  guided = lambda layers: QuantConfig(fmt=config.fmt, rounding="guided", guided_layers=layers)
+  nearest = QuantConfig(fmt=config.fmt, sites=config.fp4_sites)
+  guided = lambda layers: nearest.replace(rounding="guided", guided_layers=layers)  # noqa: E731
   modes = {
       "bf16": measure(bf16_rollout, None, None, False),
-      "none": measure(fp4_rollout, QuantConfig(fmt=config.fmt), None, False),
+      "none": measure(fp4_rollout, nearest, None, False),
+      "none+replay": measure(fp4_rollout, nearest, full.select_layers(()), True),
       "compact": measure(fp4_rollout, guided("last_half"), compact.select_layers(half), True),
       "full": measure(fp4_rollout, guided("all"), full, True),
   }
@@ -149,9 +159,12 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
   texts = data.decode_responses(tokenizer, fp4_rollout.responses())
   rewards = [task.score(item, text) for item, text in zip(items, texts)]
   k3 = {m: modes[m]["k3_kl"] for m in MODES}
+  # Guidance against nearest rounding *with* routing replay, so that it is not credited with
+  # what replay removes ("replay_k3_reduction" shows that part on its own).
   targets = {
-      "full_k3_reduction": k3["none"] / max(k3["full"], 1e-30),
-      "compact_k3_reduction": k3["none"] / max(k3["compact"], 1e-30),
+      "full_k3_reduction": k3["none+replay"] / max(k3["full"], 1e-30),
+      "compact_k3_reduction": k3["none+replay"] / max(k3["compact"], 1e-30),
+      "replay_k3_reduction": k3["none"] / max(k3["none+replay"], 1e-30),
       "bytes_ratio_full_over_compact": bytes_per_token["full"] / bytes_per_token["compact"],
   }
   targets["met"] = {"full_10x": targets["full_k3_reduction"] >= 10,
@@ -169,6 +182,7 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
       },
       "modes": modes,
       "bytes_per_token": bytes_per_token,
+      "qwen3_30b_a3b_bytes_per_token": scope_bytes(config.fmt),
       "sweep": sweep,
       "targets": targets,
       "sft": {"steps": config.sft_steps, "first_nll": sft_losses[0] if sft_losses else None,
@@ -178,3 +192,18 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
                   "fp4_reward_mean": float(np.mean(rewards))},
       "seconds": time.time() - start,
   }
+
+
+def scope_bytes(fmt: str = "nvfp4") -> dict:
+  """Guidance bytes per token at the Qwen3-30B-A3B geometry, by FP4 scope and mode (compact
+  on the deeper half, full on all layers, both with routing), from shapes alone."""
+  cfg = qwen3_30b_a3b()
+  out = {}
+  for sites in SITE_SCOPES:
+    base = RolloutConfig(precision="fp4", fmt=fmt, fp4_sites=sites)
+    out[sites] = {
+        "compact": guidance_bytes_per_token(cfg, base.replace(guidance="compact",
+                                                              guided_layers="last_half")),
+        "full": guidance_bytes_per_token(cfg, base.replace(guidance="full", guided_layers="all")),
+    }
+  return out

@@ -96,9 +96,9 @@ def final_table(metrics: list[dict]) -> str:
       fmt = lambda k, f="{:.3f}": f.format(m[k]) if k in m else "-"
       rows.append((m["step"], fmt("eval/reward_fp4"), fmt("eval/reward_bf16"),
                    fmt("rewards/mean"), fmt("mismatch/k3_kl", "{:.2e}"),
-                   fmt("guidance/agree_frac", "{:.4f}")))
+                   fmt("mismatch/mantissa_disagree_frac", "{:.4f}")))
   return markdown_table(["step", "eval fp4", "eval bf16", "train reward", "k3_kl",
-                         "guidance agree"], rows)
+                         "mantissa-bit disagree"], rows)
 
 
 def write_summary(workdir: str, summary: dict) -> None:

@@ -30,6 +30,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from trace_jax.model.config import get_preset
+from trace_jax.model.quant import resolve_layers
 from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl import data
@@ -38,7 +39,7 @@ from trace_jax.rl import warmstart
 from trace_jax.rl.checkpoint import Checkpoints
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.grpo import group_advantages, grpo_loss
-from trace_jax.rl.metrics import code_disagreement, guidance_agreement, mismatch_metrics
+from trace_jax.rl.metrics import disagreement_metrics, guidance_agreement, mismatch_metrics
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
@@ -135,11 +136,20 @@ class Trainer:
     sampling = SamplingConfig(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
                               stop_tokens=(self.tokenizer.eos_id,))
     base = RolloutConfig(max_len=max_len, prompt_bucket=bucket, sampling=sampling,
-                         compute_dtype=config.compute_dtype, pad_id=self.tokenizer.pad_id)
+                         compute_dtype=config.compute_dtype, pad_id=self.tokenizer.pad_id,
+                         fmt=config.fmt, fp4_sites=config.fp4_sites)
+    # Every arm whose two paths both run FP4 captures (at least compact) guidance on every
+    # layer, so the paths' per-layer disagreement is measured each step; the trainer uses
+    # only the arm's own guided layers of it.
+    self.measured = self.arm.rollout_precision == "fp4" and config.train_quant is not None
+    capture = self.arm.guidance
+    if self.measured and capture == "none":
+      capture = "compact"
     self.engine = RolloutEngine(self.policy, base.replace(
-        precision=self.arm.rollout_precision, guidance=self.arm.guidance,
-        guided_layers=self.arm.guided_layers, record_routing=self.arm.routing_replay),
-        mesh=self.mesh)
+        precision=self.arm.rollout_precision, guidance=capture,
+        guided_layers="all" if self.measured else self.arm.guided_layers,
+        record_routing=self.arm.routing_replay), mesh=self.mesh)
+    self.guided_layers = resolve_layers(self.arm.guided_layers, self.model_cfg.num_layers)
     greedy = base.replace(sampling=SamplingConfig(greedy=True, max_new_tokens=config.max_new_tokens,
                                                   stop_tokens=(self.tokenizer.eos_id,)),
                           guidance="none", record_routing=False)
@@ -188,7 +198,7 @@ class Trainer:
     return [data.prompt_ids(self.tokenizer, item) for item in items]
 
   def _static(self) -> dict:
-    return dict(quant=self.arm.train_quant, replay=self.arm.routing_replay,
+    return dict(quant=self.config.train_quant, replay=self.arm.routing_replay,
                 dtype=jnp.dtype(self.config.compute_dtype), temperature=self.config.temperature)
 
   def _shard(self, tree, axis: int = 0):
@@ -213,9 +223,10 @@ class Trainer:
     played = episodes_lib.play(self.engine, self.task, self.tokenizer, items, key)
     slots = -(-played.rollout.used_slots // 16) * 16
     rollout = played.rollout.trim(min(slots, played.rollout.tokens.shape[1]))
+    captured = None if rollout.guidance is None else rollout.guidance.to_host()  # host-held
     guidance = None
-    if rollout.guidance is not None and (self.arm.guidance != "none" or self.arm.routing_replay):
-      guidance = rollout.guidance.to_host()  # held on the host between rollout and training
+    if captured is not None and (self.arm.guidance != "none" or self.arm.routing_replay):
+      guidance = captured.select_layers(self.guided_layers)  # the arm's own layers
     rollout_seconds = time.time() - start
 
     start = time.time()
@@ -263,11 +274,8 @@ class Trainer:
     metrics.update(mismatch_metrics(rollout.logprobs, old_logp, rollout.response_mask,
                                     tis_threshold=config.loss.tis_threshold))
     metrics.update(guidance_agreement(fallbacks, rollout.mask))
-    if guidance is not None and guidance.mode == "full":  # the rollout's codes are known
-      codes = code_disagreement(guidance.sites, train_sites, rollout.mask)
-      metrics["mismatch/code_disagree_frac"] = codes["code_disagree_frac"]
-      metrics.update({f"mismatch/code_disagree/layer_{layer}": frac
-                      for layer, frac in codes["per_layer"].items()})
+    if self.measured and captured is not None:  # bits and scales always; codes if full
+      metrics.update(disagreement_metrics(captured.sites, train_sites, rollout.mask))
     self.step = step
     return metrics
 

@@ -17,8 +17,9 @@ def quantize_params(params: nnx.State, quant: QuantConfig | None, *,
   matrix, per expert for stacked experts): dequantizing it gives, bit for bit, the weight
   the training path fake-quantizes from the same master weights. Everything DESIGN.md keeps
   in high precision (embedding, LM head, router, norms, linear weights outside the scope)
-  stays float32. Without FP4
-  (`quant` None or precision "bf16") all parameters are cast to `dtype`.
+  stays float32. Without FP4 (`quant` None or precision "bf16") the linear weights are cast
+  to `dtype` and the rest stays float32 too: the bf16 arm's router and LM head then run
+  exactly as the FP4 arms' do, so no arm carries a mismatch the others do not.
 
   Args:
     params: `nnx.state(policy)`, float32 master weights.
@@ -30,7 +31,8 @@ def quantize_params(params: nnx.State, quant: QuantConfig | None, *,
   for path, variable in nnx.to_flat_state(params):
     value = variable.get_value()
     if not fp4_rollout:
-      value = value.astype(dtype)
+      if is_quantized_weight(path):
+        value = value.astype(dtype)
     elif is_quantized_weight(path, quant):
       value = quantize_weight(value, quant.fmt)
     flat.append((path, variable.replace(value)))

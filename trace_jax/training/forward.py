@@ -38,6 +38,10 @@ def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
   return jnp.concatenate([jnp.zeros_like(entropy[:, :1]), entropy], axis=1)
 
 
+# Sites whose rows are (token, chosen expert): their guidance only fits the rollout's experts.
+ROUTED_SITES = ("moe_mid",)
+
+
 def check_guidance(model: Transformer, quant: QuantConfig | None, guidance, tokens_shape,
                    routing_replay: bool) -> None:
   """Raise a ValueError saying what differs if `guidance` cannot drive this forward."""
@@ -54,6 +58,13 @@ def check_guidance(model: Transformer, quant: QuantConfig | None, guidance, toke
   if guided:
     sites = layer_sites(cfg, quant)
     required = {(layer, s) for layer in quant.guided_layer_ids(cfg.num_layers) for s in sites[layer]}
+    routed = sorted(key for key in required if key[1] in ROUTED_SITES)
+    if routed and not routing_replay:
+      raise ValueError(
+          f"guided rounding at routed-expert sites {routed[:4]} needs routing_replay=True: the "
+          "rollout recorded the mantissa bits / codes of each token's k chosen experts in "
+          "slot order, so without the rollout's experts a slot whose expert changed would get "
+          "another expert's bits. Replay routing, or guide layers without MoE sites")
   guidance_lib.check_fits(guidance, tokens_shape=tokens_shape, required=required,
                           num_moe_layers=cfg.num_moe_layers if routing_replay else None)
 
