@@ -169,5 +169,5 @@ def test_auto_probe_checks_every_kernel_even_when_first_asked_inside_a_trace():
   """`kernels="auto"` on a GPU first checks that the kernels compile and agree with their
   references (else it falls back to XLA with a warning); the check must run eagerly even
   when it is first needed while the model is being traced."""
-  dispatch.probe.cache_clear()
+  dispatch.probe_failure.cache_clear()
   assert jax.jit(lambda x: x * dispatch.probe(True))(1.0) == 1.0

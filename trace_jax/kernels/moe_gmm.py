@@ -63,22 +63,26 @@ def _kernel(first_ref, last_ref, start_ref, end_ref, xe_ref, xo_ref, p_ref, s_re
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "poison", "block_n",
-                                             "block_k", "block_m"))
+                                             "block_k", "block_m", "num_warps", "num_stages"))
 def moe_gmm(lhs: jax.Array, w: fp4.QArray, group_sizes: jax.Array, *, out_dtype=None,
             interpret: bool | None = None, poison: bool = False, block_m: int | None = None,
-            block_n: int | None = None, block_k: int | None = None) -> jax.Array:
+            block_n: int | None = None, block_k: int | None = None,
+            num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
   """Grouped FP4 matmul: lhs [R, K] sorted by group, w [E, K, N] FP4, group_sizes int [E].
 
   Returns [R, N] in `out_dtype` (default lhs's dtype), float32 accumulation; rows past
-  sum(group_sizes) are 0, as in `jax.lax.ragged_dot`. `interpret`, `poison`, block sizes:
-  as in `fp4_matmul` (block_m: row tile, default a power of two up to 64).
+  sum(group_sizes) are 0, as in `jax.lax.ragged_dot`. `interpret`, `poison`, block sizes,
+  Triton params: as in `fp4_matmul` (block_m: row tile, default 16 rows for up to 512
+  rows (decode: a 16-row tile meets few experts, and more tiles stream more weights in
+  parallel), else up to 64).
   """
   num_experts, k, n = _check(lhs, w, group_sizes)
   out_dtype = out_dtype or lhs.dtype
   r = lhs.shape[0]
-  block_m, rows = dispatch.row_tiling(r, block_m)
-  block_n = block_n or dispatch.block_size(n, (128, 64, 32, 16), "N")
-  block_k = block_k or dispatch.block_size(k, (256, 128, 64, 32), "K")
+  block_m, rows = dispatch.row_tiling(r, block_m, largest=16 if r <= 512 else 64)
+  defaults = fp4_matmul.tiling(block_m, n, k)
+  block_n = block_n or defaults["block_n"]
+  block_k = block_k or defaults["block_k"]
   tiles_m = rows // block_m
   sizes = group_sizes.astype(jnp.int32)
   ends = jnp.cumsum(sizes)
@@ -104,7 +108,9 @@ def moe_gmm(lhs: jax.Array, w: fp4.QArray, group_sizes: jax.Array, *, out_dtype=
                 pl.BlockSpec((num_experts, block_n), lambda i, j: (0, j))],
       out_specs=[pl.BlockSpec((block_m, block_n), lambda i, j: (i, j))],
       inputs=(first, last, starts, ends, x_even, x_odd, w.packed, w.scales, gs),
-      interpret=dispatch.interpret_default(interpret), poison=poison, name="moe_gmm")[0]
+      interpret=dispatch.interpret_default(interpret), poison=poison, name="moe_gmm",
+      num_warps=num_warps or defaults["num_warps"],
+      num_stages=num_stages or defaults["num_stages"])[0]
   return y[:r]
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from trace_jax.kernels import check_mode as check_kernels
 from trace_jax.model.config import get_preset
 from trace_jax.model.quant import QuantConfig, resolve_layers
 from trace_jax.model.transformer import Transformer
@@ -53,8 +54,10 @@ class StudyConfig:
   temperature: float = 1.0
   compute_dtype: str = "bfloat16"  # both paths, as in production
   fmt: str = "nvfp4"
+  kernels: str = "auto"  # the FP4 rollout's implementation: "auto", "pallas" or "xla"
 
   def __post_init__(self):
+    check_kernels(self.kernels, "StudyConfig.kernels")
     for name in ("sft_steps", "sft_batch", "rollouts", "new_tokens"):
       if getattr(self, name) < (0 if name == "sft_steps" else 1):
         raise ValueError(f"StudyConfig.{name}={getattr(self, name)} is too small")
@@ -97,7 +100,8 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
   key = jax.random.key(config.seed)
   fp4_engine = RolloutEngine(policy, _rollout_config(config, tokenizer, precision="fp4",
                                                      fmt=config.fmt, guidance="full",
-                                                     guided_layers="all"))
+                                                     guided_layers="all",
+                                                     kernels=config.kernels))
   fp4_rollout = fp4_engine.generate(prompts, key)
   bf16_engine = RolloutEngine(policy, _rollout_config(config, tokenizer, precision="bf16",
                                                       guidance="none"))
@@ -176,5 +180,6 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
       "rollout": {"sequences": config.rollouts,
                   "response_tokens": int(np.asarray(fp4_rollout.response_mask).sum()),
                   "fp4_reward_mean": float(np.mean(rewards))},
+      "kernels": {"rollout": fp4_engine.kernels, "fallback_reason": fp4_engine.kernels_fallback},
       "seconds": time.time() - start,
   }
