@@ -7,8 +7,9 @@ At decode shapes (batch 1 to 256 query tokens, a long KV cache) each kernel is t
 beside the XLA path the model takes without kernels (dequantize, then dot/attend) and the
 bf16 computation, in the same run. "bytes" counts what the computation must read from
 memory (weights or cache in their stored format, plus activations) and GB/s is bytes over
-time, shown against a copy's bandwidth measured in the same run: decode is bound by these
-bytes, which is why FP4 (4.5 bits per element with scales) can beat bf16 (16 bits).
+time, shown against a copy's bandwidth measured in the same run and as a share of the
+roofline (bytes / --peak_gbps, 4.8 TB/s for an H200): decode is bound by these bytes,
+which is why FP4 (4.5 bits per element with scales) can beat bf16 (16 bits).
 
 On CPU the kernels run in Pallas interpret mode (Python-speed emulation), so the default
 there is a tiny smoke configuration: it checks that everything runs, not how fast.
@@ -33,6 +34,8 @@ _SMOKE = flags.DEFINE_bool("smoke", None, "Tiny shapes (default: on unless on a 
 _BATCHES = flags.DEFINE_list("batches", None, "Decode batch sizes (default 1,32,256; smoke 1,4).")
 _KV_LEN = flags.DEFINE_integer("kv_len", None, "KV-cache slots (default 4096; smoke 64).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (default 20; smoke 2).")
+_PEAK = flags.DEFINE_float("peak_gbps", 4800.0, "HBM bandwidth of the roofline, GB/s "
+                           "(H200: 4800; H100 SXM: 3350).")
 
 # Qwen3-30B-A3B: d_model 2048, 32 query / 4 KV heads of 128, 128 experts (top 8) of 768.
 FULL = dict(d_model=2048, q_out=4096, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
@@ -136,13 +139,15 @@ def main(argv):
         baseline = baseline or seconds  # the first row (the kernel) is the reference time
         rows.append((kernel, batch, impl, f"{seconds * 1e3:.3f}", f"{nbytes / 1024:.1f}",
                      f"{nbytes / seconds / 1e9:.1f}", f"{nbytes / seconds / copy:.0%}",
+                     f"{nbytes / seconds / (_PEAK.value * 1e9):.0%}",
                      f"{seconds / baseline:.2f}x"))
   mode = "interpret mode (CPU emulation: not a speed figure)" if not on_gpu else "compiled"
   print(f"\n{'smoke' if smoke else 'Qwen3-30B-A3B decode'} shapes {shape}, KV {kv_len} slots; "
         f"backend {jax.default_backend()}, kernels {mode}; copy bandwidth {copy / 1e9:.1f} GB/s; "
         f"{time.time() - start:.0f} s\n")
   print(markdown_table(["kernel", "batch", "implementation", "ms", "KiB read", "GB/s",
-                        "of copy BW", "time / pallas"], rows))
+                        "of copy BW", f"of roofline ({_PEAK.value:.0f} GB/s)", "time / pallas"],
+                       rows))
 
 
 if __name__ == "__main__":

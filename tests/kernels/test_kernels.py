@@ -66,6 +66,24 @@ def test_moe_gmm_ragged_groups_including_empty(sizes):
   assert not np.asarray(y[int(sizes.sum()):]).any()
 
 
+def test_split_k_partial_sums_match_the_references(k_splits=4):
+  """K split over programs (the decode default on a GPU): float32 partial sums, added and
+  scaled after the kernel, give the same products."""
+  x = _rand(11, (5, 256))
+  w = fp4.quantize(_rand(12, (256, 32), 0.1), "mxfp4", axis=0)
+  xq = fp4.quantize(x, "nvfp4", global_group="row")
+  for xx in (x, xq):
+    y = kernels.fp4_matmul(xx, w, poison=True, block_k=64, k_splits=k_splits)
+    _close(y, fp4_matmul_lib.reference(xx, w))
+  sizes = jnp.array([3, 0, 9, 4], jnp.int32)
+  we = fp4.quantize(_rand(13, (4, 256, 16), 0.1), "nvfp4", axis=1, global_group=0)
+  y = kernels.moe_gmm(x.repeat(4, 0), we, sizes, poison=True, block_k=64, k_splits=k_splits)
+  _close(y, moe_gmm_lib.reference(x.repeat(4, 0), we, sizes))
+  assert not np.asarray(y[16:]).any()
+  with pytest.raises(ValueError, match="k_splits=3"):
+    kernels.fp4_matmul(x, w, block_k=64, k_splits=3)
+
+
 def _cache_entry(seed, shape):
   return fp4.quantize(_rand(seed, shape), "nvfp4", global_group="row")
 
@@ -169,5 +187,25 @@ def test_auto_probe_checks_every_kernel_even_when_first_asked_inside_a_trace():
   """`kernels="auto"` on a GPU first checks that the kernels compile and agree with their
   references (else it falls back to XLA with a warning); the check must run eagerly even
   when it is first needed while the model is being traced."""
-  dispatch.probe.cache_clear()
+  dispatch.probe_failure.cache_clear()
   assert jax.jit(lambda x: x * dispatch.probe(True))(1.0) == 1.0
+
+
+def test_probe_failure_names_the_kernel_and_the_differing_field(monkeypatch):
+  """The probe holds the fused quantize to bit-exactness: one flipped guidance bit is a
+  failure, and its reason (which `resolve_with_reason` and the run records) says where."""
+  def off_by_one_bit(x, fmt="nvfp4", **kw):
+    q, bits = quantize_lib.reference(x, fmt)
+    return q, bits.at[0, 0].set(bits[0, 0] ^ 1)
+
+  monkeypatch.setattr(quantize_lib, "quantize", off_by_one_bit)
+  dispatch.probe_failure.cache_clear()
+  try:
+    reason = dispatch.probe_failure(True)
+  finally:
+    dispatch.probe_failure.cache_clear()
+  assert "quantize (nvfp4): mantissa_bits differ" in reason
+  assert kernels.resolve_with_reason("pallas") == ("pallas", None)
+  if jax.default_backend() != "gpu":
+    implementation, why = kernels.resolve_with_reason("auto")
+    assert implementation == "xla" and "not a GPU" in why

@@ -190,6 +190,12 @@ def test_two_turn_continuation_equals_one_generation_over_the_concatenation(f32_
   # An empty observation ends that episode: no new tokens for it.
   third = f32_greedy.continue_(second, [[3], [], [4]], jax.random.key(7))
   np.testing.assert_array_equal(np.asarray(third.response_mask).sum(-1), [24, 16, 24])
+  # Each continuation took the cache over (donated, not copied); the earlier rollouts keep
+  # their tokens, but continuing one again is refused with a clear error.
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(second.cache))
+  assert np.asarray(second.tokens).shape == np.asarray(third.tokens).shape
+  with pytest.raises(ValueError, match="donated"):
+    f32_greedy.continue_(first, observations, jax.random.key(5))
 
 
 def test_same_key_same_rollout(fp4_compact):

@@ -158,8 +158,9 @@ def e4m3_encode(values: jax.Array) -> jax.Array:
   cost of quantization. Tests check it against ml_dtypes for every case.
   """
   values = jnp.minimum(values.astype(jnp.float32), E4M3_MAX)
-  # Subnormal range (< 2^-6): multiples of 2^-9; scaling by 2^9 is exact, round() is RNE.
-  subnormal = jnp.round(values * 512.0).astype(jnp.uint32)  # 0..8 (8 is 2^-6, bits 0x08)
+  # Subnormal range (< 2^-6): multiples of 2^-9; scaling by 2^9 is exact, then RNE (from
+  # floor: Pallas' Triton lowering has no round).
+  subnormal = round_half_even(values * 512.0).astype(jnp.uint32)  # 0..8 (8 is 2^-6: 0x08)
   bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
   # Keep 3 of the 23 mantissa bits, rounding half to even; a carry bumps the exponent.
   rounded = bits + 0x7FFFF + ((bits >> 20) & 1)

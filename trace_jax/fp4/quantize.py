@@ -173,7 +173,9 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding):
   # on its own: a max may drop NaN (Pallas kernels on CPU and GPU do).
   amax_b = jnp.max(jnp.abs(blocks), axis=-1)  # [..., nb]
   amax = jnp.max(amax_b, axis=reduce_axes, keepdims=True)  # [..., 1]
-  finite = jnp.all(jnp.isfinite(blocks).all(-1), axis=reduce_axes, keepdims=True)
+  # A min over int32 flags, not jnp.all: Pallas' Triton lowering has no reduce_and.
+  finite_b = jnp.min(jnp.isfinite(blocks).astype(jnp.int32), axis=-1)  # [..., nb]
+  finite = jnp.min(finite_b, axis=reduce_axes, keepdims=True) == 1
 
   if rounding == "guided":
     global_scale = _to_last(guidance.global_scale.astype(jnp.float32), axis)

@@ -80,6 +80,20 @@ def quantize_rows(x: jax.Array, fmt: str = "nvfp4"
   code, _, scale_bits, global_scale, _ = _quantize_last(
       x, None, None, fmt, x.ndim - 1, tuple(range(x.ndim - 1)), "nearest")
   code = code.reshape(*code.shape[:-2], -1)
-  return (numerics.pack_codes(code), scale_bits, global_scale,
-          numerics.pack_bits(code & 1))
+  return _pack_fields(code & 0xF, 4), scale_bits, global_scale, _pack_fields(code & 1, 1)
+
+
+def _pack_fields(fields: jax.Array, width: int) -> jax.Array:
+  """uint8 [..., n] holding `width`-bit values -> uint8 [..., n * width / 8], element i of
+  a byte's group in bits [i * width, (i + 1) * width): `numerics.pack_codes` (width 4) and
+  `numerics.pack_bits` (width 1), bit for bit.
+
+  Each field is shifted into place and a byte's fields summed (they do not overlap): a
+  reshape and a reduction over a power-of-two axis, which the Pallas Triton lowering has,
+  where `numerics`' uint16/uint32 bitcasts of byte groups (faster in XLA on CPU) it lacks.
+  """
+  per_byte = 8 // width
+  groups = fields.astype(jnp.int32).reshape(*fields.shape[:-1], -1, per_byte)
+  shifts = width * jax.lax.broadcasted_iota(jnp.int32, groups.shape, groups.ndim - 1)
+  return jnp.sum(groups << shifts, axis=-1).astype(jnp.uint8)
 

@@ -9,8 +9,10 @@ kernels the model dequantizes and runs XLA dots (`experiments/bench_kernels.py` 
   decode_attention  one query token over the FP4 KV cache, flash-decoding splits
   quantize          fused per-token NVFP4/MXFP4 quantization + compact guidance bits
 
-`dispatch.resolve("auto" | "pallas" | "xla")` picks the implementation; the model and the
-rollout engine take it as `kernels=`.
+`dispatch.resolve("auto" | "pallas" | "xla")` picks the implementation (`resolve_with_reason`
+also says why "auto" fell back to XLA); the model and the rollout engine take it as
+`kernels=`. On a GPU the kernels compile through Pallas' Triton backend; `cuda_lowering`
+lowers them for CUDA, and compiles them to sm_90 cubins, on a machine without a GPU.
 """
 
 from trace_jax.kernels import decode_attention as decode_attention_lib
@@ -18,7 +20,7 @@ from trace_jax.kernels import fp4_matmul as fp4_matmul_lib
 from trace_jax.kernels import moe_gmm as moe_gmm_lib
 from trace_jax.kernels import quantize as quantize_lib
 from trace_jax.kernels.decode_attention import decode_attention
-from trace_jax.kernels.dispatch import KERNEL_MODES, check_mode, resolve
+from trace_jax.kernels.dispatch import KERNEL_MODES, check_mode, resolve, resolve_with_reason
 from trace_jax.kernels.fp4_matmul import fp4_matmul
 from trace_jax.kernels.moe_gmm import moe_gmm
 from trace_jax.kernels.quantize import quantize

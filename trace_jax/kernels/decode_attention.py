@@ -87,11 +87,13 @@ def _kernel(len_ref, qe_ref, qo_ref, kp_ref, ks_ref, kg_ref, vp_ref, vs_ref, vg_
   m_ref[...], l_ref[...] = m, l
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "poison", "num_splits", "chunk"))
+@functools.partial(jax.jit, static_argnames=("interpret", "poison", "num_splits", "chunk",
+                                             "num_warps", "num_stages"))
 def decode_attention(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Array,
                      valid: jax.Array | None = None, *, interpret: bool | None = None,
                      poison: bool = False, num_splits: int | None = None,
-                     chunk: int | None = None) -> jax.Array:
+                     chunk: int | None = None, num_warps: int | None = None,
+                     num_stages: int = 2) -> jax.Array:
   """One decode step of grouped-query attention over an FP4 KV cache.
 
   Args:
@@ -102,6 +104,11 @@ def decode_attention(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Ar
     interpret, poison: as in `fp4_matmul`.
     num_splits: splits of the L slots (flash-decoding); default up to 8.
     chunk: slots per inner step; default the largest power of two up to 128 dividing L.
+    num_warps, num_stages: Triton params (compiled only). Default 8 warps for 128-slot
+      chunks (at 4 warps a thread holds 255 registers and spills, compiled for sm_90 at
+      Qwen3-30B-A3B shapes) and 4 for smaller ones; 2 stages prefetch the next chunk's K
+      and V bytes while this one is computed (the loop's trip count depends on the
+      length, so deeper pipelines mostly prefetch past the end).
 
   Returns:
     [B, H, Dh] in q's dtype.
@@ -145,7 +152,8 @@ def decode_attention(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Ar
       inputs=(lengths.astype(jnp.int32), *tiles.even_odd(qg),
               k.packed, k.scales, k.global_scale.astype(_F32),
               v.packed, v.scales, v.global_scale.astype(_F32), valid),
-      interpret=interpret, poison=poison, name="decode_attention")
+      interpret=interpret, poison=poison, name="decode_attention",
+      num_warps=num_warps or (8 if chunk >= 128 else 4), num_stages=num_stages)
   # Combine the splits: rescale each partial to the overall max, then normalise.
   weight = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # [B, Hkv, S, G, 1]
   total = jnp.sum(weight * l, axis=2)  # [B, Hkv, G, 1]

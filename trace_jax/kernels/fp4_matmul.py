@@ -8,8 +8,12 @@ float32 accumulation and applies the global scales once, after the accumulation:
   y[m, n] = sum_k x[m, k] * (c[k, n] * s_b[k, n]) / gs_w        (W4A16)
   y[m, n] = sum_k (c_x * s_bx)[m, k] * (c * s_b)[k, n] / (gs_x[m] * gs_w)   (W4A4)
 
-Grid: (M / block_m, N / block_n); each program loops over K in block_k steps. Rows are
-padded to a power-of-two tile (decode batches are small). The weight is the rollout's
+Grid: (M / block_m, N / block_n, k_splits); each program loops over its 1/k_splits of K
+in block_k steps. Rows are padded to a power-of-two tile (decode batches are small). At
+decode a weight of a few thousand columns makes only tens of (row, column) tiles, too few
+to keep a GPU's memory busy, so K is split until there are about two programs per SM of
+an H100/H200 (`tiling`); the float32 partial sums are then added, and the global scales
+applied, by XLA after the kernel. The weight is the rollout's
 `quantize_weight` layout: [K, N] quantized along K (packed [K/2, N], scales [K/16, N]).
 """
 
@@ -45,12 +49,13 @@ def _check(x, w: fp4.QArray) -> tuple[int, int, int]:
 
 
 def accumulate(load_x, w_packed_ref, w_scales_ref, *, fmt, block_k, steps, shape, dtype,
-               index=()):
+               index=(), first=0):
   """The K loop of one output tile, shared with `moe_gmm`: sum over K of x @ (c * s_b).
 
   Args:
     load_x: (step, packed rows) -> the (even, odd) elements of x's tile for those rows.
     w_packed_ref, w_scales_ref: the weight's packed codes [..., K/2, bn] and scales.
+    steps: block_k steps to take, from step `first` (this program's split of K).
     index: leading indices into the weight refs (the expert, for `moe_gmm`).
   """
   w_block = fp4.get_format(fmt).block_size
@@ -67,10 +72,10 @@ def accumulate(load_x, w_packed_ref, w_scales_ref, *, fmt, block_k, steps, shape
     acc += jnp.dot(x_odd.astype(dtype), w_odd.astype(dtype), preferred_element_type=_F32)
     return acc
 
-  return jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, _F32))
+  return jax.lax.fori_loop(first, first + steps, step, jnp.zeros(shape, _F32))
 
 
-def _kernel(*refs, fmt, x_fmt, block_k, steps, dtype):
+def _kernel(*refs, fmt, x_fmt, block_k, steps, dtype, scaled):
   if x_fmt is None:
     xe_ref, xo_ref, p_ref, s_ref, g_ref, o_ref = refs
   else:
@@ -84,15 +89,54 @@ def _kernel(*refs, fmt, x_fmt, block_k, steps, dtype):
     return tiles.scaled_pairs(xp_ref[:, rows], xs_ref[:, scales], x_fmt, axis=1)
 
   acc = accumulate(load_x, p_ref, s_ref, fmt=fmt, block_k=block_k, steps=steps,
-                   shape=o_ref.shape, dtype=dtype)
-  scale = g_ref[...] if x_fmt is None else xg_ref[...] * g_ref[...]
-  o_ref[...] = (acc / scale).astype(o_ref.dtype)
+                   shape=o_ref.shape, dtype=dtype, first=pl.program_id(2) * steps)
+  if scaled:  # one split: the whole sum is here
+    scale = g_ref[...] if x_fmt is None else xg_ref[...] * g_ref[...]
+    o_ref[...] = (acc / scale).astype(o_ref.dtype)
+  else:  # a partial sum over this split of K
+    o_ref[...] = acc
+
+
+# Programs to aim for at decode: two per SM of an H100/H200 (132 SMs).
+TARGET_PROGRAMS = 264
+
+
+def tiling(m: int, n: int, k: int) -> dict[str, int]:
+  """Default tiles, K splits and Triton params for an [m, k] @ [k, n] product (also
+  `moe_gmm`'s, per row tile).
+
+  Decode (m <= 64 rows) is bound by the weight bytes: 64-column tiles, and K split
+  (`split_k`) until there are `TARGET_PROGRAMS` programs (or every split is one block_k
+  step), so that enough programs stream the weight at once; prefill tiles are 128 wide,
+  unsplit. 8 warps: each K step decodes a [block_k/2, block_n] byte tile (and, for
+  W4A4, the x tile) into bf16 values in registers; compiled for sm_90 at Qwen3-30B-A3B
+  decode shapes, 4 warps need 235 registers a thread for W4A16 and spill 10 KiB for W4A4,
+  8 warps 122 and 4 bytes. 3 stages keep three K steps of weight bytes in flight (51 KiB
+  of shared memory at the decode defaults, of 227).
+  """
+  decode = m <= 64
+  block_n = dispatch.block_size(n, (64, 32, 16) if decode else (128, 64, 32, 16), "N")
+  block_k = dispatch.block_size(k, (256, 128, 64, 32), "K")
+  return dict(block_n=block_n, block_k=block_k, num_warps=8, num_stages=3,
+              k_splits=split_k(m, n // block_n, k // block_k))
+
+
+def split_k(m: int, column_tiles: int, steps: int) -> int:
+  """Parts to split K's `steps` block_k steps into, for m rows (see `tiling`): at decode
+  the fewest (a divisor of `steps`) that make `TARGET_PROGRAMS` programs, else one a step."""
+  programs = -(-m // dispatch.row_tiling(m)[0]) * column_tiles
+  if m > 64:
+    return 1
+  return next((d for d in range(1, steps + 1)
+               if steps % d == 0 and programs * d >= TARGET_PROGRAMS), steps)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "poison", "block_n",
-                                             "block_k"))
+                                             "block_k", "k_splits", "num_warps", "num_stages"))
 def fp4_matmul(x, w: fp4.QArray, *, out_dtype=jnp.float32, interpret: bool | None = None,
-               poison: bool = False, block_n: int | None = None, block_k: int | None = None):
+               poison: bool = False, block_n: int | None = None, block_k: int | None = None,
+               k_splits: int | None = None, num_warps: int | None = None,
+               num_stages: int | None = None):
   """x [..., K] (array, or per-token `fp4.QArray`) @ FP4 w [K, N] -> [..., N] `out_dtype`.
 
   Args:
@@ -101,19 +145,24 @@ def fp4_matmul(x, w: fp4.QArray, *, out_dtype=jnp.float32, interpret: bool | Non
     out_dtype: output dtype (the accumulation is float32 either way).
     interpret: run in Pallas interpret mode; default: on unless the backend is a GPU.
     poison: fill the output before the kernel so unwritten elements show (tests).
-    block_n, block_k: tile sizes (default: the largest of 128/64/32/16 dividing N, of
-      256/128/64/32 dividing K).
+    block_n, block_k: tile sizes; k_splits: parts of K summed by separate programs;
+      num_warps, num_stages: Triton params (compiled only). Defaults: `tiling`.
   """
   _, k, n = _check(x, w)
   quantized_x = isinstance(x, fp4.QArray)
   lead = (x.packed if quantized_x else x).shape[:-1]
-  block_n = block_n or dispatch.block_size(n, (128, 64, 32, 16), "N")
-  block_k = block_k or dispatch.block_size(k, (256, 128, 64, 32), "K")
+  m = math.prod(lead)
+  defaults = tiling(m, n, k)
+  block_n = block_n or defaults["block_n"]
+  block_k = block_k or defaults["block_k"]
   if n % block_n:
     raise ValueError(f"fp4_matmul: block_n={block_n} must divide N={n}")
   if k % block_k or block_k % 32:
     raise ValueError(f"fp4_matmul: block_k={block_k} must divide K={k} and be a multiple of 32")
-  m = math.prod(lead)
+  k_splits = k_splits or split_k(m, n // block_n, k // block_k)
+  if k_splits < 1 or (k // block_k) % k_splits:
+    raise ValueError(f"fp4_matmul: k_splits={k_splits} must divide the {k // block_k} "
+                     f"block_k steps of K={k}")
   block_m, rows = dispatch.row_tiling(m)
   gs_w = jnp.broadcast_to(w.global_scale.astype(_F32).reshape(1, -1), (1, n))  # per tensor
   if quantized_x:
@@ -121,25 +170,40 @@ def fp4_matmul(x, w: fp4.QArray, *, out_dtype=jnp.float32, interpret: bool | Non
     xs = dispatch.pad_rows(x.scales.reshape(m, -1), rows)
     xg = dispatch.pad_rows(x.global_scale.astype(_F32).reshape(m, 1), rows, 1.0)
     x_inputs = (xp, xs, xg)
-    x_specs = [pl.BlockSpec((block_m, k // 2), lambda i, j: (i, 0)),
-               pl.BlockSpec((block_m, xs.shape[1]), lambda i, j: (i, 0)),
-               pl.BlockSpec((block_m, 1), lambda i, j: (i, 0))]
-    dtype = jnp.bfloat16 if x.fmt == "nvfp4" and w.fmt == "nvfp4" else _F32
+    x_specs = [pl.BlockSpec((block_m, k // 2), lambda i, j, s: (i, 0)),
+               pl.BlockSpec((block_m, xs.shape[1]), lambda i, j, s: (i, 0)),
+               pl.BlockSpec((block_m, 1), lambda i, j, s: (i, 0))]
+    # c * s_b is exact in bf16 for both formats (<= 6 significant bits; an E8M0 scale is a
+    # power of two inside bf16's exponent range, as float32's), so the dots run in bf16 on
+    # the tensor cores; float32 operands would take Triton's FMA path, which spills.
+    dtype = jnp.bfloat16
   else:
     x_inputs = tiles.even_odd(dispatch.pad_rows(x.reshape(m, k), rows))  # see fp4.tiles
-    x_specs = [pl.BlockSpec((block_m, k // 2), lambda i, j: (i, 0))] * 2
+    x_specs = [pl.BlockSpec((block_m, k // 2), lambda i, j, s: (i, 0))] * 2
     dtype = x.dtype
+  scaled = k_splits == 1
   kernel = functools.partial(_kernel, fmt=w.fmt, x_fmt=x.fmt if quantized_x else None,
-                             block_k=block_k, steps=k // block_k, dtype=dtype)
-  w_specs = [pl.BlockSpec((k // 2, block_n), lambda i, j: (0, j)),
-             pl.BlockSpec((w.scales.shape[0], block_n), lambda i, j: (0, j)),
-             pl.BlockSpec((1, block_n), lambda i, j: (0, j))]
+                             block_k=block_k, steps=k // block_k // k_splits, dtype=dtype,
+                             scaled=scaled)
+  w_specs = [pl.BlockSpec((k // 2, block_n), lambda i, j, s: (0, j)),
+             pl.BlockSpec((w.scales.shape[0], block_n), lambda i, j, s: (0, j)),
+             pl.BlockSpec((1, block_n), lambda i, j, s: (0, j))]
+  if scaled:
+    out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
+    out_spec = pl.BlockSpec((block_m, block_n), lambda i, j, s: (i, j))
+  else:  # float32 partial sums, one [rows, n] slab per split
+    out_shape = jax.ShapeDtypeStruct((k_splits, rows, n), _F32)
+    out_spec = pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j))
   y = dispatch.pallas_call(
-      kernel, out_shape=[jax.ShapeDtypeStruct((rows, n), out_dtype)],
-      grid=(rows // block_m, n // block_n), in_specs=[*x_specs, *w_specs],
-      out_specs=[pl.BlockSpec((block_m, block_n), lambda i, j: (i, j))],
+      kernel, out_shape=[out_shape], grid=(rows // block_m, n // block_n, k_splits),
+      in_specs=[*x_specs, *w_specs], out_specs=[out_spec],
       inputs=(*x_inputs, w.packed, w.scales, gs_w),
-      interpret=dispatch.interpret_default(interpret), poison=poison, name="fp4_matmul")[0]
+      interpret=dispatch.interpret_default(interpret), poison=poison, name="fp4_matmul",
+      num_warps=num_warps or defaults["num_warps"],
+      num_stages=num_stages or defaults["num_stages"])[0]
+  if not scaled:
+    scale = gs_w if not quantized_x else x_inputs[2] * gs_w  # [1 or rows, n]
+    y = (jnp.sum(y, axis=0) / scale).astype(out_dtype)
   return y[:m].reshape(*lead, n)
 
 

@@ -5,6 +5,15 @@ encodes the block scales, rounds to the nearest E2M1 code and writes the packed 
 block scales, the per-row global scales and the mantissa bits (TRACE's compact guidance)
 together. Bit for bit `fp4.quantize(x, fmt, axis=-1, global_group="row")` and
 `fp4.mantissa_bits` of it; the format math is `fp4.tiles.quantize_rows`.
+
+Compiled (Triton), two things keep it bit for bit:
+- Triton tiles are powers of two, and a row must stay in one program (its amax sets its
+  global scale): a K that is not (768, an expert's ffn width) is zero-padded to the next
+  power of two. Zeros change no amax and quantize to code 0 with a zero block scale, and
+  the padding is sliced off the outputs.
+- Triton divides float32 with `div.full.f32` (about 2 ulp), which moves exact ties, so
+  every float32 division of the format math is replaced, in the kernel's traced jaxpr,
+  by a correctly rounded one (`div.rn.f32`, `_divide_rn`): the spec's true division.
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+from jax.extend import core as jax_core
 
 from trace_jax import fp4
 from trace_jax.fp4 import tiles
@@ -29,38 +40,108 @@ def _check(x: jax.Array, fmt: str) -> int:
   return block
 
 
-def _kernel(x_ref, p_ref, s_ref, g_ref, b_ref, *, fmt):
-  packed, scales, global_scale, bits = tiles.quantize_rows(x_ref[...], fmt)
-  p_ref[...], s_ref[...], g_ref[...], b_ref[...] = packed, scales, global_scale, bits
+def _divide_rn(a: jax.Array, b: jax.Array) -> jax.Array:
+  """IEEE float32 a / b, round to nearest even, on the Triton backend (PTX div.rn.f32)."""
+  a, b = jnp.broadcast_arrays(a, b)
+  [out] = pl_triton.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+  return out
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "interpret", "poison", "block_m"))
+def with_division(fn, divide):
+  """fn, traced, with every float32 division of arrays done by `divide(a, b)` instead
+  (`_divide_rn` in the compiled kernel). Scalar divisions stay (constants, folded early)."""
+  def traced(*args):
+    closed = jax.make_jaxpr(fn)(*args)
+    return _eval_with_division(closed.jaxpr, closed.consts, divide, *args)
+  return traced
+
+
+def _eval_with_division(jaxpr, consts, divide, *args):
+  """Evaluate `jaxpr`, inlining nested jit calls, with `divide` for array divisions."""
+  env = {}
+  read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]  # noqa: E731
+  for var, value in zip(jaxpr.constvars, consts):
+    env[var] = value
+  for var, value in zip(jaxpr.invars, args):
+    env[var] = value
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    if eqn.primitive is jax.lax.div_p and eqn.outvars[0].aval.dtype == jnp.float32 and (
+        eqn.outvars[0].aval.shape):
+      outvals = [divide(*invals)]
+    elif eqn.primitive.name in ("pjit", "jit", "closed_call"):
+      inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      outvals = _eval_with_division(inner.jaxpr, inner.consts, divide, *invals)
+    elif any(isinstance(p, (jax_core.Jaxpr, jax_core.ClosedJaxpr))
+             for p in eqn.params.values()):
+      raise NotImplementedError(f"quantize: {eqn.primitive} in the format math: divisions "
+                                "inside it would not be made exact")
+    else:
+      outvals = eqn.primitive.bind(*invals, **eqn.params)
+      outvals = outvals if eqn.primitive.multiple_results else [outvals]
+    for var, value in zip(eqn.outvars, outvals):
+      env[var] = value
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _kernel(x_ref, p_ref, s_ref, g_ref, b_ref, *, fmt, exact_division):
+  quantize_rows = functools.partial(tiles.quantize_rows, fmt=fmt)
+  if exact_division:
+    quantize_rows = with_division(quantize_rows, _divide_rn)
+  p_ref[...], s_ref[...], g_ref[...], b_ref[...] = quantize_rows(x_ref[...])
+
+
+def tiling(k: int) -> dict[str, int]:
+  """Default rows per program and Triton params for rows of (padded) width k.
+
+  There is no loop to pipeline (num_stages 1). A program holds block_m x k float32 values
+  and a dozen same-shaped temporaries of the format math, so block_m keeps that near 4096
+  values, 16 a thread at 8 warps (compiled for sm_90: 80 registers a thread for K = 2048,
+  63 for K = 768 padded to 1024, no spills); at least one row (a row is one global group)
+  and at most 64.
+  """
+  block_m = max(1, min(64, 4096 // k))
+  return dict(block_m=block_m, num_warps=8 if block_m * k >= 4096 else 4, num_stages=1)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "interpret", "poison", "block_m",
+                                             "num_warps", "num_stages"))
 def quantize(x: jax.Array, fmt: str = "nvfp4", *, interpret: bool | None = None,
-             poison: bool = False, block_m: int | None = None
-             ) -> tuple[fp4.QArray, jax.Array]:
+             poison: bool = False, block_m: int | None = None, num_warps: int | None = None,
+             num_stages: int | None = None) -> tuple[fp4.QArray, jax.Array]:
   """x [..., K] -> (QArray per row along the last axis, mantissa bits uint8 [..., K/8]).
 
-  `interpret`, `poison`: as in `fp4_matmul`; block_m: rows per program (default a power
-  of two up to 64).
+  `interpret`, `poison`: as in `fp4_matmul`; block_m: rows per program, a power of two;
+  num_warps, num_stages: Triton params (compiled only). Defaults: `tiling`.
   """
   block = _check(x, fmt)
   lead, k = x.shape[:-1], x.shape[-1]
+  interpret = dispatch.interpret_default(interpret)
+  width = 1 << (k - 1).bit_length()  # Triton tiles are powers of two: pad K with zeros
+  defaults = tiling(width)
+  block_m = block_m or defaults["block_m"]
+  if block_m & (block_m - 1):
+    raise ValueError(f"quantize: block_m={block_m} must be a power of two")
   m = math.prod(lead)
-  block_m, rows = dispatch.row_tiling(m, block_m)
-  x2 = dispatch.pad_rows(x.reshape(m, k), rows)
-  widths = (k // 2, k // block, 1, k // 8)
+  rows = -(-m // block_m) * block_m
+  x2 = jnp.pad(x.reshape(m, k), ((0, rows - m), (0, width - k)))
+  widths = (width // 2, width // block, 1, width // 8)
   dtypes = (jnp.uint8, jnp.uint8, jnp.float32, jnp.uint8)
   packed, scales, global_scale, bits = dispatch.pallas_call(
-      functools.partial(_kernel, fmt=fmt),
+      functools.partial(_kernel, fmt=fmt, exact_division=not interpret),
       out_shape=[jax.ShapeDtypeStruct((rows, w), d) for w, d in zip(widths, dtypes)],
-      grid=(rows // block_m,), in_specs=[pl.BlockSpec((block_m, k), lambda i: (i, 0))],
+      grid=(rows // block_m,), in_specs=[pl.BlockSpec((block_m, width), lambda i: (i, 0))],
       out_specs=[pl.BlockSpec((block_m, w), lambda i: (i, 0)) for w in widths],
-      inputs=(x2,), interpret=dispatch.interpret_default(interpret), poison=poison,
-      name="fp4_quantize")
-  unpad = lambda a: a[:m].reshape(*lead, a.shape[-1])  # noqa: E731
-  q = fp4.QArray(packed=unpad(packed), scales=unpad(scales), global_scale=unpad(global_scale),
-                 fmt=fmt, axis=-1)
-  return q, unpad(bits)
+      inputs=(x2,), interpret=interpret, poison=poison, name="fp4_quantize",
+      num_warps=num_warps or defaults["num_warps"],
+      num_stages=num_stages or defaults["num_stages"])
+  def unpad(a, keep):
+    return a[:m, :keep].reshape(*lead, keep)
+  q = fp4.QArray(packed=unpad(packed, k // 2), scales=unpad(scales, k // block),
+                 global_scale=unpad(global_scale, 1), fmt=fmt, axis=-1)
+  return q, unpad(bits, k // 8)
 
 
 def reference(x: jax.Array, fmt: str = "nvfp4") -> tuple[fp4.QArray, jax.Array]:

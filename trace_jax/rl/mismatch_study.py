@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from trace_jax.kernels import check_mode as check_kernels
 from trace_jax.model.config import get_preset, qwen3_30b_a3b
 from trace_jax.model.quant import SITE_SCOPES, QuantConfig, resolve_layers
 from trace_jax.model.transformer import Transformer
@@ -59,8 +60,10 @@ class StudyConfig:
   compute_dtype: str = "bfloat16"  # both paths, as in production
   fmt: str = "nvfp4"
   fp4_sites: str = "all"  # FP4 scope: "all" or "experts+kv"
+  kernels: str = "auto"  # the FP4 rollout's implementation: "auto", "pallas" or "xla"
 
   def __post_init__(self):
+    check_kernels(self.kernels, "StudyConfig.kernels")
     for name in ("sft_steps", "sft_batch", "rollouts", "new_tokens"):
       if getattr(self, name) < (0 if name == "sft_steps" else 1):
         raise ValueError(f"StudyConfig.{name}={getattr(self, name)} is too small")
@@ -105,7 +108,8 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
   key = jax.random.key(config.seed)
   fp4_engine = RolloutEngine(policy, _rollout_config(config, tokenizer, precision="fp4",
                                                      fmt=config.fmt, fp4_sites=config.fp4_sites,
-                                                     guidance="full", guided_layers="all"))
+                                                     guidance="full", guided_layers="all",
+                                                     kernels=config.kernels))
   fp4_rollout = fp4_engine.generate(prompts, key)
   bf16_engine = RolloutEngine(policy, _rollout_config(config, tokenizer, precision="bf16",
                                                       guidance="none"))
@@ -190,6 +194,7 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
       "rollout": {"sequences": config.rollouts,
                   "response_tokens": int(np.asarray(fp4_rollout.response_mask).sum()),
                   "fp4_reward_mean": float(np.mean(rewards))},
+      "kernels": {"rollout": fp4_engine.kernels, "fallback_reason": fp4_engine.kernels_fallback},
       "seconds": time.time() - start,
   }
 

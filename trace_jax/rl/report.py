@@ -24,7 +24,8 @@ def summarize(config: RLConfig, metrics: list[dict], wall_seconds: float,
               warmstart: dict | None = None) -> dict:
   """The summary.json contract: arm, task, steps, initial/final eval reward (in the arm's
   deployment precision: bf16 for the bf16 arm, FP4 otherwise), mean k3 KL, guidance bytes
-  per token, rollout and train seconds; plus both precisions' evals."""
+  per token, rollout and train seconds, the rollout kernels that ran; plus both
+  precisions' evals."""
   train = [m for m in metrics if "rewards/mean" in m]
   deploy = config.arm_spec.deploy
   summary = {"arm": config.arm, "task": config.task, "preset": config.preset, "seed": config.seed,
@@ -46,6 +47,9 @@ def summarize(config: RLConfig, metrics: list[dict], wall_seconds: float,
       "train_seconds": float(sum(m["train_seconds"] for m in train)),
       "wall_seconds": wall_seconds,
       "warmstart": warmstart,
+      # Which rollout implementation ran ("pallas" / "xla") and why "auto" fell back.
+      "kernels": train[-1].get("kernels/rollout") if train else None,
+      "kernels_fallback_reason": train[-1].get("kernels/fallback_reason") if train else None,
       "config": config.to_dict(),
   })
   return summary

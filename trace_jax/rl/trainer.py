@@ -57,7 +57,8 @@ def _old_logprobs(policy, batch, guidance, *, quant, replay, dtype, temperature)
   return logp, token_entropy(logits, temperature), aux.get("fallbacks", {}), aux.get("sites", {})
 
 
-@functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config",))
+# The policy and optimizer state are donated: updated in place, not copied every step.
+@functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config",), donate_argnums=(0, 1))
 def _train_step(policy, opt, batch, guidance, ref_logp, *, quant, replay, dtype, temperature,
                 loss_config):
   def loss_fn(policy):
@@ -123,8 +124,9 @@ class Trainer:
     if self.mesh is not None:
       shard_model(self.policy, self.mesh)
     self.reference = None
-    if config.loss.kl_coef > 0:  # a frozen copy of the warm start (its own Variables)
-      self.reference = nnx.merge(*nnx.split(self.policy))
+    if config.loss.kl_coef > 0:  # a frozen copy of the warm start: its own Variables and
+      graphdef, state = nnx.split(self.policy)  # buffers (the train step donates the policy's)
+      self.reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
     self.opt = nnx.Optimizer(self.policy, _optimizer(config.learning_rate), wrt=nnx.Param)
     self.step = 0
     if latest is not None:
@@ -270,7 +272,10 @@ class Trainer:
                "episodes/mean_turns": float(played.turns.mean()),
                "guidance/bytes_per_token": 0.0 if guidance is None or self.arm.guidance == "none"
                else float(guidance.bytes_per_token()),
-               "rollout_seconds": rollout_seconds, "train_seconds": train_seconds}
+               "rollout_seconds": rollout_seconds, "train_seconds": train_seconds,
+               "kernels/rollout": self.engine.kernels}  # "pallas" or "xla": what ran
+    if self.engine.kernels_fallback:
+      metrics["kernels/fallback_reason"] = self.engine.kernels_fallback
     metrics.update(mismatch_metrics(rollout.logprobs, old_logp, rollout.response_mask,
                                     tis_threshold=config.loss.tis_threshold))
     metrics.update(guidance_agreement(fallbacks, rollout.mask))

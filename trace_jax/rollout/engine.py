@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from trace_jax import guidance as guidance_lib
@@ -282,9 +283,13 @@ def _generate(graphdef, params, prompt, prompt_mask, key, st: _Statics) -> Rollo
   return _finalise(_decode(graphdef, params, r, logits, done, key, st))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6))
-def _continue(graphdef, params, r: Rollout, chunk, chunk_mask, key, st: _Statics) -> Rollout:
-  r, logits = _feed(graphdef, params, r, chunk, chunk_mask, "env", st)
+# The cache is donated: a continuation writes into it in place instead of copying it (at
+# long context the cache is most of a rollout's memory). `r` comes without it.
+@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=3)
+def _continue(graphdef, params, r: Rollout, cache, chunk, chunk_mask, key,
+              st: _Statics) -> Rollout:
+  r, logits = _feed(graphdef, params, dataclasses.replace(r, cache=cache), chunk, chunk_mask,
+                    "env", st)
   done = ~jnp.any(chunk_mask, axis=-1)  # no observation: the episode has ended
   return _finalise(_decode(graphdef, params, r, logits, done, key, st))
 
@@ -340,8 +345,11 @@ class RolloutEngine:
     self.config = config
     self.mesh = mesh
     self.cfg = policy.cfg
-    # "pallas" or "xla": resolved here, outside any trace ("auto" probes the kernels once).
-    self.kernels = kernels_lib.resolve(config.kernels)
+    # "pallas" or "xla": resolved here, outside any trace ("auto" probes the kernels once),
+    # and why "auto" took XLA (None otherwise): runs record both (rl metrics, summary.json).
+    self.kernels, self.kernels_fallback = kernels_lib.resolve_with_reason(config.kernels)
+    logging.info("rollout kernels: %s (kernels=%r%s)", self.kernels, config.kernels,
+                 f"; {self.kernels_fallback}" if self.kernels_fallback else "")
     cfg = policy.cfg
     guided = resolve_layers(config.guided_layers, cfg.num_layers, field="guided_layers")
     bad_stops = [t for t in config.sampling.stop_tokens if not 0 <= t < cfg.vocab_size]
@@ -384,9 +392,17 @@ class RolloutEngine:
   def continue_(self, rollout: Rollout, observations: Sequence[Sequence[int]],
                 key: jax.Array) -> Rollout:
     """Append each sequence's observation tokens (an empty list ends its episode) and
-    keep decoding from the same cache: a multi-turn episode is one growing sequence."""
+    keep decoding from the same cache: a multi-turn episode is one growing sequence.
+
+    The cache is donated to the continuation (updated in place, not copied): `rollout`
+    keeps its tokens, masks and log-probabilities, but only the returned rollout can be
+    continued again.
+    """
     if rollout.cache is None:
       raise ValueError("this rollout has no cache (moved to host?); continue the device one")
+    if any(leaf.is_deleted() for leaf in jax.tree.leaves(rollout.cache)):
+      raise ValueError("this rollout's cache was donated to an earlier continue_; continue "
+                       "the rollout that call returned")
     if len(observations) != rollout.tokens.shape[0]:
       raise ValueError(f"observations for {len(observations)} sequences; the rollout has "
                        f"{rollout.tokens.shape[0]}")
@@ -399,7 +415,8 @@ class RolloutEngine:
                        f"observations padded to {chunk.shape[1]}, max_new_tokens="
                        f"{self.config.sampling.max_new_tokens}); max_len={self.config.max_len}")
     chunk, mask = self._place(chunk), self._place(mask)
-    return _continue(self.graphdef, self.params, rollout, chunk, mask, key, self.statics)
+    return _continue(self.graphdef, self.params, rollout.without_cache(), rollout.cache, chunk,
+                     mask, key, self.statics)
 
 
 def generate(policy: Transformer, prompts: Sequence[Sequence[int]], *, config: RolloutConfig,

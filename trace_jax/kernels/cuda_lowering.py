@@ -1,0 +1,153 @@
+"""Lower the kernels for CUDA on a machine without a GPU, and compile them there too.
+
+Lowering (`lower`) runs everywhere: `jax.jit(f).trace(*args).lower(lowering_platforms=
+("cuda",))` with `interpret=False` turns each `pallas_call` into a custom call holding the
+kernel's Triton IR (TTIR, MLIR bytecode). It catches what Pallas' Triton lowering lacks (a
+primitive, a non-power-of-two load) but not what Triton's own compiler rejects later
+(layouts, shared memory, registers).
+
+Compiling without a device (`compile_triton`): XLA's GPU backend needs a CUDA jaxlib plugin
+and a device, but the TTIR in the custom call is a complete Triton module, so the `triton`
+package (pip, its own bundled LLVM and ptxas) compiles it for sm_90 (H100/H200) with no GPU:
+TTIR -> TTGIR -> LLVM IR -> PTX -> cubin, reporting shared memory, registers and spills.
+It runs in a subprocess with `TRACE_JAX_TRITON_PYTHON` (an interpreter that has `triton`,
+e.g. a separate venv: `python -m venv /work/venv-triton && /work/venv-triton/bin/pip install
+triton`), or this interpreter if it imports `triton`. The installed Triton is newer than the
+one inside XLA, so a module it compiles is strong evidence, not proof, that XLA will.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+# jaxlib's MLIR bindings and Pallas' Triton-dialect context: no public path to either.
+from jax._src.lib.mlir import ir
+from jax._src.pallas.triton import lowering as pallas_triton_lowering
+
+_TRITON_CALL = "__gpu$xla.gpu.triton"
+HOPPER_SHARED_MEMORY = 232448  # bytes a block may use on sm_90 (227 KiB)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonCall:
+  """One Pallas kernel as lowered for CUDA."""
+
+  name: str
+  ttir: bytes  # the Triton module, MLIR bytecode
+  num_warps: int
+  num_stages: int
+  grid: tuple[int, int, int]
+
+  def ttir_text(self) -> str:
+    """The module as MLIR text (what the `triton` package reads)."""
+    with pallas_triton_lowering._new_ir_context():  # noqa: SLF001
+      return str(ir.Module.parse(self.ttir))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledKernel:
+  """What Triton's compiler reports for one kernel, for sm_90."""
+
+  name: str
+  shared_bytes: int
+  registers: int  # per thread
+  spill_bytes: int  # spill stores per thread
+  ptx_divisions: dict[str, int]  # e.g. {"div.rn.f32": 12, "div.full.f32": 0}
+
+
+def lower(fn, *args, **kwargs) -> jax.stages.Lowered:
+  """`fn(*args, **kwargs)` lowered for CUDA on any machine (args may be ShapeDtypeStructs)."""
+  return jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+
+
+def triton_calls(lowered: jax.stages.Lowered) -> list[TritonCall]:
+  """The Triton kernels inside a CUDA lowering, in program order."""
+  calls = []
+
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for child in block.operations:
+          child = child.operation
+          if (child.name == "stablehlo.custom_call"
+              and ir.StringAttr(child.attributes["call_target_name"]).value == _TRITON_CALL):
+            config = ir.DictAttr(child.attributes["mhlo.backend_config"])
+            number = lambda key, c=config: ir.IntegerAttr(c[key]).value  # noqa: E731
+            calls.append(TritonCall(
+                name=ir.StringAttr(config["name"]).value,
+                ttir=ir.StringAttr(config["ir"]).value_bytes,
+                num_warps=number("num_warps"), num_stages=number("num_stages"),
+                grid=(number("grid_x"), number("grid_y"), number("grid_z"))))
+          walk(child)
+
+  walk(lowered.compiler_ir("stablehlo").operation)
+  return calls
+
+
+def triton_python() -> str | None:
+  """An interpreter that can import `triton`, or None."""
+  configured = os.environ.get("TRACE_JAX_TRITON_PYTHON")
+  if configured:
+    return configured
+  return sys.executable if importlib.util.find_spec("triton") is not None else None
+
+
+_COMPILE = r"""
+import json, re, os, subprocess, sys, warnings
+warnings.filterwarnings("ignore")
+import triton
+from triton.backends.compiler import GPUTarget
+path, warps, stages, arch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+kernel = triton.compile(path, target=GPUTarget("cuda", arch, 32),
+                        options={"num_warps": warps, "num_stages": stages})
+ptx = kernel.asm["ptx"]
+with open(path + ".ptx", "w") as f:
+  f.write(ptx)
+from triton.backends.nvidia.compiler import get_ptxas
+ptxas = get_ptxas(arch).path  # the one Triton used for the cubin
+report = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", path + ".ptx", "-o", os.devnull],
+                        capture_output=True, text=True, check=True).stderr
+print(json.dumps({
+    "shared": kernel.metadata.shared,
+    "registers": int(re.search(r"Used (\d+) registers", report).group(1)),
+    "spills": int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+    "divisions": {d: ptx.count(d) for d in ("div.rn.f32", "div.full.f32", "div.approx.f32")},
+}))
+"""
+
+
+def compile_triton(call: TritonCall, *, arch: int = 90, python: str | None = None,
+                   timeout: float = 600) -> CompiledKernel:
+  """Compile one lowered kernel to a cubin for sm_`arch` with the `triton` package, no GPU.
+
+  Raises RuntimeError (with Triton's message) where the compiler rejects the kernel, and
+  FileNotFoundError where no interpreter has `triton` (see the module docstring).
+  """
+  python = python or triton_python()
+  if python is None:
+    raise FileNotFoundError("no interpreter with the `triton` package: set "
+                            "TRACE_JAX_TRITON_PYTHON (see trace_jax.kernels.cuda_lowering)")
+  with tempfile.TemporaryDirectory() as scratch:
+    path = os.path.join(scratch, f"{call.name}.ttir")
+    with open(path, "w") as f:
+      f.write(call.ttir_text())
+    result = subprocess.run(
+        [python, "-c", _COMPILE, path, str(call.num_warps), str(call.num_stages), str(arch)],
+        capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "TRITON_DEFAULT_FP_FUSION": "0", "PYTHONPATH": ""})
+  if result.returncode:
+    errors = [line for line in result.stderr.splitlines() if re.search(r"error|Error", line)]
+    raise RuntimeError(f"Triton could not compile {call.name}: "
+                       + ("\n".join(errors[-5:]) or result.stderr[-2000:]))
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  return CompiledKernel(name=call.name, shared_bytes=report["shared"],
+                        registers=report["registers"], spill_bytes=report["spills"],
+                        ptx_divisions=report["divisions"])
