@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 from orbax.checkpoint._src.path import atomicity
 
-from reliability_helpers import fill, full_filesystem
+from tests.reliability.reliability_helpers import fill, full_filesystem
 from trace_jax.rl.checkpoint import CheckpointError, Checkpoints
 
 

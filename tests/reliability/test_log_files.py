@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from reliability_helpers import fill, full_filesystem
+from tests.reliability.reliability_helpers import fill, full_filesystem
 from trace_jax.rl.trainer import read_metrics
 from trace_jax.utils import append_jsonl, read_jsonl, write_atomic, write_json
 
