@@ -13,12 +13,15 @@ and prints a final table. A warm start (SFT on solver demonstrations) is made in
 first unless one is there.
 """
 
+import contextlib
 import os
+import sys
 import time
 
 from absl import app, flags, logging
 
 from trace_jax.rl import report
+from trace_jax.rl.checkpoint import CheckpointError
 from trace_jax.rl.config import ARMS, RLConfig
 from trace_jax.rl.grpo import LossConfig
 from trace_jax.rl.trainer import Trainer, read_metrics
@@ -48,6 +51,8 @@ _TIS = flags.DEFINE_float("tis_threshold", 2.0, "TIS truncation / masking thresh
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", _D.eval_every, "Greedy evaluation period (steps).")
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", _D.eval_size, "Evaluation problems.")
 _SFT = flags.DEFINE_integer("sft_steps", _D.sft_steps, "Warm-start SFT steps (when the workdir has none).")
+_CKPT = flags.DEFINE_integer("checkpoint_every", _D.checkpoint_every,
+                             "Checkpoint period in steps (and at the last step); 0 = never.")
 _MESH = flags.DEFINE_list("mesh", ["1", "1", "1"], "data,expert,model device counts.")
 _DTYPE = flags.DEFINE_enum("compute_dtype", "bfloat16", ["bfloat16", "float32"], "Activations.")
 _FP4_SITES = flags.DEFINE_string("fp4_sites", _D.fp4_sites,
@@ -66,6 +71,23 @@ def _options():
 
 
 def main(argv):
+  with _run_errors():
+    _main(argv)
+
+
+@contextlib.contextmanager
+def _run_errors():
+  """Faults of the run (damaged files, a full disk, divergence) end it with one line that
+  says what failed and where (their messages name the path and what to do), exit status 1;
+  only bad flags are usage errors (app.UsageError passes through)."""
+  try:
+    yield
+  except (ValueError, OSError, FloatingPointError, CheckpointError) as e:
+    print(f"rl.py: error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+def _main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
   try:
@@ -78,14 +100,15 @@ def main(argv):
                         aggregation=_AGG.value, std_norm=_STD.value, kl_coef=_KL.value,
                         tis_threshold=_TIS.value),
         correction=_CORR.value, eval_every=_EVAL_EVERY.value, eval_size=_EVAL_SIZE.value,
-        sft_steps=_SFT.value, mesh=tuple(int(m) for m in _MESH.value),
-        compute_dtype=_DTYPE.value, fp4_sites=_FP4_SITES.value, fmt=_FMT.value)
-    workdir = _WORKDIR.value or os.path.join(
-        "runs", f"{config.arm}-{config.task.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
-    start = time.time()
-    trainer = Trainer(config, workdir)
-  except ValueError as e:
+        sft_steps=_SFT.value, checkpoint_every=_CKPT.value,
+        mesh=tuple(int(m) for m in _MESH.value), compute_dtype=_DTYPE.value,
+        fp4_sites=_FP4_SITES.value, fmt=_FMT.value)
+  except (ValueError, ImportError) as e:  # bad flags, and only those, are usage errors
     raise app.UsageError(str(e)) from e
+  workdir = _WORKDIR.value or os.path.join(
+      "runs", f"{config.arm}-{config.task.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
+  start = time.time()
+  trainer = Trainer(config, workdir)
   print(f"workdir {trainer.workdir}; warm start: {trainer.warmstart}")
   trainer.run()
   metrics = read_metrics(trainer.workdir)

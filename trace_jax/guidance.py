@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import tempfile
@@ -123,7 +124,8 @@ class Guidance:
     return jax.device_put(self, sharding)
 
   def save(self, path: str) -> None:
-    """Write to one .npz file (atomically: a temporary file renamed into place)."""
+    """Write to one .npz file (atomically: a temporary file renamed into place), with a
+    SHA-256 of its contents that `load` verifies."""
     arrays = {}
     for (layer, site), g in self.sites.items():
       for field in dataclasses.fields(g):
@@ -135,7 +137,8 @@ class Guidance:
                                                               "axis": g.axis}))
     if self.routing is not None:
       arrays["routing"] = np.asarray(self.routing)
-    arrays["meta"] = np.asarray(json.dumps({"mode": self.mode, "layers": list(self.layers)}))
+    meta = {"mode": self.mode, "layers": list(self.layers)}
+    arrays["meta"] = np.asarray(json.dumps({**meta, "sha256": _digest(arrays, meta)}))
     directory = os.path.dirname(os.path.abspath(path)) or "."
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".npz.tmp")
     os.close(fd)
@@ -150,26 +153,58 @@ class Guidance:
 
   @classmethod
   def load(cls, path: str) -> "Guidance":
-    """Read what `save` wrote; arrays come back as host NumPy arrays."""
-    with np.load(path) as data:
-      meta = json.loads(str(data["meta"]))
-      sites = {}
-      for name in data.files:
-        if not name.startswith("meta/"):
-          continue
-        _, layer, site = name.split("/")
-        info = json.loads(str(data[name]))
-        get = lambda field: data[f"site/{layer}/{site}/{field}"]
-        if info["kind"] == "full":
-          g = fp4.QArray(packed=get("packed"), scales=get("scales"),
-                         global_scale=get("global_scale"), fmt=info["fmt"], axis=info["axis"])
-        else:
-          g = fp4.CompactGuidance(global_scale=get("global_scale"), scales=get("scales"),
-                                  mantissa_bits=get("mantissa_bits"), fmt=info["fmt"],
-                                  axis=info["axis"])
-        sites[(int(layer), site)] = g
-      routing = data["routing"] if "routing" in data.files else None
+    """Read what `save` wrote; arrays come back as host NumPy arrays.
+
+    Raises:
+      ValueError: naming the file, when it is not a whole guidance file or its contents
+        differ from the checksum saved with them (a damaged file never loads silently).
+    """
+    try:
+      return cls._load(path)
+    except FileNotFoundError:
+      raise
+    except Exception as e:  # noqa: BLE001 - zip, npy, JSON and checksum faults all mean "damaged"
+      raise ValueError(f"{path} is not a readable guidance file ({type(e).__name__}: "
+                       f"{str(e)[:200]}); it is damaged: delete it and roll out again") from e
+
+  @classmethod
+  def _load(cls, path: str) -> "Guidance":
+    with np.load(path, allow_pickle=False) as data:
+      arrays = {name: data[name] for name in data.files}
+    meta = json.loads(str(arrays["meta"]))
+    saved = meta.pop("sha256", None)
+    if saved is None:
+      raise ValueError("it holds no checksum (saved by an older trace_jax?)")
+    content = {k: v for k, v in arrays.items() if k != "meta"}
+    if _digest(content, meta) != saved:
+      raise ValueError("its contents differ from the SHA-256 saved with them")
+    sites = {}
+    for name in arrays:
+      if not name.startswith("meta/"):
+        continue
+      _, layer, site = name.split("/")
+      info = json.loads(str(arrays[name]))
+      get = lambda field: arrays[f"site/{layer}/{site}/{field}"]
+      if info["kind"] == "full":
+        g = fp4.QArray(packed=get("packed"), scales=get("scales"),
+                       global_scale=get("global_scale"), fmt=info["fmt"], axis=info["axis"])
+      else:
+        g = fp4.CompactGuidance(global_scale=get("global_scale"), scales=get("scales"),
+                                mantissa_bits=get("mantissa_bits"), fmt=info["fmt"],
+                                axis=info["axis"])
+      sites[(int(layer), site)] = g
+    routing = arrays.get("routing")
     return cls(sites=sites, routing=routing, mode=meta["mode"], layers=tuple(meta["layers"]))
+
+
+def _digest(arrays: Mapping[str, np.ndarray], meta: dict) -> str:
+  """SHA-256 over the names, dtypes, shapes and bytes of `arrays` (sorted) and `meta`."""
+  h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+  for name in sorted(arrays):
+    a = np.ascontiguousarray(arrays[name])
+    h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
 
 
 def _bytes(a) -> int:

@@ -99,6 +99,8 @@ def _validate(x, fmt, axis, rounding, key, guidance) -> tuple[int, Any]:
     raise ValueError(f"x must be a floating array to quantize; got dtype {x.dtype}")
   if x.ndim == 0:
     raise ValueError("x must have at least one axis to quantize; got a scalar")
+  if x.size == 0:  # no amax, no scales: refuse rather than fail inside a reduction
+    raise ValueError(f"x has shape {x.shape}, no elements to quantize")
   if not -x.ndim <= axis < x.ndim:
     raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")
   axis = axis % x.ndim

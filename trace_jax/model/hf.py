@@ -34,20 +34,52 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-  """Tensors of one .safetensors file as read-only NumPy views of a memory map."""
-  raw = np.memmap(path, dtype=np.uint8, mode="r")
-  header_len = int(np.frombuffer(raw[:8].tobytes(), "<u8")[0])
-  header = json.loads(raw[8:8 + header_len].tobytes())
-  base = 8 + header_len
+  """Tensors of one .safetensors file as read-only NumPy views of a memory map.
+
+  Raises:
+    ValueError: naming the file (and the tensor) when it is not a whole safetensors file.
+  """
+  raw = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
+  header, base = _safetensors_header(path, raw)
   tensors = {}
   for name, info in header.items():
     if name == "__metadata__":
       continue
-    if info["dtype"] not in _DTYPES:
-      raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+    _check_tensor_entry(path, name, info, len(raw) - base)
     start, end = info["data_offsets"]
     tensors[name] = raw[base + start: base + end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
   return tensors
+
+
+def _safetensors_header(path: str, raw) -> tuple[dict, int]:
+  """(header dict, offset of the data) of a safetensors file, or a ValueError naming it."""
+  if len(raw) < 8:
+    raise ValueError(f"{path}: not a safetensors file ({len(raw)} bytes; truncated?)")
+  header_len = int(np.frombuffer(raw[:8].tobytes(), "<u8")[0])
+  if header_len > len(raw) - 8:
+    raise ValueError(f"{path}: the header claims {header_len} bytes but the file has "
+                     f"{len(raw)} (truncated, or not a safetensors file)")
+  try:
+    header = json.loads(raw[8:8 + header_len].tobytes())
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from e
+  if not isinstance(header, dict):
+    raise ValueError(f"{path}: the safetensors header is not a JSON object")
+  return header, 8 + header_len
+
+
+def _check_tensor_entry(path: str, name: str, info, data_bytes: int) -> None:
+  """A header entry that the file can actually back (dtype, shape, offsets in range)."""
+  if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+    raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r}")
+  if info["dtype"] not in _DTYPES:
+    raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+  start, end = info["data_offsets"]
+  expected = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_DTYPES[info["dtype"]]).itemsize
+  if not 0 <= start <= end <= data_bytes or end - start != expected:
+    raise ValueError(f"{path}: tensor {name!r} ({info['dtype']} {info['shape']}, {expected} bytes) "
+                     f"has data offsets [{start}, {end}) but the file holds {data_bytes} data "
+                     f"bytes (truncated or damaged file)")
 
 
 def _read_checkpoint(path: str) -> dict[str, np.ndarray]:
@@ -86,9 +118,30 @@ def _rope_theta(hf: dict) -> float:
   return float(theta if theta is not None else 10000.0)
 
 
+# config.json options whose other values this implementation does not compute: refused by
+# name rather than loaded and run as something else.
+_SUPPORTED_OPTIONS = {
+    "hidden_act": ("silu", "swish"),  # the SwiGLU experts
+    "attention_bias": (False, None),
+    "mlp_bias": (False, None),
+    "partial_rotary_factor": (1, 1.0, None),  # full RoPE (Qwen3-MoE, Mixtral, OLMoE)
+}
+_FULL_ROPE_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def _check_supported(hf: dict, arch: str) -> None:
+  for option, allowed in _SUPPORTED_OPTIONS.items():
+    if option == "partial_rotary_factor" and arch not in _FULL_ROPE_ARCHS:
+      continue
+    if option in hf and hf[option] not in allowed:
+      raise ValueError(f"{option}={hf[option]!r} is not supported; supported: "
+                       f"{[a for a in allowed if a is not None]}")
+
+
 def config_from_hf(hf: dict, dtype=jnp.float32) -> ModelConfig:
   """A ModelConfig from a Hugging Face config.json dict (either spelling of each field)."""
   arch = _arch(hf)
+  _check_supported(hf, arch)
   d, heads = hf["hidden_size"], hf["num_attention_heads"]
   num_layers = hf["num_hidden_layers"]
   num_experts = hf.get("num_experts", hf.get("num_local_experts"))
@@ -210,6 +263,23 @@ def _used_names(cfg: ModelConfig, tensors) -> set[str]:
   return used
 
 
+def _read_config(config_path: str, dtype) -> ModelConfig:
+  """config_from_hf of a config.json file, with errors that name the file."""
+  try:
+    with open(config_path) as f:
+      hf = json.load(f)
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{config_path} is not valid JSON ({e})") from e
+  if not isinstance(hf, dict):
+    raise ValueError(f"{config_path} is not a JSON object")
+  try:
+    return config_from_hf(hf, dtype)
+  except KeyError as e:
+    raise ValueError(f"{config_path} lacks the required field {e.args[0]!r}") from e
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{config_path}: {e}") from e
+
+
 def from_hf(path: str, dtype=jnp.float32) -> Transformer:
   """A Transformer with the weights of a local Hugging Face checkpoint directory.
 
@@ -225,8 +295,7 @@ def from_hf(path: str, dtype=jnp.float32) -> Transformer:
   config_path = os.path.join(path, "config.json")
   if not os.path.exists(config_path):
     raise ValueError(f"{path} has no config.json")
-  with open(config_path) as f:
-    cfg = config_from_hf(json.load(f), dtype)
+  cfg = _read_config(config_path, dtype)
   tensors = _read_checkpoint(path)
   spec = _tensor_map(cfg, tensors)
 

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from trace_jax.model.attention import Attention
@@ -59,6 +60,36 @@ def attention_mask(valid_keys, query_slots, key_slots, window: int | None) -> ja
   if window is not None:
     causal &= key_slots[None, None, :] > query_slots[:, :, None] - window
   return valid_keys[:, None, :] & causal
+
+
+def check_token_ids(tokens, vocab_size: int, what: str = "tokens") -> None:
+  """Refuse token ids outside [0, vocab_size) where they are concrete (eager calls).
+
+  Under jit the ids are traced and cannot be read without a device-to-host round trip
+  (and a `checkify` check would force every caller to wrap its function); there
+  `embed_tokens` turns such ids into NaN embeddings instead, so the fault stays visible.
+  The public entry points that take host data (the eager model call, `training_forward`,
+  `RolloutEngine.generate` / `continue_`) refuse them here, before any work.
+  """
+  try:
+    ids = np.asarray(tokens)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return  # traced: embed_tokens makes bad ids NaN
+  if not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"{what} must be integer token ids; got dtype {ids.dtype}")
+  bad = (ids < 0) | (ids >= vocab_size)
+  if bad.any():
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"{what} hold token ids {np.unique(ids[bad])[:5].tolist()} outside the "
+                     f"vocabulary [0, {vocab_size}) (first at index {first})")
+
+
+def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Rows of the embedding table; an id outside [0, V) gives a NaN row, never another
+  token's row (jnp.take would wrap negative ids around)."""
+  vocab = table.shape[0]
+  tokens = jnp.where(tokens < 0, vocab, tokens)
+  return jnp.take(table, tokens, axis=0, mode="fill", fill_value=jnp.nan)
 
 
 class Transformer(nnx.Module):
@@ -109,6 +140,7 @@ class Transformer(nnx.Module):
         the FP4 cache go through `trace_jax.kernels` (forward only: the rollout path).
     """
     cfg = self.cfg
+    check_token_ids(tokens, cfg.vocab_size)
     dtype = cfg.compute_dtype if dtype is None else jnp.dtype(dtype)
     b, t = tokens.shape
     if mask is None:
@@ -132,7 +164,7 @@ class Transformer(nnx.Module):
       attn_mask = attention_mask(valid_cache, jnp.broadcast_to(slots, (b, t)), key_slots,
                                  cfg.sliding_window)
 
-    x = jnp.take(self.embed.get_value(), tokens, axis=0).astype(dtype)
+    x = embed_tokens(self.embed.get_value(), tokens).astype(dtype)
     new_k, new_v, moe_stats = [], [], []
     for block in self.blocks:
       layer_cache = None if cache is None else (cache.k[block.layer], cache.v[block.layer])

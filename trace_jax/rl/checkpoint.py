@@ -1,17 +1,146 @@
 """Orbax checkpoints of an RL run: policy, optimizer, reference policy, step, PRNG, metadata.
 
-Orbax writes each step into a temporary directory and renames it when complete, so a
-checkpoint is either whole or absent; a failed save raises (it is never silently dropped).
+What can go wrong, and what happens:
+- a crash (even SIGKILL) during a save: orbax writes each step into a temporary directory
+  and renames it when complete, so a checkpoint is whole or absent; temporary directories
+  a killed save leaves behind are removed when the next run opens the directory;
+- a failed save (a full disk): a `CheckpointError` in one line saying which step failed and
+  which earlier checkpoints remain usable; the partial directory is removed;
+- a damaged checkpoint (a truncated or bit-flipped file): every save stores a checksum of
+  each array in its metadata, and `restore_latest` verifies it (and that every float is
+  finite) after reading; a checkpoint that does not restore or verify is skipped with a
+  warning saying why, and the newest one that does is used. Skipped newer checkpoints are
+  moved to `<directory>_unusable/` (never deleted: they may be worth inspecting), so later
+  saves of those step numbers do not collide with them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
+import shutil
+import sys
+import threading
+import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint could not be saved, or no checkpoint restores; the message says which,
+  where, and what to do."""
+
+
+def _leaf_summary(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(checksum, all finite) of one array.
+
+  The checksum is a position-weighted sum of its bytes modulo 2^32 (weights 1..65521):
+  a single flipped bit changes one byte by +-2^k (k < 8) at weight w < 2^16, a change
+  of less than 2^24 that cannot vanish modulo 2^32, so every one-bit error is caught.
+  """
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  data = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1).astype(jnp.uint32)
+  weights = jax.lax.iota(jnp.uint32, data.size) % jnp.uint32(65521) + jnp.uint32(1)
+  return jnp.sum(data * weights, dtype=jnp.uint32), finite
+
+
+@jax.jit
+def _summaries(leaves: list) -> list:
+  return [_leaf_summary(x) for x in leaves]
+
+
+def fingerprint(tree) -> tuple[dict[str, int], list[str]]:
+  """({leaf path: checksum}, [paths of float leaves holding NaN or Inf]) of a pytree."""
+  paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(tree)[0]) or ((), ())
+  summaries = jax.device_get(_summaries([jnp.asarray(x) for x in leaves]))
+  names = [jax.tree_util.keystr(p) for p in paths]
+  checksums = {name: int(s[0]) for name, s in zip(names, summaries)}
+  nonfinite = [name for name, s in zip(names, summaries) if not bool(s[1])]
+  return checksums, nonfinite
+
+
+def _short(error: BaseException) -> str:
+  """One line of an exception (orbax / TensorStore errors run to pages)."""
+  text = str(error).strip().splitlines()
+  first = text[0] if text else ""
+  return f"{type(error).__name__}: {first[:240]}"
+
+
+def _is_disk_full(error: BaseException) -> bool:
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    text = str(error)
+    if "No space left on device" in text or "ENOSPC" in text or "Disk quota exceeded" in text:
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+class _DropOrbaxLogs(logging.Filter):
+  """Drops orbax's own log records: a failing save logs the same error from every one of
+  its threads, with tracebacks (pages); our exception says it once."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+def _drop_closed_loop_noise() -> None:
+  """After a failed save, TensorStore completes leftover writes into orbax's closed event loop
+  and Python prints each resulting `RuntimeError: Event loop is closed` (an unraisable
+  exception, possibly after the save returned). Drop exactly those; keep every other one."""
+  previous = sys.unraisablehook
+  if getattr(previous, "_drops_closed_loop", False):
+    return
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook._drops_closed_loop = True
+  sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  _drop_closed_loop_noise()
+  loggers = [logging.getLogger("absl"), logging.getLogger()]
+  drop = _DropOrbaxLogs()
+  for logger in loggers:
+    logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    for logger in loggers:
+      logger.removeFilter(drop)
+
+
+def _join_orbax_threads(running: set, timeout_s: float = 60.0) -> None:
+  """Wait for the orbax threads started since `running` was taken: after one write fails,
+  the others keep writing into the temporary directory for a while."""
+  deadline = time.time() + timeout_s
+  for thread in set(threading.enumerate()) - running:
+    if type(thread).__module__.startswith("orbax") or "orbax" in thread.name:
+      try:
+        thread.join(max(0.0, deadline - time.time()))
+      except Exception:  # noqa: BLE001 - orbax's threads re-raise their error on join
+        pass
 
 
 class Checkpoints:
@@ -19,28 +148,92 @@ class Checkpoints:
 
   def __init__(self, directory: str, max_to_keep: int = 2):
     self.directory = os.path.abspath(directory)
+    self.max_to_keep = max_to_keep
+    self.skipped: list[tuple[int, str]] = []  # (step, why) of checkpoints restore passed over
+    self._open()
+
+  def _open(self) -> None:
+    self._remove_stale_temporaries()
     self.manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+        self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=self.max_to_keep, create=True,
+            # `save` waits for the write anyway; synchronous saves fail inside `save`,
+            # not in background threads that outlive it.
+            enable_async_checkpointing=False))
+
+  def _remove_stale_temporaries(self) -> None:
+    """Delete the temporary directories of saves that never finished (a killed run).
+
+    Done here, synchronously, rather than by orbax's `cleanup_tmp_directories`, which runs
+    in a background thread that fails noisily when the process exits soon after.
+    """
+    if jax.process_index() != 0 or not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if ".orbax-checkpoint-tmp" in name:
+        log.warning("removing %s, left by a save that never finished",
+                    os.path.join(self.directory, name))
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """Steps on disk, newest first."""
+    return sorted(self.manager.all_steps(), reverse=True)
+
   def save(self, step: int, state: dict[str, Any], meta: dict) -> None:
-    """`state`: pytrees of arrays ({"policy": nnx.State, ...}); `meta`: JSON."""
+    """`state`: pytrees of arrays ({"policy": nnx.State, ...}); `meta`: JSON.
+
+    Raises:
+      CheckpointError: the save failed (naming the step, the directory, the cause in one
+        line and the checkpoints still usable); nothing partial is left behind.
+    """
     pure = {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in state.items()}
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(pure),
-                                                     meta=ocp.args.JsonSave(meta)))
-    self.manager.wait_until_finished()
+    checksums, _ = fingerprint(pure)
+    meta = {**meta, "checksums": checksums}
+    running = set(threading.enumerate())
+    try:
+      with _quiet_orbax():
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(pure),
+                                                         meta=ocp.args.JsonSave(meta)))
+        self.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - any failure of the save is reported the same way
+      with _quiet_orbax():  # its other writer threads fail (and log) after the first error
+        _join_orbax_threads(running)
+      self._remove_partial(step)
+      self._open()
+      usable = [s for s in self.all_steps() if s != step]
+      cause = "no space left on device" if _is_disk_full(e) else _short(e)
+      after = (f"the previous checkpoints (steps {usable}) are intact; a rerun resumes from "
+               f"step {usable[0]}" if usable else "there is no earlier checkpoint")
+      raise CheckpointError(f"could not save checkpoint step {step} in {self.directory}: "
+                            f"{cause}; {after}. Free space (or fix the cause) and rerun.") from e
+
+  def _remove_partial(self, step: int) -> None:
+    """Delete what a failed save of `step` left (its temporary or half-renamed directory)."""
+    if not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if name == str(step) or (name.startswith(f"{step}.") and "tmp" in name):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def read_meta(self, step: int) -> dict:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def restore(self, step: int, like: dict[str, Any]) -> dict[str, Any]:
-    """Restore into the structure of `like` (nnx.States are updated in place and returned)."""
+    """Restore and verify step `step` into the structure of `like` (nnx.States are updated
+    in place and returned).
+
+    Raises:
+      CheckpointError: the arrays do not match the checksums saved with them, or hold NaN.
+      Anything orbax raises for an unreadable checkpoint.
+    """
     pure = {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in like.items()}
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, pure)
     restored = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract)))["state"]
+    self._verify(step, restored)
     out = {}
     for k, v in like.items():
       if isinstance(v, nnx.State):
@@ -49,3 +242,55 @@ class Checkpoints:
       else:
         out[k] = restored[k]
     return out
+
+  def _verify(self, step: int, restored: dict) -> None:
+    saved = self.read_meta(step).get("checksums")
+    checksums, nonfinite = fingerprint(restored)
+    if nonfinite:
+      raise CheckpointError(f"step {step} holds NaN or Inf in {nonfinite[:3]}")
+    if saved is None:  # written before checksums existed: finiteness is all we can check
+      return
+    differ = sorted(k for k in set(saved) | set(checksums) if saved.get(k) != checksums.get(k))
+    if differ:
+      raise CheckpointError(f"step {step}: {len(differ)} arrays differ from the checksums saved "
+                            f"with them (damaged files), e.g. {differ[:2]}")
+
+  def restore_latest(self, like: dict[str, Any]) -> tuple[int, dict, dict] | None:
+    """The newest checkpoint that restores and verifies: (step, restored state, meta).
+
+    Newer ones that fail are skipped with a warning saying why (listed in `self.skipped`)
+    and moved to `<directory>_unusable/`; None when the directory holds no checkpoint.
+
+    Raises:
+      CheckpointError: checkpoints exist but none restores (all are left where they are).
+    """
+    self.skipped = []
+    steps = self.all_steps()
+    for step in steps:
+      try:
+        with _quiet_orbax():
+          restored = self.restore(step, like)
+          meta = self.read_meta(step)
+      except Exception as e:  # noqa: BLE001 - a damaged checkpoint fails in many ways
+        reason = _short(e)
+        self.skipped.append((step, reason))
+        log.warning("checkpoint step %d in %s does not restore (%s); trying an older one",
+                    step, self.directory, reason)
+        continue
+      for bad, _ in self.skipped:
+        self._set_aside(bad)
+      if self.skipped:
+        self._open()
+      return step, restored, meta
+    if steps:
+      reasons = "; ".join(f"step {s}: {r}" for s, r in self.skipped)
+      raise CheckpointError(f"no checkpoint in {self.directory} restores ({reasons}). Move that "
+                            f"directory away to start over, or use another --workdir.")
+    return None
+
+  def _set_aside(self, step: int) -> None:
+    """Move an unusable checkpoint out of the manager's directory (kept for inspection)."""
+    target = os.path.join(f"{self.directory}_unusable", f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    shutil.move(os.path.join(self.directory, str(step)), target)
+    log.warning("moved the unusable checkpoint step %d to %s", step, target)

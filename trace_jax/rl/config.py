@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from trace_jax.model.config import PRESETS
 from trace_jax import fp4
 from trace_jax.model.quant import SITE_SCOPES, QuantConfig
 from trace_jax.rl.grpo import LossConfig
-from trace_jax.tasks.registry import registered
+from trace_jax.tasks.registry import get_task, registered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,7 @@ class RLConfig:
   sft_batch: int = 32
   sft_learning_rate: float = 3e-3
   mesh: tuple = (1, 1, 1)  # (data, expert, model) devices
+  max_param_abs: float = 1e4  # divergence guard: stop (saving nothing) past this |parameter|
 
   def __post_init__(self):
     get_arm(self.arm)
@@ -99,6 +101,7 @@ class RLConfig:
     if not (self.task in registered() or self.task.startswith("rg:")):
       raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
     object.__setattr__(self, "task_options", tuple(tuple(kv) for kv in self.task_options))
+    get_task(self.task, **dict(self.task_options))  # option names and values, before any work
     object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
     for name in ("steps", "eval_every", "eval_size", "checkpoint_every", "sft_steps",
                  "prompt_bucket"):
@@ -108,8 +111,10 @@ class RLConfig:
                  "sft_batch"):
       if getattr(self, name) < 1:
         raise ValueError(f"RLConfig.{name}={getattr(self, name)} must be >= 1")
-    if self.temperature <= 0 or self.learning_rate <= 0:
-      raise ValueError("RLConfig.temperature and learning_rate must be > 0")
+    for name in ("temperature", "learning_rate", "sft_learning_rate", "max_param_abs"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"RLConfig.{name}={value!r} must be a finite number > 0")
     if self.correction not in ("auto", "tis", "mask", "none"):
       raise ValueError(f"RLConfig.correction={self.correction!r}; use auto, tis, mask or none")
     if self.batch % self.minibatches:
@@ -148,7 +153,7 @@ class RLConfig:
     out["mesh"] = list(self.mesh)
     return out
 
-  def differences(self, other: dict, ignore=("steps",)) -> list[str]:
+  def differences(self, other: dict, ignore=("steps", "max_param_abs")) -> list[str]:
     """Fields whose values differ from a saved config dict (JSON round-tripped)."""
     mine = _jsonish(self.to_dict())
     theirs = _jsonish(other)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +37,13 @@ class LossConfig:
   tis_threshold: float = 2.0  # C
 
   def __post_init__(self):
-    for name in ("clip_low", "clip_high", "kl_coef"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"LossConfig.{name}={getattr(self, name)} must be >= 0")
+    for name in ("clip_low", "clip_high", "kl_coef", "tis_threshold"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"LossConfig.{name}={value!r} must be a finite number >= 0")
+    if self.clip_low >= 1:  # the ratio floor 1 - clip_low must stay positive
+      raise ValueError(f"LossConfig.clip_low={self.clip_low} must lie in [0, 1): the ratio floor "
+                       f"is 1 - clip_low")
     if self.aggregation not in AGGREGATIONS:
       raise ValueError(f"LossConfig.aggregation={self.aggregation!r} is not allowed; use one of {AGGREGATIONS}")
     if self.rollout_correction not in CORRECTIONS:

@@ -12,6 +12,13 @@
 
 Everything random derives from (seed, step), and checkpoints hold the policy, optimizer,
 reference policy and step, so a resumed run continues exactly as an uninterrupted one.
+
+Faults stop the run without saving bad state: a non-finite loss, gradient norm or parameter,
+or a parameter beyond `RLConfig.max_param_abs`, raises `DivergenceError` naming the step
+before anything of that step is logged or saved, so the latest checkpoint stays the last
+good one. A resume uses the newest checkpoint that restores and verifies (`Checkpoints`),
+and cuts metrics.jsonl back to the steps that checkpoint holds, so every step's line
+appears exactly once.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
 from trace_jax.tasks.tokenizer import CharTokenizer
 from trace_jax.training.forward import token_entropy, training_forward
+from trace_jax.utils import append_jsonl, read_jsonl, write_atomic
 
 _STATIC = ("quant", "replay", "dtype", "temperature")
 
@@ -72,6 +80,19 @@ def _train_step(policy, opt, batch, guidance, ref_logp, *, quant, replay, dtype,
   (loss, stats), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
   opt.update(policy, grads)
   return loss, stats, optax.global_norm(grads)
+
+
+@nnx.jit
+def _param_health(policy) -> tuple[jax.Array, jax.Array]:
+  """(every parameter finite, max |parameter|): the divergence guard's two numbers."""
+  leaves = jax.tree.leaves(nnx.state(policy, nnx.Param))
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  max_abs = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
+  return finite, max_abs
+
+
+class DivergenceError(FloatingPointError):
+  """An update made the loss, the gradient or the parameters non-finite or unbounded."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,13 +123,10 @@ class Trainer:
     self.workdir = check_workdir(workdir)
     self.progress = progress
     self.checkpoints = Checkpoints(os.path.join(self.workdir, "checkpoints"))
-    latest = self.checkpoints.latest_step()
-    if latest is not None:  # refuse a resume with another config before any work
-      saved = self.checkpoints.read_meta(latest)["config"]
-      differing = config.differences(saved)
-      if differing:
-        raise ValueError(f"{self.workdir} holds a checkpoint of a different config; fields that "
-                         f"differ: {differing} (use another --workdir)")
+    self._check_saved_config()
+    self.metrics_path = os.path.join(self.workdir, "metrics.jsonl")
+    if os.path.exists(self.metrics_path):  # a damaged log fails here, before any work
+      read_jsonl(self.metrics_path)
     self.task = get_task(config.task, **dict(config.task_options))
     self.tokenizer = CharTokenizer()
     preset = get_preset(config.preset)
@@ -129,8 +147,7 @@ class Trainer:
       self.reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
     self.opt = nnx.Optimizer(self.policy, _optimizer(config.learning_rate), wrt=nnx.Param)
     self.step = 0
-    if latest is not None:
-      self._restore(latest)
+    self._restore_latest()
 
     prompt_len = max(len(p) for p in self._prompt_ids(self.task.sample(0, 64)))
     bucket = config.prompt_bucket or (8 if self.task.multi_turn else 16)
@@ -158,7 +175,6 @@ class Trainer:
     self.eval_engines = {"fp4": RolloutEngine(self.policy, greedy.replace(precision="fp4"), mesh=self.mesh),
                          "bf16": RolloutEngine(self.policy, greedy.replace(precision="bf16"), mesh=self.mesh)}
     self.eval_items = self.task.sample(10_007 * config.seed + 999_983, config.eval_size)
-    self.metrics_path = os.path.join(self.workdir, "metrics.jsonl")
     self._truncate_metrics(self.step)
 
   # --- state --------------------------------------------------------------------------------
@@ -169,13 +185,29 @@ class Trainer:
       state["reference"] = nnx.state(self.reference)
     return state
 
-  def _restore(self, step: int) -> None:
-    restored = self.checkpoints.restore(step, self._state())
+  def _check_saved_config(self) -> None:
+    """Refuse a resume with another config before any work (from the newest readable meta)."""
+    for step in self.checkpoints.all_steps():
+      try:
+        saved = self.checkpoints.read_meta(step)["config"]
+      except Exception:  # noqa: BLE001 - a damaged checkpoint: restore skips it and says so
+        continue
+      differing = self.config.differences(saved)
+      if differing:
+        raise ValueError(f"{self.workdir} holds a checkpoint of a different config; fields that "
+                         f"differ: {differing} (use another --workdir)")
+      return
+
+  def _restore_latest(self) -> None:
+    found = self.checkpoints.restore_latest(self._state())
+    if found is None:
+      return
+    _, restored, meta = found
     nnx.update(self.policy, restored["policy"])
     nnx.update(self.opt, restored["opt"])
     if self.reference is not None:
       nnx.update(self.reference, restored["reference"])
-    self.step = int(self.checkpoints.read_meta(step)["step"])
+    self.step = int(meta["step"])
 
   def save(self) -> None:
     meta = {"step": self.step, "config": self.config.to_dict(),
@@ -183,13 +215,13 @@ class Trainer:
     self.checkpoints.save(self.step, self._state(), meta)
 
   def _truncate_metrics(self, step: int) -> None:
-    """Keep only the metrics of steps a resumed run has already done."""
+    """Keep only the metrics lines of the steps the resumed checkpoint holds (none when
+    starting from step 0: `run` logs the step-0 evaluation again); a torn last line goes."""
     if not os.path.exists(self.metrics_path):
       return
-    with open(self.metrics_path) as f:
-      lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(self.metrics_path, "w") as f:
-      f.writelines(lines)
+    records = read_jsonl(self.metrics_path)
+    kept = [r for r in records if step > 0 and r.get("step", 0) <= step]
+    write_atomic(self.metrics_path, "".join(json_line(r) for r in kept))
 
   # --- one step -----------------------------------------------------------------------------
 
@@ -255,9 +287,9 @@ class Trainer:
         mini_ref = None if ref_logp is None else ref_logp[rows]
         updates.append(_train_step(self.policy, self.opt, mini, mini_guidance, mini_ref,
                                    loss_config=config.loss_config, **static))
-    losses, stats_list, norms = zip(*jax.device_get(updates))
-    if not np.all(np.isfinite(losses)):
-      raise FloatingPointError(f"step {step}: the loss is {list(losses)}; stopping before it spreads")
+    (losses, stats_list, norms), (finite, max_abs) = jax.device_get(
+        (tuple(zip(*updates)), _param_health(self.policy)))
+    self._check_update(step, losses, norms, bool(finite), float(max_abs))
     for engine in (self.engine, *self.eval_engines.values()):
       engine.sync(self.policy)  # weight sync
     train_seconds = time.time() - start
@@ -284,6 +316,28 @@ class Trainer:
     self.step = step
     return metrics
 
+  def _check_update(self, step, losses, norms, finite: bool, max_abs: float) -> None:
+    """Raise DivergenceError if step `step` broke the policy (before it is logged or saved)."""
+    limit = self.config.max_param_abs
+    problems = []
+    if not np.all(np.isfinite(losses)):
+      problems.append(f"the loss is {[float(x) for x in losses]}")
+    if not np.all(np.isfinite(norms)):
+      problems.append(f"the gradient norm is {[float(x) for x in norms]}")
+    if not finite:
+      problems.append("parameters hold NaN or Inf")
+    elif max_abs > limit:
+      problems.append(f"max |parameter| is {max_abs:.3g}, beyond RLConfig.max_param_abs={limit:g}")
+    if not problems:
+      return
+    saved = self.checkpoints.latest_step()
+    keep = (f"the latest checkpoint, step {saved} in {self.checkpoints.directory}, is the last "
+            f"good one and a rerun resumes from it" if saved is not None
+            else "no checkpoint was saved before it")
+    raise DivergenceError(f"step {step} diverged: {'; '.join(problems)}. Nothing of step {step} "
+                          f"was saved; {keep}. Lower --learning_rate (now "
+                          f"{self.config.learning_rate:g}) and rerun.")
+
   # --- evaluation ---------------------------------------------------------------------------
 
   def evaluate(self) -> dict:
@@ -300,8 +354,7 @@ class Trainer:
   # --- the run --------------------------------------------------------------------------------
 
   def log(self, metrics: dict) -> None:
-    with open(self.metrics_path, "a") as f:
-      f.write(json.dumps(metrics) + "\n")
+    append_jsonl(self.metrics_path, metrics)
 
   def run(self) -> list[dict]:
     """Train until config.steps; returns the metrics of the steps run now."""
@@ -335,6 +388,10 @@ class _nullcontext:
     return False
 
 
+def json_line(record: dict) -> str:
+  return json.dumps(record) + "\n"
+
+
 def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(os.path.abspath(workdir), "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The metrics lines of a run (a torn last line, from an interrupted append, dropped)."""
+  return read_jsonl(os.path.join(os.path.abspath(workdir), "metrics.jsonl"))

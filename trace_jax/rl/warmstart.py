@@ -46,10 +46,15 @@ def load_or_train(policy, workdir: str, task: Task, tokenizer: Tokenizer, *, ste
   record_path = os.path.join(path, "warmstart.json")
   checkpointer = ocp.StandardCheckpointer()
   if os.path.exists(record_path):
-    with open(record_path) as f:
-      record = json.load(f)
     state = nnx.state(policy)
-    restored = checkpointer.restore(os.path.join(path, "params"), nnx.to_pure_dict(state))
+    try:
+      with open(record_path) as f:
+        record = json.load(f)
+      restored = checkpointer.restore(os.path.join(path, "params"), nnx.to_pure_dict(state))
+    except Exception as e:  # noqa: BLE001 - JSON, orbax and TensorStore errors name no file
+      first = (str(e).strip().splitlines() or [""])[0][:200]
+      raise ValueError(f"the warm start in {path} is damaged ({type(e).__name__}: {first}); "
+                       f"delete that directory to redo the warm start") from e
     nnx.replace_by_pure_dict(state, restored)
     nnx.update(policy, state)
     return {**record, "loaded": True}

@@ -45,7 +45,10 @@ class ReasoningGymTask(Task):
     self._rg = reasoning_gym
     self.dataset, self.options, self.partial_credit = dataset, options, partial_credit
     self.name = f"rg:{dataset}"
-    self._scorer = reasoning_gym.create_dataset(dataset, size=1, seed=0, **options)
+    try:
+      self._scorer = reasoning_gym.create_dataset(dataset, size=1, seed=0, **options)
+    except TypeError as e:  # an unknown option: say which task and which option
+      raise ValueError(f"rg:{dataset}: bad task option ({e})") from e
 
   def sample(self, seed: int, n: int) -> list[Item]:
     data = self._rg.create_dataset(self.dataset, size=n, seed=seed, **self.options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from trace_jax.tasks.arithmetic import Arithmetic
@@ -31,4 +32,18 @@ def get_task(name: str, **options) -> Task:
     return ReasoningGymTask(name[3:], **options)
   if name not in _REGISTRY:
     raise ValueError(f"task={name!r} is not registered; registered tasks: {registered()}")
+  _check_option_names(name, _REGISTRY[name], options)
   return _REGISTRY[name](**options)
+
+
+def _check_option_names(name: str, factory: Callable[..., Task], options: dict) -> None:
+  """A ValueError naming unknown options and the known ones (a TypeError would not say)."""
+  params = inspect.signature(factory).parameters
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    return
+  unknown = sorted(set(options) - set(params))
+  if unknown:
+    known = ", ".join(f"{k}={p.default!r}" for k, p in params.items()
+                      if p.default is not inspect.Parameter.empty)
+    raise ValueError(f"task {name!r} has no option {', '.join(map(repr, unknown))}; its options "
+                     f"(with defaults): {known or 'none'}")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from trace_jax import guidance as guidance_lib
 from trace_jax.model.quant import QuantConfig, layer_sites
-from trace_jax.model.transformer import Transformer
+from trace_jax.model.transformer import Transformer, check_token_ids
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:
@@ -89,6 +89,7 @@ def training_forward(model: Transformer, tokens, positions, mask, *, quant: Quan
   Returns:
     (logprobs [B, S] as `token_logprobs`, logits [B, S, V], aux of the model).
   """
+  check_token_ids(tokens, model.cfg.vocab_size, "training_forward tokens")
   check_guidance(model, quant, guidance, tokens.shape, routing_replay)
   guided = quant is not None and quant.enabled and quant.rounding == "guided"
   routing = None
