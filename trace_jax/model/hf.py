@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from trace_jax.model import compressed
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.transformer import Transformer
 
@@ -29,7 +30,7 @@ SUPPORTED = {
 }
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_}
+           "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -214,7 +215,8 @@ def from_hf(path: str, dtype=jnp.float32) -> Transformer:
   """A Transformer with the weights of a local Hugging Face checkpoint directory.
 
   Args:
-    path: directory with config.json and *.safetensors (sharded index too).
+    path: directory with config.json and *.safetensors (sharded index too); a
+      compressed-tensors FP4 checkpoint loads dequantized (`model.compressed`).
     dtype: parameter and compute dtype (float32 or bfloat16).
 
   Raises:
@@ -226,8 +228,9 @@ def from_hf(path: str, dtype=jnp.float32) -> Transformer:
   if not os.path.exists(config_path):
     raise ValueError(f"{path} has no config.json")
   with open(config_path) as f:
-    cfg = config_from_hf(json.load(f), dtype)
-  tensors = _read_checkpoint(path)
+    hf = json.load(f)
+  cfg = config_from_hf(hf, dtype)
+  tensors = compressed.decompress(hf, _read_checkpoint(path))  # FP4 checkpoints: dequantized
   spec = _tensor_map(cfg, tensors)
 
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
