@@ -97,7 +97,7 @@ def test_spec_decoder_gives_the_training_path_weights_and_the_reference_codes(
   sq = M.SiteQuantizer(M.QuantConfig(), 2, jnp.float32)
   attn = tiny_policy.blocks[1].attn
   masters = [attn.q_proj.get_value(), attn.k_proj.get_value(), attn.v_proj.get_value()]
-  trained = sq.weight_group(masters)
+  trained = sq.weight_group(masters, "attention")
   mods = [f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
   decoded = [decode_nvfp4(tensors, m) for m in mods]
   for (values, _), train in zip(decoded, trained):
@@ -225,3 +225,19 @@ def test_config_made_from_a_preset_reads_back_and_bad_input_is_refused(tiny_poli
   with pytest.raises(ValueError, match="NaN"):
     export_compressed_tensors(broken, str(tmp_path))
   assert not os.listdir(tmp_path)  # refused before writing anything
+
+
+def test_experts_kv_scope_exports_attention_in_bf16(tiny_policy, tmp_path):
+  quant = M.QuantConfig(sites="experts+kv")
+  out = str(tmp_path / "experts_kv")
+  export_compressed_tensors(tiny_policy, out, quant=quant)
+  rows = {name: (dtype, shape) for name, dtype, shape in tensor_listing(out)}
+  cfg = tiny_policy.cfg
+  assert rows["model.layers.0.self_attn.q_proj.weight"] == (
+      "BF16", (cfg.num_heads * cfg.head_dim, cfg.d_model))
+  assert "model.layers.0.self_attn.q_proj.weight_packed" not in rows
+  assert rows["model.layers.0.mlp.experts.2.up_proj.weight_packed"][0] == "U8"
+  ignore = json.load(open(os.path.join(out, "config.json")))["quantization_config"]["ignore"]
+  assert {f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")} <= set(ignore)
+  assert _packed_equal(R.quantize_params(nnx.state(tiny_policy), quant),
+                       R.quantize_params(nnx.state(load_fp4(out)), quant)) == 6

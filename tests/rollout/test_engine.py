@@ -67,7 +67,7 @@ def test_quantize_params_equal_the_training_path_weights_bit_for_bit(policy):
       # The training path quantizes the weight together with its shared-scale siblings.
       group = next(g for g in M.shared_scale_groups(list(M.QUANTIZED_WEIGHTS)) if path[-1] in g)
       siblings = [masters[path[:-1] + (name,)].get_value() for name in group]
-      train = sq.weight_group(siblings)[group.index(path[-1])]
+      train = sq.weight_group(siblings, M.weight_group(path))[group.index(path[-1])]
       np.testing.assert_array_equal(fp4.dequantize(value), train)
       first = packed_flat[path[:-1] + (group[0],)].get_value()
       np.testing.assert_array_equal(value.global_scale, first.global_scale)

@@ -13,6 +13,12 @@ The files hold the rollout's bytes: the packed weights are `quantize_params` of 
 Everything else (embedding, norms, router, LM head, and the linears the QuantConfig keeps
 in high precision) is written in bf16 under its HF name; the Linear ones are in `ignore`.
 
+KV cache: `kv_cache_scheme` is null. compressed-tensors' KV scheme carries static
+per-tensor k/v scales (what vLLM reads for an FP8 KV cache); our rollout's FP4 K/V, quantized
+per (token, KV head) with dynamic scales, has no counterpart there, so a server keeps the KV
+precision of its own `--kv-cache-dtype` (bf16, or fp8 with scales of 1): the served policy
+differs from the rollout in its KV cache unless the engine adds an FP4 KV mode.
+
 Algorithm:
   1. packed = quantize_params(state, quant): q/k/v of a layer and gate/up of an expert
      already share one global scale (fused serving kernels need it);

@@ -16,6 +16,8 @@ from trace_jax.model.quant import (
     ACTIVATION_SITES,
     QUANTIZED_WEIGHTS,
     SHARED_SCALE_GROUPS,
+    SITE_SCOPES,
+    WEIGHT_GROUPS,
     QuantConfig,
     SiteQuantizer,
     is_quantized_weight,
@@ -23,6 +25,7 @@ from trace_jax.model.quant import (
     quantize_weight_group,
     resolve_layers,
     shared_scale_groups,
+    weight_group,
     weight_layout,
 )
 from trace_jax.model.transformer import Transformer

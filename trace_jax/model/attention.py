@@ -65,7 +65,8 @@ class Attention(nnx.Module):
     h, hkv, dh = self.shape
     xq = sq(x, layer, "attn_in")
     # One global scale for q, k and v (served as one fused qkv_proj).
-    q, k, v = sq.matmuls(xq, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)])
+    q, k, v = sq.matmuls(xq, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)],
+                         "attention")
     if self.qk_norm == "full":
       q, k = self.q_norm(q), self.k_norm(k)
     if self.clip_qkv is not None:
@@ -94,4 +95,4 @@ class Attention(nnx.Module):
     else:  # (read: dequantize a packed cache entry; a no-op cast otherwise)
       out = attend(q, kv_cache.read(k, q.dtype), kv_cache.read(v, q.dtype), mask)
     out = sq(out.reshape(b, t, h * dh), layer, "attn_out")
-    return sq.matmul(out, self.o_proj.get_value()), new_entries
+    return sq.matmul(out, self.o_proj.get_value(), "attention"), new_entries

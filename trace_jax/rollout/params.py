@@ -15,14 +15,15 @@ def quantize_params(params: nnx.State, quant: QuantConfig | None, *,
                     dtype=jnp.bfloat16) -> nnx.State:
   """The rollout's parameters, made once per weight sync.
 
-  With an FP4 `quant`, every quantized linear weight becomes a packed `fp4.QArray` (per
+  With an FP4 `quant`, every linear weight in its scope (`quant.sites`) becomes a packed `fp4.QArray` (per
   matrix, per expert for stacked experts): dequantizing it gives, bit for bit, the weight
   the training path fake-quantizes from the same master weights. Siblings in
   `SHARED_SCALE_GROUPS` (q/k/v of a layer, gate/up of an expert) share one global scale, as
   fused serving kernels require, so an export writes exactly these bytes. A weight that is
   already packed (a policy loaded from an FP4 checkpoint) is kept as it is. Everything
-  DESIGN.md keeps in high precision (embedding, LM head, router, norms) stays float32.
-  Without FP4 (`quant` None or precision "bf16") all parameters are cast to `dtype`.
+  DESIGN.md keeps in high precision (embedding, LM head, router, norms, linear weights
+  outside the scope) stays float32. Without FP4 (`quant` None or precision "bf16") all
+  parameters are cast to `dtype`.
 
   Args:
     params: `nnx.state(policy)`, float32 master weights.
@@ -35,7 +36,7 @@ def quantize_params(params: nnx.State, quant: QuantConfig | None, *,
   if fp4_rollout and quant.weights:
     siblings: dict[tuple, list[str]] = {}
     for path, variable in flat:
-      if is_quantized_weight(path) and not isinstance(variable.get_value(), fp4.QArray):
+      if is_quantized_weight(path, quant) and not isinstance(variable.get_value(), fp4.QArray):
         siblings.setdefault(tuple(path[:-1]), []).append(str(path[-1]))
     state = dict(flat)
     for parent, names in siblings.items():
