@@ -13,7 +13,7 @@ tokenizer and generation files. Prints the tensor listing and, for W4A4, how far
 calibrated static activation scales are from the per-token ones the policy trained with.
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from trace_jax.export.compressed_tensors import ACTIVATIONS, FORMATS, ExportConfig
 from trace_jax.export.run import describe, export_run, format_listing
@@ -34,6 +34,7 @@ flags.mark_flags_as_required(["workdir", "out"])
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   try:
     summary = export_run(_WORKDIR.value, _OUT.value, hf_checkpoint=_HF.value, fmt=_FMT.value,
                          activations=_ACTS.value, calibration_prompts=_CALIB.value)

@@ -33,6 +33,7 @@ def test_calibrated_scales_cover_the_largest_token_and_export_as_w4a4(tmp_path):
   distance = input_scale_distance(policy, quant, scales, tokens, mask, dtype=jnp.float32)
   assert distance["saturated_frac"] == 0.0  # calibrated on these very tokens
   assert 0.0 < distance["rel_l2"] < 0.5 and 0.0 < distance["value_diff_frac"] < 1.0
+  assert 0.0 < distance["code_diff_frac"] <= distance["value_diff_frac"]
   assert distance["err_static"] >= distance["err_token"] * 0.9
   out = str(tmp_path / "w4a4")
   export_compressed_tensors(policy, out, activations="nvfp4", input_scales=scales)

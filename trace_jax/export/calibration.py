@@ -90,7 +90,9 @@ def input_scale_distance(policy: Transformer, quant: QuantConfig,
   Per site input x (recorded on the rollout forward), with x_t the per-token NVFP4
   fake-quantization and x_s the one with the calibrated static global scale:
     rel_l2            ||x_s - x_t|| / ||x_t|| over all sites' valid rows
-    value_diff_frac   share of elements whose FP4 value differs between the two
+    value_diff_frac   share of elements whose dequantized value differs between the two
+                      (a block scale rounded differently changes every value of its block)
+    code_diff_frac    share of elements whose 4-bit code differs
     err_token, err_static   ||x_t - x|| / ||x|| and ||x_s - x|| / ||x||: quantization
                       error of each against the unquantized activation
     saturated_frac    share of rows whose amax exceeds the calibrated amax (they clip;
@@ -99,16 +101,19 @@ def input_scale_distance(policy: Transformer, quant: QuantConfig,
   tokens = np.asarray(tokens)
   mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
   _, aux = _rollout_forward(policy, quant, tokens, mask, positions, dtype, record_inputs=True)
-  sums = dict(diff=0.0, token=0.0, x=0.0, err_token=0.0, err_static=0.0, differ=0, elements=0,
-              saturated=0, rows=0)
+  sums = dict(diff=0.0, token=0.0, x=0.0, err_token=0.0, err_static=0.0, differ=0, code_differ=0,
+              elements=0, saturated=0, rows=0)
   for key, x in aux["site_inputs"].items():
     if key not in scales:
       continue
     x = x.astype(jnp.float32)
-    per_token = fp4.fake_quant(x, "nvfp4", global_group="row")
+    q_token = fp4.quantize(x, "nvfp4", global_group="row")
     gs = jnp.full(x.shape[:-1] + (1,), scales[key], jnp.float32)
-    static = fp4.fake_quant(x, "nvfp4", global_group="row", global_scale=gs)
+    q_static = fp4.quantize(x, "nvfp4", global_group="row", global_scale=gs)
+    per_token, static = fp4.dequantize(q_token), fp4.dequantize(q_static)
     valid = _valid_rows(mask, x.shape)
+    codes_differ = np.asarray(fp4.codes(q_token) != fp4.codes(q_static))
+    sums["code_differ"] += int(np.sum(codes_differ & valid))
     x, per_token, static = (np.where(valid, np.asarray(a), 0.0) for a in (x, per_token, static))
     sums["diff"] += float(np.sum((static - per_token) ** 2))
     sums["token"] += float(np.sum(per_token ** 2))
@@ -126,6 +131,7 @@ def input_scale_distance(policy: Transformer, quant: QuantConfig,
   return {
       "rel_l2": float(np.sqrt(sums["diff"] / sums["token"])),
       "value_diff_frac": sums["differ"] / sums["elements"],
+      "code_diff_frac": sums["code_differ"] / sums["elements"],
       "err_token": float(np.sqrt(sums["err_token"] / sums["x"])),
       "err_static": float(np.sqrt(sums["err_static"] / sums["x"])),
       "saturated_frac": sums["saturated"] / sums["rows"],
