@@ -124,6 +124,7 @@ def _main(argv):
         f"wall {summary['wall_seconds']:.0f} s")
   print(f"wrote {os.path.join(trainer.workdir, 'summary.json')}, metrics.jsonl, "
         f"{', '.join(os.path.basename(p) for p in plots)}")
+  print(f"export for vLLM: python experiments/export.py --workdir={trainer.workdir} --out={trainer.workdir}/export")
 
 
 if __name__ == "__main__":

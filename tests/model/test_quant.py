@@ -71,16 +71,25 @@ def test_layer_sites_per_scope(hybrid):
   assert everything[1] == ("attn_in", "attn_out", "k", "v", "moe_in", "moe_mid", "shared_mid")
 
 
+def _experts_by_hand(moe) -> dict:
+  """Routed-expert weights quantized per expert, gate and up with one global scale (the
+  concatenation along the output axis is one global group)."""
+  gate, up, down = (getattr(moe, n).get_value() for n in ("w_gate", "w_up", "w_down"))
+  joint = fp4.dequantize(fp4.quantize(jnp.concatenate([gate, up], -1), axis=1, global_group=0))
+  return {"w_gate": joint[..., :gate.shape[-1]], "w_up": joint[..., gate.shape[-1]:],
+          "w_down": fp4.dequantize(fp4.quantize(down, axis=1, global_group=0))}
+
+
 def test_rollout_params_pack_only_the_scope(hybrid):
   state = nnx.state(hybrid)
   packed = R.quantize_params(state, EXPERTS_KV)
+  by_hand = _experts_by_hand(hybrid.blocks[1].moe)
   n_packed = 0
   for (path, var), (_, master) in zip(nnx.to_flat_state(packed), nnx.to_flat_state(state)):
     value = var.get_value()
     if M.weight_group(path) == "experts":
       assert isinstance(value, fp4.QArray), path
-      expected = fp4.dequantize(fp4.quantize(master.get_value(), axis=1, global_group=0))
-      np.testing.assert_array_equal(fp4.dequantize(value), expected)
+      np.testing.assert_array_equal(fp4.dequantize(value), by_hand[str(path[-1])])
       n_packed += 1
     else:
       assert not isinstance(value, fp4.QArray), path
@@ -100,9 +109,9 @@ def test_experts_kv_forward_quantizes_only_experts_and_kv(hybrid):
 
   by_hand = nnx.clone(hybrid)
   moe = by_hand.blocks[1].moe
-  for var in (moe.w_gate, moe.w_up, moe.w_down):
-    w = var.get_value()
-    var.set_value(fp4.dequantize(fp4.quantize(w, axis=1, global_group=0), w.dtype))
+  values = _experts_by_hand(moe)
+  for name in ("w_gate", "w_up", "w_down"):
+    getattr(moe, name).set_value(values[name])
   # Activations only: the same sites, no weight quantization at all.
   acts_only = M.QuantConfig(sites=("k", "v", "moe_in", "moe_mid"), weights=False)
   expected, _ = _forward(by_hand, tokens, acts_only)

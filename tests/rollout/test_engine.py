@@ -57,17 +57,31 @@ def test_quantize_params_equal_the_training_path_weights_bit_for_bit(policy):
   quant = M.QuantConfig()
   packed = R.quantize_params(nnx.state(policy), quant)
   sq = SiteQuantizer(quant, policy.cfg.num_layers, jnp.float32)
+  masters = dict(nnx.to_flat_state(nnx.state(policy)))
+  packed_flat = dict(nnx.to_flat_state(packed))
   checked = 0
-  for (path, var), (_, master) in zip(nnx.to_flat_state(packed), nnx.to_flat_state(nnx.state(policy))):
-    value, master = var.get_value(), master.get_value()
+  for path, var in packed_flat.items():
+    value, master = var.get_value(), masters[path].get_value()
     if M.is_quantized_weight(path):
       assert isinstance(value, fp4.QArray)
-      np.testing.assert_array_equal(fp4.dequantize(value), sq.weight(master, M.weight_group(path)))
+      # The training path quantizes the weight together with its shared-scale siblings.
+      group = next(g for g in M.shared_scale_groups(list(M.QUANTIZED_WEIGHTS)) if path[-1] in g)
+      siblings = [masters[path[:-1] + (name,)].get_value() for name in group]
+      train = sq.weight_group(siblings, M.weight_group(path))[group.index(path[-1])]
+      np.testing.assert_array_equal(fp4.dequantize(value), train)
+      first = packed_flat[path[:-1] + (group[0],)].get_value()
+      np.testing.assert_array_equal(value.global_scale, first.global_scale)
       checked += 1
     else:  # embedding, LM head, router, norms stay in high precision
       assert value.dtype == jnp.float32
       np.testing.assert_array_equal(value, master)
   assert checked == 14
+  # q/k/v and gate/up really share: the shared scale is the smallest of the separate ones.
+  attn = packed_flat[("blocks", 0, "attn", "q_proj")].get_value()
+  alone = [M.quantize_weight(masters[("blocks", 0, "attn", n)].get_value(), "nvfp4").global_scale
+           for n in ("q_proj", "k_proj", "v_proj")]
+  np.testing.assert_array_equal(attn.global_scale, np.minimum.reduce(alone))
+  assert len({float(np.asarray(a).item()) for a in alone}) > 1  # separate scales would differ
   # A bf16 rollout casts only the linear weights: router, LM head, norms and embedding stay
   # float32 exactly as in the FP4 rollouts, so the bf16 arm carries no extra mismatch.
   bf16 = R.quantize_params(nnx.state(policy), None)

@@ -133,6 +133,7 @@ def quantize_with_fallbacks(
     rounding: str = "nearest",
     key: jax.Array | None = None,
     guidance: Guidance | None = None,
+    global_scale: jax.Array | None = None,
 ) -> tuple[QArray, jax.Array]:
   """`quantize`, also returning a bool mask (input shape) of guidance fallbacks.
 
@@ -142,7 +143,24 @@ def quantize_with_fallbacks(
   differs from the recorded one (that neighbour is taken). Other modes never fall back.
   """
   x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance)
-  return _quantize(x, key, guidance, fmt, axis, group_axes, rounding)
+  static_scale = _check_static_scale(global_scale, x, fmt, axis, rounding)
+  return _quantize(x, key, guidance, fmt, axis, group_axes, rounding, static_scale)
+
+
+def _check_static_scale(global_scale, x, fmt, axis, rounding):
+  """A given NVFP4 encode scale: float, size 1 along `axis`, broadcastable to x."""
+  if global_scale is None:
+    return None
+  if not get_format(fmt).has_global_scale:
+    raise ValueError(f"global_scale= is an NVFP4 encode scale; fmt={fmt!r} has none")
+  if rounding == "guided":
+    raise ValueError("global_scale= and rounding='guided' both fix the scales; pass one")
+  gs = jnp.asarray(global_scale, jnp.float32)
+  if gs.ndim != x.ndim or gs.shape[axis] != 1 or any(
+      g not in (1, n) for g, n in zip(gs.shape, x.shape)):
+    raise ValueError(f"global_scale has shape {gs.shape}; it needs {x.ndim} axes, size 1 "
+                     f"along the quantized axis {axis}, and to broadcast against {x.shape}")
+  return gs
 
 
 def _resolve(x, fmt, axis, global_group, rounding, key, guidance):
@@ -157,8 +175,13 @@ def _resolve(x, fmt, axis, global_group, rounding, key, guidance):
   return x, axis, group_axes
 
 
-def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding):
+def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None):
   """The code path all modes share, on validated arguments, with the quantized axis last.
+
+  `static_scale` (NVFP4, not guided): a given encode scale gs, broadcast over the groups,
+  instead of the one computed from each group's amax (a calibrated, static activation
+  scale as the W4A4 compressed-tensors scheme stores it). Block scales above 448 clip and
+  elements above 6 saturate, as the format's own quantizer does.
 
   Returns (codes [..., nb, bs], values [..., nb, bs] (the codes' E2M1 values, before the
   scale), scale_bits [..., nb], global_scale [..., 1] (NaN for non-finite groups),
@@ -183,7 +206,11 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding):
     global_scale = _to_last(guidance.global_scale.astype(jnp.float32), axis)
     scale_bits = _to_last(guidance.scales, axis)
   else:
-    if spec.has_global_scale:
+    if spec.has_global_scale and static_scale is not None:
+      global_scale = jnp.broadcast_to(_to_last(static_scale.astype(jnp.float32), axis),
+                                      amax.shape)
+      scale_bits = numerics.e4m3_encode(numerics.true_divide(amax_b, 6.0) * global_scale)
+    elif spec.has_global_scale:
       # gs = 1 where amax is 0; stay finite where amax is f32-subnormal.
       # True divisions (numerics.true_divide), as the spec divides: a reciprocal
       # multiply would flip exact ties of the block scale and of the codes.
@@ -229,9 +256,9 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding):
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
-def _quantize(x, key, guidance, fmt, axis, group_axes, rounding):
+def _quantize(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None):
   code, _, scale_bits, global_scale, fell_back = _quantize_last(
-      x, key, guidance, fmt, axis, group_axes, rounding)
+      x, key, guidance, fmt, axis, group_axes, rounding, static_scale)
   flat_shape = (*code.shape[:-2], -1)
   q = QArray(
       packed=jnp.moveaxis(numerics.pack_codes(code.reshape(flat_shape)), -1, axis),
@@ -244,10 +271,10 @@ def _quantize(x, key, guidance, fmt, axis, group_axes, rounding):
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
-def _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding):
+def _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None):
   """dequantize(quantize(x)) without packing: the same ops as `dequantize`, bit for bit."""
   _, value, scale_bits, global_scale, _ = _quantize_last(
-      x, key, guidance, fmt, axis, group_axes, rounding)
+      x, key, guidance, fmt, axis, group_axes, rounding, static_scale)
   step = numerics.true_divide(get_format(fmt).decode_scales(scale_bits), global_scale)  # s_b / gs
   values = value * step[..., None]
   return jnp.moveaxis(values.reshape(*value.shape[:-2], -1), -1, axis).astype(x.dtype)
@@ -262,6 +289,7 @@ def quantize(
     rounding: str = "nearest",
     key: jax.Array | None = None,
     guidance: Guidance | None = None,
+    global_scale: jax.Array | None = None,
 ) -> QArray:
   """Quantize `x` to block-scaled FP4 along `axis`.
 
@@ -279,13 +307,16 @@ def quantize(
     key: PRNG key for stochastic rounding.
     guidance: for "guided": a `QArray` the rollout recorded (full guidance: its codes) or
       a `CompactGuidance` (its mantissa bits); its global and block scales are reused.
+    global_scale: NVFP4 only: a fixed encode scale gs (float32, size 1 along `axis`,
+      broadcast to x) used instead of 448 * 6 / amax of each group: a static, calibrated
+      scale (elements beyond 6 * 448 / gs saturate).
 
   Returns:
     A `QArray`.
   """
   q, _ = quantize_with_fallbacks(
       x, fmt, axis=axis, global_group=global_group, rounding=rounding, key=key,
-      guidance=guidance)
+      guidance=guidance, global_scale=global_scale)
   return q
 
 
@@ -298,6 +329,7 @@ def fake_quant(
     rounding: str = "nearest",
     key: jax.Array | None = None,
     guidance: Guidance | None = None,
+    global_scale: jax.Array | None = None,
 ) -> jax.Array:
   """dequantize(quantize(x, ...)) in x's dtype, with a straight-through gradient.
 
@@ -307,21 +339,24 @@ def fake_quant(
   Arguments as for `quantize`.
   """
   x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance)
-  return _fake_quant_ste(x, key, guidance, fmt, axis, group_axes, rounding)
+  static_scale = _check_static_scale(global_scale, x, fmt, axis, rounding)
+  return _fake_quant_ste(x, key, guidance, fmt, axis, group_axes, rounding, static_scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fake_quant_ste(x, key, guidance, fmt, axis, group_axes, rounding):
-  return _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding)
+def _fake_quant_ste(x, key, guidance, fmt, axis, group_axes, rounding, static_scale):
+  return _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding, static_scale)
 
 
-def _fake_quant_fwd(x, key, guidance, fmt, axis, group_axes, rounding):
-  return _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding), None
+def _fake_quant_fwd(x, key, guidance, fmt, axis, group_axes, rounding, static_scale):
+  values = _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding, static_scale)
+  return values, static_scale
 
 
-def _fake_quant_bwd(fmt, axis, group_axes, rounding, residuals, g):
-  del fmt, axis, group_axes, rounding, residuals
-  return g, None, None
+def _fake_quant_bwd(fmt, axis, group_axes, rounding, static_scale, g):
+  del fmt, axis, group_axes, rounding
+  zero_scale = None if static_scale is None else jnp.zeros_like(static_scale)
+  return g, None, None, zero_scale
 
 
 _fake_quant_ste.defvjp(_fake_quant_fwd, _fake_quant_bwd)

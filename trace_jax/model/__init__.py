@@ -15,13 +15,16 @@ from trace_jax.model.hf import from_hf
 from trace_jax.model.quant import (
     ACTIVATION_SITES,
     QUANTIZED_WEIGHTS,
+    SHARED_SCALE_GROUPS,
     SITE_SCOPES,
     WEIGHT_GROUPS,
     QuantConfig,
     SiteQuantizer,
     is_quantized_weight,
     quantize_weight,
+    quantize_weight_group,
     resolve_layers,
+    shared_scale_groups,
     weight_group,
     weight_layout,
 )

@@ -72,9 +72,9 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     h, hkv, dh = self.shape
     xq = sq(x, layer, "attn_in")
-    q = sq.matmul(xq, self.q_proj.get_value(), "attention")
-    k = sq.matmul(xq, self.k_proj.get_value(), "attention")
-    v = sq.matmul(xq, self.v_proj.get_value(), "attention")
+    # One global scale for q, k and v (served as one fused qkv_proj).
+    q, k, v = sq.matmuls(xq, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)],
+                         "attention")
     if self.qk_norm == "full":
       q, k = self.q_norm(q), self.k_norm(k)
     if self.clip_qkv is not None:

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from trace_jax.model import compressed
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.transformer import Transformer
 
@@ -29,7 +30,7 @@ SUPPORTED = {
 }
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_}
+           "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -263,8 +264,8 @@ def _used_names(cfg: ModelConfig, tensors) -> set[str]:
   return used
 
 
-def _read_config(config_path: str, dtype) -> ModelConfig:
-  """config_from_hf of a config.json file, with errors that name the file."""
+def _read_config(config_path: str, dtype) -> tuple[ModelConfig, dict]:
+  """config_from_hf of a config.json file, and the file's dict, with errors that name it."""
   try:
     with open(config_path) as f:
       hf = json.load(f)
@@ -273,7 +274,7 @@ def _read_config(config_path: str, dtype) -> ModelConfig:
   if not isinstance(hf, dict):
     raise ValueError(f"{config_path} is not a JSON object")
   try:
-    return config_from_hf(hf, dtype)
+    return config_from_hf(hf, dtype), hf
   except KeyError as e:
     raise ValueError(f"{config_path} lacks the required field {e.args[0]!r}") from e
   except (ValueError, TypeError) as e:
@@ -284,7 +285,8 @@ def from_hf(path: str, dtype=jnp.float32) -> Transformer:
   """A Transformer with the weights of a local Hugging Face checkpoint directory.
 
   Args:
-    path: directory with config.json and *.safetensors (sharded index too).
+    path: directory with config.json and *.safetensors (sharded index too); a
+      compressed-tensors FP4 checkpoint loads dequantized (`model.compressed`).
     dtype: parameter and compute dtype (float32 or bfloat16).
 
   Raises:
@@ -295,8 +297,8 @@ def from_hf(path: str, dtype=jnp.float32) -> Transformer:
   config_path = os.path.join(path, "config.json")
   if not os.path.exists(config_path):
     raise ValueError(f"{path} has no config.json")
-  cfg = _read_config(config_path, dtype)
-  tensors = _read_checkpoint(path)
+  cfg, hf = _read_config(config_path, dtype)
+  tensors = compressed.decompress(hf, _read_checkpoint(path))  # FP4 checkpoints: dequantized
   spec = _tensor_map(cfg, tensors)
 
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -31,8 +31,7 @@ class MLP(nnx.Module):
     """xq: the input [..., d], already quantized if the scope quantizes it.
     mid_site: "mlp_mid" (a dense layer) or "shared_mid" (the shared expert)."""
     group = "shared" if mid_site == "shared_mid" else "mlp"
-    gate = sq.matmul(xq, self.w_gate.get_value(), group)
-    up = sq.matmul(xq, self.w_up.get_value(), group)
+    gate, up = sq.matmuls(xq, (self.w_gate.get_value(), self.w_up.get_value()), group)  # shared gs
     return sq.matmul(sq(swiglu(gate, up), layer, mid_site), self.w_down.get_value(), group)
 
 
@@ -136,7 +135,8 @@ class MoE(nnx.Module):
     def gmm(lhs, rhs):
       return sq.ragged_dot(lhs, rhs, group_sizes)
 
-    h = swiglu(gmm(xs, w_gate), gmm(xs, w_up))  # [N * k, f], sorted
+    # Gate and up of each expert share one global scale (served as one fused gate_up_proj).
+    h = swiglu(*sq.ragged_dots(xs, (w_gate, w_up), group_sizes))  # [N * k, f], sorted
     # Quantize in (token, slot) order so recorded and given guidance line up with tokens.
     h = h[inverse].reshape(*bt, k, -1)
     h = sq(h, layer, "moe_mid").reshape(n * k, -1)[order]
@@ -147,7 +147,8 @@ class MoE(nnx.Module):
     n, k = experts.shape
     if sq.guidance:
       raise ValueError("dispatch='dense' is a reference path without guidance; use 'grouped'")
-    w_gate, w_up, w_down = (sq.weight(w, "experts") for w in (w_gate, w_up, w_down))
+    (w_gate, w_up), w_down = (sq.weight_group((w_gate, w_up), "experts"),
+                              sq.weight(w_down, "experts"))
     precision = jax.lax.Precision.HIGHEST if xq.dtype == jnp.float32 else None
 
     def einsum(spec, a, b):

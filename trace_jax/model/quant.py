@@ -32,6 +32,8 @@ import zlib
 from typing import Any, Mapping, Sequence, Union
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from trace_jax import fp4, kernels as kernels_lib
 from trace_jax.model import layers
@@ -223,6 +225,65 @@ def quantize_weight(w: jax.Array, fmt: str) -> fp4.QArray:
   return fp4.quantize(w, fmt, axis=axis, global_group=group)
 
 
+# Sibling weights that share one global scale: serving engines fuse them into one matrix
+# (vLLM's qkv_proj and gate_up_proj) whose fused FP4 kernels take a single global scale per
+# matrix (per expert), so the rollout and the trainer quantize them as one global group.
+SHARED_SCALE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("w_gate", "w_up"))
+
+
+def _joint(ws: Sequence[jax.Array], quantize_fn):
+  """Apply `quantize_fn` to the weights concatenated along their output axis, then split.
+
+  Weights are quantized along `in` (blocks never cross columns), so the concatenation
+  changes nothing but the global group: its amax is the largest of the siblings'.
+  """
+  widths = [w.shape[-1] for w in ws]
+  shapes = {w.shape[:-1] for w in ws}
+  if len(shapes) != 1:
+    raise ValueError(f"weights sharing a global scale must agree on all but the output axis; "
+                     f"got shapes {[w.shape for w in ws]}")
+  joint = quantize_fn(jnp.concatenate(ws, axis=-1))
+  bounds = np.cumsum(widths)[:-1].tolist()
+  return joint, bounds
+
+
+def quantize_weight_group(ws: Sequence[jax.Array], fmt: str) -> tuple[fp4.QArray, ...]:
+  """Packed weights of siblings that share one global scale (per matrix, per expert).
+
+  Each returned QArray holds its own copy of the shared global scale, so it dequantizes on
+  its own exactly as the fused matrix does.
+  """
+  if len(ws) == 1:
+    return (quantize_weight(ws[0], fmt),)
+  q, bounds = _joint(ws, lambda w: quantize_weight(w, fmt))
+  return tuple(
+      fp4.QArray(packed=packed, scales=scales, global_scale=q.global_scale, fmt=q.fmt,
+                 axis=q.axis)
+      for packed, scales in zip(jnp.split(q.packed, bounds, axis=-1),
+                                jnp.split(q.scales, bounds, axis=-1)))
+
+
+def fake_quant_weight_group(ws: Sequence[jax.Array], fmt: str) -> tuple[jax.Array, ...]:
+  """The training path's weights of `quantize_weight_group`: the same values bit for bit
+  (fake quantization of the concatenation), with a straight-through gradient."""
+  def fake(w):
+    axis, group = weight_layout(w.ndim)
+    return fp4.fake_quant(w, fmt, axis=axis, global_group=group)
+  if len(ws) == 1:
+    return (fake(ws[0]),)
+  values, bounds = _joint(ws, fake)
+  return tuple(jnp.split(values, bounds, axis=-1))
+
+
+def shared_scale_groups(names: Sequence[str]) -> list[tuple[str, ...]]:
+  """Partition the quantized weight names of one module into global-scale groups: the
+  SHARED_SCALE_GROUPS present in full, every other name alone."""
+  names = [n for n in names if n in QUANTIZED_WEIGHTS]
+  groups = [g for g in SHARED_SCALE_GROUPS if all(n in names for n in g)]
+  grouped = {n for g in groups for n in g}
+  return groups + [(n,) for n in names if n not in grouped]
+
+
 class SiteQuantizer:
   """Quantizes one forward pass's activations and weights, applying and recording guidance.
 
@@ -320,12 +381,18 @@ class SiteQuantizer:
     """A linear weight of `group` (one of `WEIGHT_GROUPS`) in the compute dtype: dequantized
     if packed (rollout path), fake-quantized from the master weight if the scope quantizes
     the group (training path), else just cast."""
-    if isinstance(w, fp4.QArray):
-      return fp4.dequantize(w, self.dtype)
+    return self.weight_group((w,), group)[0]
+
+  def weight_group(self, ws: Sequence[Any], group: str) -> tuple[jax.Array, ...]:
+    """`weight` of sibling weights that share one global scale (SHARED_SCALE_GROUPS): the
+    training path fake-quantizes them jointly, as `quantize_weight_group` packs them."""
+    if all(isinstance(w, fp4.QArray) for w in ws):  # packed jointly by quantize_params
+      return tuple(fp4.dequantize(w, self.dtype) for w in ws)
+    if any(isinstance(w, fp4.QArray) for w in ws):
+      raise ValueError("a shared-global-scale group mixes packed and unpacked weights")
     if self.quant is not None and self.quant.quantizes_weights(group):
-      axis, group = weight_layout(w.ndim)
-      w = fp4.fake_quant(w, self.quant.fmt, axis=axis, global_group=group)
-    return w.astype(self.dtype)
+      ws = fake_quant_weight_group(ws, self.quant.fmt)
+    return tuple(w.astype(self.dtype) for w in ws)
 
   def _pallas(self, w) -> bool:
     return self.kernels == "pallas" and isinstance(w, fp4.QArray)
@@ -342,3 +409,17 @@ class SiteQuantizer:
     if self._pallas(w):
       return kernels_lib.moe_gmm(lhs, w, group_sizes, out_dtype=lhs.dtype)
     return layers.ragged_matmul(lhs, self.weight(w, "experts"), group_sizes)
+
+  def matmuls(self, x: jax.Array, ws: Sequence[Any], group: str) -> tuple[jax.Array, ...]:
+    """`matmul` of one input with sibling weights of `group` that share one global scale."""
+    if all(self._pallas(w) for w in ws):
+      return tuple(self.matmul(x, w, group) for w in ws)
+    return tuple(layers.matmul(x, w) for w in self.weight_group(ws, group))
+
+  def ragged_dots(self, lhs: jax.Array, ws: Sequence[Any], group_sizes: jax.Array
+                  ) -> tuple[jax.Array, ...]:
+    """`ragged_dot` of one input with sibling expert weights that share global scales."""
+    if all(self._pallas(w) for w in ws):
+      return tuple(self.ragged_dot(lhs, w, group_sizes) for w in ws)
+    return tuple(layers.ragged_matmul(lhs, w, group_sizes)
+                 for w in self.weight_group(ws, "experts"))

@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trace_jax.model.quant import QuantConfig, is_quantized_weight, quantize_weight
+from trace_jax import fp4
+from trace_jax.model.quant import (QuantConfig, is_quantized_weight, quantize_weight_group,
+                                  shared_scale_groups)
 
 
 def quantize_params(params: nnx.State, quant: QuantConfig | None, *,
@@ -15,11 +17,14 @@ def quantize_params(params: nnx.State, quant: QuantConfig | None, *,
 
   With an FP4 `quant`, every linear weight in its scope (`quant.sites`) becomes a packed `fp4.QArray` (per
   matrix, per expert for stacked experts): dequantizing it gives, bit for bit, the weight
-  the training path fake-quantizes from the same master weights. Everything DESIGN.md keeps
-  in high precision (embedding, LM head, router, norms, linear weights outside the scope)
-  stays float32. Without FP4 (`quant` None or precision "bf16") the linear weights are cast
-  to `dtype` and the rest stays float32 too: the bf16 arm's router and LM head then run
-  exactly as the FP4 arms' do, so no arm carries a mismatch the others do not.
+  the training path fake-quantizes from the same master weights. Siblings in
+  `SHARED_SCALE_GROUPS` (q/k/v of a layer, gate/up of an expert) share one global scale, as
+  fused serving kernels require, so an export writes exactly these bytes. A weight that is
+  already packed (a policy loaded from an FP4 checkpoint) is kept as it is. Everything
+  DESIGN.md keeps in high precision (embedding, LM head, router, norms, linear weights
+  outside the scope) stays float32. Without FP4 (`quant` None or precision "bf16") the linear
+  weights are cast to `dtype` and the rest stays float32 too: the bf16 arm's router and LM
+  head then run exactly as the FP4 arms' do, so no arm carries a mismatch the others do not.
 
   Args:
     params: `nnx.state(policy)`, float32 master weights.
@@ -27,16 +32,32 @@ def quantize_params(params: nnx.State, quant: QuantConfig | None, *,
     dtype: dtype of the unquantized parameters of a bf16 rollout.
   """
   fp4_rollout = quant is not None and quant.enabled
-  flat = []
-  for path, variable in nnx.to_flat_state(params):
+  flat = list(nnx.to_flat_state(params))
+  values = {}
+  if fp4_rollout and quant.weights:
+    siblings: dict[tuple, list[str]] = {}
+    for path, variable in flat:
+      if is_quantized_weight(path, quant) and not isinstance(variable.get_value(), fp4.QArray):
+        siblings.setdefault(tuple(path[:-1]), []).append(str(path[-1]))
+    state = dict(flat)
+    for parent, names in siblings.items():
+      for group in shared_scale_groups(names):
+        packed = quantize_weight_group(
+            [state[parent + (name,)].get_value() for name in group], quant.fmt)
+        values.update({parent + (name,): q for name, q in zip(group, packed)})
+  out = []
+  for path, variable in flat:
     value = variable.get_value()
-    if not fp4_rollout:
+    if isinstance(value, fp4.QArray):
+      if not fp4_rollout:
+        value = fp4.dequantize(value, dtype)
+    elif not fp4_rollout:
       if is_quantized_weight(path):
         value = value.astype(dtype)
-    elif is_quantized_weight(path, quant):
-      value = quantize_weight(value, quant.fmt)
-    flat.append((path, variable.replace(value)))
-  return nnx.from_flat_state(flat)
+    else:
+      value = values.get(tuple(path), value)
+    out.append((path, variable.replace(value)))
+  return nnx.from_flat_state(out)
 
 
 def params_nbytes(params: nnx.State) -> int:

@@ -1,0 +1,323 @@
+"""Export an FP4 policy as a compressed-tensors checkpoint that vLLM and SGLang serve.
+
+The files hold the rollout's bytes: the packed weights are `quantize_params` of the policy
+(the same QArrays the rollout engine multiplies with), only transposed to the Hugging Face
+[out, in] layout and split per expert. Per quantized linear (compressed-tensors names):
+  NVFP4  weight_packed        uint8 [out, in/2], element 2i in the low nibble
+         weight_scale         float8_e4m3fn [out, in/16]
+         weight_global_scale  float32 [1], the encode scale gs = 448 * 6 / amax (the
+                              decoder divides by it: x = code * scale / gs)
+         input_global_scale   float32 [1], only for the W4A4 scheme (static, calibrated)
+  MXFP4  weight_packed        uint8 [out, in/2]
+         weight_scale         uint8 [out, in/32], E8M0 exponents (bias 127)
+Everything else (embedding, norms, router, LM head, and the linears the QuantConfig keeps
+in high precision) is written in bf16 under its HF name; the Linear ones are in `ignore`.
+
+KV cache: `kv_cache_scheme` is null. compressed-tensors' KV scheme carries static
+per-tensor k/v scales (what vLLM reads for an FP8 KV cache); our rollout's FP4 K/V, quantized
+per (token, KV head) with dynamic scales, has no counterpart there, so a server keeps the KV
+precision of its own `--kv-cache-dtype` (bf16, or fp8 with scales of 1): the served policy
+differs from the rollout in its KV cache unless the engine adds an FP4 KV mode.
+
+Algorithm:
+  1. packed = quantize_params(state, quant): q/k/v of a layer and gate/up of an expert
+     already share one global scale (fused serving kernels need it);
+  2. every parameter is mapped to its HF tensors (`names.targets`) and written to
+     safetensors shards (+ model.safetensors.index.json when there are several);
+  3. config.json = the source's (or one made from the ModelConfig) + quantization_config;
+     tokenizer and generation files are copied from the source directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from trace_jax import fp4
+from trace_jax.export import names as names_lib
+from trace_jax.model.quant import QuantConfig
+from trace_jax.model.transformer import Transformer
+from trace_jax.rollout.params import quantize_params
+from trace_jax.utils.io import write_atomic, write_json
+
+FORMATS = ("nvfp4", "mxfp4")
+ACTIVATIONS = ("none", "nvfp4", "mxfp4")
+UNQUANTIZED_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "generation_config.json", "chat_template.jinja", "chat_template.json",
+                "vocab.json", "merges.txt", "tokenizer.model")
+# The activation site whose tensor each quantized linear multiplies (DESIGN.md section 2).
+INPUT_SITES = {("attn", "q_proj"): "attn_in", ("attn", "k_proj"): "attn_in",
+               ("attn", "v_proj"): "attn_in", ("attn", "o_proj"): "attn_out",
+               ("moe", "w_gate"): "moe_in", ("moe", "w_up"): "moe_in", ("moe", "w_down"): "moe_mid",
+               ("shared", "w_gate"): "moe_in", ("shared", "w_up"): "moe_in",
+               ("shared", "w_down"): "shared_mid",
+               ("mlp", "w_gate"): "mlp_in", ("mlp", "w_up"): "mlp_in", ("mlp", "w_down"): "mlp_mid"}
+_SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16",
+                       np.dtype(np.uint8): "U8", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+                       np.dtype(np.float16): "F16"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+  """How a policy is written as compressed-tensors."""
+
+  fmt: str = "nvfp4"  # weight format: "nvfp4" or "mxfp4"
+  activations: str = "none"  # "none": weight-only (W4A16); "nvfp4" / "mxfp4": W4A4
+  unquantized_dtype: str = "bfloat16"  # dtype of the tensors that are not FP4
+  max_shard_bytes: int = 4 << 30  # safetensors shard size
+
+  def __post_init__(self):
+    if self.fmt not in FORMATS:
+      raise ValueError(f"ExportConfig.fmt={self.fmt!r} is not allowed; use one of {FORMATS}")
+    if self.activations not in ACTIVATIONS:
+      raise ValueError(f"ExportConfig.activations={self.activations!r} is not allowed; use one "
+                       f"of {ACTIVATIONS}")
+    if self.activations not in ("none", self.fmt):
+      raise ValueError(f"ExportConfig.activations={self.activations!r} with fmt={self.fmt!r}: "
+                       "W4A4 activations use the weights' format")
+    if self.unquantized_dtype not in UNQUANTIZED_DTYPES:
+      raise ValueError(f"ExportConfig.unquantized_dtype={self.unquantized_dtype!r} is not "
+                       f"allowed; use one of {sorted(UNQUANTIZED_DTYPES)}")
+    if self.max_shard_bytes <= 0:
+      raise ValueError(f"ExportConfig.max_shard_bytes={self.max_shard_bytes} must be > 0")
+
+  @property
+  def static_input_scales(self) -> bool:
+    """NVFP4 W4A4 stores a calibrated input_global_scale; MXFP4 activations have none."""
+    return self.activations == "nvfp4"
+
+
+def format_name(fmt: str) -> str:
+  return f"{fmt}-pack-quantized"
+
+
+def _scheme(config: ExportConfig) -> dict:
+  """One config group of quantization_config (compressed-tensors QuantizationScheme)."""
+  if config.fmt == "nvfp4":
+    args = dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
+                scale_dtype="torch.float8_e4m3fn", zp_dtype="torch.float8_e4m3fn")
+  else:
+    args = dict(num_bits=4, type="float", symmetric=True, strategy="group", group_size=32,
+                scale_dtype="torch.uint8", zp_dtype="torch.uint8")
+  weights = dict(args, dynamic=False, observer="minmax")
+  inputs = None
+  if config.activations == "nvfp4":  # dynamic block scales, static (calibrated) global scale
+    inputs = dict(args, dynamic="local", observer="static_minmax")
+  elif config.activations == "mxfp4":
+    inputs = dict(args, dynamic=True, observer=None)
+  return dict(targets=["Linear"], weights=weights, input_activations=inputs,
+              output_activations=None, format=format_name(config.fmt))
+
+
+def quantization_config(config: ExportConfig, ignore: list[str]) -> dict:
+  """The `quantization_config` entry of config.json."""
+  return {
+      "quant_method": "compressed-tensors",
+      "format": format_name(config.fmt),
+      "quantization_status": "compressed",
+      "config_groups": {"group_0": _scheme(config)},
+      "ignore": ignore,
+      "kv_cache_scheme": None,
+      "global_compression_ratio": None,
+  }
+
+
+def _to_numpy(value) -> np.ndarray:
+  return np.asarray(jax.device_get(value))
+
+
+def _packed_tensors(q: fp4.QArray, target: names_lib.Target) -> dict[str, np.ndarray]:
+  """compressed-tensors fields of one packed linear (one expert of stacked experts)."""
+  packed = names_lib.hf_array(_to_numpy(q.packed), target)  # [out, in/2]
+  scales = names_lib.hf_array(_to_numpy(q.scales), target)  # [out, in/block]
+  out = {"weight_packed": np.ascontiguousarray(packed, np.uint8)}
+  if q.format.has_global_scale:
+    out["weight_scale"] = np.ascontiguousarray(scales).view(ml_dtypes.float8_e4m3fn)
+    gs = _to_numpy(q.global_scale)
+    gs = gs[target.expert] if target.expert is not None else gs
+    out["weight_global_scale"] = np.asarray(gs, np.float32).reshape(1)
+  else:
+    out["weight_scale"] = np.ascontiguousarray(scales, np.uint8)
+  return out
+
+
+def _input_site(path: tuple) -> str:
+  key = tuple(str(p) for p in path[-2:])
+  if key not in INPUT_SITES:
+    raise ValueError(f"no activation site known for the linear {'.'.join(map(str, path))}")
+  return INPUT_SITES[key]
+
+
+def hf_tensors(policy: Transformer, config: ExportConfig, *, quant: QuantConfig | None = None,
+               input_scales: Mapping[tuple[int, str], float] | None = None
+               ) -> tuple[dict[str, np.ndarray], list[str]]:
+  """All tensors of the export by HF name, and the ignore list (Linear modules kept in
+  high precision).
+
+  Args:
+    policy: the Transformer (float32 master weights, or packed ones loaded from FP4).
+    config: ExportConfig.
+    quant: the rollout's QuantConfig (its scope decides which linears are FP4); default
+      every linear in `config.fmt`.
+    input_scales: (layer, site) -> static input global scale, for NVFP4 W4A4.
+  """
+  cfg = policy.cfg
+  names_lib.arch_names(cfg.arch)
+  quant = quant or QuantConfig(fmt=config.fmt)
+  if quant.fmt != config.fmt or not quant.enabled:
+    raise ValueError(f"quant={quant} does not quantize in fmt={config.fmt!r}")
+  packed = quantize_params(nnx.state(policy), quant)
+  dtype = UNQUANTIZED_DTYPES[config.unquantized_dtype]
+  tensors: dict[str, np.ndarray] = {}
+  ignore: list[str] = []
+  for path, variable in nnx.to_flat_state(packed):
+    value = variable.get_value()
+    is_packed = isinstance(value, fp4.QArray)
+    if is_packed and not bool(jnp.all(jnp.isfinite(value.global_scale))):
+      raise ValueError(f"parameter {'.'.join(map(str, path))} holds NaN or Inf: refusing to "
+                       "export a broken policy")
+    if is_packed and config.activations != "none":
+      site = _input_site(path)
+      if not quant.quantizes(site):
+        raise ValueError(f"activations={config.activations!r}: the linear "
+                         f"{'.'.join(map(str, path))} has FP4 weights but its input site "
+                         f"{site!r} is not quantized by the QuantConfig; export weight-only")
+    array = None if is_packed else _to_numpy(value)
+    for target in names_lib.targets(cfg, path):
+      if is_packed:
+        fields = _packed_tensors(value, target)
+        if config.static_input_scales:
+          layer = int(path[1])
+          if input_scales is None or (layer, _input_site(path)) not in input_scales:
+            raise ValueError(f"activations='nvfp4' needs input_scales for (layer {layer}, site "
+                             f"{_input_site(path)!r}); calibrate them (calibrate_input_scales)")
+          fields["input_global_scale"] = np.asarray(
+              [input_scales[(layer, _input_site(path))]], np.float32)
+        tensors.update({f"{target.module}.{k}": v for k, v in fields.items()})
+      else:
+        tensors[f"{target.module}.weight"] = np.ascontiguousarray(
+            names_lib.hf_array(array, target).astype(dtype))
+        if target.linear:
+          ignore.append(target.module)
+  return tensors, ignore
+
+
+def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
+  """One .safetensors file (header JSON, then the raw little-endian bytes), atomically."""
+  header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+  offset = 0
+  for name in sorted(tensors):
+    array = tensors[name]
+    if array.dtype not in _SAFETENSORS_DTYPES:
+      raise ValueError(f"tensor {name!r}: dtype {array.dtype} has no safetensors code")
+    header[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape),
+                    "data_offsets": [offset, offset + array.nbytes]}
+    offset += array.nbytes
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes
+  body = b"".join(np.ascontiguousarray(tensors[n]).tobytes() for n in sorted(tensors))
+  write_atomic(path, len(blob).to_bytes(8, "little") + blob + body)
+
+
+def _shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> list[list[str]]:
+  """Tensor names in shards of at most max_bytes (a larger tensor gets a shard alone),
+  keeping a module's tensors together."""
+  modules: dict[str, list[str]] = {}
+  for name in sorted(tensors):
+    modules.setdefault(name.rsplit(".", 1)[0], []).append(name)
+  shards, current, size = [], [], 0
+  for group in modules.values():
+    group_bytes = sum(tensors[n].nbytes for n in group)
+    if current and size + group_bytes > max_bytes:
+      shards.append(current)
+      current, size = [], 0
+    current += group
+    size += group_bytes
+  return shards + [current] if current else shards
+
+
+def export_compressed_tensors(policy: Transformer, out_dir: str, *, source: str | None = None,
+                              fmt: str = "nvfp4", activations: str = "none",
+                              quant: QuantConfig | None = None,
+                              input_scales: Mapping[tuple[int, str], float] | None = None,
+                              unquantized_dtype: str = "bfloat16",
+                              max_shard_bytes: int = ExportConfig.max_shard_bytes) -> dict:
+  """Write `policy` as a compressed-tensors FP4 checkpoint directory.
+
+  Args:
+    policy: the trained Transformer.
+    out_dir: output directory (created; existing files of the same names are replaced).
+    source: the HF checkpoint directory the policy came from: its config.json is the base
+      of ours, and its tokenizer / generation / chat-template files are copied. Without it,
+      config.json is made from the ModelConfig (`names.hf_config`).
+    fmt: "nvfp4" or "mxfp4".
+    activations: "none" (weight-only W4A16, the default), or the format for W4A4 ("nvfp4"
+      needs `input_scales` from `calibration.calibrate_input_scales`).
+    quant: the rollout's QuantConfig (its scope decides which linears are FP4).
+    input_scales: (layer, site) -> input_global_scale for NVFP4 W4A4.
+    unquantized_dtype: "bfloat16" (as served) or "float32" (the master values exactly).
+    max_shard_bytes: safetensors shard size.
+
+  Returns:
+    A summary: files, tensor count, bytes, the quantization_config.
+  """
+  config = ExportConfig(fmt=fmt, activations=activations, unquantized_dtype=unquantized_dtype,
+                        max_shard_bytes=max_shard_bytes)
+  if source is not None and not os.path.exists(os.path.join(source, "config.json")):
+    raise ValueError(f"source={source!r} has no config.json")
+  if source is not None:
+    with open(os.path.join(source, "config.json")) as f:
+      hf = json.load(f)
+    hf.pop("quantization_config", None)
+  else:
+    hf = names_lib.hf_config(policy.cfg)
+  tensors, ignore = hf_tensors(policy, config, quant=quant, input_scales=input_scales)
+  hf["quantization_config"] = quantization_config(config, ignore)
+  os.makedirs(out_dir, exist_ok=True)
+  shards = _shards(tensors, config.max_shard_bytes)
+  files = []
+  if len(shards) == 1:
+    files.append("model.safetensors")
+    write_safetensors(os.path.join(out_dir, files[0]), tensors)
+  else:
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      write_safetensors(os.path.join(out_dir, name), {n: tensors[n] for n in shard})
+      weight_map.update({n: name for n in shard})
+      files.append(name)
+    total = int(sum(a.nbytes for a in tensors.values()))
+    write_json(os.path.join(out_dir, "model.safetensors.index.json"),
+               {"metadata": {"total_size": total}, "weight_map": weight_map})
+  write_json(os.path.join(out_dir, "config.json"), hf)
+  copied = []
+  if source is not None:
+    for name in COPIED_FILES:
+      if os.path.exists(os.path.join(source, name)):
+        shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+        copied.append(name)
+  return {"out_dir": os.path.abspath(out_dir), "files": files, "copied": copied,
+          "tensors": len(tensors), "bytes": int(sum(a.nbytes for a in tensors.values())),
+          "quantization_config": hf["quantization_config"]}
+
+
+def tensor_listing(out_dir: str) -> list[tuple[str, str, tuple[int, ...]]]:
+  """(name, safetensors dtype, shape) of every tensor of a checkpoint directory, by name."""
+  rows = []
+  for name in sorted(os.listdir(out_dir)):
+    if not name.endswith(".safetensors"):
+      continue
+    with open(os.path.join(out_dir, name), "rb") as f:
+      header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    rows += [(k, v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"]
+  return sorted(rows)
