@@ -65,8 +65,7 @@ def _old_logprobs(policy, batch, guidance, *, quant, replay, dtype, temperature)
   return logp, token_entropy(logits, temperature), aux.get("fallbacks", {}), aux.get("sites", {})
 
 
-# The policy and optimizer state are donated: updated in place, not copied every step.
-@functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config",), donate_argnums=(0, 1))
+@functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config",))
 def _train_step(policy, opt, batch, guidance, ref_logp, *, quant, replay, dtype, temperature,
                 loss_config):
   def loss_fn(policy):
@@ -142,9 +141,8 @@ class Trainer:
     if self.mesh is not None:
       shard_model(self.policy, self.mesh)
     self.reference = None
-    if config.loss.kl_coef > 0:  # a frozen copy of the warm start: its own Variables and
-      graphdef, state = nnx.split(self.policy)  # buffers (the train step donates the policy's)
-      self.reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+    if config.loss.kl_coef > 0:  # a frozen copy of the warm start (its own Variables)
+      self.reference = nnx.merge(*nnx.split(self.policy))
     self.opt = nnx.Optimizer(self.policy, _optimizer(config.learning_rate), wrt=nnx.Param)
     self.step = 0
     self._restore_latest()
