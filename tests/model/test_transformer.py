@@ -185,9 +185,9 @@ def test_weights_are_quantized_per_matrix_and_per_expert(tiny_model):
     alone = fp4.quantize(experts[e], axis=0)
     np.testing.assert_array_equal(q.packed[e], alone.packed)
   sq = M.SiteQuantizer(FP4, 2, jnp.float32)
-  np.testing.assert_array_equal(sq.weight(experts), fp4.dequantize(q))
+  np.testing.assert_array_equal(sq.weight(experts, "experts"), fp4.dequantize(q))
   off = M.SiteQuantizer(None, 2, jnp.float32)
-  np.testing.assert_array_equal(off.weight(experts), experts)
+  np.testing.assert_array_equal(off.weight(experts, "experts"), experts)
 
 
 def test_fp4_changes_the_output_but_bf16_precision_is_off(tiny_model):

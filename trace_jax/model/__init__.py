@@ -15,11 +15,14 @@ from trace_jax.model.hf import from_hf
 from trace_jax.model.quant import (
     ACTIVATION_SITES,
     QUANTIZED_WEIGHTS,
+    SITE_SCOPES,
+    WEIGHT_GROUPS,
     QuantConfig,
     SiteQuantizer,
     is_quantized_weight,
     quantize_weight,
     resolve_layers,
+    weight_group,
     weight_layout,
 )
 from trace_jax.model.transformer import Transformer

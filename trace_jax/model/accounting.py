@@ -22,12 +22,14 @@ def param_count(cfg: ModelConfig) -> int:
   return sum(int(v.size) for v in abstract_params(cfg).values())
 
 
-def weight_bytes(cfg: ModelConfig, fmt: str | None = None) -> int:
-  """Bytes of all weights in bf16, or with the linear weights packed in `fmt` (NVFP4 /
-  MXFP4: codes, block scales, global scales) and the rest in bf16."""
+def weight_bytes(cfg: ModelConfig, fmt: str | None = None, *, sites: str = "all") -> int:
+  """Bytes of all weights in bf16, or with the linear weights of the FP4 scope `sites`
+  ("all" or "experts+kv") packed in `fmt` (NVFP4 / MXFP4: codes, block scales, global
+  scales) and the rest in bf16."""
+  quant = None if fmt is None else QuantConfig(fmt=fmt, sites=sites)
   total = 0
   for path, value in abstract_params(cfg).items():
-    if fmt is not None and is_quantized_weight(path):
+    if quant is not None and is_quantized_weight(path, quant):
       packed = jax.eval_shape(lambda w: quantize_weight(w, fmt), value)
       total += sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(packed))
     else:

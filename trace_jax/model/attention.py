@@ -71,9 +71,9 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     h, hkv, dh = self.shape
     xq = sq(x, layer, "attn_in")
-    q = sq.matmul(xq, self.q_proj.get_value())
-    k = sq.matmul(xq, self.k_proj.get_value())
-    v = sq.matmul(xq, self.v_proj.get_value())
+    q = sq.matmul(xq, self.q_proj.get_value(), "attention")
+    k = sq.matmul(xq, self.k_proj.get_value(), "attention")
+    v = sq.matmul(xq, self.v_proj.get_value(), "attention")
     gate = None
     if self.output_gate:  # per head [query | gate]
       q, gate = jnp.split(q.reshape(b, t, h, 2 * dh), 2, axis=-1)
@@ -109,4 +109,4 @@ class Attention(nnx.Module):
     if gate is not None:
       out = out * jax.nn.sigmoid(gate)
     out = sq(out, layer, "attn_out")
-    return sq.matmul(out, self.o_proj.get_value()), new_entries
+    return sq.matmul(out, self.o_proj.get_value(), "attention"), new_entries

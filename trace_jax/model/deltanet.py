@@ -181,8 +181,8 @@ class GatedDeltaNet(nnx.Module):
     hk, hv, dk, dv = self.dims
     x = jnp.where(valid[..., None], x, 0)
     xq = sq(x, layer, "attn_in")
-    qkv = sq.matmul(xq, self.in_proj_qkv.get_value())
-    z = sq.matmul(xq, self.in_proj_z.get_value())
+    qkv = sq.matmul(xq, self.in_proj_qkv.get_value(), "attention")
+    z = sq.matmul(xq, self.in_proj_z.get_value(), "attention")
     # Decay and write strength from high-precision projections of the unquantized input.
     a = jnp.einsum("btd,dh->bth", x.astype(jnp.float32), self.in_proj_a.get_value(),
                    precision=_HIGHEST)
@@ -208,5 +208,5 @@ class GatedDeltaNet(nnx.Module):
     z = z.reshape(b, t, hv, dv).astype(jnp.float32)
     out = (normed.astype(jnp.float32) * jax.nn.silu(z)).astype(x.dtype).reshape(b, t, hv * dv)
     out = sq(out, layer, "attn_out")
-    out = sq.matmul(out, self.out_proj.get_value())
+    out = sq.matmul(out, self.out_proj.get_value(), "attention")
     return out, (None if state is None else (new_conv, recurrent))

@@ -28,10 +28,12 @@ class MLP(nnx.Module):
     self.w_down = normal_param(rngs, (ffn_dim, d_model), std)
 
   def __call__(self, xq, layer: int, sq: SiteQuantizer, mid_site: str):
-    """xq: the already-quantized input [..., d]."""
-    gate = sq.matmul(xq, self.w_gate.get_value())
-    up = sq.matmul(xq, self.w_up.get_value())
-    return sq.matmul(sq(swiglu(gate, up), layer, mid_site), self.w_down.get_value())
+    """xq: the input [..., d], already quantized if the scope quantizes it.
+    mid_site: "mlp_mid" (a dense layer) or "shared_mid" (the shared expert)."""
+    group = "shared" if mid_site == "shared_mid" else "mlp"
+    gate = sq.matmul(xq, self.w_gate.get_value(), group)
+    up = sq.matmul(xq, self.w_up.get_value(), group)
+    return sq.matmul(sq(swiglu(gate, up), layer, mid_site), self.w_down.get_value(), group)
 
 
 def route(probs: jax.Array, k: int, norm_topk: bool, routing: jax.Array | None):
@@ -106,9 +108,12 @@ class MoE(nnx.Module):
       y = self._dense(xq, experts, w_gate, w_up, w_down, layer, sq, (b, t))
     out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)  # [N, d]
     if self.shared is not None:
-      shared = self.shared(xq, layer, sq, "shared_mid")
+      # The shared expert reads moe_in's FP4 values only when it runs in FP4 itself (scope
+      # "all"); under "experts+kv" it sees the high-precision input.
+      shared_in = xq if sq.active("shared_mid") else x.reshape(n, d)
+      shared = self.shared(shared_in, layer, sq, "shared_mid")
       if self.shared_gate is not None:
-        gate = jax.nn.sigmoid(matmul(xq, self.shared_gate.get_value().astype(xq.dtype)))
+        gate = jax.nn.sigmoid(matmul(shared_in, self.shared_gate.get_value().astype(xq.dtype)))
         shared = gate * shared
       out = out + shared
     flat_valid = valid.reshape(n)
@@ -142,7 +147,7 @@ class MoE(nnx.Module):
     n, k = experts.shape
     if sq.guidance:
       raise ValueError("dispatch='dense' is a reference path without guidance; use 'grouped'")
-    w_gate, w_up, w_down = (sq.weight(w) for w in (w_gate, w_up, w_down))
+    w_gate, w_up, w_down = (sq.weight(w, "experts") for w in (w_gate, w_up, w_down))
     precision = jax.lax.Precision.HIGHEST if xq.dtype == jnp.float32 else None
 
     def einsum(spec, a, b):

@@ -13,6 +13,18 @@ Quantization sites (DESIGN.md section 2), per layer:
 Weights of every linear layer are quantized per matrix (per expert for stacked experts).
 Router, norms, embeddings, LM head and the attention softmax stay in high precision.
 All arithmetic is `trace_jax.fp4`'s; nothing here rounds by itself.
+
+Which of them run in FP4 is a named scope, `QuantConfig(sites=...)`:
+  "all"          every site above and every linear weight;
+  "experts+kv"   the TRACE method's own scope: the routed experts' weights and activations
+                 (moe_in, moe_mid) and the KV cache (k, v) in FP4; attention projections,
+                 the shared expert, dense MLP layers (and, in hybrid models, linear-attention
+                 layers) in high precision. The routed experts hold most of an MoE model's
+                 weight bytes and the KV cache most of a long decode's, so this scope keeps
+                 most of FP4's memory and bandwidth gain while leaving the layers every token
+                 passes through (attention, shared expert) unrounded.
+A tuple of activation-site names (the older form) quantizes exactly those activation sites
+and, with `weights=True`, every linear weight.
 """
 
 from __future__ import annotations
@@ -29,6 +41,12 @@ from trace_jax.model import layers
 ACTIVATION_SITES = ("attn_in", "attn_out", "k", "v", "moe_in", "moe_mid", "shared_mid",
                     "mlp_in", "mlp_mid")
 PRECISIONS = ("fp4", "bf16")
+# Named FP4 scopes (DESIGN.md section 2) and the activation sites each quantizes.
+SITE_SCOPES = ("all", "experts+kv")
+SCOPE_SITES = {"all": ACTIVATION_SITES, "experts+kv": ("k", "v", "moe_in", "moe_mid")}
+# Groups of linear weights, by the module that owns them; a scope quantizes whole groups.
+WEIGHT_GROUPS = ("attention", "experts", "shared", "mlp")
+SCOPE_WEIGHT_GROUPS = {"all": WEIGHT_GROUPS, "experts+kv": ("experts",)}
 GUIDED_LAYER_NAMES = ("last_half", "all", "none")
 GuidedLayers = Union[str, int, Sequence[int]]
 SiteKey = tuple[int, str]
@@ -80,7 +98,8 @@ class QuantConfig:
   precision: str = "fp4"  # "fp4" or "bf16" (no quantization)
   fmt: str = "nvfp4"  # "nvfp4" or "mxfp4"
   weights: bool = True  # quantize every linear weight
-  sites: tuple[str, ...] = ACTIVATION_SITES  # activation sites to quantize
+  sites: Union[str, tuple[str, ...]] = "all"  # FP4 scope: "all", "experts+kv", or a tuple
+  #   of activation-site names (those sites; weights per `weights`)
   rounding: str = "nearest"  # at guided layers: "guided" (needs guidance); elsewhere nearest
   guided_layers: GuidedLayers = "last_half"  # which layers `rounding` applies to
 
@@ -91,10 +110,16 @@ class QuantConfig:
     if self.rounding not in fp4.ROUNDING_MODES:
       raise ValueError(f"QuantConfig.rounding={self.rounding!r} is not allowed; use one of "
                        f"{fp4.ROUNDING_MODES}")
-    object.__setattr__(self, "sites", tuple(self.sites))
-    unknown = [s for s in self.sites if s not in ACTIVATION_SITES]
-    if unknown:
-      raise ValueError(f"QuantConfig.sites has unknown sites {unknown}; allowed: {ACTIVATION_SITES}")
+    if isinstance(self.sites, str):
+      if self.sites not in SITE_SCOPES:
+        raise ValueError(f"QuantConfig.sites={self.sites!r} is not allowed; use one of "
+                         f"{SITE_SCOPES} or a tuple of sites from {ACTIVATION_SITES}")
+    else:
+      object.__setattr__(self, "sites", tuple(self.sites))
+      unknown = [s for s in self.sites if s not in ACTIVATION_SITES]
+      if unknown:
+        raise ValueError(f"QuantConfig.sites has unknown sites {unknown}; allowed: "
+                         f"{ACTIVATION_SITES}, or a scope from {SITE_SCOPES}")
     if not isinstance(self.guided_layers, (str, int)):
       object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
     _check_layers_spec(self.guided_layers)
@@ -103,8 +128,29 @@ class QuantConfig:
   def enabled(self) -> bool:
     return self.precision == "fp4"
 
+  @property
+  def activation_sites(self) -> tuple[str, ...]:
+    """The activation sites this config's scope quantizes (whether or not enabled)."""
+    if isinstance(self.sites, str):
+      return SCOPE_SITES[self.sites]
+    return self.sites
+
+  @property
+  def weight_groups(self) -> tuple[str, ...]:
+    """The groups of linear weights quantized (see `WEIGHT_GROUPS`), () when off."""
+    if not self.enabled or not self.weights:
+      return ()
+    return SCOPE_WEIGHT_GROUPS[self.sites] if isinstance(self.sites, str) else WEIGHT_GROUPS
+
   def quantizes(self, site: str) -> bool:
-    return self.enabled and site in self.sites
+    """Whether activation site `site` runs in FP4."""
+    return self.enabled and site in self.activation_sites
+
+  def quantizes_weights(self, group: str) -> bool:
+    """Whether the linear weights of `group` (one of `WEIGHT_GROUPS`) run in FP4."""
+    if group not in WEIGHT_GROUPS:
+      raise ValueError(f"weight group {group!r} is not one of {WEIGHT_GROUPS}")
+    return group in self.weight_groups
 
   def guided_layer_ids(self, num_layers: int) -> tuple[int, ...]:
     return resolve_layers(self.guided_layers, num_layers)
@@ -113,15 +159,43 @@ class QuantConfig:
     return dataclasses.replace(self, **changes)
 
 
-# Linear weights that FP4 quantizes; everything else (embedding, LM head, router, norms,
+# Linear weights that FP4 can quantize; everything else (embedding, LM head, router, norms,
 # shared-expert gate) stays in high precision.
+# Gated DeltaNet's in/out projections (in_proj_qkv, in_proj_z, out_proj) belong to the
+# "attention" group (the token mixer); its decay/beta projections stay high precision.
 QUANTIZED_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "w_gate", "w_up", "w_down",
                                "in_proj_qkv", "in_proj_z", "out_proj"})
+_ATTENTION_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
+                                "out_proj"})
 
 
-def is_quantized_weight(path: tuple) -> bool:
-  """Whether the parameter at an NNX state path is a linear weight FP4 quantizes."""
-  return bool(path) and str(path[-1]) in QUANTIZED_WEIGHTS
+def weight_group(path: tuple) -> str | None:
+  """The `WEIGHT_GROUPS` entry of the parameter at an NNX state path, or None if FP4 never
+  quantizes it. Routed experts are the MoE module's own stacked weights (`.../moe/w_gate`);
+  the shared expert lives under `.../moe/shared/`, a dense layer's MLP under `.../mlp/`."""
+  if not path:
+    return None
+  names = [str(p) for p in path]
+  name = names[-1]
+  if name not in QUANTIZED_WEIGHTS:
+    return None
+  if name in _ATTENTION_WEIGHTS:
+    return "attention"
+  parent = names[-2] if len(names) > 1 else ""
+  if parent == "shared":
+    return "shared"
+  if parent == "moe":
+    return "experts"
+  return "mlp"
+
+
+def is_quantized_weight(path: tuple, quant: QuantConfig | None = None) -> bool:
+  """Whether the parameter at an NNX state path is a linear weight FP4 quantizes: under
+  `quant`'s scope if given, else under any scope (every linear weight)."""
+  group = weight_group(path)
+  if group is None:
+    return False
+  return True if quant is None else quant.quantizes_weights(group)
 
 
 def layer_sites(cfg, quant: QuantConfig | None) -> dict[int, tuple[str, ...]]:
@@ -137,7 +211,7 @@ def layer_sites(cfg, quant: QuantConfig | None) -> dict[int, tuple[str, ...]]:
       sites += ["mlp_in", "mlp_mid"]
     else:
       sites += ["moe_in", "moe_mid"] + (["shared_mid"] if cfg.shared_expert_dim else [])
-    out[layer] = tuple(s for s in sites if s in quant.sites)
+    out[layer] = tuple(s for s in sites if quant.quantizes(s))
   return out
 
 
@@ -250,12 +324,13 @@ class SiteQuantizer:
       self.inputs[(layer, site)] = x
     return q
 
-  def weight(self, w) -> jax.Array:
-    """A linear weight in the compute dtype: dequantized if packed (rollout path),
-    fake-quantized from the master weight if weights are quantized (training path)."""
+  def weight(self, w, group: str) -> jax.Array:
+    """A linear weight of `group` (one of `WEIGHT_GROUPS`) in the compute dtype: dequantized
+    if packed (rollout path), fake-quantized from the master weight if the scope quantizes
+    the group (training path), else just cast."""
     if isinstance(w, fp4.QArray):
       return fp4.dequantize(w, self.dtype)
-    if self.quant is not None and self.quant.weights:
+    if self.quant is not None and self.quant.quantizes_weights(group):
       axis, group = weight_layout(w.ndim)
       w = fp4.fake_quant(w, self.quant.fmt, axis=axis, global_group=group)
     return w.astype(self.dtype)
@@ -263,15 +338,15 @@ class SiteQuantizer:
   def _pallas(self, w) -> bool:
     return self.kernels == "pallas" and isinstance(w, fp4.QArray)
 
-  def matmul(self, x: jax.Array, w) -> jax.Array:
-    """x [..., in] @ w [in, out] (float32 accumulation, x's dtype); a packed weight goes
-    through the FP4 matmul kernel when kernels are on."""
+  def matmul(self, x: jax.Array, w, group: str) -> jax.Array:
+    """x [..., in] @ w [in, out] (float32 accumulation, x's dtype), w of weight `group`; a
+    packed weight goes through the FP4 matmul kernel when kernels are on."""
     if self._pallas(w):
       return kernels_lib.fp4_matmul(x, w, out_dtype=x.dtype)
-    return layers.matmul(x, self.weight(w))
+    return layers.matmul(x, self.weight(w, group))
 
   def ragged_dot(self, lhs: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
-    """Grouped matmul of rows sorted by expert with stacked expert weights [E, in, out]."""
+    """Grouped matmul of rows sorted by expert with stacked routed-expert weights [E, in, out]."""
     if self._pallas(w):
       return kernels_lib.moe_gmm(lhs, w, group_sizes, out_dtype=lhs.dtype)
-    return layers.ragged_matmul(lhs, self.weight(w), group_sizes)
+    return layers.ragged_matmul(lhs, self.weight(w, "experts"), group_sizes)

@@ -13,10 +13,11 @@ def quantize_params(params: nnx.State, quant: QuantConfig | None, *,
                     dtype=jnp.bfloat16) -> nnx.State:
   """The rollout's parameters, made once per weight sync.
 
-  With an FP4 `quant`, every quantized linear weight becomes a packed `fp4.QArray` (per
+  With an FP4 `quant`, every linear weight in its scope (`quant.sites`) becomes a packed `fp4.QArray` (per
   matrix, per expert for stacked experts): dequantizing it gives, bit for bit, the weight
   the training path fake-quantizes from the same master weights. Everything DESIGN.md keeps
-  in high precision (embedding, LM head, router, norms) stays float32. Without FP4
+  in high precision (embedding, LM head, router, norms, linear weights outside the scope)
+  stays float32. Without FP4
   (`quant` None or precision "bf16") all parameters are cast to `dtype`.
 
   Args:
@@ -30,7 +31,7 @@ def quantize_params(params: nnx.State, quant: QuantConfig | None, *,
     value = variable.get_value()
     if not fp4_rollout:
       value = value.astype(dtype)
-    elif quant.weights and is_quantized_weight(path):
+    elif is_quantized_weight(path, quant):
       value = quantize_weight(value, quant.fmt)
     flat.append((path, variable.replace(value)))
   return nnx.from_flat_state(flat)

@@ -1,0 +1,133 @@
+"""QuantConfig's FP4 scope ("all" | "experts+kv"): which activation sites and which linear
+weights run in FP4, on the training path and in the rollout's packed parameters."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trace_jax import fp4
+from trace_jax import model as M
+from trace_jax import rollout as R
+from trace_jax.model import accounting
+
+EXPERTS_KV = M.QuantConfig(sites="experts+kv")
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+  """Shared expert (gated), a dense layer 0 and an MoE layer 1: every weight group."""
+  cfg = M.tiny(shared_expert_dim=32, shared_expert_gate=True, dense_layers=(0,), ffn_dim=64,
+               num_layers=2)
+  return M.Transformer(cfg, rngs=nnx.Rngs(3))
+
+
+def _forward(model, tokens, quant, **kwargs):
+  return _jitted(model, tokens, quant, tuple(sorted(kwargs.items())))
+
+
+_jitted = nnx.jit(lambda m, t, quant, kwargs: m(t, quant=quant, **dict(kwargs)),
+                  static_argnums=(2, 3))
+
+
+def _tokens(seed, b=2, t=9):
+  return jax.random.randint(jax.random.key(seed), (b, t), 0, 128)
+
+
+def test_config_scope_validation_and_legacy_tuple():
+  with pytest.raises(ValueError, match="sites='experts'"):
+    M.QuantConfig(sites="experts")
+  with pytest.raises(ValueError, match="unknown sites"):
+    M.QuantConfig(sites=("k", "router"))
+  assert M.QuantConfig().activation_sites == M.ACTIVATION_SITES
+  assert set(EXPERTS_KV.activation_sites) == {"k", "v", "moe_in", "moe_mid"}
+  assert EXPERTS_KV.weight_groups == ("experts",)
+  legacy = M.QuantConfig(sites=["k", "v"])  # a list becomes a tuple (hashable, static)
+  assert legacy.sites == ("k", "v") and legacy.quantizes("k") and not legacy.quantizes("moe_in")
+  assert legacy.weight_groups == M.WEIGHT_GROUPS
+  assert M.QuantConfig(precision="bf16", sites="experts+kv").weight_groups == ()
+  assert not M.QuantConfig(precision="bf16").quantizes("k")
+  with pytest.raises(ValueError, match="weight group"):
+    EXPERTS_KV.quantizes_weights("router")
+
+
+def test_weight_groups_by_state_path(hybrid):
+  groups = {}
+  for path, _ in nnx.to_flat_state(nnx.state(hybrid)):
+    groups.setdefault(M.weight_group(path), set()).add(".".join(str(p) for p in path))
+  assert groups["attention"] == {f"blocks.{i}.attn.{n}_proj" for i in range(2) for n in "qkvo"}
+  assert groups["mlp"] == {f"blocks.0.mlp.{n}" for n in ("w_gate", "w_up", "w_down")}
+  assert groups["shared"] == {f"blocks.1.moe.shared.{n}" for n in ("w_gate", "w_up", "w_down")}
+  assert groups["experts"] == {f"blocks.1.moe.{n}" for n in ("w_gate", "w_up", "w_down")}
+  assert {"embed", "lm_head", "blocks.1.moe.router", "blocks.1.moe.shared_gate"} <= groups[None]
+
+
+def test_layer_sites_per_scope(hybrid):
+  cfg = hybrid.cfg
+  assert M.quant.layer_sites(cfg, EXPERTS_KV) == {0: ("k", "v"), 1: ("k", "v", "moe_in", "moe_mid")}
+  everything = M.quant.layer_sites(cfg, M.QuantConfig())
+  assert everything[0] == ("attn_in", "attn_out", "k", "v", "mlp_in", "mlp_mid")
+  assert everything[1] == ("attn_in", "attn_out", "k", "v", "moe_in", "moe_mid", "shared_mid")
+
+
+def test_rollout_params_pack_only_the_scope(hybrid):
+  state = nnx.state(hybrid)
+  packed = R.quantize_params(state, EXPERTS_KV)
+  n_packed = 0
+  for (path, var), (_, master) in zip(nnx.to_flat_state(packed), nnx.to_flat_state(state)):
+    value = var.get_value()
+    if M.weight_group(path) == "experts":
+      assert isinstance(value, fp4.QArray), path
+      expected = fp4.dequantize(fp4.quantize(master.get_value(), axis=1, global_group=0))
+      np.testing.assert_array_equal(fp4.dequantize(value), expected)
+      n_packed += 1
+    else:
+      assert not isinstance(value, fp4.QArray), path
+      np.testing.assert_array_equal(value, master.get_value())
+  assert n_packed == 3
+  every = R.params_nbytes(R.quantize_params(state, M.QuantConfig()))
+  assert every < R.params_nbytes(packed) < R.params_nbytes(state)
+
+
+def test_experts_kv_forward_quantizes_only_experts_and_kv(hybrid):
+  """The scope's forward equals an independent construction: routed-expert weights
+  fake-quantized by hand (per expert), every other weight untouched, FP4 on exactly
+  k, v, moe_in and moe_mid, and the shared expert fed the unquantized input."""
+  tokens = _tokens(1)
+  logits, aux = _forward(hybrid, tokens, EXPERTS_KV, record=True)
+  assert set(aux["sites"]) == {(0, "k"), (0, "v"), (1, "k"), (1, "v"), (1, "moe_in"), (1, "moe_mid")}
+
+  by_hand = nnx.clone(hybrid)
+  moe = by_hand.blocks[1].moe
+  for var in (moe.w_gate, moe.w_up, moe.w_down):
+    w = var.get_value()
+    var.set_value(fp4.dequantize(fp4.quantize(w, axis=1, global_group=0), w.dtype))
+  # Activations only: the same sites, no weight quantization at all.
+  acts_only = M.QuantConfig(sites=("k", "v", "moe_in", "moe_mid"), weights=False)
+  expected, _ = _forward(by_hand, tokens, acts_only)
+  np.testing.assert_array_equal(logits, expected)
+  everything, _ = _forward(hybrid, tokens, M.QuantConfig())  # ... unlike the "all" scope
+  assert float(jnp.abs(everything - logits).max()) > 1e-3
+
+
+def test_experts_kv_rollout_matches_training_forward(hybrid):
+  """The rollout's packed parameters under the scope give the training path's logits."""
+  tokens = _tokens(2)
+  packed = R.quantize_params(nnx.state(hybrid), EXPERTS_KV)
+  rollout_model = nnx.merge(nnx.graphdef(hybrid), packed)
+  got, _ = _forward(rollout_model, tokens, EXPERTS_KV)
+  want, _ = _forward(hybrid, tokens, EXPERTS_KV)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_weight_bytes_per_scope():
+  cfg = M.tiny(shared_expert_dim=32, dense_layers=(0,), ffn_dim=64, num_layers=2)
+  bf16 = accounting.weight_bytes(cfg)
+  every = accounting.weight_bytes(cfg, "nvfp4")
+  experts = accounting.weight_bytes(cfg, "nvfp4", sites="experts+kv")
+  assert every < experts < bf16
+  expert_elems = 3 * cfg.num_experts * cfg.d_model * cfg.moe_ffn_dim  # 1 MoE layer
+  # Packing the routed experts saves 2 - 0.5 - 1/16 bytes per element, minus global scales.
+  saved = expert_elems * (2 - 0.5 - 1 / 16) - 3 * cfg.num_experts * 4
+  assert bf16 - experts == pytest.approx(saved)
