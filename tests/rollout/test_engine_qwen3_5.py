@@ -60,6 +60,8 @@ def test_fp4_scope_quantizes_exactly_its_sites(policy, sites):
     kv = () if layer in cfg.linear_layers else ("k", "v")  # linear layers have no KV cache
     expected |= {(layer, s) for s in mixer + kv + moe}
   assert recorded == expected
+  for key, q in aux["sites"].items():  # laid out per token slot, as guidance buffers need
+    assert q.global_scale.shape[:2] == (1, 5), (key, q.global_scale.shape)
   params = R.quantize_params(nnx.state(policy), quant)
   packed = {tuple(str(p) for p in path[-2:]) for path, v in nnx.to_flat_state(params)
             if isinstance(v.get_value(), fp4.QArray)}
