@@ -25,8 +25,10 @@ def test_one_step_per_arm_on_the_hybrid_preset(tmp_path, arm):
   history = trainer.run()
   assert [m["step"] for m in history] == [1]
   metrics = history[0]
-  for key in ("rewards/mean", "mismatch/k3_kl", "mismatch/logp_abs_diff", "is_ratio/mean",
-              "pg_clipfrac", "entropy", "guidance/bytes_per_token", "guidance/agree_frac"):
+  for key in ("rewards/mean", "pg_clipfrac", "entropy", "completions/mean_length"):
     assert key in metrics and np.isfinite(metrics[key]), key
-  if arm.startswith("trace"):
+  if arm.startswith("trace"):  # guided arms: guidance captured and followed
+    for key in ("mismatch/k3_kl", "mismatch/logp_abs_diff", "is_ratio/mean",
+                "guidance/bytes_per_token", "guidance/agree_frac"):
+      assert key in metrics and np.isfinite(metrics[key]), key
     assert metrics["guidance/bytes_per_token"] > 0
