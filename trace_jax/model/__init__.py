@@ -8,6 +8,8 @@ from trace_jax.model.config import (
     mixtral_8x7b,
     olmoe_1b_7b,
     qwen3_30b_a3b,
+    qwen3_5_35b_a3b,
+    qwen3_5_tiny,
     small,
     tiny,
 )

@@ -42,3 +42,11 @@ def kv_bytes_per_token(cfg: ModelConfig, quant: QuantConfig | None = None) -> fl
   cache = jax.eval_shape(lambda: init_cache(cfg.replace(dtype="bfloat16"), 1, 16, quant))
   leaves = jax.tree.leaves((cache.k, cache.v))
   return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in leaves) / 16
+
+
+def state_bytes_per_sequence(cfg: ModelConfig) -> float:
+  """Bytes of the Gated DeltaNet layers' fixed-size decode state (conv state in bf16,
+  recurrent state in float32) per sequence, whatever its length; 0 without such layers."""
+  cache = jax.eval_shape(lambda: init_cache(cfg.replace(dtype="bfloat16"), 1, 16))
+  leaves = jax.tree.leaves((cache.conv, cache.recurrent))
+  return float(sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in leaves))

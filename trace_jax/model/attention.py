@@ -1,4 +1,9 @@
-"""Grouped-query attention with RoPE, optional QK-norm, masks and a KV cache."""
+"""Grouped-query attention with RoPE, optional QK-norm, masks and a KV cache.
+
+Qwen3.5's gated attention (`cfg.attn_output_gate`): q_proj emits [query | gate] per head,
+and the attention output is multiplied by sigmoid(gate) before the output projection;
+its RoPE may rotate only part of each head (`cfg.partial_rotary_factor`).
+"""
 
 from __future__ import annotations
 
@@ -52,12 +57,14 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, h, hkv, dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.q_proj = normal_param(rngs, (d, h * dh), cfg.init_std)
+    self.output_gate = cfg.attn_output_gate
+    self.q_proj = normal_param(rngs, (d, h * dh * (2 if self.output_gate else 1)), cfg.init_std)
     self.k_proj = normal_param(rngs, (d, hkv * dh), cfg.init_std)
     self.v_proj = normal_param(rngs, (d, hkv * dh), cfg.init_std)
     self.o_proj = normal_param(rngs, (h * dh, d), cfg.init_std)
     if cfg.qk_norm == "head":
-      self.q_norm, self.k_norm = RMSNorm(dh, cfg.rms_eps), RMSNorm(dh, cfg.rms_eps)
+      zc = cfg.zero_centered_norm
+      self.q_norm, self.k_norm = RMSNorm(dh, cfg.rms_eps, zc), RMSNorm(dh, cfg.rms_eps, zc)
     elif cfg.qk_norm == "full":
       self.q_norm, self.k_norm = RMSNorm(h * dh, cfg.rms_eps), RMSNorm(hkv * dh, cfg.rms_eps)
     else:
@@ -75,6 +82,10 @@ class Attention(nnx.Module):
     # One global scale for q, k and v (served as one fused qkv_proj).
     q, k, v = sq.matmuls(xq, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)],
                          "attention")
+    gate = None
+    if self.output_gate:  # per head [query | gate]
+      q, gate = jnp.split(q.reshape(b, t, h, 2 * dh), 2, axis=-1)
+      q, gate = q.reshape(b, t, h * dh), gate.reshape(b, t, h * dh)
     if self.qk_norm == "full":
       q, k = self.q_norm(q), self.k_norm(k)
     if self.clip_qkv is not None:
@@ -102,5 +113,8 @@ class Attention(nnx.Module):
       out = kernels.decode_attention(q[:, 0], k, v, jnp.broadcast_to(index + 1, (b,)), mask[:, 0])
     else:  # (read: dequantize a packed cache entry; a no-op cast otherwise)
       out = attend(q, kv_cache.read(k, q.dtype), kv_cache.read(v, q.dtype), mask)
-    out = sq(out.reshape(b, t, h * dh), layer, "attn_out")
+    out = out.reshape(b, t, h * dh)
+    if gate is not None:
+      out = out * jax.nn.sigmoid(gate)
+    out = sq(out, layer, "attn_out")
     return sq.matmul(out, self.o_proj.get_value(), "attention"), new_entries

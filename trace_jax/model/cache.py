@@ -4,6 +4,10 @@ Slots are written in order: a forward over T tokens writes slots [index, index +
 every sequence of the batch, and `valid` marks which of them hold real tokens (padding
 and finished sequences write invalid slots, which attention never reads). RoPE positions
 are separate from slots, so left-padded prompts keep positions that start at 0.
+
+Hybrid models (Qwen3.5) keep, at each Gated DeltaNet layer, a fixed-size state instead of K
+and V: the conv state (the last K-1 valid conv inputs) and the recurrent delta-rule state
+(float32). Their K/V entries are None, and full-attention layers' states are None.
 """
 
 from __future__ import annotations
@@ -20,22 +24,28 @@ from trace_jax.model.quant import QuantConfig
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["k", "v", "valid", "index"], meta_fields=[])
+                   data_fields=["k", "v", "valid", "index", "conv", "recurrent"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
   """Per-layer K and V, [B, L, Hkv, Dh] arrays or `fp4.QArray`s of that shape.
 
   Attributes:
-    k: tuple over layers.
-    v: tuple over layers.
+    k: tuple over layers (None at linear-attention layers).
+    v: tuple over layers (None at linear-attention layers).
     valid: bool [B, L]: the slot holds a real token.
     index: int32 scalar: the next slot to write.
+    conv: tuple over layers: conv state [B, K-1, conv_dim] at linear-attention layers, else
+      None; () for a model without them.
+    recurrent: tuple over layers: float32 [B, Hv, Dk, Dv] delta-rule state at
+      linear-attention layers, else None; ().
   """
 
   k: tuple
   v: tuple
   valid: jax.Array
   index: jax.Array
+  conv: tuple = ()
+  recurrent: tuple = ()
 
   @property
   def max_len(self) -> int:
@@ -43,13 +53,19 @@ class KVCache:
 
   @property
   def quantized(self) -> bool:
-    return isinstance(self.k[0], fp4.QArray)
+    return any(isinstance(k, fp4.QArray) for k in self.k if k is not None)
 
   def bytes_per_token(self) -> float:
     """Bytes of K and V stored per token (all layers), including scales."""
     leaves = jax.tree_util.tree_leaves((self.k, self.v))
     total = sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
     return total / (self.valid.shape[0] * self.valid.shape[1])
+
+  def state_bytes_per_sequence(self) -> float:
+    """Bytes of the linear-attention states (conv and recurrent) per sequence: fixed,
+    whatever the length."""
+    leaves = jax.tree_util.tree_leaves((self.conv, self.recurrent))
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves) / self.valid.shape[0]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,
@@ -75,11 +91,23 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,
           fmt=quant.fmt, axis=-1)
     return jnp.zeros(shape, dtype)
 
+  linear = cfg.linear_layers
+  conv = recurrent = ()
+  if linear:
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
+        cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+    conv = tuple(jnp.zeros((batch, cfg.linear_conv_kernel - 1, conv_dim), dtype)
+                 if i in linear else None for i in range(cfg.num_layers))
+    recurrent = tuple(jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                 cfg.linear_value_head_dim), jnp.float32)
+                      if i in linear else None for i in range(cfg.num_layers))
   return KVCache(
-      k=tuple(entry("k") for _ in range(cfg.num_layers)),
-      v=tuple(entry("v") for _ in range(cfg.num_layers)),
+      k=tuple(None if i in linear else entry("k") for i in range(cfg.num_layers)),
+      v=tuple(None if i in linear else entry("v") for i in range(cfg.num_layers)),
       valid=jnp.zeros((batch, max_len), bool),
       index=jnp.zeros((), jnp.int32),
+      conv=conv,
+      recurrent=recurrent,
   )
 
 

@@ -1,8 +1,9 @@
 """Model configuration and presets.
 
-Presets: `tiny` (tests), `small` (CPU experiments), and the published geometries of
-Qwen3-30B-A3B, Mixtral-8x7B and OLMoE-1B-7B (for byte accounting through `jax.eval_shape`
-and for real checkpoints on real accelerators).
+Presets: `tiny` (tests), `small` (CPU experiments), `qwen3_5_tiny` (the hybrid Qwen3.5-MoE
+architecture at test size), and the published geometries of Qwen3-30B-A3B, Qwen3.5-35B-A3B,
+Mixtral-8x7B and OLMoE-1B-7B (for byte accounting through `jax.eval_shape` and for real
+checkpoints on real accelerators).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe")
+LAYER_TYPES = ("full_attention", "linear_attention")
 QK_NORMS = ("none", "head", "full")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DISPATCHES = ("grouped", "dense")
@@ -54,6 +56,17 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype, "float32" or "bfloat16"; parameters stay float32
   dispatch: str = "grouped"  # "grouped" (sorted tokens, ragged_dot) or "dense" (reference)
   init_std: float = 0.02  # normal init of weight matrices
+  # Hybrid layers (Qwen3.5-MoE). Empty `layer_types`: every layer is full attention.
+  layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "linear_attention"
+  attn_output_gate: bool = False  # q_proj also emits a per-head sigmoid gate on the output
+  partial_rotary_factor: float = 1.0  # RoPE rotates the first factor * head_dim dims only
+  zero_centered_norm: bool = False  # RMSNorms scale by (1 + w), w initialised at 0
+  linear_num_key_heads: int = 0  # Gated DeltaNet query/key heads
+  linear_num_value_heads: int = 0  # Gated DeltaNet value heads (a multiple of key heads)
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_conv_kernel: int = 4  # causal depthwise conv1d width over q, k, v
+  delta_chunk_size: int = 64  # chunk length of the chunked gated delta rule (prefill/train)
 
   def __post_init__(self):
     _require(self.arch in ARCHS, "arch", self.arch, f"use one of {ARCHS}")
@@ -78,6 +91,23 @@ class ModelConfig:
              self.sliding_window, "must be None or > 0")
     _require(self.rope_theta > 0 and self.rms_eps > 0, "rope_theta/rms_eps",
              (self.rope_theta, self.rms_eps), "must be > 0")
+    object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    _require(not self.layer_types or len(self.layer_types) == self.num_layers, "layer_types",
+             self.layer_types, f"must be empty or name all num_layers={self.num_layers} layers")
+    _require(all(t in LAYER_TYPES for t in self.layer_types), "layer_types", self.layer_types,
+             f"entries must be one of {LAYER_TYPES}")
+    _require(0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0
+             and self.rotary_dim > 0, "partial_rotary_factor", self.partial_rotary_factor,
+             f"must lie in (0, 1] and give an even rotary dim of head_dim={self.head_dim}")
+    if self.linear_layers:
+      for field in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                    "linear_value_head_dim", "linear_conv_kernel", "delta_chunk_size"):
+        value = getattr(self, field)
+        _require(isinstance(value, int) and value > 0, field, value,
+                 "must be a positive int when layer_types has linear_attention layers")
+      _require(self.linear_num_value_heads % self.linear_num_key_heads == 0,
+               "linear_num_value_heads", self.linear_num_value_heads,
+               f"must be a multiple of linear_num_key_heads={self.linear_num_key_heads}")
 
   @property
   def compute_dtype(self):
@@ -90,6 +120,21 @@ class ModelConfig:
   @property
   def num_moe_layers(self) -> int:
     return len(self.moe_layers)
+
+  @property
+  def linear_layers(self) -> tuple[int, ...]:
+    """Layers with Gated DeltaNet linear attention (a recurrent state, no KV cache)."""
+    return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+  @property
+  def attention_layers(self) -> tuple[int, ...]:
+    """Layers with full (softmax) attention over a KV cache."""
+    return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+  @property
+  def rotary_dim(self) -> int:
+    """Dims of each head RoPE rotates (Hugging Face: int(head_dim * partial_rotary_factor))."""
+    return int(self.head_dim * self.partial_rotary_factor)
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
@@ -140,10 +185,48 @@ def olmoe_1b_7b(**overrides) -> ModelConfig:
   return ModelConfig(**{**cfg, **overrides})
 
 
+def hybrid_layer_types(num_layers: int, full_attention_interval: int = 4) -> tuple[str, ...]:
+  """Qwen3.5's default pattern: every `full_attention_interval`-th layer full attention,
+  the others Gated DeltaNet."""
+  return tuple("full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+               for i in range(num_layers))
+
+
+def qwen3_5_tiny(**overrides) -> ModelConfig:
+  """Tests and CPU runs of the Qwen3.5-MoE architecture: 4 hybrid layers (3 Gated DeltaNet,
+  1 gated full attention), shared expert, partial RoPE."""
+  cfg = dict(name="qwen3_5_tiny", arch="qwen3_5_moe", vocab_size=128, d_model=64, num_layers=4,
+             num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+             moe_ffn_dim=32, shared_expert_dim=32, shared_expert_gate=True, norm_topk_prob=True,
+             qk_norm="head", layer_types=hybrid_layer_types(4), attn_output_gate=True,
+             partial_rotary_factor=0.25, zero_centered_norm=True, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+             linear_conv_kernel=4, delta_chunk_size=16, max_seq_len=256)
+  return ModelConfig(**{**cfg, **overrides})
+
+
+def qwen3_5_35b_a3b(**overrides) -> ModelConfig:
+  """Qwen/Qwen3.5-35B-A3B (text model): 40 layers, 3 of 4 Gated DeltaNet (16 QK / 32 V heads
+  of 128), every 4th gated full attention (GQA 16/2, head 256, RoPE on a quarter of it),
+  256 experts (top 8) of width 512 plus a gated shared expert of 512."""
+  cfg = dict(name="qwen3_5_35b_a3b", arch="qwen3_5_moe", vocab_size=248320, d_model=2048,
+             num_layers=40, num_heads=16, num_kv_heads=2, head_dim=256, num_experts=256,
+             num_experts_per_tok=8, moe_ffn_dim=512, shared_expert_dim=512,
+             shared_expert_gate=True, norm_topk_prob=True, qk_norm="head",
+             layer_types=hybrid_layer_types(40), attn_output_gate=True,
+             partial_rotary_factor=0.25, zero_centered_norm=True, linear_num_key_heads=16,
+             linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+             linear_conv_kernel=4, rope_theta=1e7, rms_eps=1e-6, max_seq_len=262144,
+             dtype="bfloat16")
+  return ModelConfig(**{**cfg, **overrides})
+
+
 PRESETS: dict[str, Callable[..., ModelConfig]] = {
     "tiny": tiny,
     "small": small,
+    "qwen3_5_tiny": qwen3_5_tiny,
     "qwen3_30b_a3b": qwen3_30b_a3b,
+    "qwen3_5_35b_a3b": qwen3_5_35b_a3b,
     "mixtral_8x7b": mixtral_8x7b,
     "olmoe_1b_7b": olmoe_1b_7b,
 }

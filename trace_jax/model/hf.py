@@ -1,4 +1,4 @@
-"""Load Hugging Face checkpoints of Qwen3-MoE, Mixtral and OLMoE: `from_hf(path)`.
+"""Load Hugging Face checkpoints of Qwen3-MoE, Qwen3.5-MoE, Mixtral and OLMoE: `from_hf(path)`.
 
 Reads config.json and *.safetensors (one file, or shards through
 model.safetensors.index.json) with NumPy memory maps, so no torch or transformers is
@@ -6,6 +6,7 @@ needed. Linear weights are stored [out, in] by Hugging Face and [in, out] here; 
 are stacked [E, in, out]. Both on-disk expert layouts exist in the wild: one tensor per
 expert (`experts.{e}.gate_proj.weight`, Mixtral's `w1/w2/w3`) and fused 3-D tensors
 (`experts.gate_up_proj` [E, 2f, d], `experts.down_proj` [E, d, f]); both load.
+Qwen3.5-MoE's own names, config nesting and skipped tensors live in `hf_qwen3_5`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from trace_jax.model import compressed
+from trace_jax.model import hf_qwen3_5
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.transformer import Transformer
 
@@ -27,6 +29,7 @@ SUPPORTED = {
     "qwen3_moe": ("Qwen3MoeForCausalLM",),
     "mixtral": ("MixtralForCausalLM",),
     "olmoe": ("OlmoeForCausalLM",),
+    "qwen3_5_moe": hf_qwen3_5.ARCHITECTURES,
 }
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -101,6 +104,8 @@ def _read_checkpoint(path: str) -> dict[str, np.ndarray]:
 def _arch(hf: dict) -> str:
   model_type = hf.get("model_type")
   archs = hf.get("architectures") or []
+  if hf_qwen3_5.is_qwen3_5(hf):
+    return "qwen3_5_moe"
   for arch, classes in SUPPORTED.items():
     if model_type == arch or any(a in classes for a in archs):
       return arch
@@ -142,6 +147,8 @@ def _check_supported(hf: dict, arch: str) -> None:
 def config_from_hf(hf: dict, dtype=jnp.float32) -> ModelConfig:
   """A ModelConfig from a Hugging Face config.json dict (either spelling of each field)."""
   arch = _arch(hf)
+  if arch == "qwen3_5_moe":
+    return hf_qwen3_5.config_from_hf(hf, "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32")
   _check_supported(hf, arch)
   d, heads = hf["hidden_size"], hf["num_attention_heads"]
   num_layers = hf["num_hidden_layers"]
@@ -209,11 +216,14 @@ def _tensor_map(cfg: ModelConfig, tensors) -> dict[tuple, Callable[[], np.ndarra
     block = ("blocks", i)
     spec[block + ("attn_norm", "scale")] = lambda p=p: get(f"{p}.input_layernorm.weight")
     spec[block + ("mlp_norm", "scale")] = lambda p=p: get(f"{p}.post_attention_layernorm.weight")
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      spec[block + ("attn", proj)] = lambda p=p, proj=proj: _transpose(get(f"{p}.self_attn.{proj}.weight"))
-    if cfg.qk_norm != "none":
-      for norm in ("q_norm", "k_norm"):
-        spec[block + ("attn", norm, "scale")] = lambda p=p, n=norm: get(f"{p}.self_attn.{n}.weight")
+    if cfg.arch == "qwen3_5_moe":  # Gated DeltaNet / gated attention, shared expert
+      spec.update(hf_qwen3_5.layer_tensor_map(cfg, i, get))
+    else:
+      for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        spec[block + ("attn", proj)] = lambda p=p, proj=proj: _transpose(get(f"{p}.self_attn.{proj}.weight"))
+      if cfg.qk_norm != "none":
+        for norm in ("q_norm", "k_norm"):
+          spec[block + ("attn", norm, "scale")] = lambda p=p, n=norm: get(f"{p}.self_attn.{n}.weight")
     if i in cfg.dense_layers:
       for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
         spec[block + ("mlp", ours)] = lambda p=p, t=theirs: _transpose(get(f"{p}.mlp.{t}.weight"))
@@ -299,6 +309,8 @@ def from_hf(path: str, dtype=jnp.float32) -> Transformer:
     raise ValueError(f"{path} has no config.json")
   cfg, hf = _read_config(config_path, dtype)
   tensors = compressed.decompress(hf, _read_checkpoint(path))  # FP4 checkpoints: dequantized
+  if cfg.arch == "qwen3_5_moe":  # published layout: rename, skip mtp.* / model.visual.*
+    tensors, _ = hf_qwen3_5.text_tensors(tensors)
   spec = _tensor_map(cfg, tensors)
 
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -12,20 +12,31 @@ def normal_param(rngs: nnx.Rngs, shape, std: float) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-  """x * rsqrt(mean(x^2) + eps) * scale, normalised in float32 (as Hugging Face does)."""
+  """x * rsqrt(mean(x^2) + eps) * scale, normalised in float32 (as Hugging Face does).
 
-  def __init__(self, dim: int, eps: float):
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+  `zero_centered` (Qwen3.5): the scale is (1 + w) with w initialised at 0 and the product
+  taken in float32 before the cast, as Hugging Face's Qwen3_5MoeRMSNorm does; otherwise
+  scale * normed in the input dtype (Llama / Qwen3 order).
+  """
+
+  def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+    self.scale = nnx.Param(jnp.full((dim,), 0.0 if zero_centered else 1.0, jnp.float32))
     self.eps = eps
+    self.zero_centered = zero_centered
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    if self.zero_centered:
+      return (normed * (1.0 + self.scale.get_value().astype(jnp.float32))).astype(x.dtype)
     return self.scale.get_value().astype(x.dtype) * normed.astype(x.dtype)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-  """cos, sin [B, T, head_dim] for integer positions [B, T] (Hugging Face "default" RoPE)."""
+  """cos, sin [B, T, head_dim] for integer positions [B, T] (Hugging Face "default" RoPE).
+
+  For partial rotary embeddings pass the rotary dim as `head_dim`: the frequencies are
+  those of a head of that width (Hugging Face: dim = int(head_dim * partial_rotary_factor))."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, head_dim / 2]
   angles = jnp.concatenate([angles, angles], axis=-1)
@@ -33,7 +44,11 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """x [B, T, H, Dh] rotated by the half-split ("rotate_half") convention."""
+  """x [B, T, H, Dh] rotated by the half-split ("rotate_half") convention; with tables
+  narrower than Dh (partial RoPE) only the first cos.shape[-1] dims rotate."""
+  rotary = cos.shape[-1]
+  if rotary < x.shape[-1]:
+    return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   cos = cos[:, :, None, :].astype(x.dtype)

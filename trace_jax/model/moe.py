@@ -110,7 +110,8 @@ class MoE(nnx.Module):
       # The shared expert reads moe_in's FP4 values only when it runs in FP4 itself (scope
       # "all"); under "experts+kv" it sees the high-precision input.
       shared_in = xq if sq.active("shared_mid") else x.reshape(n, d)
-      shared = self.shared(shared_in, layer, sq, "shared_mid")
+      # [B, T, d] in, so the shared_mid site (and its guidance) is laid out per token slot.
+      shared = self.shared(shared_in.reshape(b, t, d), layer, sq, "shared_mid").reshape(n, d)
       if self.shared_gate is not None:
         gate = jax.nn.sigmoid(matmul(shared_in, self.shared_gate.get_value().astype(xq.dtype)))
         shared = gate * shared

@@ -2,8 +2,10 @@
 
 Quantization sites (DESIGN.md section 2), per layer:
   attn_in     input of the q/k/v projections                 per token
-  attn_out    input of the output projection                 per token
+              (Gated DeltaNet layers: of in_proj_qkv and in_proj_z)
+  attn_out    input of the output projection (out_proj)      per token
   k, v        cache entries, after RoPE (k)                  per (token, KV head)
+              (full-attention layers only: linear layers keep a recurrent state)
   moe_in      input of the experts' gate/up projections      per token, once
   moe_mid     input of each routed expert's down projection  per (token, expert)
   shared_mid  input of the shared expert's down projection   per token
@@ -161,8 +163,12 @@ class QuantConfig:
 
 # Linear weights that FP4 can quantize; everything else (embedding, LM head, router, norms,
 # shared-expert gate) stays in high precision.
-QUANTIZED_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "w_gate", "w_up", "w_down"})
-_ATTENTION_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+# Gated DeltaNet's in/out projections (in_proj_qkv, in_proj_z, out_proj) belong to the
+# "attention" group (the token mixer); its decay/beta projections stay high precision.
+QUANTIZED_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "w_gate", "w_up", "w_down",
+                               "in_proj_qkv", "in_proj_z", "out_proj"})
+_ATTENTION_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
+                                "out_proj"})
 
 
 def weight_group(path: tuple) -> str | None:
@@ -200,7 +206,9 @@ def layer_sites(cfg, quant: QuantConfig | None) -> dict[int, tuple[str, ...]]:
     return {layer: () for layer in range(cfg.num_layers)}
   out = {}
   for layer in range(cfg.num_layers):
-    sites = ["attn_in", "attn_out", "k", "v"]
+    sites = ["attn_in", "attn_out"]
+    if layer not in cfg.linear_layers:
+      sites += ["k", "v"]
     if layer in cfg.dense_layers:
       sites += ["mlp_in", "mlp_mid"]
     else:

@@ -8,7 +8,8 @@ Calling convention (a contract with the rollout and training paths):
 logits are float32 [B, T, V]; aux["routing"] is int32 [num_moe_layers, B, T, k] with each
 token's experts in descending router probability; aux also holds "lb_loss" (mean over MoE
 layers), "router_load" [num_moe_layers, E], "router_entropy", and, when asked, "cache" (the
-updated KVCache), "sites" ({(layer, site): fp4.QArray} of every quantized activation) and
+updated cache: K/V at attention layers, conv and recurrent states at Gated DeltaNet
+layers), "sites" ({(layer, site): fp4.QArray} of every quantized activation) and
 "fallbacks" ({(layer, site): bool mask} of guidance fallbacks at guided sites).
 """
 
@@ -24,18 +25,21 @@ from flax import nnx
 from trace_jax.model.attention import Attention
 from trace_jax.model.cache import KVCache
 from trace_jax.model.config import ModelConfig
+from trace_jax.model.deltanet import GatedDeltaNet
 from trace_jax.model.layers import RMSNorm, normal_param, rope_tables
 from trace_jax.model.moe import MLP, MoE
 from trace_jax.model.quant import QuantConfig, SiteQuantizer
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: attention, then an MoE (or dense) feed-forward."""
+  """Pre-norm residual block: attention (softmax, or Gated DeltaNet at the linear layers of
+  a hybrid model), then an MoE (or dense) feed-forward."""
 
   def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
-    self.attn = Attention(cfg, rngs=rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, cfg.zero_centered_norm)
+    self.linear = layer in cfg.linear_layers
+    self.attn = GatedDeltaNet(cfg, rngs=rngs) if self.linear else Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, cfg.zero_centered_norm)
     if layer in cfg.dense_layers:
       self.mlp, self.moe = MLP(cfg.d_model, cfg.ffn_dim, cfg.init_std, rngs=rngs), None
     else:
@@ -43,8 +47,11 @@ class Block(nnx.Module):
     self.layer = layer
 
   def __call__(self, x, cos, sin, attn_mask, valid, sq, cache=None, index=None, routing=None):
-    attn_out, entries = self.attn(self.attn_norm(x), cos, sin, attn_mask, self.layer, sq,
-                                  cache, index)
+    if self.linear:  # cache: (conv, recurrent) state; entries: the updated state
+      attn_out, entries = self.attn(self.attn_norm(x), valid, self.layer, sq, cache)
+    else:
+      attn_out, entries = self.attn(self.attn_norm(x), cos, sin, attn_mask, self.layer, sq,
+                                    cache, index)
     x = x + attn_out
     h = self.mlp_norm(x)
     if self.moe is not None:
@@ -99,7 +106,7 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
     self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
-    self.final_norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+    self.final_norm = RMSNorm(cfg.d_model, cfg.rms_eps, cfg.zero_centered_norm)
     self.lm_head = (None if cfg.tie_embeddings
                     else normal_param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std))
 
@@ -154,7 +161,7 @@ class Transformer(nnx.Module):
                        f"({cfg.num_moe_layers}, {b}, {t}, {cfg.num_experts_per_tok})")
     sq = SiteQuantizer(quant, cfg.num_layers, dtype, guidance=guidance, record=record,
                        record_inputs=record_inputs, key=key, kernels=kernels)
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
     if cache is None:
       attn_mask = attention_mask(mask, jnp.broadcast_to(slots, (b, t)), slots, cfg.sliding_window)
       valid_cache = None
@@ -165,17 +172,23 @@ class Transformer(nnx.Module):
                                  cfg.sliding_window)
 
     x = embed_tokens(self.embed.get_value(), tokens).astype(dtype)
-    new_k, new_v, moe_stats = [], [], []
+    new_k, new_v, new_conv, new_recurrent, moe_stats = [], [], [], [], []
     for block in self.blocks:
-      layer_cache = None if cache is None else (cache.k[block.layer], cache.v[block.layer])
+      i = block.layer
+      layer_cache = None
+      if cache is not None:
+        layer_cache = (cache.conv[i], cache.recurrent[i]) if block.linear else (cache.k[i], cache.v[i])
       layer_routing = None
       if routing is not None and block.moe is not None:
         layer_routing = routing[len(moe_stats)]
       x, entries, stats = block(x, cos, sin, attn_mask, mask, sq, layer_cache, start,
                                 layer_routing)
       if entries is not None:
-        new_k.append(entries[0])
-        new_v.append(entries[1])
+        kv, states = ((None, None), entries) if block.linear else (entries, (None, None))
+        new_k.append(kv[0])
+        new_v.append(kv[1])
+        new_conv.append(states[0])
+        new_recurrent.append(states[1])
       if stats is not None:
         moe_stats.append(stats)
     # Final norm and LM head in float32: the log-probabilities RL needs are read here.
@@ -193,8 +206,10 @@ class Transformer(nnx.Module):
       aux["lb_loss"] = jnp.zeros((), jnp.float32)
       aux["router_load"] = jnp.zeros((0, cfg.num_experts), jnp.float32)
     if cache is not None:
+      hybrid = bool(cfg.linear_layers)
       aux["cache"] = KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid_cache,
-                             index=start + t)
+                             index=start + t, conv=tuple(new_conv) if hybrid else (),
+                             recurrent=tuple(new_recurrent) if hybrid else ())
     if record:
       aux["sites"] = dict(sq.records)
       aux["fallbacks"] = dict(sq.fallbacks)
