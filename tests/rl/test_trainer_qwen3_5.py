@@ -29,6 +29,6 @@ def test_one_step_per_arm_on_the_hybrid_preset(tmp_path, arm):
     assert key in metrics and np.isfinite(metrics[key]), key
   if arm.startswith("trace"):  # guided arms: guidance captured and followed
     for key in ("mismatch/k3_kl", "mismatch/logp_abs_diff", "is_ratio/mean",
-                "guidance/bytes_per_token", "guidance/agree_frac"):
+                "guidance/bytes_per_token", "guidance/followed_frac"):
       assert key in metrics and np.isfinite(metrics[key]), key
     assert metrics["guidance/bytes_per_token"] > 0
