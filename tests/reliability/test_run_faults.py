@@ -21,6 +21,9 @@ from trace_jax.rl import trainer as trainer_lib
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.trainer import DivergenceError, Trainer, read_metrics
 
+# Compiles whole RL / rollout programs: minutes on 2 cores; `pytest -m slow` runs it.
+pytestmark = pytest.mark.slow
+
 # The smallest run the trainer allows: bf16 arm, 1 problem x 2 samples, 2 new tokens, no SFT,
 # no evaluation, a checkpoint every step.
 CONFIG = dict(arm="bf16", preset="tiny", steps=3, prompts_per_step=1, group_size=2, minibatches=1,

@@ -11,6 +11,9 @@ import pytest
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.trainer import Trainer
 
+# Compiles whole RL / rollout programs: minutes on 2 cores; `pytest -m slow` runs it.
+pytestmark = pytest.mark.slow
+
 SLOW_ARMS = ["bf16", "fp4-rollout", "fp4-qat", "trace-full", "ptq"]
 
 

@@ -12,6 +12,9 @@ from trace_jax import model as M
 from trace_jax import rollout as R
 from trace_jax.training.forward import training_forward
 
+# Compiles whole RL / rollout programs: minutes on 2 cores; `pytest -m slow` runs it.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 17, 3], [9, 2, 44, 7, 61, 8, 30], [100]]
 
 
