@@ -40,7 +40,18 @@ _ieee_div_p.def_impl(functools.partial(jax_dispatch.apply_primitive, _ieee_div_p
 _ieee_div_p.def_abstract_eval(lambda a, b: jax.core.ShapedArray(a.shape, a.dtype))
 mlir.register_lowering(_ieee_div_p, mlir.lower_fun(_xla_true_divide, multiple_results=False))
 ad.defjvp(_ieee_div_p, lambda g, a, b: g / b, lambda g, a, b: -g * a / (b * b))
-batching.defbroadcasting(_ieee_div_p)
+
+
+def _batch_true_divide(args, dims):
+  # Operands have one shape (true_divide broadcasts them); vmap may batch either or both:
+  # put the batch axis first on both.
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  front = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+           for x, d in zip(args, dims)]
+  return _ieee_div_p.bind(*front), 0
+
+
+batching.primitive_batchers[_ieee_div_p] = _batch_true_divide
 
 
 @pallas_triton_lowering.register_lowering(_ieee_div_p)
@@ -100,7 +111,9 @@ def e2m1_grid_units(magnitude: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arr
   bits = jax.lax.bitcast_convert_type(magnitude, jnp.uint32)
   exponent = jnp.clip((bits >> 23).astype(jnp.int32) - 127, 0, 2)
   spacing = jax.lax.bitcast_convert_type((exponent + 126).astype(jnp.uint32) << 23, jnp.float32)
-  return exponent, spacing, magnitude / spacing
+  # m * 2^(1 - e'), exactly m / s, and no division for a backend to weaken.
+  inverse = jax.lax.bitcast_convert_type((128 - exponent).astype(jnp.uint32) << 23, jnp.float32)
+  return exponent, spacing, magnitude * inverse
 
 
 def round_half_even(units: jax.Array) -> jax.Array:

@@ -214,7 +214,8 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding, static_sca
       # gs = 1 where amax is 0; stay finite where amax is f32-subnormal.
       # True divisions (numerics.true_divide), as the spec divides: a reciprocal
       # multiply would flip exact ties of the block scale and of the codes.
-      global_scale = jnp.minimum((448.0 * 6.0) / jnp.where(amax > 0, amax, 448.0 * 6.0), _F32_MAX)
+      global_scale = jnp.minimum(
+          numerics.true_divide(448.0 * 6.0, jnp.where(amax > 0, amax, 448.0 * 6.0)), _F32_MAX)
       scale_bits = numerics.e4m3_encode(numerics.true_divide(amax_b, 6.0) * global_scale)
     else:
       global_scale = jnp.ones(finite.shape, jnp.float32)

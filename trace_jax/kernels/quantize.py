@@ -11,9 +11,9 @@ Compiled (Triton), two things keep it bit for bit:
   global scale): a K that is not (768, an expert's ffn width) is zero-padded to the next
   power of two. Zeros change no amax and quantize to code 0 with a zero block scale, and
   the padding is sliced off the outputs.
-- Triton divides float32 with `div.full.f32` (about 2 ulp), which moves exact ties, so
-  every float32 division of the format math is replaced, in the kernel's traced jaxpr,
-  by a correctly rounded one (`div.rn.f32`, `_divide_rn`): the spec's true division.
+- Triton divides float32 with `div.full.f32` (about 2 ulp), which moves exact ties; the
+  format math divides only through `fp4.numerics.true_divide`, whose Triton lowering is
+  the correctly rounded `tt.precise_divf` (PTX `div.rn.f32`): the spec's true division.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
-from jax.extend import core as jax_core
 
 from trace_jax import fp4
 from trace_jax.fp4 import tiles
@@ -40,57 +38,8 @@ def _check(x: jax.Array, fmt: str) -> int:
   return block
 
 
-def _divide_rn(a: jax.Array, b: jax.Array) -> jax.Array:
-  """IEEE float32 a / b, round to nearest even, on the Triton backend (PTX div.rn.f32)."""
-  a, b = jnp.broadcast_arrays(a, b)
-  [out] = pl_triton.elementwise_inline_asm(
-      "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
-  return out
-
-
-def with_division(fn, divide):
-  """fn, traced, with every float32 division of arrays done by `divide(a, b)` instead
-  (`_divide_rn` in the compiled kernel). Scalar divisions stay (constants, folded early)."""
-  def traced(*args):
-    closed = jax.make_jaxpr(fn)(*args)
-    return _eval_with_division(closed.jaxpr, closed.consts, divide, *args)
-  return traced
-
-
-def _eval_with_division(jaxpr, consts, divide, *args):
-  """Evaluate `jaxpr`, inlining nested jit calls, with `divide` for array divisions."""
-  env = {}
-  read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]  # noqa: E731
-  for var, value in zip(jaxpr.constvars, consts):
-    env[var] = value
-  for var, value in zip(jaxpr.invars, args):
-    env[var] = value
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    if eqn.primitive is jax.lax.div_p and eqn.outvars[0].aval.dtype == jnp.float32 and (
-        eqn.outvars[0].aval.shape):
-      outvals = [divide(*invals)]
-    elif eqn.primitive.name in ("pjit", "jit", "closed_call"):
-      inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-      outvals = _eval_with_division(inner.jaxpr, inner.consts, divide, *invals)
-    elif any(isinstance(p, (jax_core.Jaxpr, jax_core.ClosedJaxpr))
-             for p in eqn.params.values()):
-      raise NotImplementedError(f"quantize: {eqn.primitive} in the format math: divisions "
-                                "inside it would not be made exact")
-    else:
-      outvals = eqn.primitive.bind(*invals, **eqn.params)
-      outvals = outvals if eqn.primitive.multiple_results else [outvals]
-    for var, value in zip(eqn.outvars, outvals):
-      env[var] = value
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _kernel(x_ref, p_ref, s_ref, g_ref, b_ref, *, fmt, exact_division):
-  quantize_rows = functools.partial(tiles.quantize_rows, fmt=fmt)
-  if exact_division:
-    quantize_rows = with_division(quantize_rows, _divide_rn)
-  p_ref[...], s_ref[...], g_ref[...], b_ref[...] = quantize_rows(x_ref[...])
+def _kernel(x_ref, p_ref, s_ref, g_ref, b_ref, *, fmt):
+  p_ref[...], s_ref[...], g_ref[...], b_ref[...] = tiles.quantize_rows(x_ref[...], fmt)
 
 
 def tiling(k: int) -> dict[str, int]:
@@ -130,7 +79,7 @@ def quantize(x: jax.Array, fmt: str = "nvfp4", *, interpret: bool | None = None,
   widths = (width // 2, width // block, 1, width // 8)
   dtypes = (jnp.uint8, jnp.uint8, jnp.float32, jnp.uint8)
   packed, scales, global_scale, bits = dispatch.pallas_call(
-      functools.partial(_kernel, fmt=fmt, exact_division=not interpret),
+      functools.partial(_kernel, fmt=fmt),
       out_shape=[jax.ShapeDtypeStruct((rows, w), d) for w, d in zip(widths, dtypes)],
       grid=(rows // block_m,), in_specs=[pl.BlockSpec((block_m, width), lambda i: (i, 0))],
       out_specs=[pl.BlockSpec((block_m, w), lambda i: (i, 0)) for w in widths],
