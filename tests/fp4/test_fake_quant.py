@@ -101,3 +101,43 @@ def test_block_multiple_and_dtype_errors():
     fp4.quantize(jnp.ones((4, 48)), "mxfp4")
   with pytest.raises(ValueError, match="floating"):
     fp4.quantize(jnp.ones((4, 32), jnp.int32))
+
+
+class FakeQuantRecordTest(chex.TestCase):
+  """One quantization gives the values of `fake_quant` and the record of `quantize`."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_values_and_records_match_two_pass(self):
+    # bf16 inputs hit exact E2M1 ties; a NaN row checks the fault stays visible.
+    x = (jax.random.normal(jax.random.key(5), (3, 5, 64)) * 4).astype(jnp.bfloat16)
+    x = x.at[1, 2, 7].set(jnp.nan)
+    for fmt in ("nvfp4", "mxfp4"):
+      q = fp4.quantize(x, fmt, global_group="row")
+      want = fp4.fake_quant(x, fmt, global_group="row")
+      for form, record in (("full", q), ("compact", fp4.compact_guidance(q))):
+        values, got, fell_back = self.variant(
+            lambda x: fp4.fake_quant_record(x, fmt, form=form, global_group="row"))(x)
+        chex.assert_trees_all_equal(values, want)
+        chex.assert_trees_all_equal(got, record)
+        self.assertFalse(bool(jnp.any(fell_back)))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_guided_fallbacks_and_gradient(self):
+    x = jax.random.normal(jax.random.key(6), (4, 32))
+    rollout = fp4.quantize(x + 0.05 * jax.random.normal(jax.random.key(7), x.shape),
+                           global_group="row")
+    w = jax.random.normal(jax.random.key(8), x.shape)
+    for guidance in (rollout, fp4.compact_guidance(rollout)):
+      q, fb = fp4.quantize_with_fallbacks(x, rounding="guided", guidance=guidance)
+      values, record, fell_back = self.variant(lambda x, g: fp4.fake_quant_record(
+          x, form="full", rounding="guided", guidance=g))(x, guidance)
+      chex.assert_trees_all_equal(record, q)
+      chex.assert_trees_all_equal(fell_back, fb)
+      chex.assert_trees_all_equal(values, fp4.fake_quant(x, rounding="guided", guidance=guidance))
+      grad = jax.grad(lambda x: jnp.sum(w * fp4.fake_quant_record(
+          x, form="compact", rounding="guided", guidance=guidance)[0]))(x)
+      chex.assert_trees_all_equal(grad, w)
+
+  def test_bad_form(self):
+    with pytest.raises(ValueError, match="form='codes'"):
+      fp4.fake_quant_record(jnp.ones((2, 16)), form="codes")

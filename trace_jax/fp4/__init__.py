@@ -30,8 +30,10 @@ from trace_jax.fp4.qarray import (
     mantissa_bits,
 )
 from trace_jax.fp4.quantize import (
+    RECORD_FORMS,
     ROUNDING_MODES,
     fake_quant,
+    fake_quant_record,
     quantize,
     quantize_with_fallbacks,
 )

@@ -361,3 +361,72 @@ def _fake_quant_bwd(fmt, axis, group_axes, rounding, static_scale, g):
 
 
 _fake_quant_ste.defvjp(_fake_quant_fwd, _fake_quant_bwd)
+
+
+RECORD_FORMS = ("compact", "full")
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
+def _fake_quant_record(x, key, guidance, fmt, axis, group_axes, rounding, form):
+  """One pass of `_quantize_last`: the values of `_fake_quant_values` and the record of
+  `_quantize` (full) or of `compact_guidance(_quantize(...))` (compact), bit for bit."""
+  code, value, scale_bits, global_scale, fell_back = _quantize_last(
+      x, key, guidance, fmt, axis, group_axes, rounding)
+  step = numerics.true_divide(get_format(fmt).decode_scales(scale_bits), global_scale)
+  values = value * step[..., None]
+  values = jnp.moveaxis(values.reshape(*value.shape[:-2], -1), -1, axis).astype(x.dtype)
+  flat = code.reshape(*code.shape[:-2], -1)
+  scales = jnp.moveaxis(scale_bits, -1, axis)
+  global_scale = jnp.moveaxis(global_scale, -1, axis)
+  if form == "full":
+    record = QArray(packed=jnp.moveaxis(numerics.pack_codes(flat), -1, axis), scales=scales,
+                    global_scale=global_scale, fmt=fmt, axis=axis - x.ndim)
+  else:  # the mantissa bit is the code's lowest bit; packed from the codes, never re-derived
+    record = CompactGuidance(global_scale=global_scale, scales=scales,
+                             mantissa_bits=jnp.moveaxis(numerics.pack_bits(flat & 1), -1, axis),
+                             fmt=fmt, axis=axis - x.ndim)
+  return values, record, jnp.moveaxis(fell_back.reshape(flat.shape), -1, axis)
+
+
+def fake_quant_record(
+    x: jax.Array,
+    fmt: str = "nvfp4",
+    *,
+    form: str = "full",
+    axis: int = -1,
+    global_group: GlobalGroup = "tensor",
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+    guidance: Guidance | None = None,
+) -> tuple[jax.Array, Guidance, jax.Array]:
+  """`fake_quant` and its record from one quantization (what a recording site needs).
+
+  The record is in the form TRACE guidance stores: `form="full"` gives the `QArray`
+  (`quantize`), `form="compact"` its `CompactGuidance` (`compact_guidance(quantize(...))`),
+  both bit for bit, without quantizing twice or unpacking the codes again.
+
+  Returns:
+    (values as `fake_quant` (straight-through gradient), record, fell_back bool mask as
+    `quantize_with_fallbacks`).
+  """
+  if form not in RECORD_FORMS:
+    raise ValueError(f"fake_quant_record: form={form!r} is not allowed; use one of {RECORD_FORMS}")
+  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance)
+  return _fake_quant_record_ste(x, key, guidance, fmt, axis, group_axes, rounding, form)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _fake_quant_record_ste(x, key, guidance, fmt, axis, group_axes, rounding, form):
+  return _fake_quant_record(x, key, guidance, fmt, axis, group_axes, rounding, form)
+
+
+def _fake_quant_record_fwd(x, key, guidance, fmt, axis, group_axes, rounding, form):
+  return _fake_quant_record(x, key, guidance, fmt, axis, group_axes, rounding, form), None
+
+
+def _fake_quant_record_bwd(fmt, axis, group_axes, rounding, form, residual, g):
+  del fmt, axis, group_axes, rounding, form, residual
+  return g[0], None, None  # straight through to x; the record carries no gradient
+
+
+_fake_quant_record_ste.defvjp(_fake_quant_record_fwd, _fake_quant_record_bwd)
