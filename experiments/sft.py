@@ -17,7 +17,7 @@ from trace_jax.rl import episodes, warmstart
 from trace_jax.rl.trainer import check_workdir
 from trace_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 from trace_jax.tasks import CharTokenizer, get_task
-from trace_jax.rl.data import prompt_ids
+from trace_jax.rl.data import eval_seed, prompt_ids
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where to write the warm start.", required=True)
 _TASK = flags.DEFINE_string("task", "arith", "Task.")
@@ -44,7 +44,7 @@ def main(argv):
   record = warmstart.load_or_train(policy, workdir, task, tokenizer, steps=_STEPS.value,
                                    batch=_BATCH.value, seed=_SEED.value,
                                    learning_rate=_LR.value)
-  items = task.sample(10_007 * _SEED.value + 999_983, _EVAL.value)
+  items = task.sample(eval_seed(_SEED.value), _EVAL.value)
   prompt_len = max(len(prompt_ids(tokenizer, i)) for i in items)
   max_len = episodes.max_len_for(task, prompt_len, 32, 16)
   for precision in ("fp4", "bf16"):

@@ -16,9 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import json
-import os
-import tempfile
 from typing import Any, Mapping
 
 import jax
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax import fp4
+from trace_jax.utils.io import write_atomic
 
 GUIDANCE_MODES = ("none", "compact", "full")
 SiteKey = tuple[int, str]
@@ -124,8 +124,8 @@ class Guidance:
     return jax.device_put(self, sharding)
 
   def save(self, path: str) -> None:
-    """Write to one .npz file (atomically: a temporary file renamed into place), with a
-    SHA-256 of its contents that `load` verifies."""
+    """Write to one .npz file atomically (`utils.io.write_atomic`: a temporary file, fsynced,
+    renamed into place), with a SHA-256 of its contents that `load` verifies."""
     arrays = {}
     for (layer, site), g in self.sites.items():
       for field in dataclasses.fields(g):
@@ -139,17 +139,9 @@ class Guidance:
       arrays["routing"] = np.asarray(self.routing)
     meta = {"mode": self.mode, "layers": list(self.layers)}
     arrays["meta"] = np.asarray(json.dumps({**meta, "sha256": _digest(arrays, meta)}))
-    directory = os.path.dirname(os.path.abspath(path)) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".npz.tmp")
-    os.close(fd)
-    try:
-      with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-      os.replace(tmp, path)
-    except BaseException:
-      if os.path.exists(tmp):
-        os.remove(tmp)
-      raise
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_atomic(path, buffer.getvalue())
 
   @classmethod
   def load(cls, path: str) -> "Guidance":

@@ -50,3 +50,9 @@ def demonstration_pairs(task: Task, tokenizer: Tokenizer, seed: int, n: int
 
 def decode_responses(tokenizer: Tokenizer, responses: Sequence[Sequence[int]]) -> list[str]:
   return [tokenizer.decode(r) for r in responses]
+
+
+def eval_seed(seed: int) -> int:
+  """The seed of a run's fixed evaluation problems (RL and SFT share it, so their
+  evaluations score the same problems), apart from every training step's problems."""
+  return 10_007 * seed + 999_983

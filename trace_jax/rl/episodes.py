@@ -13,6 +13,7 @@ from trace_jax.rl import data
 from trace_jax.rollout.engine import Rollout, RolloutEngine
 from trace_jax.tasks.base import Item, Task
 from trace_jax.tasks.tokenizer import Tokenizer
+from trace_jax.utils import round_up
 
 
 @dataclasses.dataclass
@@ -28,7 +29,7 @@ class Episodes:
 def max_len_for(task: Task, prompt_len: int, max_new_tokens: int, bucket: int) -> int:
   """Cache slots an episode can need: the padded prompt, then per turn the action and
   the padded observation."""
-  rounded = lambda n: -(-n // bucket) * bucket
+  rounded = lambda n: round_up(n, bucket)
   per_turn = max_new_tokens + (rounded(8) if task.multi_turn else 0)
   return rounded(prompt_len) + task.max_turns * per_turn
 

@@ -39,6 +39,7 @@ from trace_jax.tasks.registry import get_task
 from trace_jax.tasks.tokenizer import CharTokenizer
 from trace_jax.training.forward import training_forward
 from trace_jax.training.sft import sft_batch, train_sft
+from trace_jax.utils import round_up
 
 MODES = ("bf16", "none", "none+replay", "compact", "full")
 REPORTED = ("k3_kl", "kl", "logp_abs_diff", "prob_diff_mean", "prob_diff_max")
@@ -76,7 +77,7 @@ class StudyConfig:
 def _sft(policy, task, tokenizer, config: StudyConfig, progress: bool) -> list[float]:
   pairs = data.demonstration_pairs(task, tokenizer, config.seed, 8)
   length = max(len(p) + len(c) for p, c in pairs) + 16
-  length = -(-length // 16) * 16
+  length = round_up(length, 16)
 
   def batches(step):
     pairs = data.demonstration_pairs(task, tokenizer, config.seed * 100_003 + step, config.sft_batch)

@@ -15,6 +15,7 @@ from trace_jax.tasks.base import Task
 from trace_jax.tasks.tokenizer import Tokenizer
 from trace_jax.training.sft import sft_batch, train_sft
 from trace_jax.utils import write_json
+from trace_jax.utils import round_up
 
 WARMSTART_DIR = "warmstart"
 
@@ -22,7 +23,7 @@ WARMSTART_DIR = "warmstart"
 def sft_length(task: Task, tokenizer: Tokenizer, seed: int) -> int:
   pairs = data.demonstration_pairs(task, tokenizer, seed, 64)
   longest = max(len(p) + len(c) for p, c in pairs)
-  return -(-(longest + 8) // 16) * 16
+  return round_up(longest + 8, 16)
 
 
 def run_sft(policy, task: Task, tokenizer: Tokenizer, *, steps: int, batch: int, seed: int,
