@@ -5,7 +5,8 @@
 
 One rollout batch (FP4, full guidance on every layer, routing) feeds all four; each step is a
 jitted forward + backward of a policy-gradient surrogate over the response tokens plus an
-Adam update, measured in the same run.
+Adam update, measured in the same run. A second table: the recording cost of the trainer's
+pi_old forward (every site's FP4 outcome returned beside the log-probabilities).
 """
 
 from absl import app, flags
@@ -26,9 +27,27 @@ _NEW = flags.DEFINE_integer("new_tokens", 112, "Generated tokens per sequence (p
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions (median).")
 
 
+def _recording_cost(name, policy, rollout, guidance):
+  """The trainer's pi_old forward (guided, full guidance, every layer) with and without
+  recording every site's outcome (what the per-layer disagreement metrics read)."""
+  quant = M.QuantConfig(rounding="guided", guided_layers="all")
+  seconds = {}
+  for record in (False, True):
+    @nnx.jit
+    def forward(model, r, guidance, record=record):
+      logp, _, aux = training_forward(model, r.tokens, r.positions, r.mask, quant=quant,
+                                      guidance=guidance, routing_replay=True,
+                                      dtype=jnp.bfloat16, record=record)
+      return logp, aux.get("sites")
+
+    seconds[record] = time_jitted(forward, policy, rollout, guidance, repeats=_REPEATS.value)
+  return (name, f"{seconds[False] * 1e3:.1f}", f"{seconds[True] * 1e3:.1f}",
+          f"{seconds[True] / seconds[False]:.2f}x")
+
+
 def main(argv):
   del argv
-  rows = []
+  rows, record_rows = [], []
   for name in _PRESETS.value:
     policy = M.Transformer(M.get_preset(name), rngs=nnx.Rngs(0))
     config = R.RolloutConfig(guidance="full", guided_layers="all", max_len=16 + _NEW.value,
@@ -64,9 +83,13 @@ def main(argv):
     for arm in arms:
       rows.append((name, arm, f"{seconds[arm] * 1e3:.1f}", f"{seconds[arm] / seconds['bf16']:.2f}x",
                    f"{bytes_per_token[arm]:.0f}"))
+    record_rows.append(_recording_cost(name, policy, rollout, rollout.guidance))
   print(f"\nbatch {_BATCH.value} x {16 + _NEW.value} slots, bf16 compute, backend "
         f"{jax.default_backend()}\n")
   print(markdown_table(["preset", "arm", "step ms", "vs bf16", "guidance bytes/token"], rows))
+  print()
+  print(markdown_table(["preset", "pi_old forward ms (trace full)", "+ record every site ms",
+                        "recording cost"], record_rows))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from trace_jax import fp4
+from trace_jax import guidance as G
 from trace_jax import model as M
 from trace_jax.model.layers import RMSNorm
 from trace_jax.model.moe import load_balancing_loss
@@ -80,14 +81,16 @@ def test_grouped_and_dense_dispatch_agree(quant):
 def test_routing_replay_uses_the_given_experts(tiny_model):
   tokens = _tokens(seed=2)
   logits, aux = run(tiny_model, tokens)
-  replayed, aux_r = run(tiny_model, tokens, routing=aux["routing"])
+  def replay(routing):  # routing replay travels inside the Guidance, as from a rollout
+    return G.Guidance(sites={}, routing=routing.astype(jnp.int8), mode="none", layers=())
+  replayed, aux_r = run(tiny_model, tokens, guidance=replay(aux["routing"]))
   np.testing.assert_array_equal(replayed, logits)
   other = (aux["routing"] + 1) % tiny_model.cfg.num_experts
-  forced, aux_f = run(tiny_model, tokens, routing=other)
+  forced, aux_f = run(tiny_model, tokens, guidance=replay(other))
   np.testing.assert_array_equal(aux_f["routing"], other)
   assert float(jnp.abs(forced - logits).max()) > 1e-4
   with pytest.raises(ValueError, match="routing has shape"):
-    run(tiny_model, tokens, routing=aux["routing"][:, :1])
+    run(tiny_model, tokens, guidance=replay(aux["routing"][:, :1]))
 
 
 def test_padding_does_not_change_real_tokens(tiny_model):

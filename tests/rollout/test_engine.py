@@ -16,11 +16,6 @@ PROMPTS = [[5, 17, 3], [9, 2, 44, 7, 61, 8, 30], [100]]
 
 
 @pytest.fixture(scope="module")
-def policy():
-  return M.Transformer(M.tiny(), rngs=nnx.Rngs(0))
-
-
-@pytest.fixture(scope="module")
 def f32_greedy(policy):
   config = R.RolloutConfig(precision="bf16", compute_dtype="float32", guidance="none",
                            max_len=64, prompt_bucket=8,

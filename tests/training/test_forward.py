@@ -21,11 +21,6 @@ FULL_ALL = M.QuantConfig(rounding="guided", guided_layers="all")
 
 
 @pytest.fixture(scope="module")
-def policy():
-  return M.Transformer(M.tiny(), rngs=nnx.Rngs(0))
-
-
-@pytest.fixture(scope="module")
 def captured(policy):
   """An FP4 rollout with full guidance on all layers and the activations it quantized."""
   config = R.RolloutConfig(precision="fp4", compute_dtype="float32", guidance="full",

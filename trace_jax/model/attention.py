@@ -15,7 +15,7 @@ from trace_jax import fp4, kernels
 from trace_jax.model import cache as kv_cache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import RMSNorm, apply_rope, normal_param
-from trace_jax.model.quant import SiteQuantizer
+from trace_jax.model.quant import SiteQuantizer, sow_site
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
 
@@ -78,7 +78,7 @@ class Attention(nnx.Module):
     the cache's L slots with one). Returns (out [B, T, d], (k, v) cache entries or None)."""
     b, t, _ = x.shape
     h, hkv, dh = self.shape
-    xq = sq(x, layer, "attn_in")
+    xq = sow_site(self, sq, x, layer, "attn_in")
     # One global scale for q, k and v (served as one fused qkv_proj).
     q, k, v = sq.matmuls(xq, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)],
                          "attention")
@@ -97,12 +97,15 @@ class Attention(nnx.Module):
 
     new_entries = None
     if cache is None:
-      k, v = sq(k, layer, "k"), sq(v, layer, "v")
+      k, v = sow_site(self, sq, k, layer, "k"), sow_site(self, sq, v, layer, "v")
     else:
       stored = []
       for name, value in (("k", k), ("v", v)):
         if sq.active(name):  # store the packed FP4 entry; attend to exactly its values
-          stored.append(sq.quantize_record(value, layer, name))
+          entry, record = sq.cache_entry(value, layer, name)
+          if record is not None:
+            self.sow(nnx.Intermediate, name, record)
+          stored.append(entry)
         else:
           stored.append(value)
       new_entries = tuple(kv_cache.write_slots(entry, new, index)
@@ -116,5 +119,5 @@ class Attention(nnx.Module):
     out = out.reshape(b, t, h * dh)
     if gate is not None:
       out = out * jax.nn.sigmoid(gate)
-    out = sq(out, layer, "attn_out")
+    out = sow_site(self, sq, out, layer, "attn_out")
     return sq.matmul(out, self.o_proj.get_value(), "attention"), new_entries

@@ -23,7 +23,7 @@ from flax import nnx
 
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import RMSNorm, normal_param
-from trace_jax.model.quant import SiteQuantizer
+from trace_jax.model.quant import SiteQuantizer, sow_site
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -180,7 +180,7 @@ class GatedDeltaNet(nnx.Module):
     b, t, _ = x.shape
     hk, hv, dk, dv = self.dims
     x = jnp.where(valid[..., None], x, 0)
-    xq = sq(x, layer, "attn_in")
+    xq = sow_site(self, sq, x, layer, "attn_in")
     qkv = sq.matmul(xq, self.in_proj_qkv.get_value(), "attention")
     z = sq.matmul(xq, self.in_proj_z.get_value(), "attention")
     # Decay and write strength from high-precision projections of the unquantized input.
@@ -207,6 +207,6 @@ class GatedDeltaNet(nnx.Module):
     normed = self.norm(core.astype(x.dtype))
     z = z.reshape(b, t, hv, dv).astype(jnp.float32)
     out = (normed.astype(jnp.float32) * jax.nn.silu(z)).astype(x.dtype).reshape(b, t, hv * dv)
-    out = sq(out, layer, "attn_out")
+    out = sow_site(self, sq, out, layer, "attn_out")
     out = sq.matmul(out, self.out_proj.get_value(), "attention")
     return out, (None if state is None else (new_conv, recurrent))

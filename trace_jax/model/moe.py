@@ -16,7 +16,7 @@ from flax import nnx
 
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import matmul, normal_param, swiglu
-from trace_jax.model.quant import SiteQuantizer
+from trace_jax.model.quant import SiteQuantizer, sow_site
 
 
 class MLP(nnx.Module):
@@ -32,7 +32,8 @@ class MLP(nnx.Module):
     mid_site: "mlp_mid" (a dense layer) or "shared_mid" (the shared expert)."""
     group = "shared" if mid_site == "shared_mid" else "mlp"
     gate, up = sq.matmuls(xq, (self.w_gate.get_value(), self.w_up.get_value()), group)  # shared gs
-    return sq.matmul(sq(swiglu(gate, up), layer, mid_site), self.w_down.get_value(), group)
+    return sq.matmul(sow_site(self, sq, swiglu(gate, up), layer, mid_site), self.w_down.get_value(),
+                     group)
 
 
 def route(probs: jax.Array, k: int, norm_topk: bool, routing: jax.Array | None):
@@ -99,7 +100,7 @@ class MoE(nnx.Module):
     probs = jax.nn.softmax(logits, axis=-1)
     experts, weights = route(probs, k, self.norm_topk,
                              None if routing is None else routing.reshape(n, k))
-    xq = sq(x, layer, "moe_in").reshape(n, d)
+    xq = sow_site(self, sq, x, layer, "moe_in").reshape(n, d)
     w_gate, w_up, w_down = (w.get_value() for w in (self.w_gate, self.w_up, self.w_down))
     if self.dispatch == "grouped":
       y = self._grouped(xq, experts, w_gate, w_up, w_down, layer, sq, (b, t))
@@ -140,7 +141,7 @@ class MoE(nnx.Module):
     h = swiglu(*sq.ragged_dots(xs, (w_gate, w_up), group_sizes))  # [N * k, f], sorted
     # Quantize in (token, slot) order so recorded and given guidance line up with tokens.
     h = h[inverse].reshape(*bt, k, -1)
-    h = sq(h, layer, "moe_mid").reshape(n * k, -1)[order]
+    h = sow_site(self, sq, h, layer, "moe_mid").reshape(n * k, -1)[order]
     return gmm(h, w_down)[inverse].reshape(n, k, -1)
 
   def _dense(self, xq, experts, w_gate, w_up, w_down, layer, sq, bt):
@@ -157,9 +158,9 @@ class MoE(nnx.Module):
                         preferred_element_type=jnp.float32).astype(a.dtype)
 
     h = swiglu(einsum("nd,edf->enf", xq, w_gate), einsum("nd,edf->enf", xq, w_up))  # [E, N, f]
-    if sq.record and sq.active("moe_mid"):  # record the chosen rows, (token, slot) order
+    if sq.records(layer) and sq.active("moe_mid"):  # record the chosen rows, (token, slot) order
       chosen = h[experts, jnp.arange(n)[:, None]]  # [N, k, f]
-      sq(chosen.reshape(*bt, k, -1), layer, "moe_mid")
-    h = sq(h, layer, "moe_mid", record=False)
+      sow_site(self, sq, chosen.reshape(*bt, k, -1), layer, "moe_mid")
+    h = sq(h, layer, "moe_mid")
     y = einsum("enf,efd->end", h, w_down)  # [E, N, d]
     return y[experts, jnp.arange(n)[:, None]]  # [N, k, d]

@@ -25,6 +25,19 @@ Which of them run in FP4 is a named scope, `QuantConfig(sites=...)`:
                  passes through (attention, shared expert) unrounded.
 A tuple of activation-site names (the older form) quantizes exactly those activation sites
 and, with `weights=True`, every linear weight.
+
+How a site runs (one seam for the rollout and the training path):
+  1. the module calls `sow_site(self, sq, x, layer, "site")` where the site is;
+  2. `SiteQuantizer.site` picks the rounding (nearest; guided by the rollout's record at
+     guided layers) and calls the pure `quantize_site`, which quantizes once and returns
+     (values, record), the record already in the guidance's stored form (`Recording.form`:
+     compact bits and scales, or full codes), the fused Pallas kernel's bits as it wrote them;
+  3. the module sows the `SiteRecord` into its `nnx.Intermediate` collection, and
+     `Transformer.__call__` pops them all (`collect_site_records`) into aux["sites"]
+     (and "fallbacks", "site_inputs"), keyed (layer, site) by the module path.
+Adding a site: that `sow_site` line in the module, and its name in `ACTIVATION_SITES`
+(plus `SCOPE_SITES` if a named scope includes it) and in `layer_sites`. Capture, guidance
+buffers, checks and metrics take the recorded sites as they come.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from typing import Any, Mapping, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx, struct
 
 from trace_jax import fp4, kernels as kernels_lib
 from trace_jax.model import layers
@@ -292,11 +306,122 @@ def shared_scale_groups(names: Sequence[str]) -> list[tuple[str, ...]]:
   return groups + [(n,) for n in names if n not in grouped]
 
 
-class SiteQuantizer:
-  """Quantizes one forward pass's activations and weights, applying and recording guidance.
+RECORD_FORMS = ("none",) + fp4.RECORD_FORMS
 
-  Created inside the forward (it is not a pytree); everything it records is returned by
-  the forward in `aux`.
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recording:
+  """What a forward records of its quantization sites (static: part of the jit key).
+
+  The records come out already in the form TRACE guidance stores (`Guidance.sites`), so the
+  rollout writes them into its buffers as they are and nothing is unpacked or repacked.
+  """
+
+  form: str = "none"  # the records' form: "none", "compact" (fp4.CompactGuidance) or "full" (QArray)
+  layers: tuple[int, ...] | None = None  # recorded layers; None: every layer
+  inputs: bool = False  # also keep each recorded site's input, before quantization
+
+  def __post_init__(self):
+    if self.form not in RECORD_FORMS:
+      raise ValueError(f"Recording.form={self.form!r} is not allowed; use one of {RECORD_FORMS}")
+    if self.layers is not None:
+      object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+
+  @property
+  def enabled(self) -> bool:
+    return self.form != "none" or self.inputs
+
+  def covers(self, layer: int) -> bool:
+    return self.enabled and (self.layers is None or layer in self.layers)
+
+
+@struct.dataclass
+class SiteRecord:
+  """What one quantization site reports beside its values (sown as an nnx.Intermediate).
+
+  Attributes:
+    record: the site's quantization outcome in guidance form (`fp4.QArray` for "full",
+      `fp4.CompactGuidance` for "compact"), or None.
+    fallback: bool, input-shaped: where guided rounding fell back (guided sites), or None.
+    input: the activation before quantization (`Recording.inputs`), or None.
+  """
+
+  record: Any = None
+  fallback: Any = None
+  input: Any = None
+
+
+def quantize_site(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: str,
+                  kernels: str) -> tuple[jax.Array, Any, jax.Array | None]:
+  """One activation site, per token (row): quantize once, return (values, record, fallback).
+
+  A pure function. `rounding`: {} (nearest) or the rounding kwargs of `fp4.quantize`
+  (stochastic with its key, guided with its guidance); `form`: "none", "compact" or "full"
+  (the record's guidance form, None when "none"). The fused Pallas kernel (nearest
+  rounding, `kernels="pallas"`) emits the compact guidance bits itself; the XLA path takes
+  values and record from one pass of `fp4.fake_quant_record`.
+  """
+  if kernels == "pallas" and not rounding:
+    q, bits = kernels_lib.quantize(x, fmt)
+    record = None
+    if form == "full":
+      record = q
+    elif form == "compact":
+      record = fp4.CompactGuidance(global_scale=q.global_scale, scales=q.scales,
+                                   mantissa_bits=bits, fmt=q.fmt, axis=q.axis)
+    return fp4.dequantize(q, x.dtype), record, None
+  if form == "none":
+    return fp4.fake_quant(x, fmt, global_group="row", **rounding), None, None
+  values, record, fell_back = fp4.fake_quant_record(x, fmt, form=form, global_group="row",
+                                                    **rounding)
+  return values, record, fell_back if rounding.get("rounding") == "guided" else None
+
+
+def cache_entry(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: str,
+                kernels: str) -> tuple[fp4.QArray, Any]:
+  """A K or V cache site: (the packed entry the cache stores, its record in `form`)."""
+  if kernels == "pallas" and not rounding:
+    q, bits = kernels_lib.quantize(x, fmt)
+  else:
+    q, bits = fp4.quantize(x, fmt, global_group="row", **rounding), None
+  record = None
+  if form == "full":
+    record = q
+  elif form == "compact":
+    record = (fp4.compact_guidance(q) if bits is None else fp4.CompactGuidance(
+        global_scale=q.global_scale, scales=q.scales, mantissa_bits=bits, fmt=q.fmt,
+        axis=q.axis))
+  return q, record
+
+
+def sow_site(module: nnx.Module, sq: "SiteQuantizer", x: jax.Array, layer: int, site: str
+             ) -> jax.Array:
+  """Quantize activation site `site` of `module` and sow its record (if any) into the
+  module's `nnx.Intermediate` collection, where `Transformer.__call__` collects it."""
+  values, record = sq.site(x, layer, site)
+  if record is not None:
+    module.sow(nnx.Intermediate, site, record)
+  return values
+
+
+def collect_site_records(model: nnx.Module) -> dict[SiteKey, SiteRecord]:
+  """Pop the `SiteRecord`s sown during a forward: {(layer, site): record}. Sites live at
+  `blocks/<layer>/.../<site>` of the model's graph."""
+  sown = nnx.pop(model, nnx.Intermediate)
+  out = {}
+  for path, variable in nnx.to_flat_state(sown):
+    value = variable.get_value() if hasattr(variable, "get_value") else variable.value
+    for item in (value if isinstance(value, tuple) else (value,)):
+      if isinstance(item, SiteRecord):
+        out[(int(path[1]), str(path[-1]))] = item
+  return out
+
+
+class SiteQuantizer:
+  """How one forward pass quantizes: config, guidance, rounding, kernels (immutable).
+
+  Created inside the forward; it collects nothing: `site` returns each site's record,
+  which the module sows (`sow_site`) and the forward collects the Flax way.
 
   Args:
     quant: the QuantConfig, or None for no quantization.
@@ -304,8 +429,7 @@ class SiteQuantizer:
     dtype: compute dtype of the returned activations and weights.
     guidance: (layer, site) -> `fp4.QArray` (full) or `fp4.CompactGuidance`, required for
       every quantized site of a guided layer when quant.rounding == "guided".
-    record: keep the `fp4.QArray` of every quantized activation site.
-    record_inputs: keep every quantized site's input too (to check captures against).
+    recording: what to record (`Recording`); None records nothing.
     key: PRNG key for quant.rounding == "stochastic".
     kernels: "xla" (dequantize, then XLA dots), "pallas" (the `trace_jax.kernels`: fused
       quantization, FP4 matmuls over packed weights, FP4 decode attention; forward only,
@@ -313,18 +437,14 @@ class SiteQuantizer:
   """
 
   def __init__(self, quant: QuantConfig | None, num_layers: int, dtype, *,
-               guidance: Mapping[SiteKey, Any] | None = None, record: bool = False,
-               record_inputs: bool = False, key: jax.Array | None = None,
+               guidance: Mapping[SiteKey, Any] | None = None,
+               recording: Recording | None = None, key: jax.Array | None = None,
                kernels: str = "xla"):
     self.quant = quant if quant is not None and quant.enabled else None
     self.kernels = kernels_lib.resolve(kernels)
     self.dtype = dtype
     self.guidance = dict(guidance or {})
-    self.record = record
-    self.record_inputs = record_inputs
-    self.records: dict[SiteKey, fp4.QArray] = {}
-    self.fallbacks: dict[SiteKey, jax.Array] = {}  # guided sites: bool, input-shaped
-    self.inputs: dict[SiteKey, jax.Array] = {}
+    self.recording = recording or Recording()
     self.key = key
     self.guided = set()
     if self.quant is not None and self.quant.rounding != "nearest":
@@ -337,6 +457,10 @@ class SiteQuantizer:
   def active(self, site: str) -> bool:
     return self.quant is not None and self.quant.quantizes(site)
 
+  def records(self, layer: int) -> bool:
+    """Whether this forward records the sites of `layer`."""
+    return self.recording.covers(layer)
+
   def _rounding(self, layer: int, site: str) -> dict:
     if layer not in self.guided:
       return {}
@@ -348,42 +472,37 @@ class SiteQuantizer:
                        f"has no entry for it (it has {sorted(self.guidance)[:8]}...)")
     return dict(rounding="guided", guidance=self.guidance[(layer, site)])
 
-  def __call__(self, x: jax.Array, layer: int, site: str, *, record: bool = True) -> jax.Array:
-    """Fake-quantize activation `x` [..., n] per row at (layer, site); identity if off."""
+  def site(self, x: jax.Array, layer: int, site: str, *, record: bool = True
+           ) -> tuple[jax.Array, SiteRecord | None]:
+    """Fake-quantize activation `x` [..., n] per row at (layer, site), quantizing once.
+
+    Returns (values, SiteRecord or None); identity (and no record) where the scope leaves
+    the site in high precision.
+    """
     if not self.active(site):
-      return x
-    kwargs = dict(global_group="row", **self._rounding(layer, site))
-    if self._fused(kwargs):  # the kernel quantizes anyway; its QArray gives the values
-      return fp4.dequantize(self._record(x, layer, site, kwargs, always=True, keep=record),
-                            x.dtype)
-    if record:
-      self._record(x, layer, site, kwargs)
-    return fp4.fake_quant(x, self.quant.fmt, **kwargs)
+      return x, None
+    keep = record and self.records(layer)
+    form = self.recording.form if keep else "none"
+    values, rec, fell_back = quantize_site(x, self.quant.fmt, rounding=self._rounding(layer, site),
+                                           form=form, kernels=self.kernels)
+    if not keep:
+      return values, None
+    return values, SiteRecord(record=rec, fallback=fell_back,
+                              input=x if self.recording.inputs else None)
 
-  def quantize_record(self, x: jax.Array, layer: int, site: str) -> fp4.QArray:
-    """The `fp4.QArray` of an activation site (for the FP4 KV cache)."""
-    kwargs = dict(global_group="row", **self._rounding(layer, site))
-    return self._record(x, layer, site, kwargs, always=True)
+  def __call__(self, x: jax.Array, layer: int, site: str) -> jax.Array:
+    """The values of `site` alone (nothing recorded)."""
+    return self.site(x, layer, site, record=False)[0]
 
-  def _fused(self, kwargs) -> bool:
-    """Whether this site quantizes with the fused kernel (nearest rounding only)."""
-    return self.kernels == "pallas" and "rounding" not in kwargs
-
-  def _record(self, x, layer, site, kwargs, always=False, keep=True):
-    """Quantize (if recording, or `always`), keeping the QArray / input if recording."""
-    q = None
-    if (keep and self.record) or always:
-      if self._fused(kwargs):
-        q, fell_back = kernels_lib.quantize(x, self.quant.fmt)[0], None
-      else:
-        q, fell_back = fp4.quantize_with_fallbacks(x, self.quant.fmt, **kwargs)
-      if keep and self.record:
-        self.records[(layer, site)] = q
-        if kwargs.get("rounding") == "guided":
-          self.fallbacks[(layer, site)] = fell_back
-    if keep and self.record_inputs:
-      self.inputs[(layer, site)] = x
-    return q
+  def cache_entry(self, x: jax.Array, layer: int, site: str
+                  ) -> tuple[fp4.QArray, SiteRecord | None]:
+    """The packed FP4 entry of a K/V cache site, and its record."""
+    keep = self.records(layer)
+    q, rec = cache_entry(x, self.quant.fmt, rounding=self._rounding(layer, site),
+                         form=self.recording.form if keep else "none", kernels=self.kernels)
+    if not keep:
+      return q, None
+    return q, SiteRecord(record=rec, input=x if self.recording.inputs else None)
 
   def weight(self, w, group: str) -> jax.Array:
     """A linear weight of `group` (one of `WEIGHT_GROUPS`) in the compute dtype: dequantized

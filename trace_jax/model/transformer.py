@@ -2,8 +2,8 @@
 
 Calling convention (a contract with the rollout and training paths):
 
-  logits, aux = model(tokens, positions=..., mask=..., quant=..., cache=..., routing=...,
-                      guidance=..., record=...)
+  logits, aux = model(tokens, positions=..., mask=..., quant=..., cache=..., guidance=...,
+                      record=...)
 
 logits are float32 [B, T, V]; aux["routing"] is int32 [num_moe_layers, B, T, k] with each
 token's experts in descending router probability; aux also holds "lb_loss" (mean over MoE
@@ -15,20 +15,19 @@ layers), "sites" ({(layer, site): fp4.QArray} of every quantized activation) and
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from trace_jax.guidance import Guidance
 from trace_jax.model.attention import Attention
 from trace_jax.model.cache import KVCache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.deltanet import GatedDeltaNet
 from trace_jax.model.layers import RMSNorm, normal_param, rope_tables
 from trace_jax.model.moe import MLP, MoE
-from trace_jax.model.quant import QuantConfig, SiteQuantizer
+from trace_jax.model.quant import QuantConfig, Recording, SiteQuantizer, collect_site_records, sow_site
 
 
 class Block(nnx.Module):
@@ -57,7 +56,8 @@ class Block(nnx.Module):
     if self.moe is not None:
       out, stats = self.moe(h, valid, self.layer, sq, routing)
     else:
-      out, stats = self.mlp(sq(h, self.layer, "mlp_in"), self.layer, sq, "mlp_mid"), None
+      xq = sow_site(self, sq, h, self.layer, "mlp_in")
+      out, stats = self.mlp(xq, self.layer, sq, "mlp_mid"), None
     return x + out, entries, stats
 
 
@@ -118,9 +118,8 @@ class Transformer(nnx.Module):
       mask: jax.Array | None = None,
       quant: QuantConfig | None = None,
       cache: KVCache | None = None,
-      routing: jax.Array | None = None,
-      guidance: Mapping[tuple[int, str], Any] | None = None,
-      record: bool = False,
+      guidance: Guidance | None = None,
+      record: bool | Recording = False,
       record_inputs: bool = False,
       key: jax.Array | None = None,
       dtype=None,
@@ -136,10 +135,13 @@ class Transformer(nnx.Module):
       quant: FP4 quantization (training path: fake-quantized master weights; rollout path:
         params made by `quantize_params`). None or precision "bf16": off.
       cache: a KVCache to write slots [cache.index, cache.index + T) into and attend over.
-      routing: int [num_moe_layers, B, T, k] experts to replay instead of routing.
-      guidance: {(layer, site): fp4 guidance} for quant.rounding == "guided".
-      record: return every quantized activation as aux["sites"].
-      record_inputs: also return their inputs, before quantization, as aux["site_inputs"].
+      guidance: the rollout's `Guidance`, the model's one guidance input: its sites drive
+        quant.rounding == "guided" (needs rounding "guided" when it holds any), and its
+        routing, if any, int [num_moe_layers, B, T, k], is replayed instead of routing.
+      record: a `Recording` (which layers, in which guidance form, inputs too), or True
+        for every site's `fp4.QArray`; returned as aux["sites"] (and aux["fallbacks"] of
+        guided sites, aux["site_inputs"] when inputs are recorded).
+      record_inputs: with record=True/False: also record the inputs, before quantization.
       key: PRNG key for stochastic rounding.
       dtype: compute dtype for this call (default cfg.dtype), e.g. bf16 for a rollout of a
         float32-configured policy.
@@ -156,11 +158,18 @@ class Transformer(nnx.Module):
     slots = start + jnp.arange(t, dtype=jnp.int32)
     if positions is None:
       positions = jnp.broadcast_to(slots, (b, t))
+    if guidance is not None and not isinstance(guidance, Guidance):
+      raise ValueError(f"guidance must be a trace_jax.guidance.Guidance, got "
+                       f"{type(guidance).__name__}")
+    routing = None if guidance is None else guidance.routing
     if routing is not None and routing.shape[:3] != (cfg.num_moe_layers, b, t):
       raise ValueError(f"routing has shape {routing.shape}; expected "
                        f"({cfg.num_moe_layers}, {b}, {t}, {cfg.num_experts_per_tok})")
-    sq = SiteQuantizer(quant, cfg.num_layers, dtype, guidance=guidance, record=record,
-                       record_inputs=record_inputs, key=key, kernels=kernels)
+    recording = record if isinstance(record, Recording) else Recording(
+        form="full" if record else "none", inputs=record_inputs)
+    sq = SiteQuantizer(quant, cfg.num_layers, dtype,
+                       guidance=None if guidance is None else guidance.sites, recording=recording,
+                       key=key, kernels=kernels)
     cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
     if cache is None:
       attn_mask = attention_mask(mask, jnp.broadcast_to(slots, (b, t)), slots, cfg.sliding_window)
@@ -210,9 +219,10 @@ class Transformer(nnx.Module):
       aux["cache"] = KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid_cache,
                              index=start + t, conv=tuple(new_conv) if hybrid else (),
                              recurrent=tuple(new_recurrent) if hybrid else ())
-    if record:
-      aux["sites"] = dict(sq.records)
-      aux["fallbacks"] = dict(sq.fallbacks)
-    if record_inputs:
-      aux["site_inputs"] = dict(sq.inputs)
+    records = collect_site_records(self)  # what the sites sowed (nnx.Intermediate)
+    if recording.form != "none":
+      aux["sites"] = {k: r.record for k, r in records.items() if r.record is not None}
+      aux["fallbacks"] = {k: r.fallback for k, r in records.items() if r.fallback is not None}
+    if recording.inputs:
+      aux["site_inputs"] = {k: r.input for k, r in records.items() if r.input is not None}
     return logits, aux

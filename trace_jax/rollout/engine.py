@@ -29,11 +29,12 @@ from trace_jax import guidance as guidance_lib
 from trace_jax import kernels as kernels_lib
 from trace_jax.model.cache import init_cache
 from trace_jax.model.sharding import batch_sharding
-from trace_jax.model.quant import resolve_layers
+from trace_jax.model.quant import Recording, resolve_layers
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
 from trace_jax.rollout.params import quantize_params_jit
 from trace_jax.rollout.sampling import sample
+from trace_jax.utils import round_up
 
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 FINISH_NAMES = ("running", "stop", "length")
@@ -143,24 +144,30 @@ def _write(buffer, new, slot, axis=1):
 
 
 def _empty_like(tree, slots: int, axis: int = 1):
-  """Buffers shaped like `tree` but with `slots` along `axis`; global scales start at 1 so
-  that guidance of empty slots decodes to 0, never to NaN."""
+  """Zero buffers shaped like `tree` but with `slots` along `axis`."""
 
-  def empty(path, leaf):
+  def empty(leaf):
     shape = list(leaf.shape)
     shape[axis] = slots
-    fill = 1 if any(getattr(p, "name", None) == "global_scale" for p in path) else 0
-    return jnp.full(shape, fill, leaf.dtype)
+    return jnp.zeros(shape, leaf.dtype)
 
-  return jax.tree_util.tree_map_with_path(empty, tree)
+  return jax.tree.map(empty, tree)
 
 
-def _forward(graphdef, params, tokens, positions, mask, cache, config: RolloutConfig,
-             capture: bool, capture_inputs: bool):
+def _empty_records(sites, slots: int):
+  """Guidance buffers for {(layer, site): record}: zeros, but global scales one, so the
+  guidance of an empty slot decodes to 0, never to NaN."""
+  def empty(record):
+    record = _empty_like(record, slots)
+    return dataclasses.replace(record, global_scale=jnp.ones_like(record.global_scale))
+  return {key: empty(record) for key, record in sites.items()}
+
+
+def _forward(graphdef, params, tokens, positions, mask, cache, st: "_Statics"):
   model = nnx.merge(graphdef, params)
+  config = st.config
   return model(tokens, positions=positions, mask=mask, quant=config.quant, cache=cache,
-               record=capture, record_inputs=capture_inputs, dtype=config.compute_dtype,
-               kernels=config.kernels)
+               record=st.recording, dtype=config.compute_dtype, kernels=config.kernels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,17 +180,18 @@ class _Statics:
   capture_inputs: bool
 
   @property
-  def capture(self) -> bool:
-    return self.config.guidance != "none" or self.capture_inputs
+  def recording(self) -> Recording:
+    """The guided layers' sites, recorded in the guidance's own form (and inputs)."""
+    return Recording(form=self.config.guidance, layers=self.guided_layers,
+                     inputs=self.capture_inputs)
 
 
 def _captured(aux, st: _Statics):
-  """(guidance site entries, routing, inputs) of one forward's aux, for the guided layers."""
-  sites = guidance_lib.from_records(aux.get("sites", {}), st.config.guidance, st.guided_layers)
+  """(guidance site entries, routing, inputs) of one forward's aux: the guided layers'
+  records, already in the guidance's stored form."""
+  sites = aux.get("sites", {})
   routing = aux["routing"].astype(st.routing_dtype) if st.config.record_routing else None
-  inputs = None
-  if st.capture_inputs:
-    inputs = {k: v for k, v in aux["site_inputs"].items() if k[0] in st.guided_layers}
+  inputs = aux.get("site_inputs") if st.capture_inputs else None
   return sites, routing, inputs
 
 
@@ -199,8 +207,7 @@ def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Stati
   slot = r.cache.index
   start_pos = jnp.sum(r.mask, axis=-1, dtype=jnp.int32)[:, None]
   positions = start_pos + jnp.maximum(jnp.cumsum(chunk_mask, axis=-1) - 1, 0)
-  logits, aux = _forward(graphdef, params, chunk, positions, chunk_mask, r.cache, st.config,
-                         st.capture, st.capture_inputs)
+  logits, aux = _forward(graphdef, params, chunk, positions, chunk_mask, r.cache, st)
   sites, routing, inputs = _captured(aux, st)
   updates = dict(
       tokens=_write(r.tokens, jnp.where(chunk_mask, chunk, st.config.pad_id), slot),
@@ -258,12 +265,12 @@ def _empty_rollout(graphdef, params, batch: int, st: _Statics) -> Rollout:
   cache = init_cache(cfg, batch, slots, config.quant, dtype=jnp.dtype(config.compute_dtype))
   one = jnp.zeros((batch, 1), jnp.int32)
   sites, routing, inputs = jax.eval_shape(
-      lambda p, c: _captured(_forward(graphdef, p, one, one, one > -1, c, config, st.capture,
-                                      st.capture_inputs)[1], st), params, cache)
+      lambda p, c: _captured(_forward(graphdef, p, one, one, one > -1, c, st)[1], st),
+      params, cache)
   guidance = None
   if config.guidance != "none" or routing is not None:
     guidance = guidance_lib.Guidance(
-        sites=_empty_like(sites, slots), routing=None, mode=config.guidance,
+        sites=_empty_records(sites, slots), routing=None, mode=config.guidance,
         layers=st.guided_layers if config.guidance != "none" else ())
   zeros = lambda dtype: jnp.zeros((batch, slots), dtype)
   return Rollout(
@@ -308,7 +315,7 @@ def _pad_left(sequences: Sequence[Sequence[int]], bucket: int, pad_id: int, what
   """Left-pad token lists into int32 [B, C] (C a multiple of `bucket`) and a bool mask."""
   lengths = [len(s) for s in sequences]
   width = max(max(lengths), 1)
-  width = -(-width // bucket) * bucket
+  width = round_up(width, bucket)
   tokens = np.full((len(sequences), width), pad_id, np.int32)
   mask = np.zeros((len(sequences), width), bool)
   for i, seq in enumerate(sequences):

@@ -10,6 +10,8 @@ experts. Gradients are straight-through either way.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -92,10 +94,9 @@ def training_forward(model: Transformer, tokens, positions, mask, *, quant: Quan
   check_token_ids(tokens, model.cfg.vocab_size, "training_forward tokens")
   check_guidance(model, quant, guidance, tokens.shape, routing_replay)
   guided = quant is not None and quant.enabled and quant.rounding == "guided"
-  routing = None
-  if routing_replay:
-    routing = guidance.routing.astype(jnp.int32)
-  logits, aux = model(tokens, positions=positions, mask=mask, quant=quant,
-                      guidance=guidance.site_map() if guided else None, routing=routing,
+  if guidance is not None:  # what this forward follows of it: sites if guided, experts if replayed
+    guidance = dataclasses.replace(guidance, sites=guidance.sites if guided else {},
+                                   routing=guidance.routing if routing_replay else None)
+  logits, aux = model(tokens, positions=positions, mask=mask, quant=quant, guidance=guidance,
                       record=record, record_inputs=record_inputs, dtype=dtype)
   return token_logprobs(logits, tokens, temperature), logits, aux
