@@ -3,11 +3,12 @@
   for each step:
     1. sample problems, `group_size` samples each;
     2. roll out with the arm's precision, capturing its guidance (one or more turns);
-    3. move the guidance to the host (where it waits for the trainer), then back;
+    3. keep the guidance on the device: the trainer consumes it at once;
     4. training-path log-probs of the sampled tokens = pi_old, with the arm's quantization,
        guidance and routing replay; the mismatch metrics compare them with the rollout's;
     5. minibatch GRPO updates (optax);
-    6. weight sync: the rollout engines re-quantize the new weights (`quantize_params`);
+    6. weight sync: an engine re-quantizes the new weights (`quantize_params`) when it
+       next runs, once per step per rollout precision;
   and every `eval_every` steps a greedy evaluation in FP4 and in bf16.
 
 Everything random derives from (seed, step), and checkpoints hold the policy, optimizer,
@@ -28,12 +29,13 @@ import functools
 import json
 import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, struct
 from tqdm.auto import tqdm
 
 from trace_jax.model.config import get_preset
@@ -52,28 +54,45 @@ from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
 from trace_jax.tasks.tokenizer import CharTokenizer
 from trace_jax.training.forward import token_entropy, training_forward
-from trace_jax.utils import append_jsonl, read_jsonl, write_atomic
+from trace_jax.utils import append_jsonl, read_jsonl, round_up, write_atomic
 
 _STATIC = ("quant", "replay", "dtype", "temperature")
 
 
-@functools.partial(nnx.jit, static_argnames=_STATIC)
-def _old_logprobs(policy, batch, guidance, *, quant, replay, dtype, temperature):
-  logp, logits, aux = training_forward(policy, batch["tokens"], batch["positions"], batch["mask"],
+@struct.dataclass
+class TrainExample:
+  """The trainer's unit between stages: one step's trajectories, [B, S] (minibatch rows
+  taken by `jax.tree.map`). `old_logp` and `advantages` are filled in by scoring."""
+
+  tokens: jax.Array  # int32 [B, S]
+  positions: jax.Array  # int32 [B, S]
+  mask: jax.Array  # bool [B, S], every real token
+  response_mask: jax.Array  # bool [B, S], the tokens the loss trains
+  rollout_logp: jax.Array  # float32 [B, S], log pi_rollout
+  old_logp: jax.Array | None = None  # float32 [B, S], log pi_old (training path, step start)
+  advantages: jax.Array | None = None  # float32 [B]
+
+
+@functools.partial(nnx.jit, static_argnames=_STATIC + ("record",))
+def _old_logprobs(policy, example: TrainExample, guidance, *, quant, replay, dtype, temperature,
+                  record: bool):
+  """(log pi_old, entropy, guidance fallbacks, training-path site records): the records
+  (full QArrays, for the per-layer disagreement) only when `record`."""
+  logp, logits, aux = training_forward(policy, example.tokens, example.positions, example.mask,
                                        quant=quant, guidance=guidance, routing_replay=replay,
-                                       temperature=temperature, dtype=dtype, record=True)
+                                       temperature=temperature, dtype=dtype, record=record)
   return logp, token_entropy(logits, temperature), aux.get("fallbacks", {}), aux.get("sites", {})
 
 
 @functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config",))
-def _train_step(policy, opt, batch, guidance, ref_logp, *, quant, replay, dtype, temperature,
-                loss_config):
+def _train_step(policy, opt, example: TrainExample, guidance, ref_logp, *, quant, replay, dtype,
+                temperature, loss_config):
   def loss_fn(policy):
-    logp, _, aux = training_forward(policy, batch["tokens"], batch["positions"], batch["mask"],
+    logp, _, aux = training_forward(policy, example.tokens, example.positions, example.mask,
                                     quant=quant, guidance=guidance, routing_replay=replay,
                                     temperature=temperature, dtype=dtype)
-    loss, stats = grpo_loss(logp, batch["old_logp"], batch["rollout_logp"], batch["advantages"],
-                            batch["response_mask"], loss_config, ref_logp)
+    loss, stats = grpo_loss(logp, example.old_logp, example.rollout_logp, example.advantages,
+                            example.response_mask, loss_config, ref_logp)
     return loss + policy.cfg.router_aux_loss_coef * aux["lb_loss"], stats
 
   (loss, stats), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
@@ -88,6 +107,30 @@ def _param_health(policy) -> tuple[jax.Array, jax.Array]:
   finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
   max_abs = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
   return finite, max_abs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Collected:
+  """What `Trainer._collect` hands on: the played episodes, their (trimmed) rollout, the
+  training example and the arm's guidance (on the device)."""
+
+  played: episodes_lib.Episodes
+  rollout: Any
+  example: TrainExample
+  guidance: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scored:
+  """What `Trainer._score` hands on: the example with pi_old and advantages, and what the
+  metrics read of the training path."""
+
+  example: TrainExample
+  guidance: Any
+  ref_logp: Any
+  entropy: Any
+  fallbacks: dict
+  train_sites: dict
 
 
 class DivergenceError(FloatingPointError):
@@ -162,7 +205,7 @@ class Trainer:
     capture = self.arm.guidance
     if self.measured and capture == "none":
       capture = "compact"
-    self.engine = RolloutEngine(self.policy, base.replace(
+    self._engine = RolloutEngine(self.policy, base.replace(
         precision=self.arm.rollout_precision, guidance=capture,
         guided_layers="all" if self.measured else self.arm.guided_layers,
         record_routing=self.arm.routing_replay), mesh=self.mesh)
@@ -172,8 +215,18 @@ class Trainer:
                           guidance="none", record_routing=False)
     self.eval_engines = {"fp4": RolloutEngine(self.policy, greedy.replace(precision="fp4"), mesh=self.mesh),
                          "bf16": RolloutEngine(self.policy, greedy.replace(precision="bf16"), mesh=self.mesh)}
-    self.eval_items = self.task.sample(10_007 * config.seed + 999_983, config.eval_size)
+    # Weight sync bookkeeping: the step whose weights the policy holds, and per engine (and
+    # per rollout precision) the step whose weights it holds; all engines start synced.
+    self._weights_step = self.step
+    self._engine_step = {id(e): self.step for e in (self._engine, *self.eval_engines.values())}
+    self._made_weights = {}
+    self.eval_items = self.task.sample(data.eval_seed(config.seed), config.eval_size)
     self._truncate_metrics(self.step)
+
+  @property
+  def engine(self) -> RolloutEngine:
+    """The arm's rollout engine, holding the current policy's rollout weights."""
+    return self._synced(self._engine)
 
   # --- state --------------------------------------------------------------------------------
 
@@ -246,73 +299,111 @@ class Trainer:
                                routing=self._shard(guidance.routing, axis=1))
 
   def train_step(self) -> dict:
-    """One RL step; returns its metrics."""
-    config, step = self.config, self.step + 1
-    key = self._key(step)
+    """One RL step: collect -> score -> update -> log; returns its metrics."""
+    step = self.step + 1
     start = time.time()
+    collected = self._collect(step)
+    rollout_seconds = time.time() - start
+    start = time.time()
+    scored = self._score(collected)
+    losses, stats_list, norms = self._update(step, scored)
+    train_seconds = time.time() - start
+    metrics = self._metrics(step, collected, scored, losses, stats_list, norms)
+    metrics.update(rollout_seconds=rollout_seconds, train_seconds=train_seconds)
+    self.step = step
+    return metrics
+
+  def _collect(self, step: int) -> "_Collected":
+    """Roll out this step's problems with the arm's engine; keep the guidance on the
+    device (the trainer consumes it at once) and select the arm's own guided layers."""
+    config = self.config
     problems = self.task.sample(1_000_003 * config.seed + step, config.prompts_per_step)
     items = [item for item in problems for _ in range(config.group_size)]
-    played = episodes_lib.play(self.engine, self.task, self.tokenizer, items, key)
-    slots = -(-played.rollout.used_slots // 16) * 16
+    played = episodes_lib.play(self.engine, self.task, self.tokenizer, items,
+                               self._key(step))
+    slots = round_up(played.rollout.used_slots, 16)
     rollout = played.rollout.trim(min(slots, played.rollout.tokens.shape[1]))
-    captured = None if rollout.guidance is None else rollout.guidance.to_host()  # host-held
     guidance = None
-    if captured is not None and (self.arm.guidance != "none" or self.arm.routing_replay):
-      guidance = captured.select_layers(self.guided_layers)  # the arm's own layers
-    rollout_seconds = time.time() - start
+    if rollout.guidance is not None and (self.arm.guidance != "none" or self.arm.routing_replay):
+      guidance = self._shard_guidance(rollout.guidance.select_layers(self.guided_layers))
+    example = TrainExample(**self._shard({
+        "tokens": rollout.tokens, "positions": rollout.positions, "mask": rollout.mask,
+        "response_mask": rollout.response_mask, "rollout_logp": rollout.logprobs}))
+    return _Collected(played=played, rollout=rollout, example=example, guidance=guidance)
 
-    start = time.time()
-    if guidance is not None:
-      guidance = self._shard_guidance(guidance.to_device())
-    batch = self._shard({"tokens": rollout.tokens, "positions": rollout.positions,
-                         "mask": rollout.mask, "response_mask": rollout.response_mask,
-                         "rollout_logp": rollout.logprobs})
-    static = self._static()
-    old_logp, entropy, fallbacks, train_sites = _old_logprobs(self.policy, batch, guidance, **static)
+  def _score(self, c: "_Collected") -> "_Scored":
+    """pi_old (and the reference's log-probs) on the training path, and the advantages;
+    the training path's site records only where the disagreement metrics read them."""
+    config, static = self.config, self._static()
+    old_logp, entropy, fallbacks, train_sites = _old_logprobs(
+        self.policy, c.example, c.guidance, record=self.measured, **static)
     ref_logp = None
     if self.reference is not None:
-      ref_logp = _old_logprobs(self.reference, batch, guidance, **static)[0]
-    rewards = jnp.asarray(played.rewards)
-    advantages = group_advantages(rewards, config.group_size, std_norm=config.loss.std_norm)
-    batch.update(old_logp=old_logp, advantages=self._shard(advantages))
+      ref_logp = _old_logprobs(self.reference, c.example, c.guidance, record=False, **static)[0]
+    advantages = group_advantages(jnp.asarray(c.played.rewards), config.group_size,
+                                  std_norm=config.loss.std_norm)
+    example = c.example.replace(old_logp=old_logp, advantages=self._shard(advantages))
+    return _Scored(example=example, guidance=c.guidance, ref_logp=ref_logp, entropy=entropy,
+                   fallbacks=fallbacks, train_sites=train_sites)
+
+  def _update(self, step: int, s: "_Scored"):
+    """Minibatch GRPO updates; raises DivergenceError before anything of a bad step is kept."""
+    config, static = self.config, self._static()
+    guidance = s.guidance
     updates = []  # (loss, stats, grad norm) per minibatch, left on device until all ran
     size = config.batch // config.minibatches
-    for epoch in range(config.epochs):
+    for _ in range(config.epochs):
       for m in range(config.minibatches):
         rows = np.arange(m * size, (m + 1) * size)
-        mini = jax.tree.map(lambda a: a[rows], batch)
+        mini = jax.tree.map(lambda a: a[rows], s.example)
         mini_guidance = None if guidance is None else guidance.take(rows)
-        mini_ref = None if ref_logp is None else ref_logp[rows]
+        mini_ref = None if s.ref_logp is None else s.ref_logp[rows]
         updates.append(_train_step(self.policy, self.opt, mini, mini_guidance, mini_ref,
                                    loss_config=config.loss_config, **static))
     (losses, stats_list, norms), (finite, max_abs) = jax.device_get(
         (tuple(zip(*updates)), _param_health(self.policy)))
     self._check_update(step, losses, norms, bool(finite), float(max_abs))
-    for engine in (self.engine, *self.eval_engines.values()):
-      engine.sync(self.policy)  # weight sync
-    train_seconds = time.time() - start
+    self._weights_step = step  # the rollout weights are re-made when next needed
+    return losses, stats_list, norms
 
+  def _metrics(self, step: int, c: "_Collected", s: "_Scored", losses, stats_list, norms) -> dict:
+    """The step's metrics line (DESIGN.md section 4 names)."""
+    config, played, rollout = self.config, c.played, c.rollout
     response_mask = np.asarray(rollout.response_mask)
     metrics = {"step": step, "rewards/mean": float(np.mean(played.rewards)),
                "rewards/std": float(np.std(played.rewards)), "loss": float(np.mean(losses)),
                "grad_norm": float(np.mean(norms)),
-               **{name: float(np.mean([s[name] for s in stats_list])) for name in stats_list[0]},
-               "entropy": float(np.sum(np.asarray(entropy) * response_mask) / max(response_mask.sum(), 1)),
+               **{name: float(np.mean([x[name] for x in stats_list])) for name in stats_list[0]},
+               "entropy": float(np.sum(np.asarray(s.entropy) * response_mask)
+                                / max(response_mask.sum(), 1)),
                "completions/mean_length": float(response_mask.sum(1).mean()),
                "episodes/mean_turns": float(played.turns.mean()),
-               "guidance/bytes_per_token": 0.0 if guidance is None or self.arm.guidance == "none"
-               else float(guidance.bytes_per_token()),
-               "rollout_seconds": rollout_seconds, "train_seconds": train_seconds,
-               "kernels/rollout": self.engine.kernels}  # "pallas" or "xla": what ran
-    if self.engine.kernels_fallback:
-      metrics["kernels/fallback_reason"] = self.engine.kernels_fallback
-    metrics.update(mismatch_metrics(rollout.logprobs, old_logp, rollout.response_mask,
+               "guidance/bytes_per_token": 0.0 if c.guidance is None or self.arm.guidance == "none"
+               else float(c.guidance.bytes_per_token()),
+               "kernels/rollout": self._engine.kernels}  # "pallas" or "xla": what ran
+    if self._engine.kernels_fallback:
+      metrics["kernels/fallback_reason"] = self._engine.kernels_fallback
+    metrics.update(mismatch_metrics(rollout.logprobs, s.example.old_logp, rollout.response_mask,
                                     tis_threshold=config.loss.tis_threshold))
-    metrics.update(guidance_agreement(fallbacks, rollout.mask))
-    if self.measured and captured is not None:  # bits and scales always; codes if full
-      metrics.update(disagreement_metrics(captured.sites, train_sites, rollout.mask))
-    self.step = step
+    metrics.update(guidance_agreement(s.fallbacks, rollout.mask))
+    if self.measured and rollout.guidance is not None:  # bits and scales always; codes if full
+      metrics.update(disagreement_metrics(rollout.guidance.sites, s.train_sites, rollout.mask))
     return metrics
+
+  def _synced(self, engine: RolloutEngine) -> RolloutEngine:
+    """`engine` with the current policy's rollout weights: the weight sync (FP4 packing)
+    runs once per step per rollout precision actually used, when an engine is about to
+    run, so evaluation engines that run every `eval_every` steps sync only then."""
+    if self._engine_step.get(id(engine)) != self._weights_step:
+      weights = (engine.config.quant, engine.config.compute_dtype)
+      made = self._made_weights.get(weights)
+      if made is None or made[0] != self._weights_step:
+        engine.sync(self.policy)
+        self._made_weights[weights] = (self._weights_step, engine.graphdef, engine.params)
+      else:
+        engine.graphdef, engine.params = made[1], made[2]
+      self._engine_step[id(engine)] = self._weights_step
+    return engine
 
   def _check_update(self, step, losses, norms, finite: bool, max_abs: float) -> None:
     """Raise DivergenceError if step `step` broke the policy (before it is logged or saved)."""
@@ -345,7 +436,7 @@ class Trainer:
       return out
     key = jax.random.key(0)
     for precision, engine in self.eval_engines.items():
-      played = episodes_lib.play(engine, self.task, self.tokenizer, self.eval_items, key)
+      played = episodes_lib.play(self._synced(engine), self.task, self.tokenizer, self.eval_items, key)
       out[f"eval/reward_{precision}"] = float(np.mean(played.rewards))
     return out
 
