@@ -24,20 +24,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 from trace_jax.rl.mismatch_study import MODES, StudyConfig, run_study  # noqa: E402
 from trace_jax.utils import markdown_table, write_json  # noqa: E402
 
-_PRESET = flags.DEFINE_string("preset", "small", "Model preset.")
+_D = StudyConfig()  # every study flag's default is StudyConfig's own
+_PRESET = flags.DEFINE_string("preset", _D.preset, "Model preset.")
 _JSON = flags.DEFINE_string("json_out", "runs/mismatch.json", "Where to write the JSON results.")
-_D = StudyConfig()
 _FP4_SITES = flags.DEFINE_string("fp4_sites", _D.fp4_sites, "FP4 scope: all or experts+kv.")
 _FMT = flags.DEFINE_string("fmt", _D.fmt, "FP4 format: nvfp4 or mxfp4.")
 _PNG = flags.DEFINE_string("png_out", None, "Plot path (default: next to --json_out).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the SFT data, init and rollouts.")
-_SFT_STEPS = flags.DEFINE_integer("sft_steps", 300, "SFT warm-start steps.")
-_ROLLOUTS = flags.DEFINE_integer("rollouts", 64, "Sequences in the studied batch.")
-_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 48, "Max generated tokens per sequence.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
-_DTYPE = flags.DEFINE_enum("compute_dtype", "bfloat16", ["bfloat16", "float32"],
+_SEED = flags.DEFINE_integer("seed", _D.seed, "Seed of the SFT data, init and rollouts.")
+_SFT_STEPS = flags.DEFINE_integer("sft_steps", _D.sft_steps, "SFT warm-start steps.")
+_ROLLOUTS = flags.DEFINE_integer("rollouts", _D.rollouts, "Sequences in the studied batch.")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", _D.new_tokens, "Max generated tokens per sequence.")
+_TEMPERATURE = flags.DEFINE_float("temperature", _D.temperature, "Sampling temperature.")
+_DTYPE = flags.DEFINE_enum("compute_dtype", _D.compute_dtype, ["bfloat16", "float32"],
                            "Activation dtype of both paths.")
-_TASK = flags.DEFINE_string("task", "arith", "Built-in task for the warm start and prompts.")
+_TASK = flags.DEFINE_string("task", _D.task, "Built-in task for the warm start and prompts.")
 
 
 def plot(results: dict, path: str) -> None:

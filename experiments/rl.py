@@ -14,6 +14,7 @@ first unless one is there.
 """
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -23,14 +24,16 @@ from absl import app, flags, logging
 from trace_jax.rl import report
 from trace_jax.rl.checkpoint import CheckpointError
 from trace_jax.rl.config import ARMS, RLConfig
-from trace_jax.rl.grpo import LossConfig
+from trace_jax.rl.grpo import AGGREGATIONS, CORRECTIONS
 from trace_jax.rl.trainer import Trainer, read_metrics
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<arm>-<task>-<time>).")
-_ARM = flags.DEFINE_string("arm", "trace", f"One of {sorted(ARMS)}.")
-_TASK = flags.DEFINE_string("task", "arith", "Task: arith, coding, search, or rg:<name>.")
-_TASK_OPTIONS = flags.DEFINE_list("task_options", [], "key=value options of the task (ints parsed).")
-_D = RLConfig()
+_D = RLConfig()  # every flag's default is the config classes' own
+_L = _D.loss
+_ARM = flags.DEFINE_string("arm", _D.arm, f"One of {sorted(ARMS)}.")
+_TASK = flags.DEFINE_string("task", _D.task, "Task: arith, coding, search, or rg:<name>.")
+_TASK_OPTIONS = flags.DEFINE_list("task_options", [f"{k}={v}" for k, v in _D.task_options],
+                                  "key=value options of the task (ints parsed).")
 _PRESET = flags.DEFINE_string("preset", _D.preset, "Model preset.")
 _STEPS = flags.DEFINE_integer("steps", _D.steps, "RL steps.")
 _SEED = flags.DEFINE_integer("seed", _D.seed, "Seed of everything random.")
@@ -39,22 +42,22 @@ _GROUP = flags.DEFINE_integer("group_size", _D.group_size, "Samples per problem.
 _NEW = flags.DEFINE_integer("max_new_tokens", _D.max_new_tokens, "Max tokens per turn.")
 _TEMP = flags.DEFINE_float("temperature", _D.temperature, "Sampling temperature.")
 _LR = flags.DEFINE_float("learning_rate", _D.learning_rate, "Adam learning rate.")
-_MINIBATCHES = flags.DEFINE_integer("minibatches", 2, "Updates per step.")
-_CLIP_LOW = flags.DEFINE_float("clip_low", 0.2, "Ratio clip below: 1 - clip_low.")
-_CLIP_HIGH = flags.DEFINE_float("clip_high", 0.28, "Ratio clip above: 1 + clip_high.")
-_AGG = flags.DEFINE_enum("aggregation", "token", ["token", "sequence"], "Loss aggregation.")
-_STD = flags.DEFINE_bool("std_norm", True, "Divide advantages by the group std.")
-_KL = flags.DEFINE_float("kl_coef", 0.0, "KL-to-reference weight.")
-_CORR = flags.DEFINE_enum("rollout_correction", "auto", ["auto", "tis", "mask", "none"],
-                          "Correction on pi_old / pi_rollout (auto: TIS for fp4-rollout).")
-_TIS = flags.DEFINE_float("tis_threshold", 2.0, "TIS truncation / masking threshold.")
+_MINIBATCHES = flags.DEFINE_integer("minibatches", _D.minibatches, "Updates per step.")
+_CLIP_LOW = flags.DEFINE_float("clip_low", _L.clip_low, "Ratio clip below: 1 - clip_low.")
+_CLIP_HIGH = flags.DEFINE_float("clip_high", _L.clip_high, "Ratio clip above: 1 + clip_high.")
+_AGG = flags.DEFINE_enum("aggregation", _L.aggregation, list(AGGREGATIONS), "Loss aggregation.")
+_STD = flags.DEFINE_bool("std_norm", _L.std_norm, "Divide advantages by the group std.")
+_KL = flags.DEFINE_float("kl_coef", _L.kl_coef, "KL-to-reference weight.")
+_CORR = flags.DEFINE_enum("rollout_correction", _D.correction, ["auto", *CORRECTIONS],
+                          "Correction on pi_old / pi_rollout (auto: the arm's; TIS for fp4-rollout).")
+_TIS = flags.DEFINE_float("tis_threshold", _L.tis_threshold, "TIS truncation / masking threshold.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", _D.eval_every, "Greedy evaluation period (steps).")
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", _D.eval_size, "Evaluation problems.")
 _SFT = flags.DEFINE_integer("sft_steps", _D.sft_steps, "Warm-start SFT steps (when the workdir has none).")
 _CKPT = flags.DEFINE_integer("checkpoint_every", _D.checkpoint_every,
                              "Checkpoint period in steps (and at the last step); 0 = never.")
-_MESH = flags.DEFINE_list("mesh", ["1", "1", "1"], "data,expert,model device counts.")
-_DTYPE = flags.DEFINE_enum("compute_dtype", "bfloat16", ["bfloat16", "float32"], "Activations.")
+_MESH = flags.DEFINE_list("mesh", [str(m) for m in _D.mesh], "data,expert,model device counts.")
+_DTYPE = flags.DEFINE_enum("compute_dtype", _D.compute_dtype, ["bfloat16", "float32"], "Activations.")
 _FP4_SITES = flags.DEFINE_string("fp4_sites", _D.fp4_sites,
                                  "FP4 scope: all, or experts+kv (the method's: routed experts and KV cache).")
 _FMT = flags.DEFINE_string("fmt", _D.fmt, "FP4 format: nvfp4 or mxfp4.")
@@ -96,9 +99,9 @@ def _main(argv):
         seed=_SEED.value, steps=_STEPS.value, prompts_per_step=_PROMPTS.value,
         group_size=_GROUP.value, max_new_tokens=_NEW.value, temperature=_TEMP.value,
         learning_rate=_LR.value, minibatches=_MINIBATCHES.value,
-        loss=LossConfig(clip_low=_CLIP_LOW.value, clip_high=_CLIP_HIGH.value,
-                        aggregation=_AGG.value, std_norm=_STD.value, kl_coef=_KL.value,
-                        tis_threshold=_TIS.value),
+        loss=dataclasses.replace(_L, clip_low=_CLIP_LOW.value, clip_high=_CLIP_HIGH.value,
+                                 aggregation=_AGG.value, std_norm=_STD.value,
+                                 kl_coef=_KL.value, tis_threshold=_TIS.value),
         correction=_CORR.value, eval_every=_EVAL_EVERY.value, eval_size=_EVAL_SIZE.value,
         sft_steps=_SFT.value, checkpoint_every=_CKPT.value,
         mesh=tuple(int(m) for m in _MESH.value), compute_dtype=_DTYPE.value,

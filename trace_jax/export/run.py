@@ -22,7 +22,8 @@ from trace_jax.utils.io import write_json
 def config_from_meta(saved: dict) -> RLConfig:
   """The RLConfig a checkpoint's metadata was written from."""
   fields = dict(saved)
-  fields["loss"] = LossConfig(**fields["loss"])
+  # (configs saved before RLConfig.correction became the one knob hold "tis" here)
+  fields["loss"] = LossConfig(**{**fields["loss"], "rollout_correction": "none"})
   fields["task_options"] = tuple(tuple(kv) for kv in fields.get("task_options", ()))
   fields["mesh"] = tuple(fields.get("mesh", (1, 1, 1)))
   return RLConfig(**fields)

@@ -8,47 +8,86 @@ from typing import Any
 
 from trace_jax.model.config import PRESETS
 from trace_jax import fp4
-from trace_jax.model.quant import SITE_SCOPES, QuantConfig
-from trace_jax.rl.grpo import LossConfig
+from trace_jax.guidance import GUIDANCE_MODES
+from trace_jax.model.quant import SITE_SCOPES, GuidedLayers, QuantConfig
+from trace_jax.rl.grpo import CORRECTIONS, LossConfig
 from trace_jax.tasks.registry import get_task, registered
 
 
-@dataclasses.dataclass(frozen=True)
+TRAIN_PATHS = ("bf16", "qat", "guided")
+PRECISIONS = ("bf16", "fp4")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Arm:
-  """How one arm rolls out and trains.
+  """How one arm rolls out and trains (DESIGN.md section 4).
 
   Attributes:
     name: the arm's name.
     rollout_precision: "bf16" or "fp4" (W4A4 + FP4 KV cache).
+    train: the training path: "bf16" (no quantization), "qat" (FP4 QAT, nearest rounding)
+      or "guided" (FP4 QAT rounded by the rollout's guidance at `guided_layers`).
     guidance: what the rollout captures for the trainer: "none", "compact" or "full".
-    guided_layers: which layers.
-    train_quant: the training path's QuantConfig (None: bf16, no quantization).
+    guided_layers: the layers guidance covers, stated once: the rollout captures them and
+      the training path rounds by them ("none" without guidance).
     routing_replay: train with the rollout's experts.
     correction: the default rollout correction ("tis", "mask", "none").
     deploy: precision the arm's policy is deployed (and headline-evaluated) in.
   """
 
   name: str
-  rollout_precision: str
-  guidance: str
-  guided_layers: Any
-  train_quant: QuantConfig | None
-  routing_replay: bool
-  correction: str
-  deploy: str
+  rollout_precision: str  # "bf16" or "fp4"
+  train: str  # "bf16", "qat" or "guided"
+  guidance: str = "none"  # "none", "compact" or "full"
+  guided_layers: GuidedLayers = "none"  # "last_half", "all", "none", a count, or ids
+  routing_replay: bool = False
+  correction: str = "none"  # "tis", "mask" or "none"
+  deploy: str = "fp4"  # "bf16" or "fp4"
+
+  def __post_init__(self):
+    for field, allowed in (("rollout_precision", PRECISIONS), ("train", TRAIN_PATHS),
+                           ("guidance", GUIDANCE_MODES), ("correction", CORRECTIONS),
+                           ("deploy", PRECISIONS)):
+      if getattr(self, field) not in allowed:
+        raise ValueError(f"Arm.{field}={getattr(self, field)!r} is not allowed; use one of "
+                         f"{allowed}")
+    if not isinstance(self.guided_layers, (str, int)):
+      object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
+    QuantConfig(guided_layers=self.guided_layers)  # validates the layer spec
+    guided = self.guided_layers != "none"
+    if self.train == "guided" and (self.guidance == "none" or not guided):
+      raise ValueError(f"Arm {self.name!r}: train='guided' needs guidance ('compact' or 'full') "
+                       f"and guided layers; got guidance={self.guidance!r}, "
+                       f"guided_layers={self.guided_layers!r}")
+    if self.train != "guided" and (self.guidance != "none" or guided):
+      raise ValueError(f"Arm {self.name!r}: guidance={self.guidance!r} / guided_layers="
+                       f"{self.guided_layers!r} are only read by train='guided' (train="
+                       f"{self.train!r})")
+    if self.guidance != "none" and self.rollout_precision != "fp4":
+      raise ValueError(f"Arm {self.name!r}: guidance records FP4 rounding; it needs "
+                       f"rollout_precision='fp4'")
+
+  @property
+  def train_quant(self) -> QuantConfig | None:
+    """The training path's QuantConfig (None: bf16, no quantization)."""
+    if self.train == "bf16":
+      return None
+    if self.train == "qat":
+      return QuantConfig()
+    return QuantConfig(rounding="guided", guided_layers=self.guided_layers)
 
 
-ARMS = {
-    "bf16": Arm("bf16", "bf16", "none", "none", None, False, "none", "bf16"),
-    "fp4-rollout": Arm("fp4-rollout", "fp4", "none", "none", None, False, "tis", "fp4"),
-    "fp4-qat": Arm("fp4-qat", "fp4", "none", "none", QuantConfig(), False, "none", "fp4"),
-    "trace": Arm("trace", "fp4", "compact", "last_half",
-                 QuantConfig(rounding="guided", guided_layers="last_half"), True, "none", "fp4"),
-    "trace-full": Arm("trace-full", "fp4", "full", "all",
-                      QuantConfig(rounding="guided", guided_layers="all"), True, "none", "fp4"),
+ARMS = {arm.name: arm for arm in (
+    Arm(name="bf16", rollout_precision="bf16", train="bf16", deploy="bf16"),
+    Arm(name="fp4-rollout", rollout_precision="fp4", train="bf16", correction="tis"),
+    Arm(name="fp4-qat", rollout_precision="fp4", train="qat"),
+    Arm(name="trace", rollout_precision="fp4", train="guided", guidance="compact",
+        guided_layers="last_half", routing_replay=True),
+    Arm(name="trace-full", rollout_precision="fp4", train="guided", guidance="full",
+        guided_layers="all", routing_replay=True),
     # PTQ: trained exactly like bf16; its headline is the FP4 evaluation of that policy.
-    "ptq": Arm("ptq", "bf16", "none", "none", None, False, "none", "fp4"),
-}
+    Arm(name="ptq", rollout_precision="bf16", train="bf16"),
+)}
 
 
 def get_arm(name: str) -> Arm:
@@ -76,7 +115,8 @@ class RLConfig:
   learning_rate: float = 1e-4
   minibatches: int = 2  # optimizer updates per epoch
   epochs: int = 1
-  loss: LossConfig = LossConfig(rollout_correction="none")
+  loss: LossConfig = LossConfig(rollout_correction="none")  # its rollout_correction is set
+  #   by `correction` (the one knob); leave it "none"
   correction: str = "auto"  # rollout correction: "auto" = the arm's default, or tis/mask/none
   compute_dtype: str = "bfloat16"  # activations on both paths
   prompt_bucket: int = 0  # pad prompts / observations to a multiple; 0 = 16 (8 multi-turn)
@@ -115,8 +155,12 @@ class RLConfig:
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ValueError(f"RLConfig.{name}={value!r} must be a finite number > 0")
-    if self.correction not in ("auto", "tis", "mask", "none"):
+    if self.correction not in ("auto",) + CORRECTIONS:
       raise ValueError(f"RLConfig.correction={self.correction!r}; use auto, tis, mask or none")
+    if self.loss.rollout_correction != "none":
+      raise ValueError(f"RLConfig.loss.rollout_correction={self.loss.rollout_correction!r}: "
+                       f"the rollout correction has one knob, RLConfig.correction (auto, tis, "
+                       f"mask or none); leave the LossConfig's at 'none'")
     if self.batch % self.minibatches:
       raise ValueError(f"RLConfig: batch {self.batch} (prompts_per_step x group_size) does not "
                        f"split into {self.minibatches} minibatches")
@@ -157,6 +201,8 @@ class RLConfig:
     """Fields whose values differ from a saved config dict (JSON round-tripped)."""
     mine = _jsonish(self.to_dict())
     theirs = _jsonish(other)
+    if isinstance(theirs.get("loss"), dict):  # saved before `correction` was the one knob
+      theirs["loss"] = {**theirs["loss"], "rollout_correction": "none"}
     return sorted(k for k in set(mine) | set(theirs)
                   if k not in ignore and mine.get(k) != theirs.get(k))
 
