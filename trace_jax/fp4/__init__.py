@@ -31,6 +31,7 @@ from trace_jax.fp4.qarray import (
 )
 from trace_jax.fp4.quantize import (
     ROUNDING_MODES,
+    SCALE_RULES,
     fake_quant,
     quantize,
     quantize_with_fallbacks,

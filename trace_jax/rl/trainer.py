@@ -46,7 +46,8 @@ from trace_jax.rl import warmstart
 from trace_jax.rl.checkpoint import Checkpoints
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.grpo import group_advantages, grpo_loss
-from trace_jax.rl.metrics import disagreement_metrics, guidance_agreement, mismatch_metrics
+from trace_jax.rl.metrics import (disagreement_metrics, group_reward_metrics, guidance_agreement,
+                                  mismatch_metrics)
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
@@ -306,6 +307,7 @@ class Trainer:
                "kernels/rollout": self.engine.kernels}  # "pallas" or "xla": what ran
     if self.engine.kernels_fallback:
       metrics["kernels/fallback_reason"] = self.engine.kernels_fallback
+    metrics.update(group_reward_metrics(played.rewards, config.group_size))
     metrics.update(mismatch_metrics(rollout.logprobs, old_logp, rollout.response_mask,
                                     tis_threshold=config.loss.tis_threshold))
     metrics.update(guidance_agreement(fallbacks, rollout.mask))
