@@ -192,7 +192,7 @@ def markdown(cells, confidence: float = 0.95) -> str:
        "s per cell"], rows)
 
 
-def _curve_band(cells, task, arm, key="curve_train", window=5):
+def curve_band(cells, task, arm, key="curve_train", window=5):
   curves = [c["summary"].get(key) for c in cells if c["task"] == task and c["arm"] == arm]
   curves = [c for c in curves if c and len(c[0])]
   if not curves:
@@ -219,7 +219,7 @@ def plot(cells, out_dir: str, title: str = "") -> list[str]:
                                         ("curve_eval", "greedy eval reward (deploy precision)"))):
       ax = axes[row, j]
       for arm in arms:
-        band = _curve_band(cells, task, arm, key)
+        band = curve_band(cells, task, arm, key)
         if band is None:
           continue
         steps, mean, lo, hi = band
