@@ -1,8 +1,8 @@
 """Every arm on every (task, seed), resumable, with intervals across seeds.
 
-  python experiments/compare_arms.py --seeds=0,1,2 --tasks=arith,search       # the comparison
-  python experiments/compare_arms.py --seeds=0,1,2 --tasks=arith,search --stress   # stress
-  python experiments/compare_arms.py --name=smoke --seeds=0 --tasks=arith,search \
+  python experiments/compare_arms.py --seeds=0,1,2 --tasks=arith,coding       # the comparison
+  python experiments/compare_arms.py --seeds=0,1,2 --tasks=arith --stress   # stress
+  python experiments/compare_arms.py --name=smoke --seeds=0 --tasks=arith,coding --preset=tiny \
       --steps=3 --sft_steps=10 --eval_size=16 --eval_every=3                  # a quick smoke
 
 Arms: bf16, fp4-rollout, fp4-qat, trace, trace-full (trained), then ptq and ptq-46 (the bf16
@@ -38,7 +38,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _D = RLConfig()
 _NAME = flags.DEFINE_string("name", None, "Results name (default: 'default', or 'stress').")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
-_TASKS = flags.DEFINE_list("tasks", ["arith", "search"], "Tasks.")
+_TASKS = flags.DEFINE_list("tasks", ["arith", "coding"], "Tasks.")
 _ARMS = flags.DEFINE_list("arms", list(compare.ALL_ARMS), "Arms (ptq arms need bf16).")
 _STRESS = flags.DEFINE_bool("stress", False, "Stress setting: 2x steps, LR x4, no correction.")
 _STEPS = flags.DEFINE_integer("steps", None, "RL steps (default RLConfig's; x2 with --stress).")
