@@ -126,7 +126,7 @@ def main(argv):
 
   def run_ptq(task, seed, arm):
     bf16 = compare.finished_summary(results_dir, task, seed, "bf16",
-                                    config_of(task, seed, "bf16"))
+                                    config_of(task, seed, "bf16"), _D.to_dict())
     summary = dict(bf16, arm=arm, eval_precision="fp4", mean_k3_kl=None,
                    mean_logp_abs_diff=None, curve_train=None, curve_mixed=None,
                    curve_eval=bf16["curve_fp4"])
@@ -150,7 +150,7 @@ def main(argv):
     return (run_ptq if arm in compare.DERIVED_ARMS else run_trained)(task, seed, arm)
 
   plan = [(task, seed, arm) for task in _TASKS.value for seed in seeds for arm in arms]
-  cells = compare.run_cells(results_dir, plan, config_of, runner)
+  cells = compare.run_cells(results_dir, plan, config_of, runner, defaults=_D.to_dict())
   preset = overrides.get("preset", _D.preset)
   title = (f"{name}: {len(arms)} arms x {len(_TASKS.value)} tasks x {len(seeds)} seeds, "
            f"{preset}, {overrides.get('steps', _D.steps)} steps")

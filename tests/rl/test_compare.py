@@ -99,6 +99,14 @@ def test_run_cells_resumes_and_refuses_other_settings(tmp_path):
   assert calls == [("arith", 0, "trace")]
   kept = [c for c in second if c["arm"] == "bf16"]
   assert [c["summary"] for c in kept] == [c["summary"] for c in first if c["arm"] == "bf16"]
+  # A field added later, at its default, keeps finished cells; another value does not.
+  calls.clear()
+  grown = lambda task, seed, arm, new=0: {"steps": 5, "arm": arm, "seed": seed, "new": new}
+  compare.run_cells(str(tmp_path), plan, grown, runner, progress=False, defaults={"new": 0})
+  assert calls == []
+  with pytest.raises(ValueError, match=r"another config \(fields \['new'\]\)"):
+    compare.run_cells(str(tmp_path), plan, lambda t, s, a: grown(t, s, a, new=1), runner,
+                      progress=False, defaults={"new": 0})
   with pytest.raises(ValueError, match="another config"):
     compare.run_cells(str(tmp_path), plan, lambda t, s, a: {"steps": 6, "arm": a, "seed": s},
                       runner, progress=False)

@@ -47,9 +47,13 @@ def _jsonish(value):
   return json.loads(json.dumps(value))
 
 
-def finished_summary(results_dir: str, task: str, seed: int, arm: str, config: dict
-                     ) -> dict | None:
+def finished_summary(results_dir: str, task: str, seed: int, arm: str, config: dict,
+                     defaults: dict | None = None) -> dict | None:
   """The cell's summary if it finished with this config; None if it has not finished.
+
+  A field the saved config lacks counts as equal when the new value is its entry in
+  `defaults` (a field added to the config class later, left at its default, does not
+  invalidate finished cells).
 
   Raises:
     ValueError: the cell finished with a different config (mixing them would compare
@@ -60,10 +64,13 @@ def finished_summary(results_dir: str, task: str, seed: int, arm: str, config: d
     return None
   with open(path) as f:
     summary = json.load(f)
-  saved = summary.get("cell_config")
-  if saved != _jsonish(config):
-    differing = sorted(k for k in set(saved or {}) | set(config)
-                       if (saved or {}).get(k) != _jsonish(config).get(k))
+  saved = dict(summary.get("cell_config") or {})
+  mine = _jsonish(config)
+  for key, value in _jsonish(defaults or {}).items():
+    if key not in saved and mine.get(key) == value:
+      saved[key] = value
+  if saved != mine:
+    differing = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
     raise ValueError(f"{path} finished with another config (fields {differing}); use another "
                      f"--name or delete that cell")
   return summary
@@ -71,7 +78,8 @@ def finished_summary(results_dir: str, task: str, seed: int, arm: str, config: d
 
 def run_cells(results_dir: str, plan: Sequence[tuple[str, int, str]],
               config_of: Callable[[str, int, str], dict],
-              runner: Callable[[str, int, str], dict], *, progress: bool = True) -> list[dict]:
+              runner: Callable[[str, int, str], dict], *, progress: bool = True,
+              defaults: dict | None = None) -> list[dict]:
   """Run every (task, seed, arm) of `plan` not finished yet, in order; returns all cells.
 
   Args:
@@ -79,11 +87,12 @@ def run_cells(results_dir: str, plan: Sequence[tuple[str, int, str]],
     config_of: (task, seed, arm) -> the JSON-able settings that define the cell; a finished
       cell is reused only if they match.
     runner: (task, seed, arm) -> the cell's summary (runs the cell).
+    defaults: config fields at their defaults (`finished_summary`).
   """
   cells = []
   for i, (task, seed, arm) in enumerate(plan):
     config = config_of(task, seed, arm)
-    summary = finished_summary(results_dir, task, seed, arm, config)
+    summary = finished_summary(results_dir, task, seed, arm, config, defaults)
     if summary is None:
       if progress:
         print(f"[{i + 1}/{len(plan)}] {arm} on {task}, seed {seed}", flush=True)
