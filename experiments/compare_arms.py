@@ -1,13 +1,25 @@
-"""Every arm on the same seed, warm start and budget, side by side.
+"""Every arm on every (task, seed), resumable, with intervals across seeds.
 
-  python experiments/compare_arms.py --out=runs/arms            # ~25 min on 2 cores
-  python experiments/compare_arms.py --out=/tmp/arms --steps=10 --sft_steps=20   # quick
-  python experiments/compare_arms.py --out=runs/arms-ekv --fp4_sites=experts+kv --fmt=mxfp4
+  python experiments/compare_arms.py --seeds=0,1,2 --tasks=arith,coding       # the comparison
+  python experiments/compare_arms.py --seeds=0,1,2 --tasks=arith --stress   # stress
+  python experiments/compare_arms.py --name=smoke --seeds=0 --tasks=arith,coding --preset=tiny \
+      --steps=3 --sft_steps=10 --eval_size=16 --eval_every=3                  # a quick smoke
 
-Runs bf16, fp4-rollout, fp4-qat, trace and trace-full through experiments/rl.py's trainer,
-each in <out>/<arm>, all starting from one SFT warm start (made once, copied). The ptq row
-is the bf16 run's policy quantized to FP4 and evaluated in FP4 (its FP4 evaluations). Writes
-<out>/comparison.json, <out>/comparison.png and prints a markdown table.
+Arms: bf16, fp4-rollout, fp4-qat, trace, trace-full (trained), then ptq and ptq-46 (the bf16
+run's final policy quantized to FP4 after training, with the standard and the "4over6"
+block-scale rule, evaluated greedily in FP4 on the same problems). Within a (task, seed) all
+arms start from one SFT warm start (made by the bf16 run, copied) and see the same problems
+and sampling keys, so differences on the same seed are paired.
+
+Runs go to <workdir>/<name>/<task>/seed<seed>/<arm> (checkpoints: a killed cell resumes);
+results (small files, meant to be committed) to experiments/results/arms/<name>/: per-cell
+cells/<task>/seed<seed>/<arm>/summary.json, results.json (`cells`: arm, task, seed,
+summary), table.md (mean and 95% interval per arm, paired differences against bf16 and
+fp4-qat, k3, time per cell) and reward_curves.png, final_reward.png, k3.png. A finished cell
+(its summary.json, same settings) is not rerun.
+
+--stress: where mismatch is known to bite: twice the steps, learning rate x4 and no rollout
+correction on any arm (fp4-rollout loses its TIS); results under <name> "stress".
 """
 
 import os
@@ -15,78 +27,140 @@ import shutil
 import time
 
 from absl import app, flags, logging
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from trace_jax.model.config import get_preset
+from trace_jax.model.transformer import Transformer  # noqa: F401  (the policy class)
+from trace_jax.rl import compare, ptq, report, warmstart
+from trace_jax.rl.config import RLConfig
+from trace_jax.rl.trainer import Trainer, read_metrics
 
-from trace_jax.rl import report  # noqa: E402
-from trace_jax.rl.config import RLConfig  # noqa: E402
-from trace_jax.rl.trainer import Trainer, read_metrics  # noqa: E402
-from trace_jax.rl.warmstart import WARMSTART_DIR  # noqa: E402
-from trace_jax.utils import markdown_table, write_json  # noqa: E402
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_D = RLConfig()
+_NAME = flags.DEFINE_string("name", None, "Results name (default: 'default', or 'stress').")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
+_TASKS = flags.DEFINE_list("tasks", ["arith", "coding"], "Tasks.")
+_ARMS = flags.DEFINE_list("arms", list(compare.ALL_ARMS), "Arms (ptq arms need bf16).")
+_STRESS = flags.DEFINE_bool("stress", False, "Stress setting: 2x steps, LR x4, no correction.")
+_STEPS = flags.DEFINE_integer("steps", None, "RL steps (default RLConfig's; x2 with --stress).")
+_SFT = flags.DEFINE_integer("sft_steps", None, "Warm-start steps (default RLConfig's).")
+_LR = flags.DEFINE_float("learning_rate", None, "Learning rate (default RLConfig's; x4 stress).")
+_EVAL_SIZE = flags.DEFINE_integer("eval_size", None, "Eval problems (default RLConfig's).")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", None, "Eval period (default RLConfig's).")
+_PROMPTS = flags.DEFINE_integer("prompts_per_step", None, "Problems per step.")
+_GROUP = flags.DEFINE_integer("group_size", None, "Samples per problem.")
+_PRESET = flags.DEFINE_string("preset", None, "Model preset (default RLConfig's).")
+_FP4_SITES = flags.DEFINE_string("fp4_sites", None, "FP4 scope: all or experts+kv.")
+_FMT = flags.DEFINE_string("fmt", None, "FP4 format: nvfp4 or mxfp4.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/arms", "Root of the run directories.")
+_RESULTS = flags.DEFINE_string("results", os.path.join(_ROOT, "experiments", "results", "arms"),
+                               "Root of the results directories.")
 
-_OUT = flags.DEFINE_string("out", "runs/arms", "Directory for the runs.")
-_STEPS = flags.DEFINE_integer("steps", None, "RL steps (default: RLConfig's).")
-_SFT = flags.DEFINE_integer("sft_steps", None, "Warm-start steps (default: RLConfig's).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed shared by all arms.")
-_TASK = flags.DEFINE_string("task", "arith", "Task.")
-_PRESET = flags.DEFINE_string("preset", None, "Model preset (default: RLConfig's).")
-_FP4_SITES = flags.DEFINE_string("fp4_sites", None, "FP4 scope: all or experts+kv (default: RLConfig's).")
-_FMT = flags.DEFINE_string("fmt", None, "FP4 format: nvfp4 or mxfp4 (default: RLConfig's).")
+STRESS_LR_FACTOR = 4.0
+STRESS_STEPS_FACTOR = 2
 
-TRAINED = ("bf16", "fp4-rollout", "fp4-qat", "trace", "trace-full")
+
+def _overrides() -> dict:
+  values = {"steps": _STEPS.value, "sft_steps": _SFT.value, "learning_rate": _LR.value,
+            "eval_size": _EVAL_SIZE.value, "eval_every": _EVAL_EVERY.value,
+            "prompts_per_step": _PROMPTS.value, "group_size": _GROUP.value,
+            "preset": _PRESET.value, "fp4_sites": _FP4_SITES.value, "fmt": _FMT.value}
+  out = {k: v for k, v in values.items() if v is not None}
+  if _STRESS.value:
+    out["steps"] = out.get("steps", _D.steps * STRESS_STEPS_FACTOR)
+    out["learning_rate"] = out.get("learning_rate", _D.learning_rate * STRESS_LR_FACTOR)
+    out["correction"] = "none"
+  return out
+
+
+def _rl_config(task: str, seed: int, arm: str, overrides: dict) -> RLConfig:
+  trained = "bf16" if arm in compare.DERIVED_ARMS else arm
+  return RLConfig(arm=trained, task=task, seed=seed, **overrides)
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
-  overrides = {k: v for k, v in (("steps", _STEPS.value), ("sft_steps", _SFT.value),
-                                 ("preset", _PRESET.value), ("fp4_sites", _FP4_SITES.value),
-                                 ("fmt", _FMT.value)) if v is not None}
-  out = os.path.abspath(_OUT.value)
-  summaries = {}
-  for arm in TRAINED:
-    config = RLConfig(arm=arm, seed=_SEED.value, task=_TASK.value, **overrides)
-    workdir = os.path.join(out, arm)
-    first = os.path.join(out, TRAINED[0], WARMSTART_DIR)
-    if arm != TRAINED[0] and os.path.exists(first) and not os.path.exists(
-        os.path.join(workdir, WARMSTART_DIR)):
-      shutil.copytree(first, os.path.join(workdir, WARMSTART_DIR))  # the same starting policy
-    start = time.time()
-    trainer = Trainer(config, workdir)
-    trainer.run()
-    metrics = read_metrics(workdir)
-    summaries[arm] = report.summarize(config, metrics, time.time() - start, trainer.warmstart)
-    summaries[arm]["curve_fp4"] = report.eval_curve(metrics, "fp4")
-    report.write_summary(workdir, summaries[arm])
-  ptq = dict(summaries["bf16"], arm="ptq", eval_precision="fp4",
-             initial_eval_reward=summaries["bf16"]["initial_eval_reward_fp4"],
-             final_eval_reward=summaries["bf16"]["final_eval_reward_fp4"])
-  summaries["ptq"] = ptq
+  overrides = _overrides()
+  name = _NAME.value or ("stress" if _STRESS.value else "default")
+  seeds = [int(s) for s in _SEEDS.value]
+  unknown = sorted(set(_ARMS.value) - set(compare.ALL_ARMS))
+  if unknown:
+    raise app.UsageError(f"--arms: {unknown} are not arms; arms: {list(compare.ALL_ARMS)}")
+  arms = [a for a in compare.ALL_ARMS if a in _ARMS.value]
+  if any(a in compare.DERIVED_ARMS for a in arms) and "bf16" not in arms:
+    raise app.UsageError("--arms: ptq and ptq-46 quantize the bf16 run's policy; add bf16")
+  try:
+    for task in _TASKS.value:  # every config is valid before any work
+      for seed in seeds:
+        _rl_config(task, seed, "bf16", overrides)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  results_dir = os.path.join(os.path.abspath(_RESULTS.value), name)
+  work_root = os.path.join(os.path.abspath(_WORKDIR.value), name)
+  workdir = lambda task, seed, arm: os.path.join(work_root, task.replace(":", "_"),
+                                                 f"seed{seed}", arm)
 
-  rows = []
-  for arm, s in summaries.items():
-    rows.append((arm, s["eval_precision"], f"{s['initial_eval_reward']:.3f}",
-                 f"{s['final_eval_reward']:.3f}", f"{s['final_eval_reward_fp4']:.3f}",
-                 f"{s['final_eval_reward_bf16']:.3f}", f"{s['mean_train_reward']:.3f}",
-                 f"{s['mean_k3_kl']:.2e}", f"{s['mean_logp_abs_diff']:.2e}",
-                 f"{s['guidance_bytes_per_token']:.0f}", f"{s['rollout_seconds']:.0f}",
-                 f"{s['train_seconds']:.0f}"))
-  table = markdown_table(["arm", "eval in", "initial eval", "final eval", "final fp4", "final bf16",
-                          "mean train reward", "mean k3_kl", "mean |dlogp|", "guidance B/token",
-                          "rollout s", "train s"], rows)
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for arm in TRAINED:
-    steps, rewards = summaries[arm]["curve_fp4"]
-    ax.plot(steps, rewards, marker="o", label=arm)
-  ax.set(xlabel="step", ylabel="greedy FP4 eval reward", title=f"arms on {_TASK.value}")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(os.path.join(out, "comparison.png"), dpi=110)
-  write_json(os.path.join(out, "comparison.json"), summaries)
+  def config_of(task, seed, arm):
+    return {"arm": arm, **_rl_config(task, seed, arm, overrides).to_dict()}
+
+  def run_trained(task, seed, arm):
+    config = _rl_config(task, seed, arm, overrides)
+    path = workdir(task, seed, arm)
+    first = os.path.join(workdir(task, seed, "bf16"), warmstart.WARMSTART_DIR)
+    if arm != "bf16" and os.path.exists(first) and not os.path.exists(
+        os.path.join(path, warmstart.WARMSTART_DIR)):
+      shutil.copytree(first, os.path.join(path, warmstart.WARMSTART_DIR))  # one start policy
+    start = time.time()
+    trainer = Trainer(config, path)
+    trainer.run()
+    metrics = read_metrics(path)
+    summary = report.summarize(config, metrics, time.time() - start, trainer.warmstart)
+    train = [m for m in metrics if "rewards/mean" in m]
+    summary["curve_train"] = [[m["step"] for m in train], [m["rewards/mean"] for m in train]]
+    summary["curve_mixed"] = [[m["step"] for m in train],
+                              [m.get("reward/mixed_group_frac") for m in train]]
+    summary["curve_eval"] = report.eval_curve(metrics, config.arm_spec.deploy)
+    summary["curve_fp4"] = report.eval_curve(metrics, "fp4")
+    report.write_summary(path, summary)
+    return summary
+
+  def run_ptq(task, seed, arm):
+    bf16 = compare.finished_summary(results_dir, task, seed, "bf16",
+                                    config_of(task, seed, "bf16"), _D.to_dict())
+    summary = dict(bf16, arm=arm, eval_precision="fp4", mean_k3_kl=None,
+                   mean_logp_abs_diff=None, curve_train=None, curve_mixed=None,
+                   curve_eval=bf16["curve_fp4"])
+    if arm == "ptq":  # the rollout path's own quantization: the bf16 run's FP4 evals
+      summary.update(initial_eval_reward=bf16["initial_eval_reward_fp4"],
+                     final_eval_reward=bf16["final_eval_reward_fp4"])
+      return summary
+    start = time.time()
+    config = _rl_config(task, seed, "bf16", overrides)
+    trainer = Trainer(config, workdir(task, seed, "bf16"), progress=False)  # its final step
+    final = ptq.ptq_eval_reward(trainer, ptq.PTQ_SCALE_RULES[arm])
+    warmstart.load_or_train(trainer.policy, trainer.workdir, trainer.task, trainer.tokenizer,
+                            steps=config.sft_steps, batch=config.sft_batch, seed=config.seed,
+                            learning_rate=config.sft_learning_rate, progress=False)
+    initial = ptq.ptq_eval_reward(trainer, ptq.PTQ_SCALE_RULES[arm])
+    summary.update(initial_eval_reward=initial, final_eval_reward=final, curve_eval=None,
+                   wall_seconds=bf16["wall_seconds"] + time.time() - start)
+    return summary
+
+  def runner(task, seed, arm):
+    return (run_ptq if arm in compare.DERIVED_ARMS else run_trained)(task, seed, arm)
+
+  plan = [(task, seed, arm) for task in _TASKS.value for seed in seeds for arm in arms]
+  cells = compare.run_cells(results_dir, plan, config_of, runner, defaults=_D.to_dict())
+  preset = overrides.get("preset", _D.preset)
+  title = (f"{name}: {len(arms)} arms x {len(_TASKS.value)} tasks x {len(seeds)} seeds, "
+           f"{preset}, {overrides.get('steps', _D.steps)} steps")
+  compare.write_results(results_dir, cells, {"name": name, "overrides": overrides,
+                                             "seeds": seeds, "tasks": list(_TASKS.value),
+                                             "arms": arms}, title)
   print()
-  print(table)
+  print(compare.markdown(cells))
+  print(f"\nwrote {results_dir}/results.json, table.md, reward_curves.png, final_reward.png, "
+        f"k3.png")
 
 
 if __name__ == "__main__":

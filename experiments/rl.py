@@ -43,6 +43,8 @@ _NEW = flags.DEFINE_integer("max_new_tokens", _D.max_new_tokens, "Max tokens per
 _TEMP = flags.DEFINE_float("temperature", _D.temperature, "Sampling temperature.")
 _LR = flags.DEFINE_float("learning_rate", _D.learning_rate, "Adam learning rate.")
 _MINIBATCHES = flags.DEFINE_integer("minibatches", _D.minibatches, "Updates per step.")
+_WARMUP = flags.DEFINE_integer("lr_warmup_steps", _D.lr_warmup_steps,
+                               "RL steps of linear LR warmup from learning_rate / 10.")
 _CLIP_LOW = flags.DEFINE_float("clip_low", _L.clip_low, "Ratio clip below: 1 - clip_low.")
 _CLIP_HIGH = flags.DEFINE_float("clip_high", _L.clip_high, "Ratio clip above: 1 + clip_high.")
 _AGG = flags.DEFINE_enum("aggregation", _L.aggregation, list(AGGREGATIONS), "Loss aggregation.")
@@ -99,6 +101,7 @@ def _main(argv):
         seed=_SEED.value, steps=_STEPS.value, prompts_per_step=_PROMPTS.value,
         group_size=_GROUP.value, max_new_tokens=_NEW.value, temperature=_TEMP.value,
         learning_rate=_LR.value, minibatches=_MINIBATCHES.value,
+        lr_warmup_steps=_WARMUP.value,
         loss=dataclasses.replace(_L, clip_low=_CLIP_LOW.value, clip_high=_CLIP_HIGH.value,
                                  aggregation=_AGG.value, std_norm=_STD.value,
                                  kl_coef=_KL.value, tis_threshold=_TIS.value),

@@ -150,7 +150,7 @@ def test_divergence_stops_before_saving_and_keeps_the_last_good_checkpoint(
   # The saved config keeps its learning rate (so the resume is accepted), but the update is
   # made with 1e30: step 4 blows the weights up to ~1e30, finite and with a healthy loss.
   real = trainer_lib._optimizer  # lru-cached: the huge-lr test below reuses its compilation
-  monkeypatch.setattr(trainer_lib, "_optimizer", lambda lr: real(1e30))
+  monkeypatch.setattr(trainer_lib, "_optimizer", lambda lr, *warmup: real(1e30, *warmup))
   trainer = Trainer(_config(steps=4), str(workdir), progress=False)
   assert trainer.step == 3
   with pytest.raises(DivergenceError, match=r"^step 4 diverged: max \|parameter\| is 1\.\d+e\+30, "

@@ -103,3 +103,21 @@ def test_fp4_disagreement_bits_scales_codes_and_one_step_share():
   flat = metrics.disagreement_metrics({(3, "moe_in"): fp4.compact_guidance(a)}, {(3, "moe_in"): b}, mask)
   assert set(flat) == {"mismatch/mantissa_disagree_frac", "mismatch/mantissa_disagree/layer_3",
                        "mismatch/scale_disagree_frac", "mismatch/scale_disagree/layer_3"}
+
+
+def test_group_reward_metrics_against_a_loop():
+  rng = np.random.default_rng()
+  group_size = int(rng.integers(2, 6))
+  rewards = rng.integers(0, 2, size=group_size * 7).astype(float)
+  rewards[:group_size] = 1.0  # one all-solved group
+  rewards[group_size:2 * group_size] = 0.0  # one all-failed group
+  m = metrics.group_reward_metrics(rewards, group_size)
+  groups = [rewards[i:i + group_size] for i in range(0, rewards.size, group_size)]
+  mixed = sum(len(set(g.tolist())) > 1 for g in groups) / len(groups)
+  solved = sum(any(g > 0) for g in groups) / len(groups)
+  assert m["reward/mixed_group_frac"] == pytest.approx(mixed)
+  assert m["reward/solved_group_frac"] == pytest.approx(solved)
+  assert m["reward/unsolved_group_frac"] == pytest.approx(1 - solved)
+  assert m["reward/mixed_group_frac"] <= 5 / 7
+  with pytest.raises(ValueError, match="groups of"):
+    metrics.group_reward_metrics(rewards[:-1], group_size)

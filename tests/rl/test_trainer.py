@@ -93,6 +93,7 @@ def test_resume_with_another_config_names_the_fields(tmp_path):
     (dict(correction="always"), "correction='always'"),
     (dict(fp4_sites="experts"), "fp4_sites='experts'.*experts\\+kv"),
     (dict(fmt="fp8"), "fmt='fp8'.*mxfp4"),
+    (dict(lr_warmup_steps=-1), "lr_warmup_steps=-1"),
 ])
 def test_bad_configs(overrides, match):
   with pytest.raises(ValueError, match=match):
@@ -142,3 +143,22 @@ def test_main_job_script(tmp_path):
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["arm"] == "trace" and summary["steps"] == 4
   assert (tmp_path / "reward.png").exists() and (tmp_path / "mismatch.png").exists()
+
+
+def test_learning_rate_warmup():
+  """Adam's first update moves every parameter by the learning rate times the sign of its
+  gradient (m / sqrt(v) = g / |g| after bias correction): lr / 10 at the first warmup update,
+  the full lr once the warmup is over."""
+  import jax.numpy as jnp
+  from trace_jax.rl import trainer as trainer_lib
+  lr, warmup = 1e-3, 4
+  tx = trainer_lib._optimizer(lr, warmup)
+  grads = {"w": jnp.asarray(np.random.default_rng().uniform(0.01, 0.1, 5), jnp.float32)}
+  state = tx.init(grads)
+  sizes = []
+  for _ in range(warmup + 2):
+    updates, state = tx.update(grads, state)
+    sizes.append(float(jnp.max(jnp.abs(updates["w"]))))
+  np.testing.assert_allclose(sizes[0], lr / 10, rtol=1e-3)
+  np.testing.assert_allclose(sizes[-1], lr, rtol=1e-3)
+  assert all(a < b for a, b in zip(sizes[:warmup], sizes[1:warmup + 1]))

@@ -32,6 +32,7 @@ from trace_jax.fp4.qarray import (
 from trace_jax.fp4.quantize import (
     RECORD_FORMS,
     ROUNDING_MODES,
+    SCALE_RULES,
     fake_quant,
     fake_quant_record,
     quantize,

@@ -9,6 +9,15 @@ Every division is a true IEEE division (`numerics.true_divide`), so exact ties (
 with bf16 inputs) round as the spec says, bit for bit with compressed-tensors.
 MXFP4 (OCP MX v1.0): s_b = 2^(floor(log2(amax_b)) - 2) as E8M0, blocks of 32, gs = 1.
 
+Block scale rules (NVFP4, nearest rounding): "standard" is step 2 above, the block's amax
+maps to 6, the largest E2M1 value. "4over6" ("Four Over Six", adaptive block scaling) also
+tries s4 = e4m3(min(amax_b / 4 * gs, 448)), mapping the amax to 4, and keeps, per block,
+whichever scale reconstructs the block with the smaller squared error (the standard one on a
+tie). Mapping to 4 trades range for resolution near the top of the block: E2M1 has no value
+between 4 and 6, so values around 5 / 6 of the amax round badly under the standard scale.
+The global scale stays the standard one, so the blocks whose 4-scale would exceed 448 clip
+and (reconstructing worse) keep the standard scale.
+
 The three rounding modes share steps 1-3 and the grid neighbours of |v|; they differ only
 in which neighbour they take. Guided rounding (TRACE, DESIGN.md section 3) skips steps 1-2
 and reuses the rollout's recorded scales.
@@ -31,6 +40,7 @@ from trace_jax.fp4 import numerics
 from trace_jax.fp4.qarray import CompactGuidance, QArray, get_format
 
 ROUNDING_MODES = ("nearest", "stochastic", "guided")
+SCALE_RULES = ("standard", "4over6")
 GlobalGroup = Union[str, int, Sequence[int]]
 Guidance = Union[QArray, CompactGuidance]
 
@@ -90,10 +100,15 @@ def _check_guidance(guidance: Any, shape: tuple[int, ...], fmt: str, axis: int) 
         f"quantized axis and broadcast against {shape}")
 
 
-def _validate(x, fmt, axis, rounding, key, guidance) -> tuple[int, Any]:
+def _validate(x, fmt, axis, rounding, key, guidance, scale_rule="standard") -> tuple[int, Any]:
   spec = get_format(fmt)
   if rounding not in ROUNDING_MODES:
     raise ValueError(f"rounding={rounding!r} is not allowed; use one of {ROUNDING_MODES}")
+  if scale_rule not in SCALE_RULES:
+    raise ValueError(f"scale_rule={scale_rule!r} is not allowed; use one of {SCALE_RULES}")
+  if scale_rule != "standard" and (not spec.has_global_scale or rounding != "nearest"):
+    raise ValueError(f"scale_rule={scale_rule!r} chooses NVFP4 block scales under nearest "
+                     f"rounding; got fmt={fmt!r}, rounding={rounding!r}")
   x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"x must be a floating array to quantize; got dtype {x.dtype}")
@@ -134,6 +149,7 @@ def quantize_with_fallbacks(
     key: jax.Array | None = None,
     guidance: Guidance | None = None,
     global_scale: jax.Array | None = None,
+    scale_rule: str = "standard",
 ) -> tuple[QArray, jax.Array]:
   """`quantize`, also returning a bool mask (input shape) of guidance fallbacks.
 
@@ -142,9 +158,10 @@ def quantize_with_fallbacks(
   the value sits exactly on the grid or saturates, so its only neighbour's lowest bit
   differs from the recorded one (that neighbour is taken). Other modes never fall back.
   """
-  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance)
+  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance,
+                                 scale_rule)
   static_scale = _check_static_scale(global_scale, x, fmt, axis, rounding)
-  return _quantize(x, key, guidance, fmt, axis, group_axes, rounding, static_scale)
+  return _quantize(x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule)
 
 
 def _check_static_scale(global_scale, x, fmt, axis, rounding):
@@ -163,9 +180,9 @@ def _check_static_scale(global_scale, x, fmt, axis, rounding):
   return gs
 
 
-def _resolve(x, fmt, axis, global_group, rounding, key, guidance):
+def _resolve(x, fmt, axis, global_group, rounding, key, guidance, scale_rule="standard"):
   """Validate, then return (x, axis >= 0, group_axes) for the jitted core."""
-  axis, x = _validate(x, fmt, axis, rounding, key, guidance)
+  axis, x = _validate(x, fmt, axis, rounding, key, guidance, scale_rule)
   if rounding == "guided":
     # The guidance's global scale fixes the groups (its non-unit axes).
     gs_shape = guidance.global_scale.shape
@@ -175,7 +192,8 @@ def _resolve(x, fmt, axis, global_group, rounding, key, guidance):
   return x, axis, group_axes
 
 
-def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None):
+def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None,
+                   scale_rule="standard"):
   """The code path all modes share, on validated arguments, with the quantized axis last.
 
   `static_scale` (NVFP4, not guided): a given encode scale gs, broadcast over the groups,
@@ -220,6 +238,8 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding, static_sca
     else:
       global_scale = jnp.ones(finite.shape, jnp.float32)
       scale_bits = numerics.e8m0_encode(numerics.floor_log2(amax_b) - 2)
+    if scale_rule == "4over6":
+      scale_bits = _four_over_six(blocks, amax_b, global_scale, scale_bits)
 
   step = numerics.true_divide(spec.decode_scales(scale_bits), global_scale)[..., None]  # s_b / gs
   v = jnp.where(step > 0, numerics.true_divide(blocks, step), 0.0)  # q = 0 where s_b = 0
@@ -256,10 +276,31 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding, static_sca
   return code, value, scale_bits, global_scale, fell_back
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
-def _quantize(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None):
+def _block_sq_error(blocks, scale_bits, global_scale):
+  """Squared error [..., nb] of nearest-rounding `blocks` [..., nb, bs] with these NVFP4
+  block scales (the decode of steps 3-4 above)."""
+  step = numerics.true_divide(numerics.e4m3_decode(scale_bits), global_scale)[..., None]
+  v = jnp.where(step > 0, numerics.true_divide(blocks, step), 0.0)
+  _, spacing, units = numerics.e2m1_grid_units(jnp.abs(v))
+  magnitude = numerics.e2m1_unit_value(numerics.round_half_even(units), spacing)
+  decoded = jnp.where(v < 0, -magnitude, magnitude) * step
+  return jnp.sum(jnp.square(decoded - blocks), axis=-1)
+
+
+def _four_over_six(blocks, amax_b, global_scale, scale_bits):
+  """Per block, the standard scale (amax -> 6) or the one mapping amax -> 4, whichever
+  reconstructs the block better (the standard one on a tie)."""
+  scale4 = numerics.e4m3_encode(numerics.true_divide(amax_b, 4.0) * global_scale)
+  better4 = (_block_sq_error(blocks, scale4, global_scale)
+             < _block_sq_error(blocks, scale_bits, global_scale))
+  return jnp.where(better4, scale4, scale_bits)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 8))
+def _quantize(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None,
+              scale_rule="standard"):
   code, _, scale_bits, global_scale, fell_back = _quantize_last(
-      x, key, guidance, fmt, axis, group_axes, rounding, static_scale)
+      x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule)
   flat_shape = (*code.shape[:-2], -1)
   q = QArray(
       packed=jnp.moveaxis(numerics.pack_codes(code.reshape(flat_shape)), -1, axis),
@@ -271,11 +312,12 @@ def _quantize(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=No
   return q, jnp.moveaxis(fell_back.reshape(flat_shape), -1, axis)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
-def _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None):
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 8))
+def _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None,
+                       scale_rule="standard"):
   """dequantize(quantize(x)) without packing: the same ops as `dequantize`, bit for bit."""
   _, value, scale_bits, global_scale, _ = _quantize_last(
-      x, key, guidance, fmt, axis, group_axes, rounding, static_scale)
+      x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule)
   step = numerics.true_divide(get_format(fmt).decode_scales(scale_bits), global_scale)  # s_b / gs
   values = value * step[..., None]
   return jnp.moveaxis(values.reshape(*value.shape[:-2], -1), -1, axis).astype(x.dtype)
@@ -291,6 +333,7 @@ def quantize(
     key: jax.Array | None = None,
     guidance: Guidance | None = None,
     global_scale: jax.Array | None = None,
+    scale_rule: str = "standard",
 ) -> QArray:
   """Quantize `x` to block-scaled FP4 along `axis`.
 
@@ -311,13 +354,15 @@ def quantize(
     global_scale: NVFP4 only: a fixed encode scale gs (float32, size 1 along `axis`,
       broadcast to x) used instead of 448 * 6 / amax of each group: a static, calibrated
       scale (elements beyond 6 * 448 / gs saturate).
+    scale_rule: NVFP4 block scales, nearest rounding: "standard" (amax -> 6) or "4over6"
+      (per block, amax -> 6 or amax -> 4, whichever reconstructs better; module docstring).
 
   Returns:
     A `QArray`.
   """
   q, _ = quantize_with_fallbacks(
       x, fmt, axis=axis, global_group=global_group, rounding=rounding, key=key,
-      guidance=guidance, global_scale=global_scale)
+      guidance=guidance, global_scale=global_scale, scale_rule=scale_rule)
   return q
 
 
@@ -331,6 +376,7 @@ def fake_quant(
     key: jax.Array | None = None,
     guidance: Guidance | None = None,
     global_scale: jax.Array | None = None,
+    scale_rule: str = "standard",
 ) -> jax.Array:
   """dequantize(quantize(x, ...)) in x's dtype, with a straight-through gradient.
 
@@ -339,23 +385,29 @@ def fake_quant(
   pytree arguments (they work under jit, vmap, scan and grad; their cotangents are zero).
   Arguments as for `quantize`.
   """
-  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance)
+  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance,
+                                 scale_rule)
   static_scale = _check_static_scale(global_scale, x, fmt, axis, rounding)
-  return _fake_quant_ste(x, key, guidance, fmt, axis, group_axes, rounding, static_scale)
+  return _fake_quant_ste(x, key, guidance, fmt, axis, group_axes, rounding, static_scale,
+                         scale_rule)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fake_quant_ste(x, key, guidance, fmt, axis, group_axes, rounding, static_scale):
-  return _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding, static_scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 8))
+def _fake_quant_ste(x, key, guidance, fmt, axis, group_axes, rounding, static_scale,
+                    scale_rule="standard"):
+  return _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding, static_scale,
+                            scale_rule)
 
 
-def _fake_quant_fwd(x, key, guidance, fmt, axis, group_axes, rounding, static_scale):
-  values = _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding, static_scale)
+def _fake_quant_fwd(x, key, guidance, fmt, axis, group_axes, rounding, static_scale,
+                    scale_rule="standard"):
+  values = _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding, static_scale,
+                              scale_rule)
   return values, static_scale
 
 
-def _fake_quant_bwd(fmt, axis, group_axes, rounding, static_scale, g):
-  del fmt, axis, group_axes, rounding
+def _fake_quant_bwd(fmt, axis, group_axes, rounding, scale_rule, static_scale, g):
+  del fmt, axis, group_axes, rounding, scale_rule
   zero_scale = None if static_scale is None else jnp.zeros_like(static_scale)
   return g, None, None, zero_scale
 

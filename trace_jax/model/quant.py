@@ -241,10 +241,11 @@ def weight_layout(ndim: int) -> tuple[int, Any]:
   raise ValueError(f"a linear weight is [in, out] or [experts, in, out]; got {ndim} dims")
 
 
-def quantize_weight(w: jax.Array, fmt: str) -> fp4.QArray:
-  """The packed weight of the rollout path (made once per weight sync)."""
+def quantize_weight(w: jax.Array, fmt: str, *, scale_rule: str = "standard") -> fp4.QArray:
+  """The packed weight of the rollout path (made once per weight sync); `scale_rule`
+  "4over6" is the post-training baseline's block-scale rule (fp4.quantize)."""
   axis, group = weight_layout(w.ndim)
-  return fp4.quantize(w, fmt, axis=axis, global_group=group)
+  return fp4.quantize(w, fmt, axis=axis, global_group=group, scale_rule=scale_rule)
 
 
 # Sibling weights that share one global scale: serving engines fuse them into one matrix
@@ -269,15 +270,16 @@ def _joint(ws: Sequence[jax.Array], quantize_fn):
   return joint, bounds
 
 
-def quantize_weight_group(ws: Sequence[jax.Array], fmt: str) -> tuple[fp4.QArray, ...]:
+def quantize_weight_group(ws: Sequence[jax.Array], fmt: str, *, scale_rule: str = "standard"
+                          ) -> tuple[fp4.QArray, ...]:
   """Packed weights of siblings that share one global scale (per matrix, per expert).
 
   Each returned QArray holds its own copy of the shared global scale, so it dequantizes on
   its own exactly as the fused matrix does.
   """
   if len(ws) == 1:
-    return (quantize_weight(ws[0], fmt),)
-  q, bounds = _joint(ws, lambda w: quantize_weight(w, fmt))
+    return (quantize_weight(ws[0], fmt, scale_rule=scale_rule),)
+  q, bounds = _joint(ws, lambda w: quantize_weight(w, fmt, scale_rule=scale_rule))
   return tuple(
       fp4.QArray(packed=packed, scales=scales, global_scale=q.global_scale, fmt=q.fmt,
                  axis=q.axis)

@@ -113,6 +113,7 @@ class RLConfig:
   max_new_tokens: int = 32  # per turn
   temperature: float = 0.7  # sampling (and the tempered policy the loss trains)
   learning_rate: float = 1e-4
+  lr_warmup_steps: int = 0  # RL steps of linear warmup from learning_rate / 10
   minibatches: int = 2  # optimizer updates per epoch
   epochs: int = 1
   loss: LossConfig = LossConfig(rollout_correction="none")  # its rollout_correction is set
@@ -144,7 +145,7 @@ class RLConfig:
     get_task(self.task, **dict(self.task_options))  # option names and values, before any work
     object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
     for name in ("steps", "eval_every", "eval_size", "checkpoint_every", "sft_steps",
-                 "prompt_bucket"):
+                 "prompt_bucket", "lr_warmup_steps"):
       if getattr(self, name) < 0:
         raise ValueError(f"RLConfig.{name}={getattr(self, name)} must be >= 0")
     for name in ("prompts_per_step", "group_size", "max_new_tokens", "minibatches", "epochs",

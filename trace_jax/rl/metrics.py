@@ -183,3 +183,25 @@ def disagreement_metrics(rollout_sites: Mapping, train_sites: Mapping, mask) -> 
   if d["one_step_frac"] is not None:
     out["mismatch/code_one_step_frac"] = d["one_step_frac"]
   return out
+
+
+def group_reward_metrics(rewards, group_size: int) -> dict[str, float]:
+  """How much learning signal a step's GRPO groups carry.
+
+  A group whose samples all earn the same reward has zero advantage everywhere, so it adds
+  nothing to the policy gradient: `reward/mixed_group_frac` is the share of groups that do
+  carry a signal. `reward/solved_group_frac` is the share where at least one sample
+  succeeded (best-of-group), `reward/unsolved_group_frac` where none did.
+
+  Args:
+    rewards: [N] rewards, in groups of `group_size` consecutive entries.
+    group_size: samples per problem.
+  """
+  rewards = np.asarray(rewards, np.float64)
+  if rewards.ndim != 1 or rewards.size % group_size:
+    raise ValueError(f"rewards of shape {rewards.shape} do not split into groups of {group_size}")
+  groups = rewards.reshape(-1, group_size)
+  spread = groups.max(axis=1) - groups.min(axis=1)
+  return {"reward/mixed_group_frac": float(np.mean(spread > 0)),
+          "reward/solved_group_frac": float(np.mean(groups.max(axis=1) > 0)),
+          "reward/unsolved_group_frac": float(np.mean(groups.max(axis=1) <= 0))}

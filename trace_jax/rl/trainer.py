@@ -48,7 +48,8 @@ from trace_jax.rl import warmstart
 from trace_jax.rl.checkpoint import Checkpoints
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.grpo import group_advantages, grpo_loss
-from trace_jax.rl.metrics import disagreement_metrics, guidance_agreement, mismatch_metrics
+from trace_jax.rl.metrics import (disagreement_metrics, group_reward_metrics, guidance_agreement,
+                                  mismatch_metrics)
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
@@ -138,9 +139,15 @@ class DivergenceError(FloatingPointError):
 
 
 @functools.lru_cache(maxsize=None)
-def _optimizer(learning_rate: float):
-  """One transformation per learning rate, so runs of one config share compiled steps."""
-  return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(learning_rate))
+def _optimizer(learning_rate: float, warmup_updates: int = 0):
+  """One transformation per (learning rate, warmup), so runs of one config share compiled
+  steps. A linear warmup from lr / 10 over the first `warmup_updates` optimizer updates:
+  Adam's first updates are sign-like (every parameter moves by ~lr whatever its gradient's
+  size), which on a noisy RL gradient undoes part of the warm start."""
+  schedule = learning_rate
+  if warmup_updates > 0:
+    schedule = optax.linear_schedule(learning_rate / 10, learning_rate, warmup_updates)
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
 
 
 def check_workdir(workdir: str) -> str:
@@ -186,7 +193,9 @@ class Trainer:
     self.reference = None
     if config.loss.kl_coef > 0:  # a frozen copy of the warm start (its own Variables)
       self.reference = nnx.merge(*nnx.split(self.policy))
-    self.opt = nnx.Optimizer(self.policy, _optimizer(config.learning_rate), wrt=nnx.Param)
+    self.opt = nnx.Optimizer(self.policy, _optimizer(
+        config.learning_rate, config.lr_warmup_steps * config.minibatches * config.epochs),
+        wrt=nnx.Param)
     self.step = 0
     self._restore_latest()
 
@@ -383,6 +392,7 @@ class Trainer:
                "kernels/rollout": self._engine.kernels}  # "pallas" or "xla": what ran
     if self._engine.kernels_fallback:
       metrics["kernels/fallback_reason"] = self._engine.kernels_fallback
+    metrics.update(group_reward_metrics(played.rewards, config.group_size))
     metrics.update(mismatch_metrics(rollout.logprobs, s.example.old_logp, rollout.response_mask,
                                     tis_threshold=config.loss.tis_threshold))
     metrics.update(guidance_agreement(s.fallbacks, rollout.mask))

@@ -1,0 +1,299 @@
+"""The arms compared across tasks and seeds: cells, resumption, intervals, tables, plots.
+
+A comparison is a grid of cells, one per (task, seed, arm). Each cell is one RL run's
+summary (rl/report.py `summarize`, plus its curves), written to
+`<results>/cells/<task>/seed<seed>/<arm>/summary.json` once the run finished, so a rerun
+skips it (`run_cells`). Then:
+  1. per arm and task, the mean of the final (deployment-precision) eval reward over seeds
+     with a 95% Student-t interval (n - 1 degrees of freedom: three seeds give wide
+     intervals, which is the honest answer);
+  2. paired differences against `bf16` and against `fp4-qat` on the same seed (the seed
+     fixes the warm start, the problems and the sampling keys, so pairing removes their
+     shared variance), with the same interval;
+  3. mismatch (mean k3 KL between rollout and training path) and time per arm;
+  4. `results.json` (every cell: arm, task, seed, summary), `table.md`, and three plots:
+     train reward curves with seed bands, final reward per arm with intervals, k3 per arm on
+     a log axis.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Callable, Iterable, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from scipy import stats  # noqa: E402
+
+from trace_jax.utils import markdown_table, write_json  # noqa: E402
+
+TRAINED_ARMS = ("bf16", "fp4-rollout", "fp4-qat", "trace", "trace-full")
+DERIVED_ARMS = ("ptq", "ptq-46")  # the bf16 run's final policy, quantized after training
+ALL_ARMS = TRAINED_ARMS + DERIVED_ARMS
+BASELINES = ("bf16", "fp4-qat")
+METRIC = "final_eval_reward"
+
+
+def cell_dir(results_dir: str, task: str, seed: int, arm: str) -> str:
+  return os.path.join(results_dir, "cells", task.replace(":", "_"), f"seed{seed}", arm)
+
+
+def _jsonish(value):
+  return json.loads(json.dumps(value))
+
+
+def finished_summary(results_dir: str, task: str, seed: int, arm: str, config: dict,
+                     defaults: dict | None = None) -> dict | None:
+  """The cell's summary if it finished with this config; None if it has not finished.
+
+  A field the saved config lacks counts as equal when the new value is its entry in
+  `defaults` (a field added to the config class later, left at its default, does not
+  invalidate finished cells).
+
+  Raises:
+    ValueError: the cell finished with a different config (mixing them would compare
+      unlike runs; choose another --name).
+  """
+  path = os.path.join(cell_dir(results_dir, task, seed, arm), "summary.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    summary = json.load(f)
+  saved = dict(summary.get("cell_config") or {})
+  mine = _jsonish(config)
+  for key, value in _jsonish(defaults or {}).items():
+    if key not in saved and mine.get(key) == value:
+      saved[key] = value
+  if saved != mine:
+    differing = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+    raise ValueError(f"{path} finished with another config (fields {differing}); use another "
+                     f"--name or delete that cell")
+  return summary
+
+
+def run_cells(results_dir: str, plan: Sequence[tuple[str, int, str]],
+              config_of: Callable[[str, int, str], dict],
+              runner: Callable[[str, int, str], dict], *, progress: bool = True,
+              defaults: dict | None = None) -> list[dict]:
+  """Run every (task, seed, arm) of `plan` not finished yet, in order; returns all cells.
+
+  Args:
+    plan: the cells, dependencies first (the derived arms after their task and seed's bf16).
+    config_of: (task, seed, arm) -> the JSON-able settings that define the cell; a finished
+      cell is reused only if they match.
+    runner: (task, seed, arm) -> the cell's summary (runs the cell).
+    defaults: config fields at their defaults (`finished_summary`).
+  """
+  cells = []
+  for i, (task, seed, arm) in enumerate(plan):
+    config = config_of(task, seed, arm)
+    summary = finished_summary(results_dir, task, seed, arm, config, defaults)
+    if summary is None:
+      if progress:
+        print(f"[{i + 1}/{len(plan)}] {arm} on {task}, seed {seed}", flush=True)
+      summary = dict(runner(task, seed, arm), cell_config=_jsonish(config))
+      write_json(os.path.join(cell_dir(results_dir, task, seed, arm), "summary.json"), summary)
+    elif progress:
+      print(f"[{i + 1}/{len(plan)}] {arm} on {task}, seed {seed}: finished before, kept",
+            flush=True)
+    cells.append({"arm": arm, "task": task, "seed": seed, "summary": summary})
+  return cells
+
+
+def interval(values: Iterable[float], confidence: float = 0.95) -> dict:
+  """Mean and Student-t confidence interval of the mean; NaN bounds for fewer than 2 values
+  (one run says nothing about its spread)."""
+  x = np.asarray([v for v in values if v is not None], np.float64)
+  n = int(x.size)
+  if n == 0:
+    return {"mean": math.nan, "lo": math.nan, "hi": math.nan, "n": 0}
+  mean = float(x.mean())
+  if n < 2:
+    return {"mean": mean, "lo": math.nan, "hi": math.nan, "n": 1}
+  half = float(stats.t.ppf(0.5 + confidence / 2, n - 1) * x.std(ddof=1) / math.sqrt(n))
+  return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
+
+
+def _value(cell: dict, metric: str):
+  return cell["summary"].get(metric)
+
+
+def by_key(cells: Sequence[dict]) -> dict[tuple[str, str, int], dict]:
+  return {(c["task"], c["arm"], c["seed"]): c for c in cells}
+
+
+def arm_interval(cells, task: str, arm: str, metric: str = METRIC) -> dict:
+  return interval(_value(c, metric) for c in cells if c["task"] == task and c["arm"] == arm)
+
+
+def paired_difference(cells, task: str, arm: str, baseline: str, metric: str = METRIC) -> dict:
+  """arm - baseline on the seeds both ran, with the interval of the mean difference."""
+  index = by_key(cells)
+  diffs = []
+  for (t, a, seed), cell in sorted(index.items()):
+    if t == task and a == arm and (task, baseline, seed) in index:
+      mine, theirs = _value(cell, metric), _value(index[(task, baseline, seed)], metric)
+      if mine is not None and theirs is not None:
+        diffs.append(mine - theirs)
+  return interval(diffs)
+
+
+def _fmt(iv: dict, digits: int = 3) -> str:
+  if iv["n"] == 0 or not math.isfinite(iv["mean"]):
+    return "-"
+  if not math.isfinite(iv["lo"]):
+    return f"{iv['mean']:+.{digits}f}" if iv.get("signed") else f"{iv['mean']:.{digits}f}"
+  sign = "+" if iv.get("signed") else ""
+  return f"{iv['mean']:{sign}.{digits}f} [{iv['lo']:{sign}.{digits}f}, {iv['hi']:{sign}.{digits}f}]"
+
+
+def tasks_and_arms(cells) -> tuple[list[str], list[str]]:
+  tasks = list(dict.fromkeys(c["task"] for c in cells))
+  present = {c["arm"] for c in cells}
+  arms = [a for a in ALL_ARMS if a in present] + sorted(present - set(ALL_ARMS))
+  return tasks, arms
+
+
+def table_rows(cells) -> list[dict]:
+  """One row per (task, arm): the aggregates the table and the notebook show."""
+  tasks, arms = tasks_and_arms(cells)
+  rows = []
+  for task in tasks:
+    for arm in arms:
+      mine = [c for c in cells if c["task"] == task and c["arm"] == arm]
+      if not mine:
+        continue
+      k3 = [_value(c, "mean_k3_kl") for c in mine if _value(c, "mean_k3_kl") is not None]
+      rows.append({
+          "task": task, "arm": arm, "seeds": len(mine),
+          "eval_precision": mine[0]["summary"].get("eval_precision"),
+          "initial": arm_interval(cells, task, arm, "initial_eval_reward"),
+          "final": arm_interval(cells, task, arm),
+          "vs_bf16": None if arm == "bf16" else paired_difference(cells, task, arm, "bf16"),
+          "vs_fp4_qat": None if arm == "fp4-qat" else paired_difference(cells, task, arm,
+                                                                         "fp4-qat"),
+          "train_reward": arm_interval(cells, task, arm, "mean_train_reward"),
+          "k3": float(np.exp(np.mean(np.log(np.maximum(k3, 1e-30))))) if k3 else None,
+          "seconds": float(np.mean([_value(c, "wall_seconds") or 0.0 for c in mine])),
+      })
+  return rows
+
+
+def markdown(cells, confidence: float = 0.95) -> str:
+  """The comparison table: mean and interval across seeds, paired differences, k3, time."""
+  rows = []
+  for r in table_rows(cells):
+    signed = lambda iv: None if iv is None else dict(iv, signed=True)
+    rows.append((r["task"], r["arm"], r["seeds"], r["eval_precision"], _fmt(r["initial"]),
+                 _fmt(r["final"]), "-" if r["vs_bf16"] is None else _fmt(signed(r["vs_bf16"])),
+                 "-" if r["vs_fp4_qat"] is None else _fmt(signed(r["vs_fp4_qat"])),
+                 _fmt(r["train_reward"]), "-" if r["k3"] is None else f"{r['k3']:.2e}",
+                 f"{r['seconds']:.0f}"))
+  pct = f"{100 * confidence:.0f}%"
+  return markdown_table(
+      ["task", "arm", "seeds", "eval in", "initial eval", f"final eval (mean [{pct} CI])",
+       "vs bf16 (paired)", "vs fp4-qat (paired)", "mean train reward", "k3 KL (geo. mean)",
+       "s per cell"], rows)
+
+
+def curve_band(cells, task, arm, key="curve_train", window=5):
+  curves = [c["summary"].get(key) for c in cells if c["task"] == task and c["arm"] == arm]
+  curves = [c for c in curves if c and len(c[0])]
+  if not curves:
+    return None
+  length = min(len(c[0]) for c in curves)
+  steps = np.asarray(curves[0][0][:length])
+  values = np.asarray([c[1][:length] for c in curves], np.float64)
+  if key == "curve_train" and length >= window:  # smooth the sampled reward per seed
+    kernel = np.ones(window) / window
+    values = np.asarray([np.convolve(v, kernel, mode="valid") for v in values])
+    steps = steps[window - 1:]
+  return steps, values.mean(0), values.min(0), values.max(0)
+
+
+def plot(cells, out_dir: str, title: str = "") -> list[str]:
+  """reward_curves.png, final_reward.png, k3.png in `out_dir`; returns their paths."""
+  tasks, arms = tasks_and_arms(cells)
+  paths = []
+  colors = {arm: plt.cm.tab10(i) for i, arm in enumerate(ALL_ARMS)}
+
+  fig, axes = plt.subplots(2, len(tasks), figsize=(6 * len(tasks), 7), squeeze=False)
+  for j, task in enumerate(tasks):
+    for row, (key, label) in enumerate((("curve_train", "train reward (sampled, mean of 5)"),
+                                        ("curve_eval", "greedy eval reward (deploy precision)"))):
+      ax = axes[row, j]
+      for arm in arms:
+        band = curve_band(cells, task, arm, key)
+        if band is None:
+          continue
+        steps, mean, lo, hi = band
+        ax.plot(steps, mean, label=arm, color=colors.get(arm))
+        ax.fill_between(steps, lo, hi, alpha=0.15, color=colors.get(arm))
+      ax.set(xlabel="step", ylabel=label, title=f"{task}: mean over seeds, band = min..max")
+      ax.legend(fontsize=7)
+  fig.suptitle(title)
+  fig.tight_layout()
+  paths.append(os.path.join(out_dir, "reward_curves.png"))
+  fig.savefig(paths[-1], dpi=100)
+  plt.close(fig)
+
+  fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+  for j, task in enumerate(tasks):
+    ax = axes[0, j]
+    for i, arm in enumerate(arms):
+      iv = arm_interval(cells, task, arm)
+      if iv["n"] == 0:
+        continue
+      seeds = [_value(c, METRIC) for c in cells if c["task"] == task and c["arm"] == arm]
+      ax.scatter([i] * len(seeds), seeds, color=colors.get(arm), alpha=0.5, s=12)
+      err = None if not math.isfinite(iv["lo"]) else [[iv["mean"] - iv["lo"]],
+                                                      [iv["hi"] - iv["mean"]]]
+      ax.errorbar([i], [iv["mean"]], yerr=err, fmt="o", color=colors.get(arm), capsize=4)
+    ax.set_xticks(range(len(arms)), arms, rotation=30)
+    ax.set(ylabel="final greedy eval reward", title=f"{task}: mean, 95% CI, seeds as dots")
+  fig.suptitle(title)
+  fig.tight_layout()
+  paths.append(os.path.join(out_dir, "final_reward.png"))
+  fig.savefig(paths[-1], dpi=100)
+  plt.close(fig)
+
+  fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+  for j, task in enumerate(tasks):
+    ax = axes[0, j]
+    shown = [a for a in arms if a not in DERIVED_ARMS]
+    for i, arm in enumerate(shown):
+      k3 = [_value(c, "mean_k3_kl") for c in cells if c["task"] == task and c["arm"] == arm]
+      k3 = [max(v, 1e-12) for v in k3 if v is not None]
+      if k3:
+        ax.scatter([i] * len(k3), k3, color=colors.get(arm))
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(shown)), shown, rotation=30)
+    ax.set(ylabel="mean k3 KL, rollout vs training path", title=f"{task}: one dot per seed")
+  fig.suptitle(title)
+  fig.tight_layout()
+  paths.append(os.path.join(out_dir, "k3.png"))
+  fig.savefig(paths[-1], dpi=100)
+  plt.close(fig)
+  return paths
+
+
+def write_results(results_dir: str, cells, settings: dict, title: str = "") -> dict:
+  """results.json, table.md and the plots; returns the results dict."""
+  os.makedirs(results_dir, exist_ok=True)
+  results = {"settings": settings, "cells": cells, "rows": table_rows(cells)}
+  write_json(os.path.join(results_dir, "results.json"), _jsonish(results))
+  table = markdown(cells)
+  with open(os.path.join(results_dir, "table.md"), "w") as f:
+    f.write(f"# {title}\n\n{table}\n" if title else table + "\n")
+  plot(cells, results_dir, title)
+  return results
+
+
+def load_results(results_dir: str) -> dict:
+  with open(os.path.join(results_dir, "results.json")) as f:
+    return json.load(f)
