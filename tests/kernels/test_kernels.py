@@ -2,6 +2,8 @@
 definitions (dequantize-then-compute, `jax.lax.ragged_dot`, the model's attention,
 `fp4.quantize`), on fresh random inputs, with outputs poisoned before each call."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,6 +111,37 @@ def test_decode_attention_without_valid_slots_gives_zero():
   out = kernels.decode_attention(q, k, v, jnp.array([0, 16]), poison=True, num_splits=2)
   assert not np.asarray(out[0]).any()
   _close(out, decode_attention_lib.reference(q, k, v, jnp.array([0, 16])))
+
+
+def _poison_slots(entry, masked):
+  """`entry` with NaN global scales and NaN E4M3 block scales (0x7F) in the `masked` slots."""
+  nan_scale = jnp.where(masked[:, :, None, None], jnp.nan, entry.global_scale)
+  nan_bits = jnp.where(masked[:, :, None, None], jnp.uint8(0x7F), entry.scales)
+  return dataclasses.replace(entry, global_scale=nan_scale, scales=nan_bits)
+
+
+def test_decode_attention_nan_in_masked_slots_does_not_leak():
+  """A NaN left in a slot that is masked (past the length, or not valid) must not reach the
+  output through 0 * NaN or p / NaN, in the kernel or in its reference; the output equals
+  the one with those slots holding ordinary values."""
+  b, length, hkv, dh = 2, 32, 2, 32
+  q = _rand(7, (b, 2 * hkv, dh))
+  k, v = _cache_entry(8, (b, length, hkv, dh)), _cache_entry(9, (b, length, hkv, dh))
+  lengths = jnp.array([21, 32])
+  valid = jax.random.bernoulli(jax.random.key(3), 0.7, (b, length)).at[:, 0].set(True)
+  masked = ~((jnp.arange(length)[None] < lengths[:, None]) & valid)
+  assert masked.any()
+  clean = decode_attention_lib.reference(q, k, v, lengths, valid)
+  k_nan, v_nan = _poison_slots(k, masked), _poison_slots(v, masked)
+  out = kernels.decode_attention(q, k_nan, v_nan, lengths, valid, poison=True, num_splits=2,
+                                 chunk=8)
+  _close(out, clean)
+  _close(decode_attention_lib.reference(q, k_nan, v_nan, lengths, valid), clean)
+  # NaN in an attended slot stays visible.
+  attended = jnp.zeros_like(masked).at[0, 0].set(True)
+  out = kernels.decode_attention(q, k, _poison_slots(v, attended), lengths, valid, num_splits=2,
+                                 chunk=8)
+  assert np.isnan(np.asarray(out[0])).all() and np.isfinite(np.asarray(out[1])).all()
 
 
 @pytest.mark.parametrize("fmt, dtype", [("nvfp4", jnp.float32), ("nvfp4", jnp.bfloat16),
