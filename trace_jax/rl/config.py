@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-from trace_jax.model.config import PRESETS
+from trace_jax.model.config import PRESETS, get_preset
 from trace_jax import fp4
 from trace_jax.model.quant import SITE_SCOPES, QuantConfig
 from trace_jax.rl.grpo import LossConfig
@@ -98,6 +98,7 @@ class RLConfig:
       raise ValueError(f"RLConfig.fmt={self.fmt!r} is not allowed; use one of {sorted(fp4.FORMATS)}")
     if self.preset not in PRESETS:
       raise ValueError(f"preset={self.preset!r} is not known; presets: {sorted(PRESETS)}")
+    _check_block_fit(self.preset, self.fmt, self.fp4_sites)
     if not (self.task in registered() or self.task.startswith("rg:")):
       raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
     object.__setattr__(self, "task_options", tuple(tuple(kv) for kv in self.task_options))
@@ -159,6 +160,22 @@ class RLConfig:
     theirs = _jsonish(other)
     return sorted(k for k in set(mine) | set(theirs)
                   if k not in ignore and mine.get(k) != theirs.get(k))
+
+
+def _check_block_fit(preset: str, fmt: str, sites: str) -> None:
+  """A ValueError before any work if the preset's widths do not split into `fmt`'s blocks
+  (MXFP4's 32-element blocks on the tiny presets' 16-wide heads), naming the field and the
+  presets that fit."""
+  block = fp4.get_format(fmt).block_size
+  misfits = {f: w for f, w in get_preset(preset).quantized_widths(sites).items() if w % block}
+  if not misfits:
+    return
+  fits = [name for name in PRESETS
+          if not any(w % block for w in get_preset(name).quantized_widths(sites).values())]
+  fields = ", ".join(f"{f}={w}" for f, w in misfits.items())
+  raise ValueError(f"RLConfig.fmt={fmt!r} quantizes in blocks of {block}, but preset={preset!r} "
+                   f"has {fields} (not a multiple of {block}); use a preset that fits, one of "
+                   f"{fits}, or fmt='nvfp4'")
 
 
 def _jsonish(value):
