@@ -21,20 +21,23 @@ TIMING = ("rollout_seconds", "train_seconds")
 
 
 def _config(**overrides):
-  base = dict(preset="tiny", steps=2, prompts_per_step=2, group_size=4, minibatches=2, max_new_tokens=8,
-              sft_steps=3, sft_batch=8, eval_size=4, eval_every=2, checkpoint_every=1)
+  base = dict(preset="tiny", steps=1, prompts_per_step=2, group_size=4, minibatches=2, max_new_tokens=8,
+              sft_steps=3, sft_batch=8, eval_size=4, eval_every=1, checkpoint_every=1)
   return RLConfig(**{**base, **overrides})
 
 
 @pytest.mark.parametrize("task, options", [("arith", ()), ("coding", ()),
                                            ("search", (("bits", 3), ("max_turns", 5)))])
 def test_short_run_on_each_task_kind(tmp_path, task, options):
-  # arith and coding share one prompt width, so the second reuses the first's compilations.
+  """One step (the resume test runs several), with an evaluation before and after it.
+  arith and coding share one prompt width, so the second reuses the first's compilations;
+  only arith warm-starts (SFT), the others start from the random policy."""
   config = _config(task=task, task_options=options, max_new_tokens=4 if task == "search" else 8,
-                   prompt_bucket=8 if task == "search" else 32)
+                   prompt_bucket=8 if task == "search" else 32,
+                   sft_steps=3 if task == "arith" else 0)
   trainer = Trainer(config, str(tmp_path), progress=False)
   history = trainer.run()
-  assert [m["step"] for m in history] == [1, 2]
+  assert [m["step"] for m in history] == [1]
   for m in history:
     for key in ("rewards/mean", "mismatch/k3_kl", "mismatch/kl", "is_ratio/mean", "tis/clip_frac",
                 "pg_clipfrac", "entropy", "completions/mean_length", "guidance/bytes_per_token",
@@ -62,18 +65,18 @@ def _params(trainer):
 
 
 def test_resume_continues_exactly(tmp_path):
-  config = _config(steps=4, eval_every=0, prompt_bucket=32)
+  config = _config(steps=3, eval_every=0, prompt_bucket=32)
   straight = Trainer(config, str(tmp_path / "straight"), progress=False)
   straight.run()
-  first = Trainer(dataclasses.replace(config, steps=2), str(tmp_path / "resumed"), progress=False)
+  first = Trainer(dataclasses.replace(config, steps=1), str(tmp_path / "resumed"), progress=False)
   first.run()
   resumed = Trainer(config, str(tmp_path / "resumed"), progress=False)
-  assert resumed.step == 2 and resumed.warmstart["loaded"]
+  assert resumed.step == 1 and resumed.warmstart["loaded"]
   resumed.run()
   jax.tree.map(np.testing.assert_array_equal, _params(resumed), _params(straight))
   a = read_metrics(str(tmp_path / "straight"))
   b = read_metrics(str(tmp_path / "resumed"))
-  assert [m["step"] for m in b] == [1, 2, 3, 4]
+  assert [m["step"] for m in b] == [1, 2, 3]
   strip = lambda m: {k: v for k, v in m.items() if k not in TIMING}
   assert [strip(m) for m in a] == [strip(m) for m in b]
 
@@ -113,7 +116,7 @@ MESH_SCRIPT = textwrap.dedent("""
     from trace_jax.rl.config import RLConfig
     from trace_jax.rl.trainer import Trainer
     assert jax.device_count() == 8
-    config = RLConfig(preset="tiny", steps=2, prompts_per_step=4, group_size=4, minibatches=2, max_new_tokens=8,
+    config = RLConfig(preset="tiny", steps=1, prompts_per_step=4, group_size=4, minibatches=2, max_new_tokens=4,
                       sft_steps=0, eval_size=8, eval_every=0, checkpoint_every=0,
                       mesh=(8, 1, 1))
     trainer = Trainer(config, sys.argv[1], progress=False)
