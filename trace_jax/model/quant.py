@@ -50,6 +50,10 @@ SCOPE_SITES = {"all": ACTIVATION_SITES, "experts+kv": ("k", "v", "moe_in", "moe_
 WEIGHT_GROUPS = ("attention", "experts", "shared", "mlp")
 SCOPE_WEIGHT_GROUPS = {"all": WEIGHT_GROUPS, "experts+kv": ("experts",)}
 GUIDED_LAYER_NAMES = ("last_half", "all", "none")
+# Activation formats: "fp4" (W4A4, in `fmt`) or "fp8" (W4A8: the linear layers' inputs in
+# MXFP8 E4M3, `fp4.fake_quant_fp8`; the KV cache stays FP4 in `fmt`).
+ACTIVATION_FORMATS = ("fp4", "fp8")
+KV_SITES = ("k", "v")
 GuidedLayers = Union[str, int, Sequence[int]]
 SiteKey = tuple[int, str]
 
@@ -104,8 +108,13 @@ class QuantConfig:
   #   of activation-site names (those sites; weights per `weights`)
   rounding: str = "nearest"  # at guided layers: "guided" (needs guidance); elsewhere nearest
   guided_layers: GuidedLayers = "last_half"  # which layers `rounding` applies to
+  activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8: linear inputs in MXFP8 E4M3,
+  #   nearest rounding, no guidance; K/V stay FP4)
 
   def __post_init__(self):
+    if self.activations not in ACTIVATION_FORMATS:
+      raise ValueError(f"QuantConfig.activations={self.activations!r} is not allowed; use one "
+                       f"of {ACTIVATION_FORMATS}")
     if self.precision not in PRECISIONS:
       raise ValueError(f"QuantConfig.precision={self.precision!r} is not allowed; use one of {PRECISIONS}")
     fp4.get_format(self.fmt)
@@ -147,6 +156,10 @@ class QuantConfig:
   def quantizes(self, site: str) -> bool:
     """Whether activation site `site` runs in FP4."""
     return self.enabled and site in self.activation_sites
+
+  def in_fp8(self, site: str) -> bool:
+    """Whether activation site `site` runs in FP8 (W4A8's linear inputs), not FP4."""
+    return self.quantizes(site) and self.activations == "fp8" and site not in KV_SITES
 
   def quantizes_weights(self, group: str) -> bool:
     """Whether the linear weights of `group` (one of `WEIGHT_GROUPS`) run in FP4."""
@@ -201,7 +214,8 @@ def is_quantized_weight(path: tuple, quant: QuantConfig | None = None) -> bool:
 
 
 def layer_sites(cfg, quant: QuantConfig | None) -> dict[int, tuple[str, ...]]:
-  """The activation sites each layer of a model (ModelConfig `cfg`) quantizes."""
+  """The activation sites each layer of a model (ModelConfig `cfg`) quantizes in FP4 (the
+  ones guidance can cover; W4A8's FP8 sites are not among them)."""
   if quant is None or not quant.enabled:
     return {layer: () for layer in range(cfg.num_layers)}
   out = {}
@@ -213,7 +227,7 @@ def layer_sites(cfg, quant: QuantConfig | None) -> dict[int, tuple[str, ...]]:
       sites += ["mlp_in", "mlp_mid"]
     else:
       sites += ["moe_in", "moe_mid"] + (["shared_mid"] if cfg.shared_expert_dim else [])
-    out[layer] = tuple(s for s in sites if quant.quantizes(s))
+    out[layer] = tuple(s for s in sites if quant.quantizes(s) and not quant.in_fp8(s))
   return out
 
 
@@ -352,6 +366,8 @@ class SiteQuantizer:
     """Fake-quantize activation `x` [..., n] per row at (layer, site); identity if off."""
     if not self.active(site):
       return x
+    if self.quant.in_fp8(site):  # W4A8: nearest MXFP8, nothing recorded or guided
+      return fp4.fake_quant_fp8(x)
     kwargs = dict(global_group="row", **self._rounding(layer, site))
     if self._fused(kwargs):  # the kernel quantizes anyway; its QArray gives the values
       return fp4.dequantize(self._record(x, layer, site, kwargs, always=True, keep=record),

@@ -8,7 +8,7 @@ from typing import Any
 
 from trace_jax.model.config import PRESETS, get_preset
 from trace_jax import fp4
-from trace_jax.model.quant import SITE_SCOPES, QuantConfig
+from trace_jax.model.quant import ACTIVATION_FORMATS, SITE_SCOPES, QuantConfig
 from trace_jax.rl.grpo import LossConfig
 from trace_jax.tasks.registry import get_task, registered
 
@@ -64,6 +64,8 @@ class RLConfig:
   arm: str = "trace"
   fp4_sites: str = "all"  # FP4 scope of rollout and QAT: "all" or "experts+kv" (the method's)
   fmt: str = "nvfp4"  # FP4 format of rollout, QAT and the FP4 evaluation: "nvfp4" or "mxfp4"
+  activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8: linear inputs in MXFP8 E4M3 on
+  #   both paths, KV cache in FP4; FP8 sites take nearest rounding, no guidance)
   task: str = "arith"
   task_options: tuple = ()  # (name, value) pairs passed to get_task
   preset: str = "small"
@@ -98,6 +100,9 @@ class RLConfig:
       raise ValueError(f"RLConfig.fmt={self.fmt!r} is not allowed; use one of {sorted(fp4.FORMATS)}")
     if self.preset not in PRESETS:
       raise ValueError(f"preset={self.preset!r} is not known; presets: {sorted(PRESETS)}")
+    if self.activations not in ACTIVATION_FORMATS:
+      raise ValueError(f"RLConfig.activations={self.activations!r} is not allowed; use one of "
+                       f"{ACTIVATION_FORMATS}")
     _check_block_fit(self.preset, self.fmt, self.fp4_sites)
     if not (self.task in registered() or self.task.startswith("rg:")):
       raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
@@ -141,7 +146,8 @@ class RLConfig:
   def train_quant(self) -> QuantConfig | None:
     """The arm's training-path QuantConfig in this run's FP4 scope and format."""
     quant = self.arm_spec.train_quant
-    return None if quant is None else quant.replace(sites=self.fp4_sites, fmt=self.fmt)
+    return None if quant is None else quant.replace(sites=self.fp4_sites, fmt=self.fmt,
+                                                    activations=self.activations)
 
   @property
   def loss_config(self) -> LossConfig:
