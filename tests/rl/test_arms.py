@@ -92,13 +92,16 @@ def test_arm_scope_and_format_reach_the_training_path():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arm, fp4_sites", [("trace", "all"), ("fp4-qat", "experts+kv")])
-def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, arm, fp4_sites):
+@pytest.mark.parametrize("arm, fp4_sites, activations", [
+    ("trace", "all", "fp4"), ("fp4-qat", "experts+kv", "fp4"), ("trace", "all", "fp8")])
+def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, arm, fp4_sites, activations):
   """--fmt=mxfp4 end to end: MXFP4 rollout weights (E8M0 scales, no global scale), MXFP4 KV
-  cache, MXFP4 QAT, guidance captured in the MXFP4 layout."""
+  cache, MXFP4 QAT, guidance captured in the MXFP4 layout; and W4A8 (--activations=fp8:
+  linear inputs in MXFP8 E4M3, guidance on the FP4 KV cache only)."""
   config = RLConfig(arm=arm, preset="small", steps=1, prompts_per_step=1, group_size=2,
                     minibatches=1, max_new_tokens=4, sft_steps=0, eval_every=0, eval_size=0,
-                    checkpoint_every=0, fp4_sites=fp4_sites, fmt="mxfp4")
+                    checkpoint_every=0, fp4_sites=fp4_sites, fmt="mxfp4",
+                    activations=activations)
   trainer = Trainer(config, str(tmp_path), progress=False)
   packed = [leaf for leaf in jax.tree.leaves(trainer.engine.params,
                                              is_leaf=lambda x: isinstance(x, fp4.QArray))
@@ -112,6 +115,10 @@ def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, arm, fp4_sites):
     assert 0 <= metrics[f"mismatch/scale_disagree/layer_{layer}"] <= 1
   if arm == "trace":
     assert metrics["guidance/bytes_per_token"] > 0
+  assert trainer.engine.config.quant.activations == activations
+  if activations == "fp8":  # guidance holds the K/V sites only
+    captured = trainer.engine.generate([[5, 6, 7]], jax.random.key(0)).guidance
+    assert {site for _, site in captured.sites} == {"k", "v"}
 
 
 def test_mxfp4_on_a_preset_too_narrow_names_the_field_and_presets_that_fit():

@@ -51,7 +51,9 @@ WEIGHT_GROUPS = ("attention", "experts", "shared", "mlp")
 SCOPE_WEIGHT_GROUPS = {"all": WEIGHT_GROUPS, "experts+kv": ("experts",)}
 GUIDED_LAYER_NAMES = ("last_half", "all", "none")
 # Activation formats: "fp4" (W4A4, in `fmt`) or "fp8" (W4A8: the linear layers' inputs in
-# MXFP8 E4M3, `fp4.fake_quant_fp8`; the KV cache stays FP4 in `fmt`).
+# MXFP8 E4M3, `fp4.fake_quant_fp8`; the KV cache stays FP4 in `fmt`). FP8 sites round to
+# nearest without guidance: full-code guidance would cost 8 bits per element, the FP8
+# activation itself, and an FP8 flip moves a value by at most 1/8 relative (E2M1: 1/2).
 ACTIVATION_FORMATS = ("fp4", "fp8")
 KV_SITES = ("k", "v")
 GuidedLayers = Union[str, int, Sequence[int]]
