@@ -192,8 +192,8 @@ def test_generation_with_pallas_kernels_equals_the_xla_path(monkeypatch):
   results = {}
   for mode in ("xla", "pallas"):
     config = R.RolloutConfig(precision="fp4", compute_dtype="float32", guidance="none",
-                             max_len=24, prompt_bucket=8, kernels=mode,
-                             sampling=R.SamplingConfig(greedy=True, max_new_tokens=9))
+                             max_len=16, prompt_bucket=8, kernels=mode,
+                             sampling=R.SamplingConfig(greedy=True, max_new_tokens=5))
     results[mode] = R.RolloutEngine(policy, config).generate(prompts, jax.random.key(0))
   assert all(calls.values()), calls  # every kernel ran in the pallas generation
   xla_run, pallas_run = results["xla"], results["pallas"]
