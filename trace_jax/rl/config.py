@@ -164,8 +164,11 @@ class RLConfig:
     """Fields whose values differ from a saved config dict (JSON round-tripped)."""
     mine = _jsonish(self.to_dict())
     theirs = _jsonish(other)
+    # A field added since that checkpoint (absent there) differs only if not at its default.
+    added = {f.name for f in dataclasses.fields(self)
+             if f.name not in theirs and getattr(self, f.name) == f.default}
     return sorted(k for k in set(mine) | set(theirs)
-                  if k not in ignore and mine.get(k) != theirs.get(k))
+                  if k not in ignore and k not in added and mine.get(k) != theirs.get(k))
 
 
 def _check_block_fit(preset: str, fmt: str, sites: str) -> None:
