@@ -3,6 +3,7 @@
   python experiments/rl.py                                   # small, arith, arm trace, ~7 min on 2 cores
   python experiments/rl.py --arm=fp4-qat --seed=1 --steps=30
   python experiments/rl.py --arm=trace --fp4_sites=experts+kv --fmt=mxfp4 --steps=30
+  python experiments/rl.py --arm=trace --fmt=mxfp4 --activations=fp8 --steps=30  # W4A8
   python experiments/rl.py --task=search --max_new_tokens=6  # multi-turn
   python experiments/rl.py --workdir=runs/x                  # resumes if runs/x holds a checkpoint
 
@@ -63,6 +64,8 @@ _DTYPE = flags.DEFINE_enum("compute_dtype", _D.compute_dtype, ["bfloat16", "floa
 _FP4_SITES = flags.DEFINE_string("fp4_sites", _D.fp4_sites,
                                  "FP4 scope: all, or experts+kv (the method's: routed experts and KV cache).")
 _FMT = flags.DEFINE_string("fmt", _D.fmt, "FP4 format: nvfp4 or mxfp4.")
+_ACTIVATIONS = flags.DEFINE_string("activations", _D.activations,
+                                   "fp4 (W4A4) or fp8 (W4A8: linear inputs in MXFP8 E4M3).")
 
 
 def _options():
@@ -108,7 +111,7 @@ def _main(argv):
         correction=_CORR.value, eval_every=_EVAL_EVERY.value, eval_size=_EVAL_SIZE.value,
         sft_steps=_SFT.value, checkpoint_every=_CKPT.value,
         mesh=tuple(int(m) for m in _MESH.value), compute_dtype=_DTYPE.value,
-        fp4_sites=_FP4_SITES.value, fmt=_FMT.value)
+        fp4_sites=_FP4_SITES.value, fmt=_FMT.value, activations=_ACTIVATIONS.value)
   except (ValueError, ImportError) as e:  # bad flags, and only those, are usage errors
     raise app.UsageError(str(e)) from e
   workdir = _WORKDIR.value or os.path.join(

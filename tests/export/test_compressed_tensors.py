@@ -241,3 +241,79 @@ def test_experts_kv_scope_exports_attention_in_bf16(tiny_policy, tmp_path):
   assert {f"model.layers.1.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")} <= set(ignore)
   assert _packed_equal(R.quantize_params(nnx.state(tiny_policy), quant),
                        R.quantize_params(nnx.state(load_fp4(out)), quant)) == 6
+
+
+def _pattern(name: str) -> str:
+  """A tensor name with layer and expert numbers replaced by N, quantization suffixes by
+  `weight`: what an architecture's naming scheme looks like, independent of its sizes."""
+  for suffix in ("weight_packed", "weight_scale", "weight_global_scale"):
+    if name.endswith("." + suffix):
+      name = name[: -len(suffix)] + "weight"
+  return ".".join("N" if part.isdigit() else part for part in name.split("."))
+
+
+def test_qwen3_5_checkpoint_exports_under_the_names_transformers_wrote(tmp_path):
+  """The Qwen3.5-MoE fixture (written by transformers' Qwen3_5MoeForCausalLM) exports with
+  its own names, config and every tensor; in the method's scope (routed experts FP4) its
+  24-wide shared expert, which 16-element blocks cannot split, stays bf16."""
+  source = os.path.join(FIXTURES, "qwen3_5_moe_text")
+  policy = M.from_hf(source)
+  out = str(tmp_path / "qwen3_5")
+  quant = M.QuantConfig(sites="experts+kv")
+  export_compressed_tensors(policy, out, source=source, quant=quant)
+  theirs = set(_read_checkpoint(source))
+  ours = {name for name, _, _ in tensor_listing(out)}
+  quantized = {n[: -len(".weight_packed")] for n in ours if n.endswith(".weight_packed")}
+  assert quantized and all(".mlp.experts." in m for m in quantized)
+  expected = {n for n in theirs if n[: -len(".weight")] not in quantized}
+  expected |= {f"{m}.{f}" for m in quantized
+               for f in ("weight_packed", "weight_scale", "weight_global_scale")}
+  assert ours == expected
+  src_config = json.load(open(os.path.join(source, "config.json")))
+  out_config = json.load(open(os.path.join(out, "config.json")))
+  assert {k: v for k, v in out_config.items() if k != "quantization_config"} == src_config
+  # The Gated DeltaNet tensors (conv1d [C, 1, K], A_log, dt_bias, norm) are the source's.
+  spec = read_by_spec(out)
+  source_tensors = _read_checkpoint(source)
+  for name in ("model.layers.0.linear_attn.conv1d.weight", "model.layers.0.linear_attn.A_log",
+               "model.layers.2.linear_attn.norm.weight", "model.layers.3.linear_attn.dt_bias"):
+    np.testing.assert_array_equal(spec[name], source_tensors[name], err_msg=name)
+  assert _packed_equal(R.quantize_params(nnx.state(policy), quant),
+                       R.quantize_params(nnx.state(load_fp4(out)), quant)) == 15  # 5 layers x 3
+
+
+@pytest.mark.slow
+def test_qwen3_5_tiny_policy_round_trip_with_every_linear_in_fp4(tmp_path):
+  """A qwen3_5_tiny policy (no source checkpoint: config.json made from the preset) in the
+  full scope: Gated DeltaNet, gated attention and shared-expert linears in FP4 under the
+  names transformers uses; it loads back with the same bytes and the same FP4 logits.
+  (Slow: two forwards of the hybrid model; `pytest -m slow tests/export`. The default suite
+  keeps the fixture's names and bytes round trip above.)"""
+  policy = M.Transformer(M.get_preset("qwen3_5_tiny"), rngs=nnx.Rngs(5))
+  out = str(tmp_path / "qwen3_5_tiny")
+  export_compressed_tensors(policy, out)
+  config = json.load(open(os.path.join(out, "config.json")))
+  assert config["architectures"] == ["Qwen3_5MoeForCausalLM"]
+  assert config["model_type"] == "qwen3_5_moe_text"
+  back = M.hf.config_from_hf(config)
+  assert back.replace(name=policy.cfg.name, dtype=policy.cfg.dtype,
+                      delta_chunk_size=policy.cfg.delta_chunk_size) == policy.cfg
+  ours = {_pattern(name) for name, _, _ in tensor_listing(out)}
+  transformers_names = {_pattern(n) for n in _read_checkpoint(os.path.join(FIXTURES, "qwen3_5_moe_text"))}
+  assert ours - {"lm_head.weight"} == transformers_names  # the preset does not tie embeddings
+  rows = {name: (dtype, shape) for name, dtype, shape in tensor_listing(out)}
+  for module in ("model.layers.0.linear_attn.in_proj_qkv", "model.layers.0.linear_attn.out_proj",
+                 "model.layers.3.self_attn.q_proj", "model.layers.1.mlp.shared_expert.down_proj"):
+    assert rows[f"{module}.weight_packed"][0] == "U8", module
+  loaded = load_fp4(out)
+  quant = M.QuantConfig()
+  assert _packed_equal(R.quantize_params(nnx.state(policy), quant),
+                       R.quantize_params(nnx.state(loaded), quant)) > 0
+  exported = nnx.merge(*nnx.split(policy))  # the packed weights, everything else in bf16
+  for path, var in nnx.to_flat_state(nnx.state(exported)):
+    if not M.is_quantized_weight(path):
+      var.set_value(var.get_value().astype(jnp.bfloat16).astype(jnp.float32))
+  tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, policy.cfg.vocab_size)
+  want, _ = exported(tokens, quant=quant)
+  got, _ = loaded(tokens, quant=quant)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)

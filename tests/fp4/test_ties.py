@@ -189,7 +189,7 @@ def test_true_divide_lowers_for_cuda_through_pallas_triton():
   (a plain one there lowers to the approximate div.full.f32)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as pl_triton
-  from jax._src.pallas.triton import lowering as triton_lowering
+  from trace_jax import _jax_private
 
   def kernel(a_ref, b_ref, o_ref):
     o_ref[...] = numerics.true_divide(a_ref[...], b_ref[...])
@@ -201,4 +201,4 @@ def test_true_divide_lowers_for_cuda_through_pallas_triton():
   a, b = jnp.ones((16, 16)), jnp.ones((16, 1))
   text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text
-  assert numerics._ieee_div_p in triton_lowering.triton_lowering_rules  # noqa: SLF001
+  assert numerics._ieee_div_p in _jax_private.triton_lowering_rules  # noqa: SLF001

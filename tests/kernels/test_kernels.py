@@ -2,6 +2,8 @@
 definitions (dequantize-then-compute, `jax.lax.ragged_dot`, the model's attention,
 `fp4.quantize`), on fresh random inputs, with outputs poisoned before each call."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,6 +113,37 @@ def test_decode_attention_without_valid_slots_gives_zero():
   _close(out, decode_attention_lib.reference(q, k, v, jnp.array([0, 16])))
 
 
+def _poison_slots(entry, masked):
+  """`entry` with NaN global scales and NaN E4M3 block scales (0x7F) in the `masked` slots."""
+  nan_scale = jnp.where(masked[:, :, None, None], jnp.nan, entry.global_scale)
+  nan_bits = jnp.where(masked[:, :, None, None], jnp.uint8(0x7F), entry.scales)
+  return dataclasses.replace(entry, global_scale=nan_scale, scales=nan_bits)
+
+
+def test_decode_attention_nan_in_masked_slots_does_not_leak():
+  """A NaN left in a slot that is masked (past the length, or not valid) must not reach the
+  output through 0 * NaN or p / NaN, in the kernel or in its reference; the output equals
+  the one with those slots holding ordinary values."""
+  b, length, hkv, dh = 2, 32, 2, 32
+  q = _rand(7, (b, 2 * hkv, dh))
+  k, v = _cache_entry(8, (b, length, hkv, dh)), _cache_entry(9, (b, length, hkv, dh))
+  lengths = jnp.array([21, 32])
+  valid = jax.random.bernoulli(jax.random.key(3), 0.7, (b, length)).at[:, 0].set(True)
+  masked = ~((jnp.arange(length)[None] < lengths[:, None]) & valid)
+  assert masked.any()
+  clean = decode_attention_lib.reference(q, k, v, lengths, valid)
+  k_nan, v_nan = _poison_slots(k, masked), _poison_slots(v, masked)
+  out = kernels.decode_attention(q, k_nan, v_nan, lengths, valid, poison=True, num_splits=2,
+                                 chunk=8)
+  _close(out, clean)
+  _close(decode_attention_lib.reference(q, k_nan, v_nan, lengths, valid), clean)
+  # NaN in an attended slot stays visible.
+  attended = jnp.zeros_like(masked).at[0, 0].set(True)
+  out = kernels.decode_attention(q, k, _poison_slots(v, attended), lengths, valid, num_splits=2,
+                                 chunk=8)
+  assert np.isnan(np.asarray(out[0])).all() and np.isfinite(np.asarray(out[1])).all()
+
+
 @pytest.mark.parametrize("fmt, dtype", [("nvfp4", jnp.float32), ("nvfp4", jnp.bfloat16),
                                         ("mxfp4", jnp.float32)])
 def test_fused_quantize_is_bit_exact(fmt, dtype):
@@ -159,8 +192,8 @@ def test_generation_with_pallas_kernels_equals_the_xla_path(monkeypatch):
   results = {}
   for mode in ("xla", "pallas"):
     config = R.RolloutConfig(precision="fp4", compute_dtype="float32", guidance="none",
-                             max_len=24, prompt_bucket=8, kernels=mode,
-                             sampling=R.SamplingConfig(greedy=True, max_new_tokens=9))
+                             max_len=16, prompt_bucket=8, kernels=mode,
+                             sampling=R.SamplingConfig(greedy=True, max_new_tokens=5))
     results[mode] = R.RolloutEngine(policy, config).generate(prompts, jax.random.key(0))
   assert all(calls.values()), calls  # every kernel ran in the pallas generation
   xla_run, pallas_run = results["xla"], results["pallas"]

@@ -11,6 +11,7 @@ from trace_jax import fp4
 from trace_jax import model as M
 from trace_jax import rollout as R
 from trace_jax.model import accounting
+from trace_jax.model.quant import layer_sites
 
 EXPERTS_KV = M.QuantConfig(sites="experts+kv")
 
@@ -140,3 +141,32 @@ def test_weight_bytes_per_scope():
   # Packing the routed experts saves 2 - 0.5 - 1/16 bytes per element, minus global scales.
   saved = expert_elems * (2 - 0.5 - 1 / 16) - 3 * cfg.num_experts * 4
   assert bf16 - experts == pytest.approx(saved)
+
+
+def test_w4a8_puts_linear_inputs_in_fp8_and_keeps_kv_in_fp4(hybrid):
+  """activations="fp8": every linear input site is MXFP8 E4M3 (nearest, not recorded, so no
+  guidance), K/V stay FP4 (recorded, guidable); the sites guidance covers are only K/V."""
+  w4a8 = M.QuantConfig(activations="fp8")
+  x = jax.random.normal(jax.random.key(4), (3, 64)) * 5
+  sq = M.SiteQuantizer(w4a8, 2, jnp.float32, record=True)
+  np.testing.assert_array_equal(sq(x, 1, "attn_in"), fp4.fp8_values(x))
+  np.testing.assert_array_equal(sq(x, 1, "moe_mid"), fp4.fp8_values(x))
+  k = x.reshape(3, 4, 16)
+  np.testing.assert_array_equal(sq(k, 1, "k"), fp4.fake_quant(k, global_group="row"))
+  assert set(sq.records) == {(1, "k")}
+  assert layer_sites(hybrid.cfg, w4a8) == {0: ("k", "v"), 1: ("k", "v")}
+  with pytest.raises(ValueError, match="activations='fp16'"):
+    M.QuantConfig(activations="fp16")
+  # A whole forward: only K/V recorded; it differs from W4A4 and from no activation rounding.
+  tokens = _tokens(3)
+  logits, aux = _forward(hybrid, tokens, w4a8, record=True)
+  assert set(aux["sites"]) == {(0, "k"), (0, "v"), (1, "k"), (1, "v")}
+  w4a4, _ = _forward(hybrid, tokens, M.QuantConfig())
+  kv_only, _ = _forward(hybrid, tokens, M.QuantConfig(sites=("k", "v")))
+  assert float(jnp.abs(logits - w4a4).max()) > 1e-4
+  assert float(jnp.abs(logits - kv_only).max()) > 1e-6
+  # Guided rounding under W4A8 needs guidance for K/V only.
+  guided = w4a8.replace(rounding="guided", guided_layers="all")
+  again, _ = nnx.jit(lambda m, t, g: m(t, quant=guided, guidance=g))(hybrid, tokens,
+                                                                      dict(aux["sites"]))
+  np.testing.assert_allclose(np.asarray(again), np.asarray(logits), atol=1e-5)

@@ -27,8 +27,8 @@ def _packed(params) -> bool:
 
 
 # Every arm in the full scope, and the method's own scope for the FP4-trained arms. (MXFP4
-# needs head_dim % 32 == 0 for its KV cache; the tiny preset has head_dim 16, so --fmt=mxfp4
-# is covered at the config level here, not end to end.)
+# needs widths in multiples of 32; the tiny preset's heads are 16 wide, so MXFP4 runs on
+# `small`: test_one_mxfp4_step_on_a_preset_that_fits.)
 CASES = [(arm, "all") for arm in sorted(PROMISES)] + [("fp4-qat", "experts+kv"),
                                                        ("trace", "experts+kv")]
 
@@ -89,3 +89,41 @@ def test_arm_scope_and_format_reach_the_training_path():
   assert (config.train_quant.sites, config.train_quant.fmt) == ("experts+kv", "mxfp4")
   assert config.train_quant.rounding == "guided"
   assert RLConfig(arm="fp4-rollout", fmt="mxfp4").train_quant is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arm, fp4_sites, activations", [
+    ("trace", "all", "fp4"), ("fp4-qat", "experts+kv", "fp4"), ("trace", "all", "fp8")])
+def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, arm, fp4_sites, activations):
+  """--fmt=mxfp4 end to end: MXFP4 rollout weights (E8M0 scales, no global scale), MXFP4 KV
+  cache, MXFP4 QAT, guidance captured in the MXFP4 layout; and W4A8 (--activations=fp8:
+  linear inputs in MXFP8 E4M3, guidance on the FP4 KV cache only)."""
+  config = RLConfig(arm=arm, preset="small", steps=1, prompts_per_step=1, group_size=2,
+                    minibatches=1, max_new_tokens=4, sft_steps=0, eval_every=0, eval_size=0,
+                    checkpoint_every=0, fp4_sites=fp4_sites, fmt="mxfp4",
+                    activations=activations)
+  trainer = Trainer(config, str(tmp_path), progress=False)
+  packed = [leaf for leaf in jax.tree.leaves(trainer.engine.params,
+                                             is_leaf=lambda x: isinstance(x, fp4.QArray))
+            if isinstance(leaf, fp4.QArray)]
+  assert packed and {q.fmt for q in packed} == {"mxfp4"}
+  assert all(np.all(np.asarray(q.global_scale) == 1) for q in packed)  # MXFP4: none
+  assert config.train_quant.fmt == "mxfp4"
+  metrics = trainer.train_step()
+  assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["mismatch/k3_kl"])
+  for layer in range(trainer.model_cfg.num_layers):
+    assert 0 <= metrics[f"mismatch/scale_disagree/layer_{layer}"] <= 1
+  if arm == "trace":
+    assert metrics["guidance/bytes_per_token"] > 0
+  assert trainer.engine.config.quant.activations == activations
+  if activations == "fp8":  # guidance holds the K/V sites only
+    captured = trainer.engine.generate([[5, 6, 7]], jax.random.key(0)).guidance
+    assert {site for _, site in captured.sites} == {"k", "v"}
+
+
+def test_mxfp4_on_a_preset_too_narrow_names_the_field_and_presets_that_fit():
+  with pytest.raises(ValueError, match=r"fmt='mxfp4'.*preset='tiny' has head_dim=16.*'small'"):
+    RLConfig(preset="tiny", fmt="mxfp4")
+  with pytest.raises(ValueError, match=r"preset='qwen3_5_tiny' has head_dim=16"):
+    RLConfig(preset="qwen3_5_tiny", fmt="mxfp4", fp4_sites="experts+kv")
+  RLConfig(preset="tiny", fmt="nvfp4")  # 16-element NVFP4 blocks fit

@@ -13,7 +13,9 @@ import pytest
 from flax import nnx
 
 from trace_jax.rl import report
+from trace_jax.rl.grpo import LossConfig
 from trace_jax.rl.config import RLConfig
+from trace_jax.rl import trainer as trainer_lib
 from trace_jax.rl.trainer import Trainer, read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,20 +23,40 @@ TIMING = ("rollout_seconds", "train_seconds")
 
 
 def _config(**overrides):
-  base = dict(preset="tiny", steps=2, prompts_per_step=2, group_size=4, minibatches=2, max_new_tokens=8,
-              sft_steps=3, sft_batch=8, eval_size=4, eval_every=2, checkpoint_every=1)
+  base = dict(preset="tiny", steps=1, prompts_per_step=2, group_size=4, minibatches=2, max_new_tokens=8,
+              sft_steps=3, sft_batch=8, eval_size=4, eval_every=1, checkpoint_every=1)
   return RLConfig(**{**base, **overrides})
 
 
 @pytest.mark.parametrize("task, options", [("arith", ()), ("coding", ()),
                                            ("search", (("bits", 3), ("max_turns", 5)))])
-def test_short_run_on_each_task_kind(tmp_path, task, options):
-  # arith and coding share one prompt width, so the second reuses the first's compilations.
+def test_short_run_on_each_task_kind(tmp_path, monkeypatch, task, options):
+  """One step (the resume test runs several), with an evaluation before and after it.
+  arith and coding share one prompt width, so the second reuses the first's compilations;
+  only arith warm-starts (SFT), the others start from the random policy."""
+  # coding also trains against a KL reference policy (a copy: the policy's buffers are donated).
+  loss = LossConfig(rollout_correction="none", kl_coef=0.01 if task == "coding" else 0.0)
   config = _config(task=task, task_options=options, max_new_tokens=4 if task == "search" else 8,
-                   prompt_bucket=8 if task == "search" else 32)
+                   prompt_bucket=8 if task == "search" else 32,
+                   sft_steps=3 if task == "arith" else 0, loss=loss)
   trainer = Trainer(config, str(tmp_path), progress=False)
+  # The buffers each train step receives (earlier jitted calls, e.g. pi_old's forward, hand
+  # the policy new arrays, so they are taken at the step's boundary).
+  given = []
+  step = trainer_lib._train_step
+
+  def recording_step(policy, opt, *args, **kwargs):
+    given.append(jax.tree.leaves((nnx.state(policy, nnx.Param), nnx.state(opt))))
+    return step(policy, opt, *args, **kwargs)
+  monkeypatch.setattr(trainer_lib, "_train_step", recording_step)
+  reference = None if trainer.reference is None else jax.tree.leaves(nnx.state(trainer.reference))
   history = trainer.run()
-  assert [m["step"] for m in history] == [1, 2]
+  # The train step donated the policy's and the optimizer's buffers (updated in place)...
+  assert len(given) == config.minibatches and all(x.is_deleted() for x in sum(given, []))
+  # ...and the KL reference, a copy of its own, is intact.
+  assert (reference is not None) == (task == "coding")
+  assert reference is None or not any(x.is_deleted() for x in reference)
+  assert [m["step"] for m in history] == [1]
   for m in history:
     for key in ("rewards/mean", "mismatch/k3_kl", "mismatch/kl", "is_ratio/mean", "tis/clip_frac",
                 "pg_clipfrac", "entropy", "completions/mean_length", "guidance/bytes_per_token",
@@ -62,18 +84,18 @@ def _params(trainer):
 
 
 def test_resume_continues_exactly(tmp_path):
-  config = _config(steps=4, eval_every=0, prompt_bucket=32)
+  config = _config(steps=3, eval_every=0, prompt_bucket=32)
   straight = Trainer(config, str(tmp_path / "straight"), progress=False)
   straight.run()
-  first = Trainer(dataclasses.replace(config, steps=2), str(tmp_path / "resumed"), progress=False)
+  first = Trainer(dataclasses.replace(config, steps=1), str(tmp_path / "resumed"), progress=False)
   first.run()
   resumed = Trainer(config, str(tmp_path / "resumed"), progress=False)
-  assert resumed.step == 2 and resumed.warmstart["loaded"]
+  assert resumed.step == 1 and resumed.warmstart["loaded"]
   resumed.run()
   jax.tree.map(np.testing.assert_array_equal, _params(resumed), _params(straight))
   a = read_metrics(str(tmp_path / "straight"))
   b = read_metrics(str(tmp_path / "resumed"))
-  assert [m["step"] for m in b] == [1, 2, 3, 4]
+  assert [m["step"] for m in b] == [1, 2, 3]
   strip = lambda m: {k: v for k, v in m.items() if k not in TIMING}
   assert [strip(m) for m in a] == [strip(m) for m in b]
 
@@ -114,7 +136,7 @@ MESH_SCRIPT = textwrap.dedent("""
     from trace_jax.rl.config import RLConfig
     from trace_jax.rl.trainer import Trainer
     assert jax.device_count() == 8
-    config = RLConfig(preset="tiny", steps=2, prompts_per_step=4, group_size=4, minibatches=2, max_new_tokens=8,
+    config = RLConfig(preset="tiny", steps=1, prompts_per_step=4, group_size=4, minibatches=2, max_new_tokens=4,
                       sft_steps=0, eval_size=8, eval_every=0, checkpoint_every=0,
                       mesh=(8, 1, 1))
     trainer = Trainer(config, sys.argv[1], progress=False)

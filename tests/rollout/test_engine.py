@@ -15,12 +15,7 @@ from trace_jax.model.quant import SiteQuantizer
 PROMPTS = [[5, 17, 3], [9, 2, 44, 7, 61, 8, 30], [100]]
 
 
-@pytest.fixture(scope="module")
-def f32_greedy(policy):
-  config = R.RolloutConfig(precision="bf16", compute_dtype="float32", guidance="none",
-                           max_len=64, prompt_bucket=8,
-                           sampling=R.SamplingConfig(greedy=True, max_new_tokens=8))
-  return R.RolloutEngine(policy, config)
+# `policy` (the tiny preset) and `f32_greedy` come from conftest.py.
 
 
 STOPS = tuple(range(0, 128, 2))  # every even token: sequences stop early, at various steps

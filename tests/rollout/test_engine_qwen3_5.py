@@ -19,16 +19,13 @@ PROMPTS = [[5, 17, 3], [9, 2, 44, 7, 61, 8, 30], [100]]
 
 
 @pytest.fixture(scope="module")
-def policy():
-  return M.Transformer(M.get_preset("qwen3_5_tiny"), rngs=nnx.Rngs(0))
+def preset():  # conftest.py builds `policy` and `f32_greedy` from it
+  return "qwen3_5_tiny"
 
 
 @pytest.fixture(scope="module")
-def f32_greedy(policy):
-  config = R.RolloutConfig(precision="bf16", compute_dtype="float32", guidance="none",
-                           max_len=40, prompt_bucket=8,
-                           sampling=R.SamplingConfig(greedy=True, max_new_tokens=8))
-  return R.RolloutEngine(policy, config)
+def greedy_max_len():
+  return 40
 
 
 def test_rollout_logprobs_equal_the_training_forward_and_continuation_is_exact(policy, f32_greedy):

@@ -61,7 +61,10 @@ INPUT_SITES = {("attn", "q_proj"): "attn_in", ("attn", "k_proj"): "attn_in",
                ("moe", "w_gate"): "moe_in", ("moe", "w_up"): "moe_in", ("moe", "w_down"): "moe_mid",
                ("shared", "w_gate"): "moe_in", ("shared", "w_up"): "moe_in",
                ("shared", "w_down"): "shared_mid",
-               ("mlp", "w_gate"): "mlp_in", ("mlp", "w_up"): "mlp_in", ("mlp", "w_down"): "mlp_mid"}
+               ("mlp", "w_gate"): "mlp_in", ("mlp", "w_up"): "mlp_in", ("mlp", "w_down"): "mlp_mid",
+               # Gated DeltaNet (Qwen3.5): the token mixer's in/out projections
+               ("attn", "in_proj_qkv"): "attn_in", ("attn", "in_proj_z"): "attn_in",
+               ("attn", "out_proj"): "attn_out"}
 _SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16",
                        np.dtype(np.uint8): "U8", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
                        np.dtype(np.float16): "F16"}
@@ -205,7 +208,7 @@ def hf_tensors(policy: Transformer, config: ExportConfig, *, quant: QuantConfig 
               [input_scales[(layer, _input_site(path))]], np.float32)
         tensors.update({f"{target.module}.{k}": v for k, v in fields.items()})
       else:
-        tensors[f"{target.module}.weight"] = np.ascontiguousarray(
+        tensors[target.name] = np.ascontiguousarray(
             names_lib.hf_array(array, target).astype(dtype))
         if target.linear:
           ignore.append(target.module)

@@ -42,6 +42,25 @@ ARCH_NAMES = {
                        experts=("gate_proj", "up_proj", "down_proj"),
                        num_experts_key="num_experts", moe_ffn_key="intermediate_size",
                        extra_config=(("attention_bias", False),)),
+    # The text model as `Qwen3_5MoeForCausalLM.save_pretrained` writes it: one tensor per
+    # expert, Gated DeltaNet layers under `linear_attn` (see `_qwen3_5_linear`).
+    "qwen3_5_moe": ArchNames(hf_class="Qwen3_5MoeForCausalLM", moe="mlp",
+                             experts=("gate_proj", "up_proj", "down_proj"),
+                             num_experts_key="num_experts", moe_ffn_key="moe_intermediate_size",
+                             extra_config=(("model_type", "qwen3_5_moe_text"),
+                                           ("attention_bias", False))),
+}
+# Gated DeltaNet parameters (ours under `attn`) -> (name under `linear_attn`, tensor, kind).
+_QWEN3_5_LINEAR = {
+    ("in_proj_qkv",): ("in_proj_qkv", "weight", "linear"),
+    ("in_proj_z",): ("in_proj_z", "weight", "linear"),
+    ("in_proj_b",): ("in_proj_b", "weight", "linear"),
+    ("in_proj_a",): ("in_proj_a", "weight", "linear"),
+    ("out_proj",): ("out_proj", "weight", "linear"),
+    ("conv_weight",): ("conv1d", "weight", "conv1d"),  # ours [K, C], theirs [C, 1, K]
+    ("norm", "scale"): ("norm", "weight", "plain"),
+    ("A_log",): ("", "A_log", "plain"),  # parameters of linear_attn itself
+    ("dt_bias",): ("", "dt_bias", "plain"),
 }
 _OURS = ("w_gate", "w_up", "w_down")
 _DENSE = dict(zip(_OURS, ("gate_proj", "up_proj", "down_proj")))
@@ -59,14 +78,22 @@ class Target:
 
   Attributes:
     module: the HF module name ("model.layers.0.self_attn.q_proj"); its tensor is
-      "<module>.weight" (or weight_packed, ... once quantized).
+      "<module>.<tensor>" (or weight_packed, ... once quantized).
     linear: whether ours is a linear weight [in, out] (HF stores [out, in]: transposed).
     expert: for stacked experts, the expert index along axis 0 of ours; else None.
+    tensor: the tensor's name inside the module ("weight"; Gated DeltaNet's "A_log", ...).
+    conv1d: a depthwise conv1d kernel, ours [K, C], HF's [C, 1, K].
   """
 
   module: str
   linear: bool
   expert: int | None = None
+  tensor: str = "weight"
+  conv1d: bool = False
+
+  @property
+  def name(self) -> str:
+    return f"{self.module}.{self.tensor}"
 
 
 def targets(cfg: ModelConfig, path: tuple) -> Iterator[Target]:
@@ -89,6 +116,12 @@ def targets(cfg: ModelConfig, path: tuple) -> Iterator[Target]:
   norms = {("attn_norm", "scale"): "input_layernorm", ("mlp_norm", "scale"): "post_attention_layernorm"}
   if rest in norms:
     yield Target(f"{prefix}.{norms[rest]}", False)
+  elif rest[0] == "attn" and cfg.arch == "qwen3_5_moe" and int(path[1]) in cfg.linear_layers:
+    if rest[1:] not in _QWEN3_5_LINEAR:
+      raise ValueError(f"no Hugging Face name for parameter {'.'.join(path)}")
+    module, tensor, kind = _QWEN3_5_LINEAR[rest[1:]]
+    yield Target(f"{prefix}.linear_attn" + (f".{module}" if module else ""), kind == "linear",
+                 tensor=tensor, conv1d=kind == "conv1d")
   elif rest[0] == "attn" and rest[-1] == "scale":  # q_norm / k_norm
     yield Target(f"{prefix}.self_attn.{rest[1]}", False)
   elif rest[0] == "attn":
@@ -113,6 +146,8 @@ def hf_array(value: np.ndarray, target: Target) -> np.ndarray:
   """Our array (or one field of a packed weight) in the HF layout of `target`."""
   if target.expert is not None:
     value = value[target.expert]
+  if target.conv1d:
+    return np.swapaxes(value, 0, 1)[:, None, :]
   return np.swapaxes(value, -1, -2) if target.linear else value
 
 
@@ -153,8 +188,21 @@ def hf_config(cfg: ModelConfig) -> dict:
     hf["sliding_window"] = cfg.sliding_window
   if cfg.arch == "olmoe":
     hf["clip_qkv"] = cfg.clip_qkv
+  if cfg.arch == "qwen3_5_moe":
+    del hf["rope_theta"]
+    hf.update(layer_types=list(cfg.layer_types),
+              rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                               "partial_rotary_factor": cfg.partial_rotary_factor},
+              shared_expert_intermediate_size=cfg.shared_expert_dim,
+              linear_num_key_heads=cfg.linear_num_key_heads,
+              linear_num_value_heads=cfg.linear_num_value_heads,
+              linear_key_head_dim=cfg.linear_key_head_dim,
+              linear_value_head_dim=cfg.linear_value_head_dim,
+              linear_conv_kernel_dim=cfg.linear_conv_kernel)
   back = config_from_hf(hf)
-  ignored = ("name", "dtype", "dispatch", "init_std") + (() if cfg.dense_layers else ("ffn_dim",))
+  # delta_chunk_size is how we compute the delta rule, not a property of the checkpoint.
+  ignored = ("name", "dtype", "dispatch", "init_std", "delta_chunk_size") + (
+      () if cfg.dense_layers else ("ffn_dim",))
   fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ignored]
   differ = [f for f in fields if getattr(back, f) != getattr(cfg, f)]
   if differ:

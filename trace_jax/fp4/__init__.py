@@ -1,8 +1,10 @@
-"""FP4 numerics: NVFP4 and MXFP4 block-scaled quantization (DESIGN.md section 1).
+"""FP4 numerics: NVFP4 and MXFP4 block-scaled quantization (DESIGN.md section 1), and the
+MXFP8 E4M3 activations of W4A8 (`fp8`).
 
 All FP4 format math in trace_jax lives in this package.
 """
 
+from trace_jax.fp4.fp8 import FP8_BLOCK_SIZE, fake_quant_fp8, fp8_values
 from trace_jax.fp4.numerics import (
     E2M1_GRID,
     E2M1_MAX,

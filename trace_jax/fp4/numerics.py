@@ -14,10 +14,9 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
-from jax._src import dispatch as jax_dispatch  # apply_primitive: no public path
-from jax._src.lib.triton import dialect as triton_dialect  # Pallas' Triton bindings
-from jax._src.pallas.triton import lowering as pallas_triton_lowering
 from jax.interpreters import ad, batching, mlir
+
+from trace_jax import _jax_private  # the private JAX hooks, isolated and tested there
 
 # E2M1 magnitudes by code 0..7 (OCP MX v1.0, table 5; ml_dtypes float4_e2m1fn).
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -36,7 +35,7 @@ def _xla_true_divide(numerator, denominator):
 # (see `true_divide`), in Pallas' Triton lowering `tt.precise_divf` (PTX div.rn.f32; a plain
 # division there lowers to the approximate div.full.f32, up to 2 ulp off).
 _ieee_div_p = jex_core.Primitive("fp4_ieee_div")
-_ieee_div_p.def_impl(functools.partial(jax_dispatch.apply_primitive, _ieee_div_p))
+_ieee_div_p.def_impl(functools.partial(_jax_private.apply_primitive, _ieee_div_p))
 _ieee_div_p.def_abstract_eval(lambda a, b: jax.core.ShapedArray(a.shape, a.dtype))
 mlir.register_lowering(_ieee_div_p, mlir.lower_fun(_xla_true_divide, multiple_results=False))
 ad.defjvp(_ieee_div_p, lambda g, a, b: g / b, lambda g, a, b: -g * a / (b * b))
@@ -54,10 +53,10 @@ def _batch_true_divide(args, dims):
 batching.primitive_batchers[_ieee_div_p] = _batch_true_divide
 
 
-@pallas_triton_lowering.register_lowering(_ieee_div_p)
+@_jax_private.register_triton_lowering(_ieee_div_p)
 def _triton_true_divide(ctx, numerator, denominator):
   del ctx
-  return triton_dialect.precise_divf(numerator, denominator)
+  return _jax_private.precise_divf(numerator, denominator)
 
 
 def true_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:

@@ -28,9 +28,10 @@ import sys
 import tempfile
 
 import jax
-# jaxlib's MLIR bindings and Pallas' Triton-dialect context: no public path to either.
-from jax._src.lib.mlir import ir
-from jax._src.pallas.triton import lowering as pallas_triton_lowering
+
+from trace_jax import _jax_private  # jaxlib's MLIR bindings, Pallas' Triton-dialect context
+
+ir = _jax_private.mlir_ir
 
 _TRITON_CALL = "__gpu$xla.gpu.triton"
 HOPPER_SHARED_MEMORY = 232448  # bytes a block may use on sm_90 (227 KiB)
@@ -48,7 +49,7 @@ class TritonCall:
 
   def ttir_text(self) -> str:
     """The module as MLIR text (what the `triton` package reads)."""
-    with pallas_triton_lowering._new_ir_context():  # noqa: SLF001
+    with _jax_private.new_triton_ir_context():
       return str(ir.Module.parse(self.ttir))
 
 

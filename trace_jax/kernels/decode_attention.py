@@ -7,7 +7,9 @@ K and V are the cache's `fp4.QArray`s [B, L, Hkv, Dh]: packed codes, E4M3 scales
 elements of a head, one global scale per (token, KV head). The kernel reads the packed
 bytes, forms c * s_b in registers and divides by each token's global scale after the dot
 over Dh (for K, on the scores; for V, folded into the probabilities), so a cache entry is
-never dequantized in memory.
+never dequantized in memory. Masked slots are zeroed before every product, so a NaN left in
+a slot that is not attended to (0 * NaN) cannot reach the output; NaN in an attended slot
+stays visible.
 
 Grid: (B, Hkv, splits). Each program takes one split of the slots, walks it in chunks with
 an online softmax (skipping chunks past the sequence's length) and writes an unnormalised
@@ -74,8 +76,14 @@ def _kernel(len_ref, qe_ref, qo_ref, kp_ref, ks_ref, kg_ref, vp_ref, vs_ref, vg_
     alpha = jnp.exp(m - m_new)
     p = jnp.where(keep, jnp.exp(scores - m_new), 0.0)
     l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-    pv = (p / vg_ref[slots, :].reshape(1, chunk)).astype(dtype)  # V's global scale, folded
+    # Masked slots may hold anything (a NaN global or block scale of a skipped token): zero
+    # them before the products, since p = 0 there and 0 * NaN (or 0 / NaN) would be NaN.
+    v_scale = jnp.where(keep, vg_ref[slots, :].reshape(1, chunk), 1.0)
+    pv = (p / v_scale).astype(dtype)  # V's global scale, folded
     v_even, v_odd = tiles.scaled_pairs(vp_ref[slots, :], vs_ref[slots, :], fmt, axis=1)
+    row = first + c * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+    keep_rows = (row < len_ref[b]) & (valid_ref[slots].reshape(chunk, 1) != 0)  # keep, as a column
+    v_even, v_odd = jnp.where(keep_rows, v_even, 0.0), jnp.where(keep_rows, v_odd, 0.0)
     out_even = alpha * out_even + jnp.dot(pv, v_even.astype(dtype), preferred_element_type=_F32)
     out_odd = alpha * out_odd + jnp.dot(pv, v_odd.astype(dtype), preferred_element_type=_F32)
     return out_even, out_odd, m_new, l
@@ -176,6 +184,8 @@ def reference(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Array,
   keep = jnp.arange(length)[None, :] < lengths[:, None]
   if valid is not None:
     keep = keep & valid
+  # Masked slots may hold NaN (a skipped token's scales): zero them before the product.
+  values = jnp.where(keep[:, :, None, None], values, 0.0)
   keep = keep[:, None, None, :]
   scores = jnp.where(keep, scores, -jnp.inf)
   probs = jnp.exp(scores - jnp.max(jnp.where(keep, scores, 0.0), -1, keepdims=True))

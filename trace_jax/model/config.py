@@ -9,6 +9,7 @@ checkpoints on real accelerators).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable
 
 import jax.numpy as jnp
@@ -136,6 +137,23 @@ class ModelConfig:
     """Dims of each head RoPE rotates (Hugging Face: int(head_dim * partial_rotary_factor))."""
     return int(self.head_dim * self.partial_rotary_factor)
 
+  def quantized_widths(self, sites: str = "all") -> dict[str, int]:
+    """The widths FP4 blocks run along under FP4 scope `sites` ("all" or "experts+kv"), by
+    the config field that sets each: every one must be a multiple of the format's block
+    (16 for NVFP4, 32 for MXFP4). Inputs of the routed experts and the KV heads always;
+    under "all" also the shared expert's, a dense MLP's and linear attention's output."""
+    widths = {"d_model": self.d_model, "moe_ffn_dim": self.moe_ffn_dim}
+    if self.attention_layers:
+      widths["head_dim"] = self.head_dim
+    if sites == "all":
+      if self.shared_expert_dim:
+        widths["shared_expert_dim"] = self.shared_expert_dim
+      if self.dense_layers:
+        widths["ffn_dim"] = self.ffn_dim
+      if self.linear_layers:
+        widths["linear_value_head_dim"] = self.linear_value_head_dim * self.linear_num_value_heads
+    return widths
+
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
 
@@ -183,6 +201,21 @@ def olmoe_1b_7b(**overrides) -> ModelConfig:
              moe_ffn_dim=1024, norm_topk_prob=False, qk_norm="full", rope_theta=10000.0,
              rms_eps=1e-5, max_seq_len=4096, router_aux_loss_coef=0.01, dtype="bfloat16")
   return ModelConfig(**{**cfg, **overrides})
+
+
+def decoder_fields_from_hf(hf: dict, default_name: str) -> dict:
+  """The ModelConfig fields every Hugging Face decoder config names alike (Qwen3-MoE,
+  Mixtral, OLMoE, Qwen3.5-MoE's text config): name, sizes, heads and head width."""
+  d, heads = hf["hidden_size"], hf["num_attention_heads"]
+  return dict(
+      name=os.path.basename(str(hf.get("_name_or_path", default_name))) or default_name,
+      vocab_size=hf["vocab_size"],
+      d_model=d,
+      num_layers=hf["num_hidden_layers"],
+      num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or d // heads,
+  )
 
 
 def hybrid_layer_types(num_layers: int, full_attention_interval: int = 4) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from flax import nnx
 
 from trace_jax.model import compressed
 from trace_jax.model import hf_qwen3_5
-from trace_jax.model.config import ModelConfig
+from trace_jax.model.config import ModelConfig, decoder_fields_from_hf
 from trace_jax.model.transformer import Transformer
 
 SUPPORTED = {
@@ -150,7 +150,6 @@ def config_from_hf(hf: dict, dtype=jnp.float32) -> ModelConfig:
   if arch == "qwen3_5_moe":
     return hf_qwen3_5.config_from_hf(hf, "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32")
   _check_supported(hf, arch)
-  d, heads = hf["hidden_size"], hf["num_attention_heads"]
   num_layers = hf["num_hidden_layers"]
   num_experts = hf.get("num_experts", hf.get("num_local_experts"))
   if num_experts is None:
@@ -164,14 +163,8 @@ def config_from_hf(hf: dict, dtype=jnp.float32) -> ModelConfig:
       raise ValueError("Qwen3-MoE with use_sliding_window=true is not supported")
   moe_ffn = hf["moe_intermediate_size"] if arch == "qwen3_moe" else hf["intermediate_size"]
   return ModelConfig(
-      name=os.path.basename(str(hf.get("_name_or_path", arch))) or arch,
+      **decoder_fields_from_hf(hf, arch),
       arch=arch,
-      vocab_size=hf["vocab_size"],
-      d_model=d,
-      num_layers=num_layers,
-      num_heads=heads,
-      num_kv_heads=hf.get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or d // heads,
       num_experts=num_experts,
       num_experts_per_tok=hf["num_experts_per_tok"],
       moe_ffn_dim=moe_ffn,

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from trace_jax.model.config import ModelConfig, hybrid_layer_types
+from trace_jax.model.config import ModelConfig, decoder_fields_from_hf, hybrid_layer_types
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
@@ -58,16 +58,10 @@ def config_from_hf(hf: dict, dtype_name: str) -> ModelConfig:
   if layer_types is None:
     layer_types = hybrid_layer_types(num_layers, text.get("full_attention_interval", 4))
   tie = text.get("tie_word_embeddings", hf.get("tie_word_embeddings", False))
-  d, heads = text["hidden_size"], text["num_attention_heads"]
   return ModelConfig(
-      name=os.path.basename(str(hf.get("_name_or_path", "qwen3_5_moe"))) or "qwen3_5_moe",
+      **decoder_fields_from_hf({**text, "_name_or_path": hf.get("_name_or_path", "qwen3_5_moe")},
+                               "qwen3_5_moe"),
       arch="qwen3_5_moe",
-      vocab_size=text["vocab_size"],
-      d_model=d,
-      num_layers=num_layers,
-      num_heads=heads,
-      num_kv_heads=text.get("num_key_value_heads") or heads,
-      head_dim=text.get("head_dim") or d // heads,
       num_experts=text["num_experts"],
       num_experts_per_tok=text["num_experts_per_tok"],
       moe_ffn_dim=text["moe_intermediate_size"],

@@ -64,6 +64,12 @@ SCOPE_SITES = {"all": ACTIVATION_SITES, "experts+kv": ("k", "v", "moe_in", "moe_
 WEIGHT_GROUPS = ("attention", "experts", "shared", "mlp")
 SCOPE_WEIGHT_GROUPS = {"all": WEIGHT_GROUPS, "experts+kv": ("experts",)}
 GUIDED_LAYER_NAMES = ("last_half", "all", "none")
+# Activation formats: "fp4" (W4A4, in `fmt`) or "fp8" (W4A8: the linear layers' inputs in
+# MXFP8 E4M3, `fp4.fake_quant_fp8`; the KV cache stays FP4 in `fmt`). FP8 sites round to
+# nearest without guidance: full-code guidance would cost 8 bits per element, the FP8
+# activation itself, and an FP8 flip moves a value by at most 1/8 relative (E2M1: 1/2).
+ACTIVATION_FORMATS = ("fp4", "fp8")
+KV_SITES = ("k", "v")
 GuidedLayers = Union[str, int, Sequence[int]]
 SiteKey = tuple[int, str]
 
@@ -118,8 +124,13 @@ class QuantConfig:
   #   of activation-site names (those sites; weights per `weights`)
   rounding: str = "nearest"  # at guided layers: "guided" (needs guidance); elsewhere nearest
   guided_layers: GuidedLayers = "last_half"  # which layers `rounding` applies to
+  activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8: linear inputs in MXFP8 E4M3,
+  #   nearest rounding, no guidance; K/V stay FP4)
 
   def __post_init__(self):
+    if self.activations not in ACTIVATION_FORMATS:
+      raise ValueError(f"QuantConfig.activations={self.activations!r} is not allowed; use one "
+                       f"of {ACTIVATION_FORMATS}")
     if self.precision not in PRECISIONS:
       raise ValueError(f"QuantConfig.precision={self.precision!r} is not allowed; use one of {PRECISIONS}")
     fp4.get_format(self.fmt)
@@ -161,6 +172,10 @@ class QuantConfig:
   def quantizes(self, site: str) -> bool:
     """Whether activation site `site` runs in FP4."""
     return self.enabled and site in self.activation_sites
+
+  def in_fp8(self, site: str) -> bool:
+    """Whether activation site `site` runs in FP8 (W4A8's linear inputs), not FP4."""
+    return self.quantizes(site) and self.activations == "fp8" and site not in KV_SITES
 
   def quantizes_weights(self, group: str) -> bool:
     """Whether the linear weights of `group` (one of `WEIGHT_GROUPS`) run in FP4."""
@@ -215,7 +230,8 @@ def is_quantized_weight(path: tuple, quant: QuantConfig | None = None) -> bool:
 
 
 def layer_sites(cfg, quant: QuantConfig | None) -> dict[int, tuple[str, ...]]:
-  """The activation sites each layer of a model (ModelConfig `cfg`) quantizes."""
+  """The activation sites each layer of a model (ModelConfig `cfg`) quantizes in FP4 (the
+  ones guidance can cover; W4A8's FP8 sites are not among them)."""
   if quant is None or not quant.enabled:
     return {layer: () for layer in range(cfg.num_layers)}
   out = {}
@@ -227,7 +243,7 @@ def layer_sites(cfg, quant: QuantConfig | None) -> dict[int, tuple[str, ...]]:
       sites += ["mlp_in", "mlp_mid"]
     else:
       sites += ["moe_in", "moe_mid"] + (["shared_mid"] if cfg.shared_expert_dim else [])
-    out[layer] = tuple(s for s in sites if quant.quantizes(s))
+    out[layer] = tuple(s for s in sites if quant.quantizes(s) and not quant.in_fp8(s))
   return out
 
 
@@ -483,6 +499,8 @@ class SiteQuantizer:
     """
     if not self.active(site):
       return x, None
+    if self.quant.in_fp8(site):  # W4A8: nearest MXFP8, nothing recorded or guided
+      return fp4.fake_quant_fp8(x), None
     keep = record and self.records(layer)
     form = self.recording.form if keep else "none"
     values, rec, fell_back = quantize_site(x, self.quant.fmt, rounding=self._rounding(layer, site),

@@ -6,10 +6,10 @@ import dataclasses
 import math
 from typing import Any
 
-from trace_jax.model.config import PRESETS
+from trace_jax.model.config import PRESETS, get_preset
 from trace_jax import fp4
 from trace_jax.guidance import GUIDANCE_MODES
-from trace_jax.model.quant import SITE_SCOPES, GuidedLayers, QuantConfig
+from trace_jax.model.quant import ACTIVATION_FORMATS, SITE_SCOPES, GuidedLayers, QuantConfig
 from trace_jax.rl.grpo import CORRECTIONS, LossConfig
 from trace_jax.tasks.registry import get_task, registered
 
@@ -103,6 +103,8 @@ class RLConfig:
   arm: str = "trace"
   fp4_sites: str = "all"  # FP4 scope of rollout and QAT: "all" or "experts+kv" (the method's)
   fmt: str = "nvfp4"  # FP4 format of rollout, QAT and the FP4 evaluation: "nvfp4" or "mxfp4"
+  activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8: linear inputs in MXFP8 E4M3 on
+  #   both paths, KV cache in FP4; FP8 sites take nearest rounding, no guidance)
   task: str = "arith"
   task_options: tuple = ()  # (name, value) pairs passed to get_task
   preset: str = "small"
@@ -139,6 +141,10 @@ class RLConfig:
       raise ValueError(f"RLConfig.fmt={self.fmt!r} is not allowed; use one of {sorted(fp4.FORMATS)}")
     if self.preset not in PRESETS:
       raise ValueError(f"preset={self.preset!r} is not known; presets: {sorted(PRESETS)}")
+    if self.activations not in ACTIVATION_FORMATS:
+      raise ValueError(f"RLConfig.activations={self.activations!r} is not allowed; use one of "
+                       f"{ACTIVATION_FORMATS}")
+    _check_block_fit(self.preset, self.fmt, self.fp4_sites)
     if not (self.task in registered() or self.task.startswith("rg:")):
       raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
     object.__setattr__(self, "task_options", tuple(tuple(kv) for kv in self.task_options))
@@ -185,7 +191,8 @@ class RLConfig:
   def train_quant(self) -> QuantConfig | None:
     """The arm's training-path QuantConfig in this run's FP4 scope and format."""
     quant = self.arm_spec.train_quant
-    return None if quant is None else quant.replace(sites=self.fp4_sites, fmt=self.fmt)
+    return None if quant is None else quant.replace(sites=self.fp4_sites, fmt=self.fmt,
+                                                    activations=self.activations)
 
   @property
   def loss_config(self) -> LossConfig:
@@ -204,8 +211,27 @@ class RLConfig:
     theirs = _jsonish(other)
     if isinstance(theirs.get("loss"), dict):  # saved before `correction` was the one knob
       theirs["loss"] = {**theirs["loss"], "rollout_correction": "none"}
+    # A field added since that checkpoint (absent there) differs only if not at its default.
+    added = {f.name for f in dataclasses.fields(self)
+             if f.name not in theirs and getattr(self, f.name) == f.default}
     return sorted(k for k in set(mine) | set(theirs)
-                  if k not in ignore and mine.get(k) != theirs.get(k))
+                  if k not in ignore and k not in added and mine.get(k) != theirs.get(k))
+
+
+def _check_block_fit(preset: str, fmt: str, sites: str) -> None:
+  """A ValueError before any work if the preset's widths do not split into `fmt`'s blocks
+  (MXFP4's 32-element blocks on the tiny presets' 16-wide heads), naming the field and the
+  presets that fit."""
+  block = fp4.get_format(fmt).block_size
+  misfits = {f: w for f, w in get_preset(preset).quantized_widths(sites).items() if w % block}
+  if not misfits:
+    return
+  fits = [name for name in PRESETS
+          if not any(w % block for w in get_preset(name).quantized_widths(sites).values())]
+  fields = ", ".join(f"{f}={w}" for f, w in misfits.items())
+  raise ValueError(f"RLConfig.fmt={fmt!r} quantizes in blocks of {block}, but preset={preset!r} "
+                   f"has {fields} (not a multiple of {block}); use a preset that fits, one of "
+                   f"{fits}, or fmt='nvfp4'")
 
 
 def _jsonish(value):

@@ -85,7 +85,11 @@ def _old_logprobs(policy, example: TrainExample, guidance, *, quant, replay, dty
   return logp, token_entropy(logits, temperature), aux.get("fallbacks", {}), aux.get("sites", {})
 
 
-@functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config",))
+# The policy's and the optimizer's state are donated: the update writes them in place, so a
+# step holds one copy of parameters and Adam moments, not two. Whatever shares those buffers
+# is stale after a step: the rollout engines re-sync when next used, and the KL reference is a
+# copy of its own (`Trainer.__init__`).
+@functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config",), donate_argnums=(0, 1))
 def _train_step(policy, opt, example: TrainExample, guidance, ref_logp, *, quant, replay, dtype,
                 temperature, loss_config):
   def loss_fn(policy):
@@ -191,8 +195,9 @@ class Trainer:
     if self.mesh is not None:
       shard_model(self.policy, self.mesh)
     self.reference = None
-    if config.loss.kl_coef > 0:  # a frozen copy of the warm start (its own Variables)
-      self.reference = nnx.merge(*nnx.split(self.policy))
+    if config.loss.kl_coef > 0:  # a frozen copy of the warm start (its own buffers: the
+      graphdef, state = nnx.split(self.policy)  # train step donates the policy's)
+      self.reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
     self.opt = nnx.Optimizer(self.policy, _optimizer(
         config.learning_rate, config.lr_warmup_steps * config.minibatches * config.epochs),
         wrt=nnx.Param)
@@ -206,7 +211,8 @@ class Trainer:
                               stop_tokens=(self.tokenizer.eos_id,))
     base = RolloutConfig(max_len=max_len, prompt_bucket=bucket, sampling=sampling,
                          compute_dtype=config.compute_dtype, pad_id=self.tokenizer.pad_id,
-                         fmt=config.fmt, fp4_sites=config.fp4_sites)
+                         fmt=config.fmt, fp4_sites=config.fp4_sites,
+                         activations=config.activations)
     # Every arm whose two paths both run FP4 captures (at least compact) guidance on every
     # layer, so the paths' per-layer disagreement is measured each step; the trainer uses
     # only the arm's own guided layers of it.

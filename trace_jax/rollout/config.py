@@ -8,7 +8,8 @@ from typing import Sequence, Union
 from trace_jax import fp4
 from trace_jax.guidance import GUIDANCE_MODES
 from trace_jax.kernels import KERNEL_MODES
-from trace_jax.model.quant import SITE_SCOPES, QuantConfig, _check_layers_spec
+from trace_jax.model.quant import (ACTIVATION_FORMATS, SITE_SCOPES, QuantConfig,
+                                    _check_layers_spec)
 
 PRECISIONS = ("bf16", "fp4")
 COMPUTE_DTYPES = ("bfloat16", "float32")
@@ -61,6 +62,7 @@ class RolloutConfig:
   max_len: int = 256  # KV-cache slots: prompt + all turns' tokens
   sampling: SamplingConfig = SamplingConfig()
   fp4_sites: str = "all"  # FP4 scope: "all" or "experts+kv" (QuantConfig.sites)
+  activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8; QuantConfig.activations)
   guidance: str = "compact"  # "none", "compact" or "full"
   guided_layers: Union[str, int, Sequence[int]] = "last_half"  # "all", "none", count, ids
   record_routing: bool = True  # keep every MoE layer's experts (routing replay)
@@ -79,6 +81,8 @@ class RolloutConfig:
     _require(self.max_len > 0, where, "max_len", self.max_len, "must be > 0")
     _require(self.fp4_sites in SITE_SCOPES, where, "fp4_sites", self.fp4_sites,
              f"use one of {SITE_SCOPES}")
+    _require(self.activations in ACTIVATION_FORMATS, where, "activations", self.activations,
+             f"use one of {ACTIVATION_FORMATS}")
     _require(self.guidance in GUIDANCE_MODES, where, "guidance", self.guidance,
              f"use one of {GUIDANCE_MODES}")
     _require(self.precision == "fp4" or self.guidance == "none", where, "guidance",
@@ -95,7 +99,8 @@ class RolloutConfig:
     """The model QuantConfig of this rollout (rollouts always round to nearest)."""
     if self.precision != "fp4":
       return None
-    return QuantConfig(precision="fp4", fmt=self.fmt, sites=self.fp4_sites)
+    return QuantConfig(precision="fp4", fmt=self.fmt, sites=self.fp4_sites,
+                       activations=self.activations)
 
   def replace(self, **changes) -> "RolloutConfig":
     return dataclasses.replace(self, **changes)
