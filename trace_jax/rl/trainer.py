@@ -142,8 +142,8 @@ class Trainer:
     if self.mesh is not None:
       shard_model(self.policy, self.mesh)
     self.reference = None
-    if config.loss.kl_coef > 0:  # a frozen copy of the warm start (its own Variables)
-      self.reference = nnx.merge(*nnx.split(self.policy))
+    if config.loss.kl_coef > 0:  # a frozen copy of the warm start (its own Variables:
+      self.reference = nnx.clone(self.policy)  # nnx.merge(*nnx.split(.)) shares the policy's)
     self.opt = nnx.Optimizer(self.policy, _optimizer(config.learning_rate), wrt=nnx.Param)
     self.step = 0
     self._restore_latest()

@@ -261,7 +261,10 @@ class CheckpointTokenizer:
 
   def _end_of_turn(self) -> int | None:
     """The special token the template writes right after an assistant message, if any."""
-    after = self._render_observation("x")
+    try:
+      after = self._render_observation("x")
+    except ChatTemplateError:  # a template without assistant turns: single-turn prompts only
+      return None
     special = [(added.content, tid) for tid, added in
                self._hf._tok.get_added_tokens_decoder().items() if added.special]
     for token, tid in sorted(special, key=lambda kv: -len(kv[0])):  # the longest match
