@@ -6,12 +6,19 @@
   python experiments/rl.py --arm=trace --fmt=mxfp4 --activations=fp8 --steps=30  # W4A8
   python experiments/rl.py --task=search --max_new_tokens=6  # multi-turn
   python experiments/rl.py --workdir=runs/x                  # resumes if runs/x holds a checkpoint
+  python experiments/rl.py --hf_checkpoint=tests/fixtures/hf/qwen3_moe --steps=2  # a local HF model
+  python experiments/rl.py --hf_checkpoint=DIR --system_prompt="Answer after #." \
+      --chat_template_options=enable_thinking=false
 
 Arms: bf16, fp4-rollout (FP4 rollout, bf16 training + TIS), fp4-qat (FP4 QAT, nearest),
 trace (guided QAT: compact, deeper half, routing replay), trace-full, ptq (bf16 training,
 evaluated in FP4). Writes <workdir>/metrics.jsonl, summary.json, reward.png, mismatch.png
 and prints a final table. A warm start (SFT on solver demonstrations) is made in the workdir
-first unless one is there.
+first unless one is there (by default not for --hf_checkpoint: --sft_warm_start forces it).
+With --hf_checkpoint the weights, tokenizer (tokenizer.json), special tokens and chat template
+(tokenizer_config.json) and stop tokens (generation_config.json) all come from that directory,
+and prompts are rendered with the model's own chat template (--prompt_format=raw for a base
+model without one).
 """
 
 import contextlib
@@ -66,15 +73,33 @@ _FP4_SITES = flags.DEFINE_string("fp4_sites", _D.fp4_sites,
 _FMT = flags.DEFINE_string("fmt", _D.fmt, "FP4 format: nvfp4 or mxfp4.")
 _ACTIVATIONS = flags.DEFINE_string("activations", _D.activations,
                                    "fp4 (W4A4) or fp8 (W4A8: linear inputs in MXFP8 E4M3).")
+_HF = flags.DEFINE_string("hf_checkpoint", _D.hf_checkpoint,
+                          "Local HF checkpoint directory to start from (its weights, tokenizer, "
+                          "chat template, stop tokens) instead of --preset.")
+_SFT_WARM = flags.DEFINE_bool("sft_warm_start", _D.sft_warm_start,
+                              "SFT warm start on solver demonstrations (default: yes for a "
+                              "preset, no for --hf_checkpoint).")
+_PROMPT_FORMAT = flags.DEFINE_enum("prompt_format", _D.prompt_format, ["auto", "chat", "raw"],
+                                   "Prompts: the checkpoint's chat template, or raw text "
+                                   "(auto: chat with --hf_checkpoint).")
+_SYSTEM = flags.DEFINE_string("system_prompt", _D.system_prompt,
+                              "System turn of the chat template (needs --hf_checkpoint).")
+_OBS_ROLE = flags.DEFINE_enum("observation_role", _D.observation_role, ["user", "tool"],
+                              "Chat turn that carries multi-turn observations.")
+_CHAT_OPTIONS = flags.DEFINE_list("chat_template_options", [],
+                                  "key=value chat template variables, e.g. enable_thinking=false.")
 
 
-def _options():
+def _options(flag=_TASK_OPTIONS):
+  """key=value pairs of a list flag; ints (and true/false) parsed."""
   out = []
-  for kv in _TASK_OPTIONS.value:
+  for kv in flag.value:
     if "=" not in kv:
-      raise app.UsageError(f"--task_options expects key=value, got {kv!r}")
+      raise app.UsageError(f"--{flag.name} expects key=value, got {kv!r}")
     k, v = kv.split("=", 1)
-    out.append((k, int(v) if v.lstrip("-").isdigit() else v))
+    bools = {"true": True, "false": False}
+    out.append((k, int(v) if v.lstrip("-").isdigit() else bools.get(v.lower(), v)
+                if flag is _CHAT_OPTIONS else v))
   return tuple(out)
 
 
@@ -111,7 +136,11 @@ def _main(argv):
         correction=_CORR.value, eval_every=_EVAL_EVERY.value, eval_size=_EVAL_SIZE.value,
         sft_steps=_SFT.value, checkpoint_every=_CKPT.value,
         mesh=tuple(int(m) for m in _MESH.value), compute_dtype=_DTYPE.value,
-        fp4_sites=_FP4_SITES.value, fmt=_FMT.value, activations=_ACTIVATIONS.value)
+        fp4_sites=_FP4_SITES.value, fmt=_FMT.value, activations=_ACTIVATIONS.value,
+        hf_checkpoint=_HF.value,
+        sft_warm_start=_SFT_WARM.value, prompt_format=_PROMPT_FORMAT.value,
+        system_prompt=_SYSTEM.value, observation_role=_OBS_ROLE.value,
+        chat_template_options=_options(_CHAT_OPTIONS))
   except (ValueError, ImportError) as e:  # bad flags, and only those, are usage errors
     raise app.UsageError(str(e)) from e
   workdir = _WORKDIR.value or os.path.join(
@@ -123,7 +152,8 @@ def _main(argv):
   metrics = read_metrics(trainer.workdir)
   summary = report.summarize(config, metrics, time.time() - start, trainer.warmstart)
   report.write_summary(trainer.workdir, summary)
-  plots = report.plot(metrics, trainer.workdir, f"{config.arm} on {config.task} ({config.preset})")
+  model = os.path.basename(config.hf_checkpoint) if config.hf_checkpoint else config.preset
+  plots = report.plot(metrics, trainer.workdir, f"{config.arm} on {config.task} ({model})")
   print()
   print(report.final_table(metrics))
   print(f"\n{config.arm} on {config.task}: greedy {summary['eval_precision']} eval reward "

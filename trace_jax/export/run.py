@@ -67,7 +67,7 @@ def export_run(workdir: str, out_dir: str, *, hf_checkpoint: str | None = None,
     tokens, mask, positions = _rollout_tokens(trainer, seed + 1, calibration_prompts)
     distance = calibration.input_scale_distance(trainer.policy, quant, scales, tokens, mask,
                                                 positions=positions, dtype=dtype)
-  summary = export_compressed_tensors(trainer.policy, out_dir, source=hf_checkpoint, fmt=fmt,
+  summary = export_compressed_tensors(trainer.policy, out_dir, source=hf_checkpoint or trainer.config.hf_checkpoint or None, fmt=fmt,
                                       activations=activations, quant=quant, input_scales=scales)
   summary.update(step=trainer.step, arm=trainer.config.arm, preset=trainer.config.preset)
   if distance is not None:

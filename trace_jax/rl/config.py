@@ -11,6 +11,7 @@ from trace_jax import fp4
 from trace_jax.guidance import GUIDANCE_MODES
 from trace_jax.model.quant import ACTIVATION_FORMATS, SITE_SCOPES, GuidedLayers, QuantConfig
 from trace_jax.rl.grpo import CORRECTIONS, LossConfig
+from trace_jax.rl.policy_source import check_checkpoint_files
 from trace_jax.tasks.registry import get_task, registered
 
 
@@ -131,6 +132,13 @@ class RLConfig:
   sft_learning_rate: float = 3e-3
   mesh: tuple = (1, 1, 1)  # (data, expert, model) devices
   max_param_abs: float = 1e4  # divergence guard: stop (saving nothing) past this |parameter|
+  # Starting from a local Hugging Face checkpoint (`rl.policy_source`); "" = the preset.
+  hf_checkpoint: str = ""  # directory: config.json, *.safetensors, tokenizer.json, ...
+  sft_warm_start: bool | None = None  # None: for a preset yes, for a checkpoint no
+  prompt_format: str = "auto"  # "chat" (the checkpoint's template), "raw"; auto: chat if hf
+  system_prompt: str = ""  # the chat template's system turn ("" = none)
+  observation_role: str = "user"  # multi-turn observations as "user" or "tool" turns
+  chat_template_options: tuple = ()  # (name, value) template variables, e.g. enable_thinking
 
   def __post_init__(self):
     get_arm(self.arm)
@@ -178,6 +186,31 @@ class RLConfig:
                        f"{self.mesh[0]} data-parallel devices")
     if self.compute_dtype not in ("bfloat16", "float32"):
       raise ValueError(f"RLConfig.compute_dtype={self.compute_dtype!r}; use bfloat16 or float32")
+    self._check_checkpoint_fields()
+
+  def _check_checkpoint_fields(self):
+    """hf_checkpoint and the prompt options (the files' contents are checked by the Trainer
+    through `policy_source.check`, still before any work)."""
+    if self.hf_checkpoint:
+      object.__setattr__(self, "hf_checkpoint", check_checkpoint_files(self.hf_checkpoint))
+    if self.prompt_format not in ("auto", "chat", "raw"):
+      raise ValueError(f"RLConfig.prompt_format={self.prompt_format!r}; use auto, chat or raw")
+    if self.observation_role not in ("user", "tool"):
+      raise ValueError(f"RLConfig.observation_role={self.observation_role!r}; use user or tool")
+    if self.sft_warm_start not in (None, True, False):
+      raise ValueError(f"RLConfig.sft_warm_start={self.sft_warm_start!r}; use None, True or False")
+    chat = self.prompt_format == "chat" or (self.prompt_format == "auto" and self.hf_checkpoint)
+    if not self.hf_checkpoint and self.prompt_format == "chat":
+      raise ValueError("RLConfig.prompt_format='chat' needs hf_checkpoint (the built-in "
+                       "character tokenizer has no chat template)")
+    if self.system_prompt and not chat:
+      raise ValueError(f"RLConfig.system_prompt={self.system_prompt!r} needs a chat template "
+                       "(hf_checkpoint with prompt_format auto or chat)")
+    object.__setattr__(self, "chat_template_options",
+                       tuple(tuple(kv) for kv in self.chat_template_options))
+    if any(len(kv) != 2 or not isinstance(kv[0], str) for kv in self.chat_template_options):
+      raise ValueError(f"RLConfig.chat_template_options={self.chat_template_options!r} must be "
+                       "(name, value) pairs")
 
   @property
   def batch(self) -> int:
@@ -203,19 +236,20 @@ class RLConfig:
     out = dataclasses.asdict(self)
     out["task_options"] = [list(kv) for kv in self.task_options]
     out["mesh"] = list(self.mesh)
+    out["chat_template_options"] = [list(kv) for kv in self.chat_template_options]
     return out
 
   def differences(self, other: dict, ignore=("steps", "max_param_abs")) -> list[str]:
     """Fields whose values differ from a saved config dict (JSON round-tripped)."""
     mine = _jsonish(self.to_dict())
-    theirs = _jsonish(other)
+    # A field added after the checkpoint was saved counts as its default there.
+    defaults = {f.name: f.default for f in dataclasses.fields(self)
+                if f.default is not dataclasses.MISSING}
+    theirs = _jsonish({**{k: v for k, v in defaults.items() if k not in other}, **other})
     if isinstance(theirs.get("loss"), dict):  # saved before `correction` was the one knob
       theirs["loss"] = {**theirs["loss"], "rollout_correction": "none"}
-    # A field added since that checkpoint (absent there) differs only if not at its default.
-    added = {f.name for f in dataclasses.fields(self)
-             if f.name not in theirs and getattr(self, f.name) == f.default}
     return sorted(k for k in set(mine) | set(theirs)
-                  if k not in ignore and k not in added and mine.get(k) != theirs.get(k))
+                  if k not in ignore and mine.get(k) != theirs.get(k))
 
 
 def _check_block_fit(preset: str, fmt: str, sites: str) -> None:

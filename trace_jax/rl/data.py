@@ -9,12 +9,19 @@ from trace_jax.tasks.tokenizer import Tokenizer
 
 
 def prompt_ids(tokenizer: Tokenizer, item: Item) -> list[int]:
-  """<bos> + the prompt text (characters the tokenizer lacks become '?')."""
+  """<bos> + the prompt text (characters the tokenizer lacks become '?'); a checkpoint's
+  tokenizer renders it itself (its chat template: `tasks.chat.CheckpointTokenizer`)."""
+  if hasattr(tokenizer, "prompt_ids"):
+    return tokenizer.prompt_ids(item.prompt)
   return [tokenizer.bos_id] + tokenizer.encode(item.prompt, errors="replace")
 
 
-def observation_ids(tokenizer: Tokenizer, text: str) -> list[int]:
-  """An environment observation, wrapped in <obs> ... </obs> when the tokenizer has them."""
+def observation_ids(tokenizer: Tokenizer, text: str, turn_closed: bool = True) -> list[int]:
+  """An environment observation, wrapped in <obs> ... </obs> when the tokenizer has them; a
+  checkpoint's tokenizer renders it as the chat template's user or tool turn (`turn_closed`:
+  the policy's last action ended with a stop token, so the turn needs no closing)."""
+  if hasattr(tokenizer, "observation_ids"):
+    return tokenizer.observation_ids(text, turn_closed=turn_closed)
   ids = tokenizer.encode(text, errors="replace")
   if hasattr(tokenizer, "obs_id"):
     return [tokenizer.obs_id] + ids + [tokenizer.obs_end_id]

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from trace_jax.rl import data
-from trace_jax.rollout.engine import Rollout, RolloutEngine
+from trace_jax.rollout.engine import FINISH_STOP, Rollout, RolloutEngine
 from trace_jax.tasks.base import Item, Task
 from trace_jax.tasks.tokenizer import Tokenizer
 from trace_jax.utils import round_up
@@ -26,11 +26,12 @@ class Episodes:
   turns: np.ndarray  # int32 [B], actions taken
 
 
-def max_len_for(task: Task, prompt_len: int, max_new_tokens: int, bucket: int) -> int:
+def max_len_for(task: Task, prompt_len: int, max_new_tokens: int, bucket: int,
+                observation_len: int = 8) -> int:
   """Cache slots an episode can need: the padded prompt, then per turn the action and
-  the padded observation."""
+  the padded observation (`observation_len` tokens at most: more with a chat template)."""
   rounded = lambda n: round_up(n, bucket)
-  per_turn = max_new_tokens + (rounded(8) if task.multi_turn else 0)
+  per_turn = max_new_tokens + (rounded(observation_len) if task.multi_turn else 0)
   return rounded(prompt_len) + task.max_turns * per_turn
 
 
@@ -53,6 +54,7 @@ def play(engine: RolloutEngine, task: Task, tokenizer: Tokenizer, items: Sequenc
   for turn in range(task.max_turns):
     response = np.asarray(rollout.response_mask)
     tokens = np.asarray(rollout.tokens)
+    finish = np.asarray(rollout.finish)  # this turn's: stopped by a stop token, or by length
     new = response & ~seen
     seen = response
     observations = []
@@ -67,7 +69,8 @@ def play(engine: RolloutEngine, task: Task, tokenizer: Tokenizer, items: Sequenc
         done[i], rewards[i] = True, step.reward
         observations.append([])
       else:
-        observations.append(data.observation_ids(tokenizer, step.observation))
+        observations.append(data.observation_ids(tokenizer, step.observation,
+                                                 turn_closed=bool(finish[i] == FINISH_STOP)))
     if done.all() or turn == task.max_turns - 1:
       break
     rollout = engine.continue_(rollout, observations, jax.random.fold_in(key, turn + 1))

@@ -38,12 +38,11 @@ import optax
 from flax import nnx, struct
 from tqdm.auto import tqdm
 
-from trace_jax.model.config import get_preset
 from trace_jax.model.quant import resolve_layers
 from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model
-from trace_jax.model.transformer import Transformer
 from trace_jax.rl import data
 from trace_jax.rl import episodes as episodes_lib
+from trace_jax.rl import policy_source
 from trace_jax.rl import warmstart
 from trace_jax.rl.checkpoint import Checkpoints
 from trace_jax.rl.config import RLConfig
@@ -53,7 +52,6 @@ from trace_jax.rl.metrics import (disagreement_metrics, group_reward_metrics, gu
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
-from trace_jax.tasks.tokenizer import CharTokenizer
 from trace_jax.training.forward import token_entropy, training_forward
 from trace_jax.utils import append_jsonl, read_jsonl, round_up, write_atomic
 
@@ -181,17 +179,20 @@ class Trainer:
     if os.path.exists(self.metrics_path):  # a damaged log fails here, before any work
       read_jsonl(self.metrics_path)
     self.task = get_task(config.task, **dict(config.task_options))
-    self.tokenizer = CharTokenizer()
-    preset = get_preset(config.preset)
-    self.model_cfg = preset.replace(vocab_size=max(preset.vocab_size, self.tokenizer.vocab_size))
+    # The preset with the character tokenizer, or a checkpoint with its own (policy_source).
+    self.source = policy_source.load(config, self.task)
+    self.tokenizer, self.model_cfg = self.source.tokenizer, self.source.model_cfg
     self.arm = config.arm_spec
     self.mesh = make_mesh(*config.mesh) if np.prod(config.mesh) > 1 else None
 
-    self.policy = Transformer(self.model_cfg, rngs=nnx.Rngs(config.seed))
-    self.warmstart = warmstart.load_or_train(
-        self.policy, self.workdir, self.task, self.tokenizer, steps=config.sft_steps,
-        batch=config.sft_batch, seed=config.seed, learning_rate=config.sft_learning_rate,
-        progress=progress)
+    self.policy = self.source.policy
+    if policy_source.warm_start(config):
+      self.warmstart = warmstart.load_or_train(
+          self.policy, self.workdir, self.task, self.tokenizer, steps=config.sft_steps,
+          batch=config.sft_batch, seed=config.seed, learning_rate=config.sft_learning_rate,
+          progress=progress)
+    else:
+      self.warmstart = policy_source.skipped_warm_start(self.task)
     if self.mesh is not None:
       shard_model(self.policy, self.mesh)
     self.reference = None
@@ -206,9 +207,10 @@ class Trainer:
 
     prompt_len = max(len(p) for p in self._prompt_ids(self.task.sample(0, 64)))
     bucket = config.prompt_bucket or (8 if self.task.multi_turn else 16)
-    max_len = episodes_lib.max_len_for(self.task, prompt_len, config.max_new_tokens, bucket)
+    max_len = episodes_lib.max_len_for(self.task, prompt_len, config.max_new_tokens, bucket,
+                                       observation_len=self.source.observation_len)
     sampling = SamplingConfig(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-                              stop_tokens=(self.tokenizer.eos_id,))
+                              stop_tokens=self.source.stop_tokens)
     base = RolloutConfig(max_len=max_len, prompt_bucket=bucket, sampling=sampling,
                          compute_dtype=config.compute_dtype, pad_id=self.tokenizer.pad_id,
                          fmt=config.fmt, fp4_sites=config.fp4_sites,
@@ -226,7 +228,7 @@ class Trainer:
         record_routing=self.arm.routing_replay), mesh=self.mesh)
     self.guided_layers = resolve_layers(self.arm.guided_layers, self.model_cfg.num_layers)
     greedy = base.replace(sampling=SamplingConfig(greedy=True, max_new_tokens=config.max_new_tokens,
-                                                  stop_tokens=(self.tokenizer.eos_id,)),
+                                                  stop_tokens=self.source.stop_tokens),
                           guidance="none", record_routing=False)
     self.eval_engines = {"fp4": RolloutEngine(self.policy, greedy.replace(precision="fp4"), mesh=self.mesh),
                          "bf16": RolloutEngine(self.policy, greedy.replace(precision="bf16"), mesh=self.mesh)}

@@ -6,3 +6,4 @@ from trace_jax.tasks.coding import Coding
 from trace_jax.tasks.search import Search
 from trace_jax.tasks.registry import get_task, register, registered
 from trace_jax.tasks.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from trace_jax.tasks.chat import ChatTemplate, ChatTemplateError, CheckpointTokenizer

@@ -1,0 +1,143 @@
+"""Where an RL run's policy and tokenizer come from (`RLConfig.hf_checkpoint`):
+
+- a built-in preset: random initial weights, the built-in character tokenizer, raw prompts,
+  and an SFT warm start on solver demonstrations (a random policy never earns a reward);
+- a local Hugging Face checkpoint directory: the weights through `from_hf`, the checkpoint's
+  own tokenizer (tokenizer.json), special and stop tokens (tokenizer_config.json,
+  generation_config.json) and chat template (`tasks.chat`); no warm start unless asked for
+  (`RLConfig.sft_warm_start`), since a pretrained policy already answers.
+
+Vocabulary and special ids always come from the tokenizer, never from a preset, and the one
+tokenizer built here serves the rollouts, the reference policy, the warm start and the
+evaluation alike. Everything that can be wrong with a checkpoint directory (missing files, a
+tokenizer larger than the embedding, a template that is absent or refuses the task's
+conversation) is a ValueError raised by `check` before any weight is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from flax import nnx
+
+from trace_jax.model.config import ModelConfig, get_preset
+from trace_jax.model.hf import config_from_hf, from_hf
+from trace_jax.model.transformer import Transformer
+from trace_jax.tasks.base import Task
+from trace_jax.tasks.chat import CheckpointTokenizer
+from trace_jax.tasks.tokenizer import CharTokenizer, Tokenizer
+
+# Observation tokens a turn may add in the raw format (today's budget: <obs>, text, </obs>);
+# a chat template adds its own scaffolding on top of this much text.
+OBSERVATION_TOKENS = 8
+
+
+@dataclasses.dataclass
+class PolicySource:
+  """The initial policy and everything that must agree with it.
+
+  Attributes:
+    tokenizer: text <-> ids for rollouts, reference, warm start and evaluation.
+    model_cfg: the policy's architecture (vocab_size from the checkpoint or the preset).
+    policy: the initial weights (before any warm start).
+    pretrained: loaded from a checkpoint (True) or randomly initialised (False).
+    stop_tokens: ids that end a rollout turn.
+    observation_len: tokens one observation may take between two turns (cache budget).
+  """
+
+  tokenizer: Tokenizer
+  model_cfg: ModelConfig
+  policy: Transformer
+  pretrained: bool
+  stop_tokens: tuple[int, ...]
+  observation_len: int
+
+
+def prompt_format(config) -> str:
+  """"chat" or "raw": `RLConfig.prompt_format`, with "auto" = chat for a checkpoint."""
+  if config.prompt_format != "auto":
+    return config.prompt_format
+  return "chat" if config.hf_checkpoint else "raw"
+
+
+def warm_start(config) -> bool:
+  """Whether the run makes (or reloads) an SFT warm start: `RLConfig.sft_warm_start`, by
+  default yes for a preset and no for a pretrained checkpoint."""
+  if config.sft_warm_start is not None:
+    return bool(config.sft_warm_start)
+  return not config.hf_checkpoint
+
+
+def check_checkpoint_files(directory: str) -> str:
+  """The absolute directory, or a ValueError naming what is missing (config.json, weights,
+  tokenizer.json)."""
+  path = os.path.abspath(directory)
+  if not os.path.isdir(path):
+    raise ValueError(f"hf_checkpoint={directory!r} is not a directory")
+  missing = [name for name in ("config.json", "tokenizer.json")
+             if not os.path.exists(os.path.join(path, name))]
+  if not any(name.endswith(".safetensors") for name in os.listdir(path)):
+    missing.append("*.safetensors")
+  if missing:
+    raise ValueError(f"hf_checkpoint={directory!r} lacks {', '.join(missing)} (a checkpoint "
+                     "directory holds config.json, *.safetensors, tokenizer.json, "
+                     "tokenizer_config.json and generation_config.json)")
+  return path
+
+
+def _checkpoint_config(path: str) -> ModelConfig:
+  config_path = os.path.join(path, "config.json")
+  try:
+    with open(config_path) as f:
+      return config_from_hf(json.load(f))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{config_path} is not valid JSON ({e})") from e
+  except KeyError as e:
+    raise ValueError(f"{config_path} lacks the required field {e.args[0]!r}") from e
+
+
+def check(config, task: Task) -> tuple[Tokenizer, ModelConfig]:
+  """The tokenizer and the architecture of a run, every input checked; reads no weights."""
+  if not config.hf_checkpoint:
+    tokenizer = CharTokenizer()
+    preset = get_preset(config.preset)
+    return tokenizer, preset.replace(vocab_size=max(preset.vocab_size, tokenizer.vocab_size))
+  path = check_checkpoint_files(config.hf_checkpoint)
+  model_cfg = _checkpoint_config(path)
+  tokenizer = CheckpointTokenizer(
+      path, prompt_format=prompt_format(config), system_prompt=config.system_prompt,
+      observation_role=config.observation_role,
+      template_options=dict(config.chat_template_options))
+  if tokenizer.vocab_size > model_cfg.vocab_size:
+    raise ValueError(f"{path}: tokenizer.json has ids up to {tokenizer.vocab_size - 1} but the "
+                     f"checkpoint's embedding has {model_cfg.vocab_size} rows (config.json "
+                     "vocab_size): the tokenizer belongs to another model")
+  # The task's conversation must render (a template may refuse a role) before any work.
+  tokenizer.prompt_ids(task.sample(0, 1)[0].prompt)
+  if task.multi_turn:
+    tokenizer.observation_ids("?", turn_closed=False)
+  return tokenizer, model_cfg
+
+
+def load(config, task: Task) -> PolicySource:
+  """The run's tokenizer and initial policy (see the module docstring)."""
+  tokenizer, model_cfg = check(config, task)
+  if config.hf_checkpoint:
+    policy = from_hf(config.hf_checkpoint)
+    model_cfg = policy.cfg
+    observation_len = len(tokenizer.observation_ids("", turn_closed=False)) + OBSERVATION_TOKENS
+  else:
+    policy = Transformer(model_cfg, rngs=nnx.Rngs(config.seed))
+    observation_len = OBSERVATION_TOKENS
+  stop_tokens = tuple(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
+  return PolicySource(tokenizer=tokenizer, model_cfg=model_cfg, policy=policy,
+                      pretrained=bool(config.hf_checkpoint), stop_tokens=stop_tokens,
+                      observation_len=observation_len)
+
+
+def skipped_warm_start(task: Task) -> dict:
+  """The warm-start record of a run that starts from the pretrained weights as they are."""
+  return {"task": task.name, "steps": 0, "first_nll": None, "final_nll": None,
+          "loaded": False, "skipped": "pretrained checkpoint (--sft_warm_start to force one)"}

@@ -1,0 +1,288 @@
+"""A checkpoint's own tokenizer and chat template: the rendering layer between tasks (text) and
+a pretrained policy (token ids).
+
+Tasks keep building their prompts and observations as plain text (`Item.prompt`,
+`EnvStep.observation`) and keep parsing answers out of the decoded completion; this module
+only decides how that text reaches the model:
+
+  prompt       the template renders [system?, user: prompt] with add_generation_prompt=True;
+  observation  what the template writes after an assistant turn ended with its end-of-turn token
+               and before the next assistant turn: the environment's text as a user (or tool)
+               turn, then the generation prompt. Computed by rendering a conversation with a
+               sentinel assistant message and keeping what follows the sentinel, so the template
+               is used exactly as written (no hand-parsing; verl and tunix do the same delta).
+
+The template runs in a sandboxed Jinja environment set up as Hugging Face's
+`apply_chat_template` sets it up: trim_blocks, lstrip_blocks, loop controls, the globals
+`raise_exception` and `strftime_now`, a `tojson` filter that keeps non-ASCII text, the
+special tokens (`bos_token`, `eos_token`, ...) as variables, and the `{% generation %}` tag
+(rendered as its body).
+
+Files read from a checkpoint directory: tokenizer.json (the vocabulary and merges),
+tokenizer_config.json (special tokens, the chat template), chat_template.jinja or
+chat_template.json (newer transformers save the template there), generation_config.json
+(the stop tokens: `eos_token_id`, one id or a list).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any, Sequence
+
+from trace_jax.tasks.tokenizer import HFTokenizer
+
+PROMPT_FORMATS = ("chat", "raw")
+OBSERVATION_ROLES = ("user", "tool")
+_SENTINEL = "\u2063TRACE_JAX_SENTINEL\u2063"  # text no template or task produces
+
+
+class ChatTemplateError(ValueError):
+  """A template that does not compile, or that raised (its own `raise_exception`)."""
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.exists(path):
+    return {}
+  try:
+    with open(path) as f:
+      value = json.load(f)
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path} is not valid JSON ({e})") from e
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} is not a JSON object")
+  return value
+
+
+def _token_text(value) -> str | None:
+  """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+  if isinstance(value, dict):
+    value = value.get("content")
+  return value if isinstance(value, str) else None
+
+
+def read_chat_template(directory: str) -> str | None:
+  """The checkpoint's chat template, or None: chat_template.jinja, chat_template.json, then
+  tokenizer_config.json's `chat_template` (a string, or a list of named templates, whose
+  "default" is used)."""
+  jinja_path = os.path.join(directory, "chat_template.jinja")
+  if os.path.exists(jinja_path):
+    with open(jinja_path) as f:
+      return f.read()
+  for name in ("chat_template.json", "tokenizer_config.json"):
+    path = os.path.join(directory, name)
+    template = _read_json(path).get("chat_template")
+    if isinstance(template, list):
+      named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+      if "default" not in named:
+        raise ValueError(f"{path}: chat_template lists templates {sorted(named)} but no "
+                         "'default' one")
+      template = named["default"]
+    if template is not None:
+      if not isinstance(template, str):
+        raise ValueError(f"{path}: chat_template must be a string, got {type(template).__name__}")
+      return template
+  return None
+
+
+class ChatTemplate:
+  """A chat template compiled as Hugging Face compiles it (see the module docstring)."""
+
+  def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+    try:
+      import jinja2
+      from jinja2 import nodes
+      from jinja2.ext import Extension
+      from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # an optional dependency
+      raise ImportError("chat templates need the `jinja2` package: pip install jinja2") from e
+
+    class GenerationTag(Extension):
+      """`{% generation %}...{% endgeneration %}` marks assistant text for masks; renders its body."""
+
+      tags = {"generation"}
+
+      def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+    def raise_exception(message):
+      raise ChatTemplateError(f"the chat template refused the conversation: {message}")
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+      return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                        sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+      self._template = env.from_string(source)
+    except jinja2.TemplateError as e:
+      raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+    self._errors = (jinja2.TemplateError,)
+    self.source = source
+    self.special_tokens = dict(special_tokens or {})
+
+  def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False,
+             **options: Any) -> str:
+    """The template's text for `messages` ({"role", "content"} dicts).
+
+    Args:
+      messages: the conversation.
+      add_generation_prompt: end with the opening of an assistant turn.
+      **options: template variables (e.g. enable_thinking=False for Qwen3).
+    """
+    variables = {**self.special_tokens, "tools": None, "documents": None, **options}
+    try:
+      return self._template.render(messages=list(messages),
+                                   add_generation_prompt=add_generation_prompt, **variables)
+    except ChatTemplateError:
+      raise
+    except self._errors as e:
+      raise ChatTemplateError(f"the chat template failed to render: {e}") from e
+
+
+class CheckpointTokenizer:
+  """The tokenizer of a checkpoint directory, with its special tokens, stop tokens and the
+  prompt format: "chat" (its chat template) or "raw" (bos, if it has one, then the text).
+
+  Attributes:
+    vocab_size: one past the largest id of tokenizer.json (added tokens included).
+    bos_id, pad_id: from tokenizer_config.json (generation_config.json for pad); the end of
+      turn when absent.
+    eos_id: the token that ends an assistant turn (what SFT demonstrations end with): the one
+      the chat template writes after an assistant message, else tokenizer_config's eos_token.
+    stop_ids: what ends a rollout turn: generation_config.json's eos_token_id(s) and eos_id.
+  """
+
+  def __init__(self, directory: str, *, prompt_format: str = "chat", system_prompt: str = "",
+               observation_role: str = "user", template_options: dict | None = None):
+    directory = os.path.abspath(directory)
+    if prompt_format not in PROMPT_FORMATS:
+      raise ValueError(f"prompt_format={prompt_format!r} is not allowed; use one of {PROMPT_FORMATS}")
+    if observation_role not in OBSERVATION_ROLES:
+      raise ValueError(f"observation_role={observation_role!r} is not allowed; use one of "
+                       f"{OBSERVATION_ROLES}")
+    path = os.path.join(directory, "tokenizer.json")
+    if not os.path.exists(path):
+      raise ValueError(f"{directory} has no tokenizer.json (the checkpoint's tokenizer is needed; "
+                       "copy it from the model's repository)")
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    config = _read_json(config_path)
+    generation = _read_json(os.path.join(directory, "generation_config.json"))
+    names = {key: _token_text(config.get(key))
+             for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    try:
+      self._hf = HFTokenizer(path, bos=names["bos_token"], eos=names["eos_token"],
+                             pad=names["pad_token"])
+    except ValueError as e:
+      raise ValueError(f"{e} (special tokens named in {config_path})") from e
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own types
+      raise ValueError(f"{path} does not load as a tokenizer ({type(e).__name__}: {e})") from e
+    vocab = self._hf._tok.get_vocab(with_added_tokens=True)
+    self.vocab_size = max(vocab.values()) + 1
+    self.directory, self.prompt_format = directory, prompt_format
+    self.system_prompt, self.observation_role = system_prompt, observation_role
+    self.template_options = dict(template_options or {})
+    self.has_bos = names["bos_token"] is not None or generation.get("bos_token_id") is not None
+    if names["bos_token"] is None and generation.get("bos_token_id") is not None:
+      self._hf.bos_id = self._check_id(generation["bos_token_id"], "bos_token_id")
+    if names["pad_token"] is None and generation.get("pad_token_id") is not None:
+      self._hf.pad_id = self._check_id(generation["pad_token_id"], "pad_token_id")
+    self.bos_id, self.pad_id, self.eos_id = self._hf.bos_id, self._hf.pad_id, self._hf.eos_id
+
+    source = read_chat_template(directory)
+    self.template = None
+    if prompt_format == "chat":
+      if source is None:
+        raise ValueError(f"{directory} has no chat template (tokenizer_config.json "
+                         "'chat_template', chat_template.jinja or chat_template.json); a base "
+                         "model takes --prompt_format=raw")
+      self.template = ChatTemplate(source, {k: v for k, v in names.items() if v is not None})
+      end = self._end_of_turn()
+      if end is not None:
+        self.eos_id = end
+    elif system_prompt:
+      raise ValueError("system_prompt needs prompt_format='chat' (a raw prompt has no system turn)")
+    stops = generation.get("eos_token_id")
+    stops = [] if stops is None else stops if isinstance(stops, list) else [stops]
+    self.stop_ids = tuple(dict.fromkeys([self.eos_id] + [self._check_id(s, "eos_token_id")
+                                                         for s in stops]))
+
+  def _check_id(self, value, field: str) -> int:
+    if not isinstance(value, int) or not 0 <= value < self.vocab_size:
+      raise ValueError(f"{self.directory}/generation_config.json: {field}={value!r} is not an id "
+                       f"of tokenizer.json (0 to {self.vocab_size - 1})")
+    return value
+
+  # --- text <-> ids ---------------------------------------------------------------------------
+
+  def encode(self, text: str, errors: str = "strict") -> list[int]:
+    """Ids of `text`; special tokens written in it (e.g. by the template) become their ids."""
+    return self._hf.encode(text, errors)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """Text of `ids` without special tokens; ids past the tokenizer (padded embedding rows
+    of the checkpoint, which no text maps to) are dropped."""
+    return self._hf.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
+
+  # --- the rendering layer --------------------------------------------------------------------
+
+  def _messages(self, prompt: str) -> list[dict]:
+    system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+    return system + [{"role": "user", "content": prompt}]
+
+  def prompt_text(self, prompt: str) -> str:
+    """What the policy reads first: the rendered conversation up to the assistant's turn."""
+    if self.template is None:
+      return prompt
+    return self.template.render(self._messages(prompt), add_generation_prompt=True,
+                                **self.template_options)
+
+  def prompt_ids(self, prompt: str) -> list[int]:
+    if self.template is None:
+      return ([self.bos_id] if self.has_bos else []) + self.encode(prompt)
+    return self.encode(self.prompt_text(prompt))
+
+  def _render_observation(self, observation: str) -> str:
+    """The template's text after an assistant message, up to the next assistant turn."""
+    messages = self._messages("q") + [{"role": "assistant", "content": _SENTINEL},
+                                      {"role": self.observation_role, "content": observation}]
+    text = self.template.render(messages, add_generation_prompt=True, **self.template_options)
+    if text.count(_SENTINEL) != 1:
+      raise ChatTemplateError("the chat template does not write an assistant message's content "
+                              "exactly once; cannot place observations after a turn")
+    return text.split(_SENTINEL, 1)[1]
+
+  def _end_of_turn(self) -> int | None:
+    """The special token the template writes right after an assistant message, if any."""
+    try:
+      after = self._render_observation("x")
+    except ChatTemplateError:  # a template without assistant turns: single-turn prompts only
+      return None
+    special = [(added.content, tid) for tid, added in
+               self._hf._tok.get_added_tokens_decoder().items() if added.special]
+    for token, tid in sorted(special, key=lambda kv: -len(kv[0])):  # the longest match
+      if after.startswith(token):
+        return tid
+    return None
+
+  def observation_text(self, observation: str, turn_closed: bool = True) -> str:
+    """Text between the end of an assistant turn and the next one, holding `observation` as
+    a user (or tool) turn. When the policy already emitted the end-of-turn token
+    (`turn_closed`), it is not written again."""
+    text = self._render_observation(observation)
+    end = self._hf._tok.id_to_token(self.eos_id)
+    if turn_closed and end is not None and text.startswith(end):
+      text = text[len(end):]
+    return text
+
+  def observation_ids(self, observation: str, turn_closed: bool = True) -> list[int]:
+    if self.template is None:
+      return self.encode(observation)
+    return self.encode(self.observation_text(observation, turn_closed))
