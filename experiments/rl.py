@@ -25,6 +25,7 @@ from trace_jax.rl.checkpoint import CheckpointError
 from trace_jax.rl.config import ARMS, RLConfig
 from trace_jax.rl.grpo import LossConfig
 from trace_jax.rl.trainer import Trainer, read_metrics
+from trace_jax.utils import distributed
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<arm>-<task>-<time>).")
 _ARM = flags.DEFINE_string("arm", "trace", f"One of {sorted(ARMS)}.")
@@ -58,6 +59,11 @@ _DTYPE = flags.DEFINE_enum("compute_dtype", "bfloat16", ["bfloat16", "float32"],
 _FP4_SITES = flags.DEFINE_string("fp4_sites", _D.fp4_sites,
                                  "FP4 scope: all, or experts+kv (the method's: routed experts and KV cache).")
 _FMT = flags.DEFINE_string("fmt", _D.fmt, "FP4 format: nvfp4 or mxfp4.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "Multi-host: HOST:PORT of process 0 (with --num_processes and "
+                                   "--process_id; default: the cluster environment, if any).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
 
 
 def _options():
@@ -90,6 +96,7 @@ def _run_errors():
 def _main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
+  distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   try:
     config = RLConfig(
         arm=_ARM.value, task=_TASK.value, task_options=_options(), preset=_PRESET.value,
@@ -111,6 +118,8 @@ def _main(argv):
   trainer = Trainer(config, workdir)
   print(f"workdir {trainer.workdir}; warm start: {trainer.warmstart}")
   trainer.run()
+  if not distributed.is_main_process():  # process 0 writes the summary and plots
+    return
   metrics = read_metrics(trainer.workdir)
   summary = report.summarize(config, metrics, time.time() - start, trainer.warmstart)
   report.write_summary(trainer.workdir, summary)

@@ -13,6 +13,7 @@ from trace_jax.rl import data
 from trace_jax.rollout.engine import Rollout, RolloutEngine
 from trace_jax.tasks.base import Item, Task
 from trace_jax.tasks.tokenizer import Tokenizer
+from trace_jax.utils.distributed import host_array
 
 
 @dataclasses.dataclass
@@ -48,10 +49,10 @@ def play(engine: RolloutEngine, task: Task, tokenizer: Tokenizer, items: Sequenc
   rewards = np.zeros(n, np.float32)
   done = np.zeros(n, bool)
   actions = [[] for _ in range(n)]
-  seen = np.zeros_like(np.asarray(rollout.response_mask))
+  seen = np.zeros_like(host_array(rollout.response_mask))
   for turn in range(task.max_turns):
-    response = np.asarray(rollout.response_mask)
-    tokens = np.asarray(rollout.tokens)
+    response = host_array(rollout.response_mask)
+    tokens = host_array(rollout.tokens)
     new = response & ~seen
     seen = response
     observations = []

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from trace_jax.model.config import get_preset
 from trace_jax.model.quant import resolve_layers
-from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model
+from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model, shard_optimizer
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl import data
 from trace_jax.rl import episodes as episodes_lib
@@ -53,6 +53,7 @@ from trace_jax.tasks.registry import get_task
 from trace_jax.tasks.tokenizer import CharTokenizer
 from trace_jax.training.forward import token_entropy, training_forward
 from trace_jax.utils import append_jsonl, read_jsonl, write_atomic
+from trace_jax.utils.distributed import global_array, host_array, is_main_process
 
 _STATIC = ("quant", "replay", "dtype", "temperature")
 
@@ -105,7 +106,7 @@ def check_workdir(workdir: str) -> str:
   path = os.path.abspath(workdir)
   try:
     os.makedirs(path, exist_ok=True)
-    probe = os.path.join(path, ".write_test")
+    probe = os.path.join(path, f".write_test.{os.getpid()}")  # one per process (multi-host)
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)
@@ -134,16 +135,18 @@ class Trainer:
     self.mesh = make_mesh(*config.mesh) if np.prod(config.mesh) > 1 else None
 
     self.policy = Transformer(self.model_cfg, rngs=nnx.Rngs(config.seed))
+    if self.mesh is not None:  # placed before the warm start: its save is then multi-host safe
+      shard_model(self.policy, self.mesh)
     self.warmstart = warmstart.load_or_train(
         self.policy, self.workdir, self.task, self.tokenizer, steps=config.sft_steps,
         batch=config.sft_batch, seed=config.seed, learning_rate=config.sft_learning_rate,
         progress=progress)
-    if self.mesh is not None:
-      shard_model(self.policy, self.mesh)
     self.reference = None
     if config.loss.kl_coef > 0:  # a frozen copy of the warm start (its own Variables)
       self.reference = nnx.merge(*nnx.split(self.policy))
     self.opt = nnx.Optimizer(self.policy, _optimizer(config.learning_rate), wrt=nnx.Param)
+    if self.mesh is not None:  # Adam's moments FSDP-sharded like their parameters
+      shard_optimizer(self.opt, self.policy, self.mesh)
     self.step = 0
     self._restore_latest()
 
@@ -215,7 +218,7 @@ class Trainer:
   def _truncate_metrics(self, step: int) -> None:
     """Keep only the metrics lines of the steps the resumed checkpoint holds (none when
     starting from step 0: `run` logs the step-0 evaluation again); a torn last line goes."""
-    if not os.path.exists(self.metrics_path):
+    if not os.path.exists(self.metrics_path) or not is_main_process():
       return
     records = read_jsonl(self.metrics_path)
     kept = [r for r in records if step > 0 and r.get("step", 0) <= step]
@@ -237,7 +240,9 @@ class Trainer:
     """Split the batch axis of every array over the mesh's "data" axis."""
     if self.mesh is None or tree is None:
       return tree
-    return jax.tree.map(lambda a: jax.device_put(a, batch_sharding(self.mesh, a.ndim, axis)), tree)
+    # From host values: each process transfers its own rows (multi-host too).
+    return jax.tree.map(
+        lambda a: global_array(host_array(a), batch_sharding(self.mesh, a.ndim, axis)), tree)
 
   def _shard_guidance(self, guidance):
     if self.mesh is None or guidance is None:
@@ -255,7 +260,7 @@ class Trainer:
     played = episodes_lib.play(self.engine, self.task, self.tokenizer, items, key)
     slots = -(-played.rollout.used_slots // 16) * 16
     rollout = played.rollout.trim(min(slots, played.rollout.tokens.shape[1]))
-    captured = None if rollout.guidance is None else rollout.guidance.to_host()  # host-held
+    captured = None if rollout.guidance is None else jax.tree.map(host_array, rollout.guidance)  # host-held
     guidance = None
     if captured is not None and (self.arm.guidance != "none" or self.arm.routing_replay):
       guidance = captured.select_layers(self.guided_layers)  # the arm's own layers
@@ -292,12 +297,13 @@ class Trainer:
       engine.sync(self.policy)  # weight sync
     train_seconds = time.time() - start
 
-    response_mask = np.asarray(rollout.response_mask)
+    response_mask = host_array(rollout.response_mask)
+    fallbacks, train_sites = jax.tree.map(host_array, (fallbacks, train_sites))
     metrics = {"step": step, "rewards/mean": float(np.mean(played.rewards)),
                "rewards/std": float(np.std(played.rewards)), "loss": float(np.mean(losses)),
                "grad_norm": float(np.mean(norms)),
                **{name: float(np.mean([s[name] for s in stats_list])) for name in stats_list[0]},
-               "entropy": float(np.sum(np.asarray(entropy) * response_mask) / max(response_mask.sum(), 1)),
+               "entropy": float(np.sum(host_array(entropy) * response_mask) / max(response_mask.sum(), 1)),
                "completions/mean_length": float(response_mask.sum(1).mean()),
                "episodes/mean_turns": float(played.turns.mean()),
                "guidance/bytes_per_token": 0.0 if guidance is None or self.arm.guidance == "none"
@@ -308,9 +314,9 @@ class Trainer:
       metrics["kernels/fallback_reason"] = self.engine.kernels_fallback
     metrics.update(mismatch_metrics(rollout.logprobs, old_logp, rollout.response_mask,
                                     tis_threshold=config.loss.tis_threshold))
-    metrics.update(guidance_agreement(fallbacks, rollout.mask))
+    metrics.update(guidance_agreement(fallbacks, host_array(rollout.mask)))
     if self.measured and captured is not None:  # bits and scales always; codes if full
-      metrics.update(disagreement_metrics(captured.sites, train_sites, rollout.mask))
+      metrics.update(disagreement_metrics(captured.sites, train_sites, host_array(rollout.mask)))
     self.step = step
     return metrics
 
@@ -352,7 +358,8 @@ class Trainer:
   # --- the run --------------------------------------------------------------------------------
 
   def log(self, metrics: dict) -> None:
-    append_jsonl(self.metrics_path, metrics)
+    if is_main_process():  # multi-host: one metrics file, written once
+      append_jsonl(self.metrics_path, metrics)
 
   def run(self) -> list[dict]:
     """Train until config.steps; returns the metrics of the steps run now."""
