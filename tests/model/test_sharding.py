@@ -30,12 +30,12 @@ SCRIPT = textwrap.dedent("""
     from trace_jax.rollout.engine import RolloutEngine
 
     assert jax.device_count() == 8
-    cfg = M.tiny()  # float32 compute: shardings may only reorder float sums
+    cfg = M.tiny(num_layers=1)  # one layer (compile time); float32: shardings only reorder sums
     rollout_config = RolloutConfig(precision="fp4", compute_dtype="float32", max_len=32,
-                                   prompt_bucket=8, guidance="compact", guided_layers="last_half",
+                                   prompt_bucket=8, guidance="compact", guided_layers="all",
                                    record_routing=True, kernels="xla",
                                    sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
-    quant = QuantConfig(rounding="guided", guided_layers="last_half")
+    quant = QuantConfig(rounding="guided", guided_layers="all")
     static = dict(quant=quant, replay=True, dtype=jnp.dtype("float32"), temperature=1.0)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(1, cfg.vocab_size, rng.integers(3, 9)).tolist() for _ in range(8)]
@@ -69,11 +69,11 @@ SCRIPT = textwrap.dedent("""
       if mesh is not None:
         out["arrays"] = dict(
             master_experts=policy.blocks[0].moe.w_gate.get_value(),
-            master_q=policy.blocks[1].attn.q_proj.get_value(),
+            master_q=policy.blocks[0].attn.q_proj.get_value(),
             master_embed=policy.embed.get_value(),
             adam_mu_experts=adam_state["opt_state"][0]["mu"]["blocks"][0]["moe"]["w_gate"].get_value(),
             rollout_experts=engine.params["blocks"][0]["moe"]["w_gate"].get_value().packed,
-            rollout_q=engine.params["blocks"][1]["attn"]["q_proj"].get_value().packed,
+            rollout_q=engine.params["blocks"][0]["attn"]["q_proj"].get_value().packed,
             kv_cache=rollout.cache.k[0].packed,
             guidance=next(iter(guidance.sites.values())).mantissa_bits,
             routing=guidance.routing)
@@ -113,7 +113,8 @@ SCRIPT = textwrap.dedent("""
         assert len(array.sharding.device_set) == 8, (shape, name, array.sharding)
         per_device = {s.data.nbytes for s in array.addressable_shards}
         assert per_device == {array.nbytes // expected[name]}, (shape, name, per_device, array.nbytes, expected[name])
-      planned = plan.plan(cfg, plan.PlanConfig(mesh=shape, batch=8, context=32))
+      planned = plan.plan(cfg, plan.PlanConfig(mesh=shape, batch=8, context=32,
+                                                          guided_layers="all"))
       for name, measured in got["device_bytes"].items():
         assert planned[name] == measured, (shape, name, planned[name], measured)
       print("OK", shape, got["loss"], flush=True)
