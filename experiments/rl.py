@@ -64,6 +64,8 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "--process_id; default: the cluster environment, if any).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
+_REMAT = flags.DEFINE_bool("remat", _D.remat, "Recompute each block's activations in the "
+                          "backward pass (see experiments/plan.py).")
 
 
 def _options():
@@ -109,7 +111,7 @@ def _main(argv):
         correction=_CORR.value, eval_every=_EVAL_EVERY.value, eval_size=_EVAL_SIZE.value,
         sft_steps=_SFT.value, checkpoint_every=_CKPT.value,
         mesh=tuple(int(m) for m in _MESH.value), compute_dtype=_DTYPE.value,
-        fp4_sites=_FP4_SITES.value, fmt=_FMT.value)
+        fp4_sites=_FP4_SITES.value, fmt=_FMT.value, remat=_REMAT.value)
   except (ValueError, ImportError) as e:  # bad flags, and only those, are usage errors
     raise app.UsageError(str(e)) from e
   workdir = _WORKDIR.value or os.path.join(

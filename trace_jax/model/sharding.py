@@ -148,10 +148,25 @@ def param_shardings(model: nnx.Module, mesh: Mesh):
   return nnx.from_flat_state(out)
 
 
+def place(tree, shardings):
+  """`jax.device_put` of `tree` onto `shardings`, also multi-host: an array this process
+  holds whole (the same value on every process, e.g. a freshly initialised model) goes to
+  a sharding spanning processes slice by slice, each process transferring its own."""
+
+  def put(x, sharding):
+    if (isinstance(x, jax.Array) and x.is_fully_addressable
+        and not sharding.is_fully_addressable):
+      host = np.asarray(x)
+      return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.device_put(x, sharding)
+
+  return jax.tree.map(put, tree, shardings)
+
+
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
   """Place the model's parameters on `mesh` by `PARAM_RULES` (in place; returns the model)."""
   state = nnx.state(model)
-  nnx.update(model, jax.device_put(state, param_shardings(model, mesh)))
+  nnx.update(model, place(state, param_shardings(model, mesh)))
   return model
 
 
@@ -184,7 +199,7 @@ def optimizer_shardings(opt: nnx.Optimizer, model: nnx.Module, mesh: Mesh):
 def shard_optimizer(opt: nnx.Optimizer, model: nnx.Module, mesh: Mesh) -> nnx.Optimizer:
   """Place an optimizer's state like the parameters it tracks (in place; returns it)."""
   state = nnx.state(opt)
-  nnx.update(opt, jax.device_put(state, optimizer_shardings(opt, model, mesh)))
+  nnx.update(opt, place(state, optimizer_shardings(opt, model, mesh)))
   return opt
 
 
@@ -210,7 +225,7 @@ def rollout_param_shardings(params: nnx.State, mesh: Mesh, cfg=None):
 
 def shard_rollout_params(params: nnx.State, mesh: Mesh, cfg=None) -> nnx.State:
   """The rollout's parameters placed by `rollout_param_shardings`."""
-  return jax.device_put(params, rollout_param_shardings(params, mesh, cfg))
+  return place(params, rollout_param_shardings(params, mesh, cfg))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2, axis: int = 0) -> NamedSharding:

@@ -88,6 +88,7 @@ class RLConfig:
   sft_learning_rate: float = 3e-3
   mesh: tuple = (1, 1, 1)  # (data, expert, model) devices
   max_param_abs: float = 1e4  # divergence guard: stop (saving nothing) past this |parameter|
+  remat: bool = False  # recompute each block's activations in the backward pass (memory)
 
   def __post_init__(self):
     get_arm(self.arm)
@@ -153,7 +154,7 @@ class RLConfig:
     out["mesh"] = list(self.mesh)
     return out
 
-  def differences(self, other: dict, ignore=("steps", "max_param_abs")) -> list[str]:
+  def differences(self, other: dict, ignore=("steps", "max_param_abs", "remat")) -> list[str]:
     """Fields whose values differ from a saved config dict (JSON round-tripped)."""
     mine = _jsonish(self.to_dict())
     theirs = _jsonish(other)

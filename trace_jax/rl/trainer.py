@@ -130,7 +130,8 @@ class Trainer:
     self.task = get_task(config.task, **dict(config.task_options))
     self.tokenizer = CharTokenizer()
     preset = get_preset(config.preset)
-    self.model_cfg = preset.replace(vocab_size=max(preset.vocab_size, self.tokenizer.vocab_size))
+    self.model_cfg = preset.replace(vocab_size=max(preset.vocab_size, self.tokenizer.vocab_size),
+                                    remat=config.remat)
     self.arm = config.arm_spec
     self.mesh = make_mesh(*config.mesh) if np.prod(config.mesh) > 1 else None
 
