@@ -50,6 +50,7 @@ SCRIPT = textwrap.dedent("""
         opt = nnx.Optimizer(policy, optax.adam(1e-3), wrt=nnx.Param)  # has moments to place
         sharding.shard_optimizer(opt, policy, mesh)
         adam_state = nnx.state(opt)
+        master_bytes = sharding.device_bytes(nnx.state(policy, nnx.Param))  # as the rules place
         opt = nnx.Optimizer(policy, optax.sgd(0.5), wrt=nnx.Param)
       engine = RolloutEngine(policy, rollout_config, mesh=mesh)
       rollout = engine.generate(prompts, key)
@@ -79,7 +80,7 @@ SCRIPT = textwrap.dedent("""
             routing=guidance.routing)
         out["specs_after"] = policy.blocks[0].moe.w_gate.get_value().sharding.spec
         out["device_bytes"] = {  # what the planner must predict, read off the devices
-            "master weights (f32)": sharding.device_bytes(nnx.state(policy, nnx.Param)),
+            "master weights (f32)": master_bytes,
             "optimizer state (Adam)": sharding.device_bytes(adam_state),
             "FP4 rollout weights": sharding.device_bytes(engine.params),
             "KV cache (FP4)": sharding.device_bytes((rollout.cache.k, rollout.cache.v)),

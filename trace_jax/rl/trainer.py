@@ -294,6 +294,9 @@ class Trainer:
     (losses, stats_list, norms), (finite, max_abs) = jax.device_get(
         (tuple(zip(*updates)), _param_health(self.policy)))
     self._check_update(step, losses, norms, bool(finite), float(max_abs))
+    if self.mesh is not None:  # XLA may pick other layouts for the outputs: keep the rules'
+      shard_model(self.policy, self.mesh)  # (a no-op for every array already placed so)
+      shard_optimizer(self.opt, self.policy, self.mesh)
     for engine in (self.engine, *self.eval_engines.values()):
       engine.sync(self.policy)  # weight sync
     train_seconds = time.time() - start
