@@ -47,7 +47,9 @@ def test_qwen3_30b_rows_match_hand_derivation(qwen3_rows):
   assert rows["activations (remat)"] >= layers * 8 // 8 * 2048 * d * 2
 
 
+@pytest.mark.slow
 def test_plan_script_prints_the_table():
+  """The CLI at full Qwen3.5 size (`pytest -m slow tests/rl/test_plan.py`)."""
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "plan.py"), "--preset=qwen3_5_35b_a3b",
          "--mesh=8,8,1", "--batch=64", "--context=1024"]
   result = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
