@@ -34,6 +34,7 @@ from trace_jax.rl.checkpoint import CheckpointError
 from trace_jax.rl.config import ARMS, RLConfig
 from trace_jax.rl.grpo import AGGREGATIONS, CORRECTIONS
 from trace_jax.rl.trainer import Trainer, read_metrics
+from trace_jax.utils import distributed
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<arm>-<task>-<time>).")
 _D = RLConfig()  # every flag's default is the config classes' own
@@ -88,6 +89,13 @@ _OBS_ROLE = flags.DEFINE_enum("observation_role", _D.observation_role, ["user", 
                               "Chat turn that carries multi-turn observations.")
 _CHAT_OPTIONS = flags.DEFINE_list("chat_template_options", [],
                                   "key=value chat template variables, e.g. enable_thinking=false.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "Multi-host: HOST:PORT of process 0 (with --num_processes and "
+                                   "--process_id; default: the cluster environment, if any).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
+_REMAT = flags.DEFINE_bool("remat", _D.remat, "Recompute each block's activations in the "
+                          "backward pass (see experiments/plan.py).")
 
 
 def _options(flag=_TASK_OPTIONS):
@@ -123,6 +131,7 @@ def _run_errors():
 def _main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
+  distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   try:
     config = RLConfig(
         arm=_ARM.value, task=_TASK.value, task_options=_options(), preset=_PRESET.value,
@@ -140,7 +149,7 @@ def _main(argv):
         hf_checkpoint=_HF.value,
         sft_warm_start=_SFT_WARM.value, prompt_format=_PROMPT_FORMAT.value,
         system_prompt=_SYSTEM.value, observation_role=_OBS_ROLE.value,
-        chat_template_options=_options(_CHAT_OPTIONS))
+        chat_template_options=_options(_CHAT_OPTIONS), remat=_REMAT.value)
   except (ValueError, ImportError) as e:  # bad flags, and only those, are usage errors
     raise app.UsageError(str(e)) from e
   workdir = _WORKDIR.value or os.path.join(
@@ -149,6 +158,8 @@ def _main(argv):
   trainer = Trainer(config, workdir)
   print(f"workdir {trainer.workdir}; warm start: {trainer.warmstart}")
   trainer.run()
+  if not distributed.is_main_process():  # process 0 writes the summary and plots
+    return
   metrics = read_metrics(trainer.workdir)
   summary = report.summarize(config, metrics, time.time() - start, trainer.warmstart)
   report.write_summary(trainer.workdir, summary)

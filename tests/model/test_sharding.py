@@ -1,73 +1,177 @@
-"""Sharded forward and train step on 8 fake CPU devices equal the single-device ones."""
+"""Sharded rollout and RL training on (data, expert, model) meshes of 8 fake CPU devices equal
+one device; every array is really split the way the rules say (bytes per device)."""
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 
+import jax
+import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from trace_jax import model as M
 from trace_jax.model import sharding
 
 SCRIPT = textwrap.dedent("""
-    import os
+    import os, json, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    import jax, jax.numpy as jnp, numpy as np, optax
+    import jax, jax.numpy as jnp, numpy as np, optax, chex
     from flax import nnx
     from trace_jax import model as M
     from trace_jax.model import sharding
+    from trace_jax.model.quant import QuantConfig
+    from trace_jax.rl import plan
+    from trace_jax.rl.grpo import LossConfig
+    from trace_jax.rl.trainer import _old_logprobs, _train_step
+    from trace_jax.rollout.config import RolloutConfig, SamplingConfig
+    from trace_jax.rollout.engine import RolloutEngine
 
     assert jax.device_count() == 8
-    cfg = M.tiny()
-    quant = M.QuantConfig()
-    tokens = jax.random.randint(jax.random.key(0), (8, 17), 0, cfg.vocab_size)
+    cfg = M.tiny(num_layers=1)  # one layer (compile time); float32: shardings only reorder sums
+    rollout_config = RolloutConfig(precision="fp4", compute_dtype="float32", max_len=32,
+                                   prompt_bucket=8, guidance="compact", guided_layers="all",
+                                   record_routing=True, kernels="xla",
+                                   sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
+    quant = QuantConfig(rounding="guided", guided_layers="all")
+    static = dict(quant=quant, replay=True, dtype=jnp.dtype("float32"), temperature=1.0)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(1, cfg.vocab_size, rng.integers(3, 9)).tolist() for _ in range(8)]
+    advantages = jnp.asarray(rng.normal(size=8), jnp.float32)
+    key = jax.random.key(3)
 
-    def train(model, tokens, steps=3):
-      opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-      @nnx.jit
-      def step(model, opt, tokens):
-        def loss_fn(model):
-          logits, aux = model(tokens[:, :-1], quant=quant)
-          logp = jax.nn.log_softmax(logits)
-          nll = -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
-          return nll + 0.01 * aux["lb_loss"]
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        opt.update(model, grads)
-        return loss
-      return [float(step(model, opt, tokens)) for _ in range(steps)]
+    def run(mesh):
+      policy = M.Transformer(cfg, rngs=nnx.Rngs(0))
+      opt = nnx.Optimizer(policy, optax.sgd(0.5), wrt=nnx.Param)
+      if mesh is not None:
+        sharding.shard_model(policy, mesh)
+        opt = nnx.Optimizer(policy, optax.adam(1e-3), wrt=nnx.Param)  # has moments to place
+        sharding.shard_optimizer(opt, policy, mesh)
+        adam_state = nnx.state(opt)
+        master_bytes = sharding.device_bytes(nnx.state(policy, nnx.Param))  # as the rules place
+        opt = nnx.Optimizer(policy, optax.sgd(0.5), wrt=nnx.Param)
+      engine = RolloutEngine(policy, rollout_config, mesh=mesh)
+      rollout = engine.generate(prompts, key)
+      guidance = rollout.guidance
+      batch = {"tokens": rollout.tokens, "positions": rollout.positions, "mask": rollout.mask,
+               "response_mask": rollout.response_mask, "rollout_logp": rollout.logprobs,
+               "advantages": advantages}
+      if mesh is not None:
+        batch = {k: jax.device_put(v, sharding.batch_sharding(mesh, v.ndim)) for k, v in batch.items()}
+      old_logp = _old_logprobs(policy, batch, guidance, **static)[0]
+      batch["old_logp"] = old_logp
+      loss, stats, norm = _train_step(policy, opt, batch, guidance, None,
+                                      loss_config=LossConfig(rollout_correction="tis"), **static)
+      out = dict(tokens=np.asarray(rollout.tokens), rollout_logp=np.asarray(rollout.logprobs),
+                 old_logp=np.asarray(old_logp), loss=float(loss), norm=float(norm),
+                 params=jax.device_get(nnx.to_pure_dict(nnx.state(policy, nnx.Param))))
+      if mesh is not None:
+        out["arrays"] = dict(
+            master_experts=policy.blocks[0].moe.w_gate.get_value(),
+            master_q=policy.blocks[0].attn.q_proj.get_value(),
+            master_embed=policy.embed.get_value(),
+            adam_mu_experts=adam_state["opt_state"][0]["mu"]["blocks"][0]["moe"]["w_gate"].get_value(),
+            rollout_experts=engine.params["blocks"][0]["moe"]["w_gate"].get_value().packed,
+            rollout_q=engine.params["blocks"][0]["attn"]["q_proj"].get_value().packed,
+            kv_cache=rollout.cache.k[0].packed,
+            guidance=next(iter(guidance.sites.values())).mantissa_bits,
+            routing=guidance.routing)
+        out["specs_after"] = policy.blocks[0].moe.w_gate.get_value().sharding.spec
+        out["device_bytes"] = {  # what the planner must predict, read off the devices
+            "master weights (f32)": master_bytes,
+            "optimizer state (Adam)": sharding.device_bytes(adam_state),
+            "FP4 rollout weights": sharding.device_bytes(engine.params),
+            "KV cache (FP4)": sharding.device_bytes((rollout.cache.k, rollout.cache.v)),
+            "guidance": sharding.device_bytes(guidance)}
+      return out
 
-    forward = nnx.jit(lambda m, t: m(t, quant=quant)[0])
-    single = M.Transformer(cfg, rngs=nnx.Rngs(0))
-    ref_logits = forward(single, tokens)
-    ref_losses = train(single, tokens)
-
-    mesh = sharding.make_mesh(data=2, expert=2, model=2)
-    model = sharding.shard_model(M.Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
-    w = model.blocks[0].moe.w_gate.get_value()
-    assert w.addressable_shards[0].data.shape == (cfg.num_experts // 2, cfg.d_model, cfg.moe_ffn_dim // 2), w.addressable_shards[0].data.shape
-    assert len({s.device for s in w.addressable_shards}) == 8
-    sharded_tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
-    with jax.set_mesh(mesh):
-      logits = forward(model, sharded_tokens)
-      losses = train(model, sharded_tokens)
-    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    after = model.blocks[0].moe.w_gate.get_value()
-    assert after.sharding.spec == w.sharding.spec, after.sharding
-    print("OK", losses)
+    ref = run(None)
+    assert ref["tokens"][:, 8:].any() and np.isfinite(ref["loss"])
+    for shape in json.loads(sys.argv[1]):
+      shape = tuple(shape)
+      mesh = sharding.make_mesh(*shape)
+      sizes = dict(zip(("data", "expert", "model"), shape))
+      split = lambda *axes: int(np.prod([sizes[a] for a in axes]))
+      with jax.set_mesh(mesh):
+        got = run(mesh)
+      np.testing.assert_array_equal(got["tokens"], ref["tokens"], err_msg=str(shape))
+      np.testing.assert_allclose(got["rollout_logp"], ref["rollout_logp"], atol=2e-5, err_msg=str(shape))
+      np.testing.assert_allclose(got["old_logp"], ref["old_logp"], atol=2e-5, err_msg=str(shape))
+      np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-4, atol=1e-6, err_msg=str(shape))
+      np.testing.assert_allclose(got["norm"], ref["norm"], rtol=1e-4, err_msg=str(shape))
+      chex.assert_trees_all_close(got["params"], ref["params"], atol=1e-6, rtol=1e-5)
+      assert got["specs_after"] == got["arrays"]["master_experts"].sharding.spec
+      # Bytes on one device = total / the product of the axes the array is split over.
+      expected = dict(master_experts=split("data", "expert", "model"),
+                      master_q=split("data", "model"), master_embed=split("data", "model"),
+                      adam_mu_experts=split("data", "expert", "model"),
+                      rollout_experts=split("expert", "model"), rollout_q=split("model"),
+                      kv_cache=split("data", "model"), guidance=split("data"),
+                      routing=split("data"))
+      for name, array in got["arrays"].items():
+        assert len(array.sharding.device_set) == 8, (shape, name, array.sharding)
+        per_device = {s.data.nbytes for s in array.addressable_shards}
+        assert per_device == {array.nbytes // expected[name]}, (shape, name, per_device, array.nbytes, expected[name])
+      planned = plan.plan(cfg, plan.PlanConfig(mesh=shape, batch=8, context=32,
+                                                          guided_layers="all"))
+      for name, measured in got["device_bytes"].items():
+        assert planned[name] == measured, (shape, name, planned[name], measured)
+      print("OK", shape, got["loss"], flush=True)
 """)
 
 
-def test_sharded_forward_and_train_step_match_single_device():
+def _run_meshes(meshes):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=600)
+  result = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(meshes)], capture_output=True,
+                          text=True, env=env, timeout=1800)
   assert result.returncode == 0, result.stderr[-4000:]
-  assert "OK" in result.stdout
+  assert result.stdout.count("OK") == len(meshes), result.stdout
 
 
-def test_param_specs():
-  assert sharding.param_spec(("blocks", 0, "moe", "w_down"), (8, 64, 32)) == P("expert", "model", None)
-  assert sharding.param_spec(("blocks", 0, "moe", "router"), (32, 8)) == P()
-  assert sharding.param_spec(("blocks", 0, "attn", "q_proj"), (32, 64)) == P(None, "model")
-  assert sharding.param_spec(("blocks", 0, "attn_norm", "scale"), (32,)) == P()
+def test_sharded_rollout_and_train_step_match_single_device():
+  """(2, 2, 2): every axis at once (the default suite's one mesh: each costs a compile)."""
+  _run_meshes([(2, 2, 2)])
+
+
+@pytest.mark.slow
+def test_sharded_rollout_and_train_step_match_single_device_more_meshes():
+  """Pure FSDP (8, 1, 1) and expert parallel (2, 4, 1): `pytest -m slow tests/model/test_sharding.py`."""
+  _run_meshes([(8, 1, 1), (2, 4, 1)])
+
+
+def test_param_rules():
+  assert sharding.param_spec(("blocks", 0, "moe", "w_down"), (8, 64, 32)) == P("expert", "model", "data")
+  assert sharding.param_spec(("blocks", 0, "moe", "w_gate"), (8, 32, 64)) == P("expert", "data", "model")
+  assert sharding.param_spec(("blocks", 0, "moe", "router"), (32, 8)) == P("data", None)
+  assert sharding.param_spec(("blocks", 0, "attn", "q_proj"), (32, 64)) == P("data", "model")
+  assert sharding.param_spec(("blocks", 0, "attn_norm", "scale"), (32,)) == P(None)
+
+
+def test_every_parameter_has_an_explicit_rule():
+  """Every matrix of every architecture is named in PARAM_RULES (a new parameter cannot be
+  replicated by accident); only 1-D per-channel parameters fall through."""
+  for preset in ("tiny", "qwen3_5_tiny"):
+    abstract = nnx.eval_shape(lambda: M.Transformer(M.get_preset(preset), rngs=nnx.Rngs(0)))
+    for path, var in nnx.to_flat_state(nnx.state(abstract)):
+      shape = var.get_value().shape
+      if len(shape) > 1:
+        assert (str(path[-1]), len(shape)) in sharding.PARAM_RULES, (preset, path)
+
+
+def test_indivisible_dimension_is_refused():
+  devices = jax.devices()[:1] * 3  # a 3-way "data" axis over d_model=64 cannot divide
+  mesh = jax.sharding.Mesh(__import__("numpy").asarray(devices).reshape(3, 1, 1),
+                           sharding.MESH_AXES)
+  model = nnx.eval_shape(lambda: M.Transformer(M.tiny(), rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=r"parameter blocks/0/attn/k_proj: dimension 0 .* size 64.*'data' of size 3 does not divide"):
+    sharding.param_shardings(model, mesh)
+
+
+def test_attention_replicated_over_model_when_heads_do_not_split():
+  cfg = M.tiny(num_heads=4, num_kv_heads=1)  # 1 KV head: k/v cannot split over model=2
+  mesh = jax.sharding.Mesh(__import__("numpy").asarray(jax.devices()[:1] * 2).reshape(1, 1, 2),
+                           sharding.MESH_AXES)
+  assert sharding.param_spec(("blocks", 0, "attn", "k_proj"), (64, 16), mesh, cfg) == P("data", None)
+  assert sharding.param_spec(("blocks", 0, "attn", "q_proj"), (64, 64), mesh, cfg) == P("data", "model")

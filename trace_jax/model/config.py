@@ -68,6 +68,8 @@ class ModelConfig:
   linear_value_head_dim: int = 0
   linear_conv_kernel: int = 4  # causal depthwise conv1d width over q, k, v
   delta_chunk_size: int = 64  # chunk length of the chunked gated delta rule (prefill/train)
+  remat: bool = False  # training: recompute each block's activations in the backward pass
+  #   (jax.checkpoint per layer) instead of keeping them; see experiments/plan.py
 
   def __post_init__(self):
     _require(self.arch in ARCHS, "arch", self.arch, f"use one of {ARCHS}")

@@ -1,42 +1,78 @@
-"""Partition specs over the mesh axes ("data", "expert", "model") and helpers to apply them.
+"""Where every array lives on a (data, expert, model) mesh: explicit rules per parameter path.
 
-Batch is split over "data"; routed experts over "expert" (each device holds E / n experts);
-the hidden widths of attention and feed-forward weights over "model" (Megatron-style:
-column-split in, row-split out). Router, norms and the shared-expert gate are replicated.
-A dimension that the axis does not divide stays unsplit. Meshes use Auto axes, so XLA
-inserts the collectives (GSPMD).
+  master weights, optimizer state  FSDP over "data" (the d_model side of every matrix),
+                                   routed experts over "expert", attention heads and
+                                   feed-forward widths over "model" (Megatron: column-split
+                                   in, row-split out);
+  FP4 rollout weights              the same without "data": each data-parallel rollout
+                                   replica holds its experts / model slice whole, so a
+                                   decode step gathers no weights;
+  KV cache, recurrent state        batch over "data", KV / value heads over "model";
+  guidance, batches                batch over "data".
+
+Rules are explicit, not inferred: `PARAM_RULES` names, per parameter (by the last entry of
+its NNX path and, for stacked experts, its rank), which mesh axis splits which dimension.
+A rule that asks for an axis whose size does not divide the dimension raises a ValueError
+naming the parameter, the dimension and the mesh, before anything is placed (a silently
+replicated array is the failure this module exists to prevent). The one architectural
+exception: attention projections are split over "model" only when it divides the number of
+(query and KV) heads, so a device always holds whole heads; otherwise they are replicated
+over "model" (as Megatron replicates KV heads). Small per-channel parameters (norm scales,
+A_log, dt_bias, the conv1d taps, the shared-expert gate) are replicated.
+
+Meshes use Auto axes, so XLA (GSPMD) inserts the collectives: the FSDP all-gathers of the
+weights and the reduce-scatters of their gradients, the expert all-to-alls and the
+model-parallel reductions.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from trace_jax import fp4
+
 MESH_AXES = ("data", "expert", "model")
 
-# Parameter name -> spec by its role; experts are the 3-D [E, in, out] weights.
-_SPECS_2D = {
-    "embed": P("model", None),
-    "lm_head": P(None, "model"),
-    "q_proj": P(None, "model"),
-    "k_proj": P(None, "model"),
-    "v_proj": P(None, "model"),
-    "o_proj": P("model", None),
-    "w_gate": P(None, "model"),
-    "w_up": P(None, "model"),
-    "w_down": P("model", None),
+# (parameter name, rank) -> the mesh axis of each dimension. Weights are [in, out];
+# stacked routed experts [E, in, out]. FSDP ("data") takes the d_model side.
+PARAM_RULES: dict[tuple[str, int], tuple] = {
+    ("embed", 2): ("model", "data"),  # [V, d]: vocabulary over model
+    ("lm_head", 2): ("data", "model"),  # [d, V]
+    ("q_proj", 2): ("data", "model"),  # [d, H * Dh (x2 with an output gate)]
+    ("k_proj", 2): ("data", "model"),  # [d, Hkv * Dh]
+    ("v_proj", 2): ("data", "model"),
+    ("o_proj", 2): ("model", "data"),  # [H * Dh, d]
+    ("router", 2): ("data", None),  # [d, E]
+    ("shared_gate", 2): (None, None),  # [d, 1]
+    ("w_gate", 2): ("data", "model"),  # dense MLP / shared expert [d, F]
+    ("w_up", 2): ("data", "model"),
+    ("w_down", 2): ("model", "data"),  # [F, d]
+    ("w_gate", 3): ("expert", "data", "model"),  # routed experts [E, d, F]
+    ("w_up", 3): ("expert", "data", "model"),
+    ("w_down", 3): ("expert", "model", "data"),  # [E, F, d]
+    # Gated DeltaNet: in_proj_qkv's columns are [q | k | v] (the conv runs over all of
+    # them), so only its rows are split; z and out_proj are per value head.
+    ("in_proj_qkv", 2): ("data", None),  # [d, 2 Hk Dk + Hv Dv]
+    ("in_proj_z", 2): ("data", "model"),  # [d, Hv * Dv]
+    ("in_proj_a", 2): ("data", None),  # [d, Hv]
+    ("in_proj_b", 2): ("data", None),
+    ("out_proj", 2): ("model", "data"),  # [Hv * Dv, d]
+    ("conv_weight", 2): (None, None),  # [K, conv_dim]
 }
-_SPECS_3D = {
-    "w_gate": P("expert", None, "model"),
-    "w_up": P("expert", None, "model"),
-    "w_down": P("expert", "model", None),
-}
+_HEAD_SPLIT = {"q_proj": "num_heads", "o_proj": "num_heads", "k_proj": "num_kv_heads",
+               "v_proj": "num_kv_heads", "in_proj_z": "linear_num_value_heads",
+               "out_proj": "linear_num_value_heads"}
 
 
 def make_mesh(data: int = 1, expert: int = 1, model: int = 1, devices=None) -> Mesh:
-  """A (data, expert, model) mesh with Auto axes over the first data*expert*model devices."""
+  """A (data, expert, model) mesh with Auto axes over the first data*expert*model devices
+  (of every process: `jax.devices()` is global under `jax.distributed`)."""
   devices = jax.devices() if devices is None else devices
   need = data * expert * model
   if need > len(devices) or min(data, expert, model) < 1:
@@ -46,39 +82,150 @@ def make_mesh(data: int = 1, expert: int = 1, model: int = 1, devices=None) -> M
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def param_spec(path: tuple, shape: tuple[int, ...]) -> P:
-  """The PartitionSpec of the parameter at `path` (its NNX state path)."""
-  name = str(path[-1])
-  table = _SPECS_3D if len(shape) == 3 else _SPECS_2D
-  return table.get(name, P())
+def _path_str(path) -> str:
+  return "/".join(str(p) for p in path)
 
 
-def _fit(spec: P, shape, mesh: Mesh) -> P:
-  """Drop mesh axes that do not divide their dimension."""
-  axes = []
-  for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-    axes.append(axis if axis is None or dim % mesh.shape[axis] == 0 else None)
-  return P(*axes)
+def _axis_size(mesh, axis) -> int:
+  return 1 if axis is None else int(mesh.shape[axis])
+
+
+def _checked(spec: tuple, shape, mesh, what: str) -> P:
+  """`spec` padded to `shape`'s rank; a ValueError if an axis does not divide its dim.
+  Size-1 dims (broadcast scales) are never split."""
+  axes = list(spec) + [None] * (len(shape) - len(spec))
+  out = []
+  for dim, (size, axis) in enumerate(zip(shape, axes)):
+    if axis is None or size == 1:
+      out.append(None)
+      continue
+    n = _axis_size(mesh, axis)
+    if size % n:
+      raise ValueError(f"{what}: dimension {dim} of shape {tuple(shape)} has size {size}, which "
+                       f"mesh axis {axis!r} of size {n} does not divide (mesh "
+                       f"{dict(mesh.shape)}); pick a mesh whose {axis!r} size divides {size}")
+    out.append(axis)
+  return P(*out)
+
+
+def param_rule(path: tuple, shape: tuple[int, ...], cfg=None, mesh=None) -> tuple:
+  """The rule (mesh axis per dimension) of the parameter at NNX state `path`.
+
+  With `cfg` and `mesh`, an attention projection whose head count "model" does not divide
+  is replicated over "model" (a device holds whole heads or all of them)."""
+  name = str(path[-1]) if path else ""
+  rule = PARAM_RULES.get((name, len(shape)))
+  if rule is None:
+    return (None,) * len(shape)
+  heads_field = _HEAD_SPLIT.get(name)
+  if heads_field and cfg is not None and mesh is not None:
+    heads = getattr(cfg, heads_field)
+    if heads % _axis_size(mesh, "model"):
+      rule = tuple(None if a == "model" else a for a in rule)
+  return rule
+
+
+def param_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh | None = None, cfg=None) -> P:
+  """The PartitionSpec of the master parameter at `path` (checked against `mesh` if given)."""
+  rule = param_rule(path, shape, cfg, mesh)
+  if mesh is None:
+    return P(*rule)
+  return _checked(rule, shape, mesh, f"parameter {_path_str(path)}")
+
+
+def _without(rule: tuple, axis: str) -> tuple:
+  return tuple(None if a == axis else a for a in rule)
 
 
 def param_shardings(model: nnx.Module, mesh: Mesh):
-  """An nnx.State of NamedShardings matching the model's parameters."""
-  state = nnx.state(model)
-  flat = nnx.to_flat_state(state)
-  shardings = []
-  for path, variable in flat:
+  """An nnx.State of NamedShardings matching the model's parameters (master weights)."""
+  cfg = getattr(model, "cfg", None)
+  out = []
+  for path, variable in nnx.to_flat_state(nnx.state(model)):
     value = variable.get_value()
-    spec = _fit(param_spec(path, value.shape), value.shape, mesh)
-    shardings.append((path, variable.replace(NamedSharding(mesh, spec))))
-  return nnx.from_flat_state(shardings)
+    spec = param_spec(path, value.shape, mesh, cfg)
+    out.append((path, variable.replace(NamedSharding(mesh, spec))))
+  return nnx.from_flat_state(out)
+
+
+def place(tree, shardings):
+  """`jax.device_put` of `tree` onto `shardings`, also multi-host: an array this process
+  holds whole (the same value on every process, e.g. a freshly initialised model) goes to
+  a sharding spanning processes slice by slice, each process transferring its own."""
+
+  def put(x, sharding):
+    if (isinstance(x, jax.Array) and x.is_fully_addressable
+        and not sharding.is_fully_addressable):
+      host = np.asarray(x)
+      return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.device_put(x, sharding)
+
+  return jax.tree.map(put, tree, shardings)
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
-  """Place the model's parameters on `mesh` by `param_spec` (in place; returns the model)."""
+  """Place the model's parameters on `mesh` by `PARAM_RULES` (in place; returns the model)."""
   state = nnx.state(model)
-  shardings = param_shardings(model, mesh)
-  nnx.update(model, jax.device_put(state, shardings))
+  nnx.update(model, place(state, param_shardings(model, mesh)))
   return model
+
+
+def _param_rules_by_path(model: nnx.Module, mesh: Mesh) -> dict[tuple, tuple[tuple, tuple]]:
+  cfg = getattr(model, "cfg", None)
+  return {tuple(str(p) for p in path): (tuple(v.get_value().shape),
+                                          param_rule(path, v.get_value().shape, cfg, mesh))
+          for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def optimizer_shardings(opt: nnx.Optimizer, model: nnx.Module, mesh: Mesh):
+  """Shardings of an optimizer's state: a moment (Adam's mu, nu, ...) of a parameter takes
+  that parameter's sharding (matched by the parameter path its path ends with, and its
+  shape); counters and other scalars are replicated."""
+  rules = _param_rules_by_path(model, mesh)
+  out = []
+  for path, variable in nnx.to_flat_state(nnx.state(opt)):
+    value = variable.get_value()
+    names = tuple(str(p) for p in path)
+    spec = P()
+    for start in range(len(names)):
+      found = rules.get(names[start:])
+      if found is not None and found[0] == tuple(value.shape):
+        spec = _checked(found[1], value.shape, mesh, f"optimizer state {_path_str(path)}")
+        break
+    out.append((path, variable.replace(NamedSharding(mesh, spec))))
+  return nnx.from_flat_state(out)
+
+
+def shard_optimizer(opt: nnx.Optimizer, model: nnx.Module, mesh: Mesh) -> nnx.Optimizer:
+  """Place an optimizer's state like the parameters it tracks (in place; returns it)."""
+  state = nnx.state(opt)
+  nnx.update(opt, place(state, optimizer_shardings(opt, model, mesh)))
+  return opt
+
+
+def rollout_param_shardings(params: nnx.State, mesh: Mesh, cfg=None):
+  """Shardings of the rollout's parameters (`quantize_params` output: packed `fp4.QArray`s
+  and high-precision arrays): the master rule without "data". A packed weight's codes and
+  block scales split like the weight (the quantized axis shrinks by 2 and by the block
+  size: its shards hold whole blocks, or the ValueError says which does not divide); its
+  global scale splits over experts only."""
+  out = []
+  for path, variable in nnx.to_flat_state(params):
+    value = variable.get_value()
+    rule = _without(param_rule(path, value.shape, cfg, mesh), "data")
+    what = f"rollout parameter {_path_str(path)}"
+    if isinstance(value, fp4.QArray):
+      sharding = jax.tree.map(
+          lambda leaf: NamedSharding(mesh, _checked(rule, leaf.shape, mesh, what)), value)
+    else:
+      sharding = NamedSharding(mesh, _checked(rule, value.shape, mesh, what))
+    out.append((path, variable.replace(sharding)))
+  return nnx.from_flat_state(out)
+
+
+def shard_rollout_params(params: nnx.State, mesh: Mesh, cfg=None) -> nnx.State:
+  """The rollout's parameters placed by `rollout_param_shardings`."""
+  return place(params, rollout_param_shardings(params, mesh, cfg))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2, axis: int = 0) -> NamedSharding:
@@ -86,3 +233,53 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, axis: int = 0) -> NamedSharding:
   spec = [None] * ndim
   spec[axis] = "data"
   return NamedSharding(mesh, P(*spec))
+
+
+def cache_specs(cache, mesh: Mesh):
+  """PartitionSpecs of a `KVCache` (or its eval_shape): K/V [B, L, Hkv, Dh] (packed or
+  not) batch over "data" and KV heads over "model" where it divides them; the Gated
+  DeltaNet recurrent state [B, Hv, Dk, Dv] value heads over "model" likewise; conv state,
+  valid mask batch over "data"; the write index replicated."""
+  model = _axis_size(mesh, "model")
+
+  def kv(leaf):
+    heads = "model" if leaf.shape[2] % model == 0 else None
+    return _checked(("data", None, heads), leaf.shape, mesh, "KV cache")
+
+  def recurrent(leaf):
+    heads = "model" if leaf.shape[1] % model == 0 else None
+    return _checked(("data", heads), leaf.shape, mesh, "recurrent state")
+
+  batch = lambda leaf: _checked(("data",), leaf.shape, mesh, "cache")
+  return dataclasses.replace(
+      cache, k=jax.tree.map(kv, cache.k), v=jax.tree.map(kv, cache.v),
+      valid=batch(cache.valid), index=P(), conv=jax.tree.map(batch, cache.conv),
+      recurrent=jax.tree.map(recurrent, cache.recurrent))
+
+
+def constrain_cache(cache, mesh: Mesh | None):
+  """Inside jit: pin a freshly made cache to `cache_specs` (no-op without a mesh)."""
+  if mesh is None:
+    return cache
+  specs = cache_specs(cache, mesh)
+  return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)),
+                      cache, specs)
+
+
+def constrain_batch(tree: Any, mesh: Mesh | None, axis: int = 0):
+  """Inside jit: pin every array of `tree` to batch-over-"data" along `axis` (no-op
+  without a mesh), e.g. guidance buffers [B, S, ...] or routing [L, B, S, k] (axis 1)."""
+  if mesh is None or tree is None:
+    return tree
+  return jax.tree.map(
+      lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim, axis)), tree)
+
+
+def device_bytes(tree) -> int:
+  """Bytes of `tree`'s arrays held on one device (the largest, over devices): what the
+  shardings really put there, read from `addressable_shards`."""
+  per_device: dict[Any, int] = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+  return max(per_device.values(), default=0)

@@ -99,6 +99,20 @@ def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
   return jnp.take(table, tokens, axis=0, mode="fill", fill_value=jnp.nan)
 
 
+def _rematerialized(block: Block):
+  """`block`'s call under `nnx.remat` (jax.checkpoint): the backward pass recomputes the
+  block's activations from its input instead of keeping them (ModelConfig.remat). Only for
+  calls without a cache or recorded sites: those return values made inside the block."""
+
+  def call(x, cos, sin, attn_mask, valid, sq, cache, index, routing):
+    del cache
+    inner = lambda blk, x, cos, sin, attn_mask, valid, routing: blk(
+        x, cos, sin, attn_mask, valid, sq, None, index, routing)
+    return nnx.remat(inner)(block, x, cos, sin, attn_mask, valid, routing)
+
+  return call
+
+
 class Transformer(nnx.Module):
   """Embedding, `num_layers` blocks, final RMSNorm and LM head."""
 
@@ -190,8 +204,11 @@ class Transformer(nnx.Module):
       layer_routing = None
       if routing is not None and block.moe is not None:
         layer_routing = routing[len(moe_stats)]
-      x, entries, stats = block(x, cos, sin, attn_mask, mask, sq, layer_cache, start,
-                                layer_routing)
+      call = block
+      if cfg.remat and cache is None and not recording.enabled:
+        call = _rematerialized(block)
+      x, entries, stats = call(x, cos, sin, attn_mask, mask, sq, layer_cache, start,
+                               layer_routing)
       if entries is not None:
         kv, states = ((None, None), entries) if block.linear else (entries, (None, None))
         new_k.append(kv[0])

@@ -139,6 +139,7 @@ class RLConfig:
   system_prompt: str = ""  # the chat template's system turn ("" = none)
   observation_role: str = "user"  # multi-turn observations as "user" or "tool" turns
   chat_template_options: tuple = ()  # (name, value) template variables, e.g. enable_thinking
+  remat: bool = False  # recompute each block's activations in the backward pass (memory)
 
   def __post_init__(self):
     get_arm(self.arm)
@@ -239,7 +240,7 @@ class RLConfig:
     out["chat_template_options"] = [list(kv) for kv in self.chat_template_options]
     return out
 
-  def differences(self, other: dict, ignore=("steps", "max_param_abs")) -> list[str]:
+  def differences(self, other: dict, ignore=("steps", "max_param_abs", "remat")) -> list[str]:
     """Fields whose values differ from a saved config dict (JSON round-tripped)."""
     mine = _jsonish(self.to_dict())
     # A field added after the checkpoint was saved counts as its default there.

@@ -14,6 +14,7 @@ from trace_jax.rollout.engine import FINISH_STOP, Rollout, RolloutEngine
 from trace_jax.tasks.base import Item, Task
 from trace_jax.tasks.tokenizer import Tokenizer
 from trace_jax.utils import round_up
+from trace_jax.utils.distributed import host_array
 
 
 @dataclasses.dataclass
@@ -50,11 +51,11 @@ def play(engine: RolloutEngine, task: Task, tokenizer: Tokenizer, items: Sequenc
   rewards = np.zeros(n, np.float32)
   done = np.zeros(n, bool)
   actions = [[] for _ in range(n)]
-  seen = np.zeros_like(np.asarray(rollout.response_mask))
+  seen = np.zeros_like(host_array(rollout.response_mask))
   for turn in range(task.max_turns):
-    response = np.asarray(rollout.response_mask)
-    tokens = np.asarray(rollout.tokens)
-    finish = np.asarray(rollout.finish)  # this turn's: stopped by a stop token, or by length
+    response = host_array(rollout.response_mask)
+    tokens = host_array(rollout.tokens)
+    finish = host_array(rollout.finish)  # this turn's: stopped by a stop token, or by length
     new = response & ~seen
     seen = response
     observations = []

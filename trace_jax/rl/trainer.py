@@ -39,7 +39,7 @@ from flax import nnx, struct
 from tqdm.auto import tqdm
 
 from trace_jax.model.quant import resolve_layers
-from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model
+from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model, shard_optimizer
 from trace_jax.rl import data
 from trace_jax.rl import episodes as episodes_lib
 from trace_jax.rl import policy_source
@@ -54,6 +54,7 @@ from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
 from trace_jax.training.forward import token_entropy, training_forward
 from trace_jax.utils import append_jsonl, read_jsonl, round_up, write_atomic
+from trace_jax.utils.distributed import global_array, host_array, is_main_process
 
 _STATIC = ("quant", "replay", "dtype", "temperature")
 
@@ -157,7 +158,7 @@ def check_workdir(workdir: str) -> str:
   path = os.path.abspath(workdir)
   try:
     os.makedirs(path, exist_ok=True)
-    probe = os.path.join(path, ".write_test")
+    probe = os.path.join(path, f".write_test.{os.getpid()}")  # one per process (multi-host)
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)
@@ -182,10 +183,15 @@ class Trainer:
     # The preset with the character tokenizer, or a checkpoint with its own (policy_source).
     self.source = policy_source.load(config, self.task)
     self.tokenizer, self.model_cfg = self.source.tokenizer, self.source.model_cfg
+    if config.remat:  # recompute each block's activations in the backward pass (memory)
+      self.model_cfg = self.model_cfg.replace(remat=True)
+      self.source.policy.cfg = self.model_cfg
     self.arm = config.arm_spec
     self.mesh = make_mesh(*config.mesh) if np.prod(config.mesh) > 1 else None
 
     self.policy = self.source.policy
+    if self.mesh is not None:  # placed before the warm start: its save is then multi-host safe
+      shard_model(self.policy, self.mesh)
     if policy_source.warm_start(config):
       self.warmstart = warmstart.load_or_train(
           self.policy, self.workdir, self.task, self.tokenizer, steps=config.sft_steps,
@@ -193,8 +199,6 @@ class Trainer:
           progress=progress)
     else:
       self.warmstart = policy_source.skipped_warm_start(self.task)
-    if self.mesh is not None:
-      shard_model(self.policy, self.mesh)
     self.reference = None
     if config.loss.kl_coef > 0:  # a frozen copy of the warm start (its own buffers: the
       graphdef, state = nnx.split(self.policy)  # train step donates the policy's)
@@ -202,6 +206,8 @@ class Trainer:
     self.opt = nnx.Optimizer(self.policy, _optimizer(
         config.learning_rate, config.lr_warmup_steps * config.minibatches * config.epochs),
         wrt=nnx.Param)
+    if self.mesh is not None:  # Adam's moments FSDP-sharded like their parameters
+      shard_optimizer(self.opt, self.policy, self.mesh)
     self.step = 0
     self._restore_latest()
 
@@ -285,7 +291,7 @@ class Trainer:
   def _truncate_metrics(self, step: int) -> None:
     """Keep only the metrics lines of the steps the resumed checkpoint holds (none when
     starting from step 0: `run` logs the step-0 evaluation again); a torn last line goes."""
-    if not os.path.exists(self.metrics_path):
+    if not os.path.exists(self.metrics_path) or not is_main_process():
       return
     records = read_jsonl(self.metrics_path)
     kept = [r for r in records if step > 0 and r.get("step", 0) <= step]
@@ -307,7 +313,9 @@ class Trainer:
     """Split the batch axis of every array over the mesh's "data" axis."""
     if self.mesh is None or tree is None:
       return tree
-    return jax.tree.map(lambda a: jax.device_put(a, batch_sharding(self.mesh, a.ndim, axis)), tree)
+    # From host values: each process transfers its own rows (multi-host too).
+    return jax.tree.map(
+        lambda a: global_array(host_array(a), batch_sharding(self.mesh, a.ndim, axis)), tree)
 
   def _shard_guidance(self, guidance):
     if self.mesh is None or guidance is None:
@@ -380,18 +388,21 @@ class Trainer:
     (losses, stats_list, norms), (finite, max_abs) = jax.device_get(
         (tuple(zip(*updates)), _param_health(self.policy)))
     self._check_update(step, losses, norms, bool(finite), float(max_abs))
+    if self.mesh is not None:  # XLA may pick other layouts for the outputs: keep the rules'
+      shard_model(self.policy, self.mesh)  # (a no-op for every array already placed so)
+      shard_optimizer(self.opt, self.policy, self.mesh)
     self._weights_step = step  # the rollout weights are re-made when next needed
     return losses, stats_list, norms
 
   def _metrics(self, step: int, c: "_Collected", s: "_Scored", losses, stats_list, norms) -> dict:
     """The step's metrics line (DESIGN.md section 4 names)."""
     config, played, rollout = self.config, c.played, c.rollout
-    response_mask = np.asarray(rollout.response_mask)
+    response_mask = host_array(rollout.response_mask)
     metrics = {"step": step, "rewards/mean": float(np.mean(played.rewards)),
                "rewards/std": float(np.std(played.rewards)), "loss": float(np.mean(losses)),
                "grad_norm": float(np.mean(norms)),
                **{name: float(np.mean([x[name] for x in stats_list])) for name in stats_list[0]},
-               "entropy": float(np.sum(np.asarray(s.entropy) * response_mask)
+               "entropy": float(np.sum(host_array(s.entropy) * response_mask)
                                 / max(response_mask.sum(), 1)),
                "completions/mean_length": float(response_mask.sum(1).mean()),
                "episodes/mean_turns": float(played.turns.mean()),
@@ -403,9 +414,12 @@ class Trainer:
     metrics.update(group_reward_metrics(played.rewards, config.group_size))
     metrics.update(mismatch_metrics(rollout.logprobs, s.example.old_logp, rollout.response_mask,
                                     tis_threshold=config.loss.tis_threshold))
-    metrics.update(guidance_agreement(s.fallbacks, rollout.mask))
+    mask = host_array(rollout.mask)
+    fallbacks, train_sites = jax.tree.map(host_array, (s.fallbacks, s.train_sites))
+    metrics.update(guidance_agreement(fallbacks, mask))
     if self.measured and rollout.guidance is not None:  # bits and scales always; codes if full
-      metrics.update(disagreement_metrics(rollout.guidance.sites, s.train_sites, rollout.mask))
+      metrics.update(disagreement_metrics(jax.tree.map(host_array, rollout.guidance.sites),
+                                          train_sites, mask))
     return metrics
 
   def _synced(self, engine: RolloutEngine) -> RolloutEngine:
@@ -461,7 +475,8 @@ class Trainer:
   # --- the run --------------------------------------------------------------------------------
 
   def log(self, metrics: dict) -> None:
-    append_jsonl(self.metrics_path, metrics)
+    if is_main_process():  # multi-host: one metrics file, written once
+      append_jsonl(self.metrics_path, metrics)
 
   def run(self) -> list[dict]:
     """Train until config.steps; returns the metrics of the steps run now."""

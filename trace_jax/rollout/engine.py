@@ -28,6 +28,7 @@ from flax import nnx
 from trace_jax import guidance as guidance_lib
 from trace_jax import kernels as kernels_lib
 from trace_jax.model.cache import init_cache
+from trace_jax.model import sharding as sharding_lib
 from trace_jax.model.sharding import batch_sharding
 from trace_jax.model.quant import Recording, resolve_layers
 from trace_jax.model.transformer import Transformer
@@ -35,6 +36,7 @@ from trace_jax.rollout.config import RolloutConfig
 from trace_jax.rollout.params import quantize_params_jit
 from trace_jax.rollout.sampling import sample
 from trace_jax.utils import round_up
+from trace_jax.utils.distributed import global_array, host_array
 
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 FINISH_NAMES = ("running", "stop", "length")
@@ -95,16 +97,16 @@ class Rollout:
     return jnp.sum(self.response_mask, axis=-1, dtype=jnp.int32)
 
   def finish_reasons(self) -> list[str]:
-    return [FINISH_NAMES[int(f)] for f in np.asarray(self.finish)]
+    return [FINISH_NAMES[int(f)] for f in host_array(self.finish)]
 
   def sequences(self) -> list[list[int]]:
     """Each sequence's real tokens, in order."""
-    tokens, mask = np.asarray(self.tokens), np.asarray(self.mask)
+    tokens, mask = host_array(self.tokens), host_array(self.mask)
     return [t[m].tolist() for t, m in zip(tokens, mask)]
 
   def responses(self) -> list[list[int]]:
     """Each sequence's generated tokens (all turns), in order."""
-    tokens, mask = np.asarray(self.tokens), np.asarray(self.response_mask)
+    tokens, mask = host_array(self.tokens), host_array(self.response_mask)
     return [t[m].tolist() for t, m in zip(tokens, mask)]
 
   def without_cache(self) -> "Rollout":
@@ -125,7 +127,7 @@ class Rollout:
   @property
   def used_slots(self) -> int:
     """Slots written so far (the cache's write index)."""
-    mask = np.asarray(self.mask)
+    mask = host_array(self.mask)
     return int(np.nonzero(mask.any(axis=0))[0].max()) + 1 if mask.any() else 0
 
   def to_host(self) -> "Rollout":
@@ -178,6 +180,7 @@ class _Statics:
   guided_layers: tuple[int, ...]
   routing_dtype: Any
   capture_inputs: bool
+  mesh: Any = None  # place the cache and buffers made inside jit (batch over "data")
 
   @property
   def recording(self) -> Recording:
@@ -263,6 +266,7 @@ def _empty_rollout(graphdef, params, batch: int, st: _Statics) -> Rollout:
   config = st.config
   slots = config.max_len
   cache = init_cache(cfg, batch, slots, config.quant, dtype=jnp.dtype(config.compute_dtype))
+  cache = sharding_lib.constrain_cache(cache, st.mesh)
   one = jnp.zeros((batch, 1), jnp.int32)
   sites, routing, inputs = jax.eval_shape(
       lambda p, c: _captured(_forward(graphdef, p, one, one, one > -1, c, st)[1], st),
@@ -272,13 +276,18 @@ def _empty_rollout(graphdef, params, batch: int, st: _Statics) -> Rollout:
     guidance = guidance_lib.Guidance(
         sites=_empty_records(sites, slots), routing=None, mode=config.guidance,
         layers=st.guided_layers if config.guidance != "none" else ())
-  zeros = lambda dtype: jnp.zeros((batch, slots), dtype)
+  zeros = lambda dtype: sharding_lib.constrain_batch(jnp.zeros((batch, slots), dtype), st.mesh)
+  if guidance is not None:
+    guidance = dataclasses.replace(guidance, sites=sharding_lib.constrain_batch(guidance.sites,
+                                                                                 st.mesh))
+  if routing is not None:
+    routing = sharding_lib.constrain_batch(_empty_like(routing, slots, axis=2), st.mesh, axis=1)
   return Rollout(
       tokens=jnp.full((batch, slots), config.pad_id, jnp.int32), positions=zeros(jnp.int32),
       prompt_mask=zeros(bool), response_mask=zeros(bool), env_mask=zeros(bool),
       logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32),
       finish=jnp.zeros((batch,), jnp.int32), guidance=guidance,
-      routing=None if routing is None else _empty_like(routing, slots, axis=2),
+      routing=routing,
       cache=cache, site_inputs=None if inputs is None else _empty_like(inputs, slots))
 
 
@@ -366,7 +375,7 @@ class RolloutEngine:
       raise ValueError(f"pad_id={config.pad_id} lies outside the vocabulary [0, {cfg.vocab_size})")
     self.statics = _Statics(config=config, guided_layers=guided if config.guidance != "none" else (),
                             routing_dtype=guidance_lib.routing_dtype(cfg.num_experts),
-                            capture_inputs=capture_inputs)
+                            capture_inputs=capture_inputs, mesh=mesh)
     self.graphdef = None
     self.params = None
     self.sync(policy)
@@ -377,6 +386,8 @@ class RolloutEngine:
     self.graphdef = graphdef
     self.params = quantize_params_jit(state, self.config.quant,
                                       dtype=jnp.dtype(self.config.compute_dtype))
+    if self.mesh is not None:  # experts / model slices, whole on each data replica
+      self.params = sharding_lib.shard_rollout_params(self.params, self.mesh, self.cfg)
 
   def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array) -> Rollout:
     """Sample continuations of `prompts` (token lists of any lengths)."""
@@ -394,7 +405,8 @@ class RolloutEngine:
   def _place(self, array):
     if self.mesh is None:
       return array
-    return jax.device_put(array, batch_sharding(self.mesh, array.ndim))
+    # Each process transfers only the rows its devices hold (multi-host: its own shard).
+    return global_array(np.asarray(array), batch_sharding(self.mesh, array.ndim))
 
   def continue_(self, rollout: Rollout, observations: Sequence[Sequence[int]],
                 key: jax.Array) -> Rollout:

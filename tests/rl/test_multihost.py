@@ -1,0 +1,101 @@
+"""Two processes on this machine (CPU, gloo collectives, a coordinator on 127.0.0.1) run 2 RL
+steps of a tiny preset as one multi-host job: their parameters agree with each other and
+with a single-process run of the same global batch; only process 0 writes metrics.
+
+Slow (three JAX processes compile the whole RL step): `pytest -m slow tests/rl/test_multihost.py`.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+WORKER = textwrap.dedent("""
+    import json, sys
+    workdir, out, num_processes, process_id, port = sys.argv[1:6]
+    num_processes, process_id = int(num_processes), int(process_id)
+    from trace_jax.utils import distributed
+    multi = distributed.initialize(f"127.0.0.1:{port}" if num_processes > 1 else None,
+                                   num_processes if num_processes > 1 else None,
+                                   process_id if num_processes > 1 else None)
+    import jax, numpy as np
+    from flax import nnx
+    from jax.experimental import multihost_utils
+    from trace_jax.rl.config import RLConfig
+    from trace_jax.rl.trainer import Trainer
+    assert multi == (num_processes > 1) and jax.process_count() == num_processes
+    assert jax.device_count() == 2, jax.devices()
+    config = RLConfig(preset="tiny", steps=2, prompts_per_step=2, group_size=2, minibatches=1,
+                      max_new_tokens=4, sft_steps=0, eval_every=0, checkpoint_every=2,
+                      compute_dtype="float32", mesh=(2, 1, 1))
+    trainer = Trainer(config, workdir, progress=False)
+    history = trainer.run()
+    state = nnx.to_pure_dict(nnx.state(trainer.policy, nnx.Param))
+    gathered = multihost_utils.process_allgather(state, tiled=True)
+    flat = {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(gathered)}
+    local = {"local" + jax.tree_util.keystr(p): np.asarray(v.addressable_shards[0].data)
+             for p, v in jax.tree_util.tree_leaves_with_path(state)}
+    np.savez(out, **flat, **local)
+    print("LOSSES", json.dumps([m["loss"] for m in history]), flush=True)
+""")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root,
+              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+  port = _free_port()
+  workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / "multi"),
+                               str(tmp_path / f"p{i}.npz"), "2", str(i), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env(1)) for i in range(2)]
+  outputs = [w.communicate(timeout=1800) for w in workers]
+  for w, (out, err) in zip(workers, outputs):
+    assert w.returncode == 0, err[-4000:]
+  single = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path / "single"),
+                           str(tmp_path / "single.npz"), "1", "0", "0"],
+                          capture_output=True, text=True, env=_env(2), timeout=1800)
+  assert single.returncode == 0, single.stderr[-4000:]
+
+  p0, p1, one = (np.load(tmp_path / f) for f in ("p0.npz", "p1.npz", "single.npz"))
+  gathered = [k for k in one.files if not k.startswith("local")]
+  assert gathered
+  for key in gathered:
+    np.testing.assert_array_equal(p0[key], p1[key], err_msg=key)  # one global array
+    np.testing.assert_allclose(p0[key], one[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  # Each process holds its own shard of FSDP-split parameters (halves that differ) and an
+  # identical copy of replicated ones (the norm scales).
+  sharded = [k for k in p0.files if k.startswith("local") and p0[k].shape != p0[k[5:]].shape]
+  replicated = [k for k in p0.files if k.startswith("local") and k not in sharded]
+  assert sharded and replicated
+  for key in replicated:
+    np.testing.assert_array_equal(p0[key], p1[key], err_msg=key)
+  for key in sharded:
+    np.testing.assert_array_equal(np.concatenate([p0[key], p1[key]], axis=_split_axis(p0, key)),
+                                  p0[key[5:]], err_msg=key)
+  losses = [json.loads(out.split("LOSSES", 1)[1]) for out, _ in outputs]
+  assert losses[0] == losses[1]
+  # Files: one metrics line per step (process 0 only), one checkpoint of step 2.
+  lines = (tmp_path / "multi" / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line)["step"] for line in lines] == [1, 2]
+  assert sorted(os.listdir(tmp_path / "multi" / "checkpoints")) == ["2"]
+
+
+def _split_axis(arrays, key) -> int:
+  local, full = arrays[key].shape, arrays[key[5:]].shape
+  return next(i for i, (a, b) in enumerate(zip(local, full)) if a != b)

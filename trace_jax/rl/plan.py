@@ -1,0 +1,264 @@
+"""Memory planner: bytes per device of an RL run on a (data, expert, model) mesh, from shapes.
+
+Nothing is materialised: every figure comes from `jax.eval_shape` (or an abstract trace) of
+the real code and the per-device shard shapes of the real shardings
+(`NamedSharding.shard_shape`), over an abstract mesh of the requested size, so no devices
+are needed. Per device:
+
+  master weights     float32 parameters, FSDP / expert / model split (`model.sharding`);
+  optimizer state    Adam's two moments, split like their parameters;
+  gradients          float32, split like the parameters (alive during the update);
+  FP4 rollout weights `quantize_params` output (packed codes, scales, high-precision rest),
+                     split over expert / model, whole on each data replica;
+  KV cache           bf16 and FP4, `batch` sequences of `context` slots, batch over data,
+                     KV heads over model; Gated DeltaNet layers keep a recurrent state instead;
+  guidance           compact guidance of the rollout's guided layers (+ routing replay) for
+                     `batch` x `context` tokens, batch over data;
+  activations        the residuals the backward pass of one training micro-batch keeps: the
+                     outputs of `jax.vjp` traced abstractly, of one block of each layer type
+                     and of the LM head, counting only values that depend on the tokens
+                     (weights and their QAT copies are not activations). Without remat every
+                     layer keeps its residuals; with per-layer remat only each layer's input
+                     is kept, plus one layer's residuals while it is recomputed. Activations
+                     are split over data only (an upper bound when "model" > 1).
+
+A device fits if the larger phase, training (master + optimizer + gradients + rollout
+weights + guidance + activations) or rollout (master + optimizer + rollout weights + cache
++ guidance), stays under its memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.extend.core as jax_core
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+
+from trace_jax import guidance as guidance_lib
+from trace_jax.model import sharding
+from trace_jax.model.cache import init_cache
+from trace_jax.model.config import ModelConfig
+from trace_jax.model.layers import rope_tables
+from trace_jax.model.quant import QuantConfig, SiteQuantizer, resolve_layers
+from trace_jax.model.transformer import Block, Transformer, attention_mask
+from trace_jax.rollout.params import quantize_params
+from trace_jax.training.forward import token_logprobs
+
+H200_BYTES = 141e9  # HBM3e of one H200 (141 GB)
+GB = 1e9
+
+
+def abstract_mesh(data: int, expert: int, model: int) -> AbstractMesh:
+  """A mesh of the given shape without devices (shardings of it give shard shapes)."""
+  for name, size in zip(sharding.MESH_AXES, (data, expert, model)):
+    if not isinstance(size, int) or size < 1:
+      raise ValueError(f"mesh {name}={size!r} must be an int >= 1")
+  return AbstractMesh((data, expert, model), sharding.MESH_AXES,
+                      axis_types=(AxisType.Auto,) * 3)
+
+
+
+def _per_device(tree, specs, mesh) -> int:
+  """Bytes on one device of abstract `tree` placed by the PartitionSpecs `specs` (same
+  structure, PartitionSpec leaves)."""
+  leaves = jax.tree.leaves(tree)
+  spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  if len(leaves) != len(spec_leaves):
+    raise AssertionError(f"{len(leaves)} arrays but {len(spec_leaves)} specs")
+  total = 0
+  for leaf, spec in zip(leaves, spec_leaves):
+    shape = NamedSharding(mesh, spec).shard_shape(tuple(leaf.shape))
+    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+def _specs(state_shardings):
+  return jax.tree.map(lambda s: s.spec, state_shardings,
+                      is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def _dependent_residual_bytes(fn, args, dependent_argnums) -> int:
+  """Bytes of the residuals `jax.vjp(fn, *args)` keeps that depend on the arguments in
+  `dependent_argnums` (the activations), from an abstract trace: a residual that is an
+  argument itself or a function of the others (weights, their QAT copies) is not counted."""
+  closed, out_shape = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a), return_shape=True)(*args)
+  jaxpr = closed.jaxpr
+  num_res = len(jax.tree.leaves(out_shape[1]))
+  flat_args = [jax.tree.leaves(a) for a in args]
+  dependent, start = set(), 0
+  for i, leaves in enumerate(flat_args):
+    if i in dependent_argnums:
+      dependent.update(jaxpr.invars[start:start + len(leaves)])
+    start += len(leaves)
+  for eqn in jaxpr.eqns:
+    if any(not isinstance(v, jax_core.Literal) and v in dependent for v in eqn.invars):
+      dependent.update(eqn.outvars)
+  total, seen = 0, set()
+  for var in jaxpr.outvars[len(jaxpr.outvars) - num_res:]:
+    if isinstance(var, jax_core.Literal) or var in seen or var not in dependent:
+      continue
+    seen.add(var)
+    total += math.prod(var.aval.shape) * jnp.dtype(var.aval.dtype).itemsize
+  return total
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+  """What to plan for."""
+
+  mesh: tuple = (8, 8, 1)  # (data, expert, model)
+  batch: int = 256  # rollout sequences in flight (global)
+  context: int = 8192  # slots per sequence (prompt + response)
+  micro_batch: int = 0  # training sequences per micro-batch (global); 0 = one per data shard
+  fmt: str = "nvfp4"
+  fp4_sites: str = "all"  # FP4 scope of rollout weights and QAT
+  guidance: str = "compact"
+  guided_layers: str = "last_half"
+  device_bytes: float = H200_BYTES
+
+  def __post_init__(self):
+    object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
+    if len(self.mesh) != 3 or min(self.mesh) < 1:
+      raise ValueError(f"PlanConfig.mesh={self.mesh} must be 3 sizes (data, expert, model) >= 1")
+    for name in ("batch", "context"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"PlanConfig.{name}={getattr(self, name)} must be >= 1")
+    if self.batch % self.mesh[0]:
+      raise ValueError(f"PlanConfig.batch={self.batch} must divide over data={self.mesh[0]}")
+    micro = self.micro_batch or self.mesh[0]
+    if micro % self.mesh[0]:
+      raise ValueError(f"PlanConfig.micro_batch={self.micro_batch} must divide over "
+                       f"data={self.mesh[0]}")
+    if self.guidance not in ("none", "compact", "full"):
+      raise ValueError(f"PlanConfig.guidance={self.guidance!r}; use none, compact or full")
+    QuantConfig(fmt=self.fmt, sites=self.fp4_sites)
+
+
+def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
+  """Bytes per device of each item (see the module docstring), and the phase totals."""
+  mesh = abstract_mesh(*config.mesh)
+  data = config.mesh[0]
+  quant = QuantConfig(fmt=config.fmt, sites=config.fp4_sites)
+  cfg = cfg.replace(dtype="bfloat16")
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  params = nnx.state(model, nnx.Param)
+  rows: dict[str, float] = {}
+
+  param_specs = _specs(sharding.param_shardings(model, mesh))
+  rows["master weights (f32)"] = _per_device(params, param_specs, mesh)
+  rows["gradients (f32)"] = rows["master weights (f32)"]
+  opt = nnx.eval_shape(lambda: nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param))
+  rows["optimizer state (Adam)"] = _per_device(
+      nnx.state(opt), _specs(sharding.optimizer_shardings(opt, model, mesh)), mesh)
+
+  rollout_params = jax.eval_shape(lambda s: quantize_params(s, quant), nnx.state(model))
+  rows["FP4 rollout weights"] = _per_device(
+      rollout_params, _specs(sharding.rollout_param_shardings(rollout_params, mesh, cfg)), mesh)
+
+  def cache_bytes(q, part):
+    cache = jax.eval_shape(lambda: init_cache(cfg, config.batch, config.context, q,
+                                              dtype=jnp.bfloat16))
+    specs = sharding.cache_specs(cache, mesh)
+    pick = (lambda c: (c.k, c.v)) if part == "kv" else (lambda c: (c.conv, c.recurrent))
+    return _per_device(pick(cache), pick(specs), mesh)
+
+  rows["KV cache (bf16)"] = cache_bytes(None, "kv")
+  rows["KV cache (FP4)"] = cache_bytes(quant, "kv")
+  rows["recurrent state"] = cache_bytes(None, "state")
+
+  layers = resolve_layers(config.guided_layers, cfg.num_layers)
+  tokens_per_device = config.batch * config.context / data
+  if config.guidance == "none":
+    rows["guidance"] = 0.0
+  else:
+    def capture():
+      _, aux = Transformer(cfg, rngs=nnx.Rngs(0))(jnp.zeros((1, 1), jnp.int32), quant=quant,
+                                                  record=True)
+      sites = guidance_lib.from_records(aux.get("sites", {}), config.guidance, layers)
+      routing = aux["routing"].astype(guidance_lib.routing_dtype(cfg.num_experts))
+      return guidance_lib.Guidance(sites=sites, routing=routing, mode=config.guidance,
+                                   layers=layers)
+    rows["guidance"] = jax.eval_shape(capture).bytes_per_token() * tokens_per_device
+
+  micro = (config.micro_batch or data) // data  # sequences per device
+  no_remat, remat = activation_bytes(cfg, quant, micro, config.context)
+  rows["activations (no remat)"] = no_remat
+  rows["activations (remat)"] = remat
+
+  resident = rows["master weights (f32)"] + rows["optimizer state (Adam)"] + rows[
+      "FP4 rollout weights"] + rows["guidance"]
+  rows["rollout peak (FP4 KV)"] = resident + rows["KV cache (FP4)"] + rows["recurrent state"]
+  rows["train peak (no remat)"] = resident + rows["gradients (f32)"] + no_remat
+  rows["train peak (remat)"] = resident + rows["gradients (f32)"] + remat
+  return rows
+
+
+def activation_bytes(cfg: ModelConfig, quant: QuantConfig, batch: int, context: int
+                     ) -> tuple[float, float]:
+  """(without remat, with per-layer remat) residual bytes of a training forward of
+  [batch, context] tokens on one device (QAT with `quant`, bf16 activations)."""
+  b, t = batch, context
+  x = jax.ShapeDtypeStruct((b, t, cfg.d_model), jnp.bfloat16)
+  per_type: dict[bool, int] = {}
+  for layer in range(cfg.num_layers):
+    kind = (layer in cfg.linear_layers, layer in cfg.dense_layers)
+    if kind in per_type:
+      continue
+    block = nnx.eval_shape(lambda: Block(cfg, layer, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(block)
+
+    def block_fn(state, x, layer=layer, graphdef=graphdef):
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+      valid = jnp.ones((b, t), bool)
+      cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
+      mask = attention_mask(valid, positions, jnp.arange(t, dtype=jnp.int32), cfg.sliding_window)
+      sq = SiteQuantizer(quant, cfg.num_layers, jnp.bfloat16)
+      out, _, stats = nnx.merge(graphdef, state)(x, cos, sin, mask, valid, sq)
+      return out, None if stats is None else stats["lb_loss"]
+
+    per_type[kind] = _dependent_residual_bytes(block_fn, (state, x), {1})
+  counts: dict = {}
+  for layer in range(cfg.num_layers):
+    kind = (layer in cfg.linear_layers, layer in cfg.dense_layers)
+    counts[kind] = counts.get(kind, 0) + 1
+
+  head = nnx.eval_shape(lambda: Transformer(cfg.replace(num_layers=1, layer_types=(),
+                                                        dense_layers=()), rngs=nnx.Rngs(0)))
+  tokens = jax.ShapeDtypeStruct((b, t), jnp.int32)
+
+  def head_fn(head_state, x, tokens):
+    model = nnx.merge(nnx.graphdef(head), head_state)
+    h = model.final_norm(x).astype(jnp.float32)
+    table = model.embed.get_value().T if model.lm_head is None else model.lm_head.get_value()
+    logits = jnp.einsum("btd,dv->btv", h, table)
+    return jnp.sum(token_logprobs(logits, tokens))
+
+  head_state = nnx.state(head)
+  head_bytes = _dependent_residual_bytes(head_fn, (head_state, x, tokens), {1, 2})
+  layer_input = b * t * cfg.d_model * 2
+  no_remat = sum(per_type[k] * n for k, n in counts.items()) + head_bytes
+  remat = cfg.num_layers * layer_input + max(per_type.values()) + head_bytes
+  return float(no_remat), float(remat)
+
+
+def format_table(name: str, config: PlanConfig, rows: dict[str, float]) -> str:
+  """A markdown table of `plan` rows in GB per device, with the verdict against the device."""
+  limit = config.device_bytes
+  lines = [f"{name} on mesh (data, expert, model) = {config.mesh}, batch {config.batch}, "
+           f"context {config.context}, micro-batch {config.micro_batch or config.mesh[0]}, "
+           f"{config.fmt} ({config.fp4_sites}), guidance {config.guidance}",
+           "", "| per device | GB |", "| --- | ---: |"]
+  for key, value in rows.items():
+    lines.append(f"| {key} | {value / GB:,.2f} |")
+  verdicts = []
+  for key in ("rollout peak (FP4 KV)", "train peak (no remat)", "train peak (remat)"):
+    verdicts.append(f"{key}: {'fits' if rows[key] <= limit else 'does NOT fit'}")
+  lines.append("")
+  lines.append(f"H200 ({limit / GB:.0f} GB): " + "; ".join(verdicts))
+  return "\n".join(lines)
