@@ -13,7 +13,9 @@ def test_there_are_notebooks():
   assert NOTEBOOKS, "notebooks/ has no .ipynb files"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+# 02_guidance trains a small policy (~2 min on 2 cores): `pytest -m slow tests/test_notebooks.py`.
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.name.startswith("02_")
+                                  else p for p in NOTEBOOKS], ids=[p.name for p in NOTEBOOKS])
 def test_notebook_executes(path, tmp_path):
   nb = nbformat.read(path, as_version=4)
   client = nbclient.NotebookClient(

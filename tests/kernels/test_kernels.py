@@ -175,6 +175,7 @@ def test_bad_input_names_what_is_wrong():
   assert kernels.resolve("auto") == ("pallas" if jax.default_backend() == "gpu" else "xla")
 
 
+@pytest.mark.slow  # ~1 min; each kernel is checked against its reference() in the default suite
 def test_generation_with_pallas_kernels_equals_the_xla_path(monkeypatch):
   """A whole tiny-model FP4 generation (prefill and decode, FP4 cache) with every kernel in
   interpret mode gives the XLA path's tokens and log-probabilities (float32 compute: the

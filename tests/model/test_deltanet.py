@@ -109,7 +109,7 @@ def _step(quant):
   return nnx.jit(lambda m, t, p, mask, c: m(t, positions=p, mask=mask, cache=c, quant=quant))
 
 
-@pytest.mark.parametrize("fp4", [False, True])
+@pytest.mark.parametrize("fp4", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_prefill_then_decode_equals_full_forward(fp4):
   """Left-padded prompts, then decode steps where one sequence writes an invalid slot (a hole):
   every valid slot's logits equal those of one forward over the whole buffer."""

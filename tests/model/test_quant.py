@@ -8,10 +8,11 @@ import pytest
 from flax import nnx
 
 from trace_jax import fp4
+from trace_jax import guidance as G
 from trace_jax import model as M
 from trace_jax import rollout as R
 from trace_jax.model import accounting
-from trace_jax.model.quant import layer_sites
+from trace_jax.model.quant import Recording, layer_sites
 
 EXPERTS_KV = M.QuantConfig(sites="experts+kv")
 
@@ -148,12 +149,15 @@ def test_w4a8_puts_linear_inputs_in_fp8_and_keeps_kv_in_fp4(hybrid):
   guidance), K/V stay FP4 (recorded, guidable); the sites guidance covers are only K/V."""
   w4a8 = M.QuantConfig(activations="fp8")
   x = jax.random.normal(jax.random.key(4), (3, 64)) * 5
-  sq = M.SiteQuantizer(w4a8, 2, jnp.float32, record=True)
-  np.testing.assert_array_equal(sq(x, 1, "attn_in"), fp4.fp8_values(x))
-  np.testing.assert_array_equal(sq(x, 1, "moe_mid"), fp4.fp8_values(x))
+  sq = M.SiteQuantizer(w4a8, 2, jnp.float32, recording=Recording(form="full"))
+  for site in ("attn_in", "moe_mid"):  # FP8: values only, no record
+    values, record = sq.site(x, 1, site)
+    np.testing.assert_array_equal(values, fp4.fp8_values(x))
+    assert record is None
   k = x.reshape(3, 4, 16)
-  np.testing.assert_array_equal(sq(k, 1, "k"), fp4.fake_quant(k, global_group="row"))
-  assert set(sq.records) == {(1, "k")}
+  values, record = sq.site(k, 1, "k")
+  np.testing.assert_array_equal(values, fp4.fake_quant(k, global_group="row"))
+  assert record is not None
   assert layer_sites(hybrid.cfg, w4a8) == {0: ("k", "v"), 1: ("k", "v")}
   with pytest.raises(ValueError, match="activations='fp16'"):
     M.QuantConfig(activations="fp16")
@@ -167,6 +171,6 @@ def test_w4a8_puts_linear_inputs_in_fp8_and_keeps_kv_in_fp4(hybrid):
   assert float(jnp.abs(logits - kv_only).max()) > 1e-6
   # Guided rounding under W4A8 needs guidance for K/V only.
   guided = w4a8.replace(rounding="guided", guided_layers="all")
-  again, _ = nnx.jit(lambda m, t, g: m(t, quant=guided, guidance=g))(hybrid, tokens,
-                                                                      dict(aux["sites"]))
+  own = G.Guidance(sites=dict(aux["sites"]), routing=None, mode="full", layers=(0, 1))
+  again, _ = nnx.jit(lambda m, t, g: m(t, quant=guided, guidance=g))(hybrid, tokens, own)
   np.testing.assert_allclose(np.asarray(again), np.asarray(logits), atol=1e-5)

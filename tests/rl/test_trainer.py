@@ -28,8 +28,10 @@ def _config(**overrides):
   return RLConfig(**{**base, **overrides})
 
 
-@pytest.mark.parametrize("task, options", [("arith", ()), ("coding", ()),
-                                           ("search", (("bits", 3), ("max_turns", 5)))])
+# coding and search take 2-3 min each on 2 cores: `pytest -m slow tests/rl/test_trainer.py`.
+@pytest.mark.parametrize("task, options", [
+    ("arith", ()), pytest.param("coding", (), marks=pytest.mark.slow),
+    pytest.param("search", (("bits", 3), ("max_turns", 5)), marks=pytest.mark.slow)])
 def test_short_run_on_each_task_kind(tmp_path, monkeypatch, task, options):
   """One step (the resume test runs several), with an evaluation before and after it.
   arith and coding share one prompt width, so the second reuses the first's compilations;
@@ -148,6 +150,7 @@ MESH_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~2.5 min; the default suite's tests/model/test_sharding.py covers a mesh
 def test_data_parallel_run_on_eight_devices(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   result = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(tmp_path)], capture_output=True,
