@@ -66,6 +66,12 @@ def plot(results: dict, path: str) -> None:
   plt.close(fig)
 
 
+def _nll(sft: dict) -> str:
+  """The warm start's final NLL, or "none" when it ran no SFT steps (--sft_steps=0)."""
+  nll = sft.get("final_nll")
+  return "none" if nll is None else f"{nll:.3f}"
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
@@ -88,7 +94,7 @@ def main(argv):
                  pct(m.get("scale_disagree_frac")), pct(m.get("guidance/followed_frac"))))
   print(f"\n{results['model']['preset']}, {results['rollout']['sequences']} sequences, "
         f"{results['rollout']['response_tokens']} response tokens, FP4 reward "
-        f"{results['rollout']['fp4_reward_mean']:.2f}, SFT nll {results['sft']['final_nll']:.3f}\n")
+        f"{results['rollout']['fp4_reward_mean']:.2f}, SFT nll {_nll(results['sft'])}\n")
   print(f"FP4 scope: {results['config']['fp4_sites']}, {results['config']['fmt']}\n")
   print(markdown_table(["mode", "k3_kl", "kl", "logp_abs_diff", "prob_diff_max",
                         "code_disagree_frac", "one-step share", "mantissa-bit disagree",
