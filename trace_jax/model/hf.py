@@ -24,6 +24,7 @@ from trace_jax.model import compressed
 from trace_jax.model import hf_qwen3_5
 from trace_jax.model.config import ModelConfig, decoder_fields_from_hf
 from trace_jax.model.transformer import Transformer
+from trace_jax.utils.io import read_json_object
 
 SUPPORTED = {
     "qwen3_moe": ("Qwen3MoeForCausalLM",),
@@ -269,13 +270,7 @@ def _used_names(cfg: ModelConfig, tensors) -> set[str]:
 
 def _read_config(config_path: str, dtype) -> tuple[ModelConfig, dict]:
   """config_from_hf of a config.json file, and the file's dict, with errors that name it."""
-  try:
-    with open(config_path) as f:
-      hf = json.load(f)
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"{config_path} is not valid JSON ({e})") from e
-  if not isinstance(hf, dict):
-    raise ValueError(f"{config_path} is not a JSON object")
+  hf = read_json_object(config_path)
   try:
     return config_from_hf(hf, dtype), hf
   except KeyError as e:

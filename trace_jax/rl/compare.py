@@ -216,6 +216,15 @@ def curve_band(cells, task, arm, key="curve_train", window=5):
   return steps, values.mean(0), values.min(0), values.max(0)
 
 
+def _save(fig, title: str, path: str) -> str:
+  """Title, lay out, write and close one figure; returns its path."""
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
 def plot(cells, out_dir: str, title: str = "") -> list[str]:
   """reward_curves.png, final_reward.png, k3.png in `out_dir`; returns their paths."""
   tasks, arms = tasks_and_arms(cells)
@@ -236,11 +245,7 @@ def plot(cells, out_dir: str, title: str = "") -> list[str]:
         ax.fill_between(steps, lo, hi, alpha=0.15, color=colors.get(arm))
       ax.set(xlabel="step", ylabel=label, title=f"{task}: mean over seeds, band = min..max")
       ax.legend(fontsize=7)
-  fig.suptitle(title)
-  fig.tight_layout()
-  paths.append(os.path.join(out_dir, "reward_curves.png"))
-  fig.savefig(paths[-1], dpi=100)
-  plt.close(fig)
+  paths.append(_save(fig, title, os.path.join(out_dir, "reward_curves.png")))
 
   fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
   for j, task in enumerate(tasks):
@@ -256,11 +261,7 @@ def plot(cells, out_dir: str, title: str = "") -> list[str]:
       ax.errorbar([i], [iv["mean"]], yerr=err, fmt="o", color=colors.get(arm), capsize=4)
     ax.set_xticks(range(len(arms)), arms, rotation=30)
     ax.set(ylabel="final greedy eval reward", title=f"{task}: mean, 95% CI, seeds as dots")
-  fig.suptitle(title)
-  fig.tight_layout()
-  paths.append(os.path.join(out_dir, "final_reward.png"))
-  fig.savefig(paths[-1], dpi=100)
-  plt.close(fig)
+  paths.append(_save(fig, title, os.path.join(out_dir, "final_reward.png")))
 
   fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
   for j, task in enumerate(tasks):
@@ -274,11 +275,7 @@ def plot(cells, out_dir: str, title: str = "") -> list[str]:
     ax.set_yscale("log")
     ax.set_xticks(range(len(shown)), shown, rotation=30)
     ax.set(ylabel="mean k3 KL, rollout vs training path", title=f"{task}: one dot per seed")
-  fig.suptitle(title)
-  fig.tight_layout()
-  paths.append(os.path.join(out_dir, "k3.png"))
-  fig.savefig(paths[-1], dpi=100)
-  plt.close(fig)
+  paths.append(_save(fig, title, os.path.join(out_dir, "k3.png")))
   return paths
 
 

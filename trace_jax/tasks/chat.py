@@ -32,6 +32,7 @@ import os
 from typing import Any, Sequence
 
 from trace_jax.tasks.tokenizer import HFTokenizer
+from trace_jax.utils.io import read_json_object
 
 PROMPT_FORMATS = ("chat", "raw")
 OBSERVATION_ROLES = ("user", "tool")
@@ -43,16 +44,8 @@ class ChatTemplateError(ValueError):
 
 
 def _read_json(path: str) -> dict:
-  if not os.path.exists(path):
-    return {}
-  try:
-    with open(path) as f:
-      value = json.load(f)
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"{path} is not valid JSON ({e})") from e
-  if not isinstance(value, dict):
-    raise ValueError(f"{path} is not a JSON object")
-  return value
+  """The file's JSON object, or {} when the optional file is absent."""
+  return read_json_object(path) if os.path.exists(path) else {}
 
 
 def _token_text(value) -> str | None:

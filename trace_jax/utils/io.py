@@ -79,6 +79,18 @@ def append_jsonl(path: str, record: dict) -> None:
     raise _with_path(e, path, "append to") from e
 
 
+def read_json_object(path: str) -> dict:
+  """A JSON file holding one object, with errors that name the file (ValueError)."""
+  try:
+    with open(path) as f:
+      value = json.load(f)
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path} is not valid JSON ({e})") from e
+  if not isinstance(value, dict):
+    raise ValueError(f"{path} is not a JSON object")
+  return value
+
+
 def read_jsonl(path: str) -> list[dict]:
   """The records of a JSON-lines file, dropping (with a warning) a torn last line.
 
