@@ -30,15 +30,15 @@ SCOPE = M.QuantConfig(sites="experts+kv")  # the method's own FP4 scope
 def _step_fns(quant):
   @nnx.jit
   def forward(model, tokens):
-    return model(tokens, quant=quant)[0]
+    return model(tokens, quant=quant).logits
 
   @nnx.jit
   def train_step(model, opt, tokens):
     def loss_fn(model):
-      logits, aux = model(tokens[:, :-1], quant=quant)
-      logp = jax.nn.log_softmax(logits)
+      out = model(tokens[:, :-1], quant=quant)
+      logp = jax.nn.log_softmax(out.logits)
       nll = -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
-      return nll + model.cfg.router_aux_loss_coef * aux["lb_loss"]
+      return nll + model.cfg.router_aux_loss_coef * out.lb_loss
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     opt.update(model, grads)
     return loss

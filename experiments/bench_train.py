@@ -30,15 +30,16 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions (median).")
 def _recording_cost(name, policy, rollout, guidance):
   """The trainer's pi_old forward (guided, full guidance, every layer) with and without
   recording every site's outcome (what the per-layer disagreement metrics read)."""
-  quant = M.QuantConfig(rounding="guided", guided_layers="all")
   seconds = {}
   for record in (False, True):
+    quant = M.QuantConfig(rounding="guided", guided_layers="all", compute_dtype="bfloat16",
+                          recording=M.Recording(form="full" if record else "none"))
+
     @nnx.jit
-    def forward(model, r, guidance, record=record):
-      logp, _, aux = training_forward(model, r.tokens, r.positions, r.mask, quant=quant,
-                                      guidance=guidance, routing_replay=True,
-                                      dtype=jnp.bfloat16, record=record)
-      return logp, aux.get("sites")
+    def forward(model, r, guidance, quant=quant):
+      logp, out = training_forward(model, r.tokens, r.positions, r.mask, quant=quant,
+                                   guidance=guidance, routing_replay=True)
+      return logp, out.sites
 
     seconds[record] = time_jitted(forward, policy, rollout, guidance, repeats=_REPEATS.value)
   return (name, f"{seconds[False] * 1e3:.1f}", f"{seconds[True] * 1e3:.1f}",
@@ -68,11 +69,11 @@ def main(argv):
       opt = nnx.Optimizer(model, optax.adam(1e-5), wrt=nnx.Param)
 
       @nnx.jit
-      def step(model, opt, r, guidance, quant=quant, replay=replay):
+      def step(model, opt, r, guidance, quant=M.call_config(quant, compute_dtype="bfloat16"),
+               replay=replay):
         def loss_fn(model):
-          logp, _, _ = training_forward(model, r.tokens, r.positions, r.mask, quant=quant,
-                                        guidance=guidance, routing_replay=replay,
-                                        dtype=jnp.bfloat16)
+          logp, _ = training_forward(model, r.tokens, r.positions, r.mask, quant=quant,
+                                     guidance=guidance, routing_replay=replay)
           return -jnp.sum(logp * r.response_mask) / jnp.maximum(jnp.sum(r.response_mask), 1)
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         opt.update(model, grads)

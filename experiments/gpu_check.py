@@ -137,9 +137,10 @@ def _decode_rate(policy, cfg, batch, context, precision, kernels, key):
 
   @functools.partial(jax.jit, donate_argnums=1)  # the cache is updated in place
   def step(params, cache, tokens):
-    logits, aux = nnx.merge(graphdef, params)(tokens, quant=quant, cache=cache,
-                                              dtype=jnp.bfloat16, kernels=kernels)
-    return jnp.argmax(logits[:, -1], -1), dataclasses.replace(aux["cache"], index=cache.index)
+    out = nnx.merge(graphdef, params)(
+        tokens, cache=cache,
+        quant=M.call_config(quant, compute_dtype="bfloat16", kernels=kernels))
+    return jnp.argmax(out.logits[:, -1], -1), dataclasses.replace(out.cache, index=cache.index)
 
   for _ in range(3):
     token, cache = step(params, cache, tokens)

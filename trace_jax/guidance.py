@@ -31,7 +31,7 @@ GUIDANCE_MODES = ("none", "compact", "full")
 SiteKey = tuple[int, str]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["sites", "routing"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["sites", "routing", "key"],
                    meta_fields=["mode", "layers"])
 @dataclasses.dataclass(frozen=True)
 class Guidance:
@@ -43,16 +43,24 @@ class Guidance:
     routing: int8/int16 [num_moe_layers, B, S, k] chosen experts, or None.
     mode: "compact", "full" or "none" (routing only).
     layers: the guided layer ids.
+    key: a PRNG key for `QuantConfig(rounding="stochastic")` (its rounding decisions are
+      drawn, not recorded), or None; not saved by `save`.
   """
 
   sites: dict
   routing: Any
   mode: str
   layers: tuple
+  key: Any = None
 
   def __post_init__(self):
     if self.mode not in GUIDANCE_MODES:
       raise ValueError(f"Guidance.mode={self.mode!r} is not allowed; use one of {GUIDANCE_MODES}")
+
+  @classmethod
+  def of_key(cls, key) -> "Guidance":
+    """The guidance of stochastic rounding: no records, no routing, just the PRNG key."""
+    return cls(sites={}, routing=None, mode="none", layers=(), key=key)
 
   @property
   def tokens_shape(self) -> tuple[int, int]:

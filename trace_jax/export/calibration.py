@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from trace_jax import fp4
-from trace_jax.model.quant import QuantConfig
+from trace_jax.model.quant import QuantConfig, Recording, site_spec
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.params import quantize_params
 
@@ -35,12 +35,14 @@ _RANGE = 448.0 * 6.0
 
 
 def _rollout_forward(policy: Transformer, quant: QuantConfig, tokens, mask, positions, dtype,
-                     **kwargs):
+                     recording: Recording):
+  """The rollout path's forward (packed weights) in `dtype`, recording what `recording` says."""
   graphdef, state = nnx.split(policy)
   packed = quantize_params(state, quant)
   positions = None if positions is None else jnp.asarray(positions)
-  return nnx.merge(graphdef, packed)(jnp.asarray(tokens), mask=jnp.asarray(mask), quant=quant,
-                                     positions=positions, dtype=dtype, **kwargs)
+  return nnx.merge(graphdef, packed)(
+      jnp.asarray(tokens), mask=jnp.asarray(mask), positions=positions,
+      quant=quant.replace(recording=recording, compute_dtype=dtype))
 
 
 def _valid_rows(mask: np.ndarray, site_shape: tuple[int, ...]) -> np.ndarray:
@@ -68,10 +70,10 @@ def calibrate_input_scales(policy: Transformer, quant: QuantConfig, tokens, mask
   if tokens.ndim != 2 or mask.shape != tokens.shape or not mask.any():
     raise ValueError(f"tokens must be [B, T] with a matching mask holding a valid token; got "
                      f"tokens {tokens.shape}, mask {mask.shape}")
-  _, aux = _rollout_forward(policy, quant, tokens, mask, positions, dtype, record=True)
+  out = _rollout_forward(policy, quant, tokens, mask, positions, dtype, Recording(form="full"))
   scales = {}
-  for key, q in aux["sites"].items():
-    if key[1] in ("k", "v"):  # cache entries, not linear inputs
+  for key, q in out.sites.items():
+    if site_spec(key[1]).cache:  # cache entries, not linear inputs
       continue
     gs = np.asarray(q.global_scale, np.float32)
     valid = _valid_rows(mask, gs.shape)
@@ -100,10 +102,10 @@ def input_scale_distance(policy: Transformer, quant: QuantConfig,
   """
   tokens = np.asarray(tokens)
   mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
-  _, aux = _rollout_forward(policy, quant, tokens, mask, positions, dtype, record_inputs=True)
+  out = _rollout_forward(policy, quant, tokens, mask, positions, dtype, Recording(inputs=True))
   sums = dict(diff=0.0, token=0.0, x=0.0, err_token=0.0, err_static=0.0, differ=0, code_differ=0,
               elements=0, saturated=0, rows=0)
-  for key, x in aux["site_inputs"].items():
+  for key, x in out.site_inputs.items():
     if key not in scales:
       continue
     x = x.astype(jnp.float32)

@@ -21,7 +21,11 @@ from trace_jax.model.quant import (
     SITE_SCOPES,
     WEIGHT_GROUPS,
     QuantConfig,
+    Recording,
     SiteQuantizer,
+    call_config,
+    declare_site,
+    layer_sites,
     is_quantized_weight,
     quantize_weight,
     quantize_weight_group,
@@ -30,4 +34,4 @@ from trace_jax.model.quant import (
     weight_group,
     weight_layout,
 )
-from trace_jax.model.transformer import Transformer
+from trace_jax.model.transformer import ModelOutput, Transformer

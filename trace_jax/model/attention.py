@@ -14,8 +14,16 @@ from flax import nnx
 from trace_jax import fp4, kernels
 from trace_jax.model import cache as kv_cache
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.layers import RMSNorm, apply_rope, normal_param
-from trace_jax.model.quant import SiteQuantizer, sow_site
+from trace_jax.model.layers import LayerInputs, RMSNorm, apply_rope, normal_param
+from trace_jax.model.quant import SiteQuantizer, declare_site, sow_cache_entry, sow_site
+
+# The token mixer's sites (softmax attention here; Gated DeltaNet layers have them too).
+ATTN_IN = declare_site("attn_in")  # input of the q/k/v (DeltaNet: in_proj_qkv/z) projections
+ATTN_OUT = declare_site("attn_out")  # input of the output projection
+# K and V cache entries, after RoPE (k), per (token, KV head); full-attention layers only.
+_HAS_KV = lambda cfg, layer: layer not in cfg.linear_layers  # noqa: E731
+K = declare_site("k", present=_HAS_KV, scopes=("experts+kv",), cache=True)
+V = declare_site("v", present=_HAS_KV, scopes=("experts+kv",), cache=True)
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
 
@@ -73,12 +81,14 @@ class Attention(nnx.Module):
     self.clip_qkv = cfg.clip_qkv
     self.shape = (h, hkv, dh)
 
-  def __call__(self, x, cos, sin, mask, layer: int, sq: SiteQuantizer, cache=None, index=None):
-    """x [B, T, d] (normed). mask: bool [B, T, S] over the keys (T keys without a cache,
-    the cache's L slots with one). Returns (out [B, T, d], (k, v) cache entries or None)."""
+  def __call__(self, x, inputs: LayerInputs, *, layer: int, sq: SiteQuantizer, cache=None):
+    """x [B, T, d] (normed); `inputs.attn_mask` [B, T, S] over the keys (T keys without a
+    cache, the cache's L slots with one). Returns (out [B, T, d], (k, v) cache entries or
+    None)."""
     b, t, _ = x.shape
     h, hkv, dh = self.shape
-    xq = sow_site(self, sq, x, layer, "attn_in")
+    cos, sin, mask, index = inputs.cos, inputs.sin, inputs.attn_mask, inputs.start
+    xq = sow_site(self, sq, x, layer=layer, site=ATTN_IN)
     # One global scale for q, k and v (served as one fused qkv_proj).
     q, k, v = sq.matmuls(xq, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)],
                          "attention")
@@ -97,17 +107,10 @@ class Attention(nnx.Module):
 
     new_entries = None
     if cache is None:
-      k, v = sow_site(self, sq, k, layer, "k"), sow_site(self, sq, v, layer, "v")
-    else:
-      stored = []
-      for name, value in (("k", k), ("v", v)):
-        if sq.active(name):  # store the packed FP4 entry; attend to exactly its values
-          entry, record = sq.cache_entry(value, layer, name)
-          if record is not None:
-            self.sow(nnx.Intermediate, name, record)
-          stored.append(entry)
-        else:
-          stored.append(value)
+      k, v = sow_site(self, sq, k, layer=layer, site=K), sow_site(self, sq, v, layer=layer, site=V)
+    else:  # store the packed FP4 entries; attend to exactly their values
+      stored = (sow_cache_entry(self, sq, k, layer=layer, site=K),
+                sow_cache_entry(self, sq, v, layer=layer, site=V))
       new_entries = tuple(kv_cache.write_slots(entry, new, index)
                           for entry, new in zip(cache, stored))
       k, v = new_entries
@@ -119,5 +122,5 @@ class Attention(nnx.Module):
     out = out.reshape(b, t, h * dh)
     if gate is not None:
       out = out * jax.nn.sigmoid(gate)
-    out = sow_site(self, sq, out, layer, "attn_out")
+    out = sow_site(self, sq, out, layer=layer, site=ATTN_OUT)
     return sq.matmul(out, self.o_proj.get_value(), "attention"), new_entries

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.layers import RMSNorm, normal_param
+from trace_jax.model.attention import ATTN_IN, ATTN_OUT
+from trace_jax.model.layers import LayerInputs, RMSNorm, normal_param
 from trace_jax.model.quant import SiteQuantizer, sow_site
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -172,15 +173,17 @@ class GatedDeltaNet(nnx.Module):
     return (jnp.zeros((batch, width - 1, self.conv_dim), dtype),
             jnp.zeros((batch, hv, dk, dv), jnp.float32))
 
-  def __call__(self, x, valid, layer: int, sq: SiteQuantizer, state=None):
-    """x [B, T, d] (normed), valid bool [B, T]; state (conv, recurrent) to continue from.
+  def __call__(self, x, inputs: LayerInputs, *, layer: int, sq: SiteQuantizer, state=None):
+    """x [B, T, d] (normed), `inputs.valid` bool [B, T]; state (conv, recurrent) to continue
+    from.
 
     Returns (out [B, T, d], new (conv, recurrent) state, or None without a state).
     """
     b, t, _ = x.shape
     hk, hv, dk, dv = self.dims
+    valid = inputs.valid
     x = jnp.where(valid[..., None], x, 0)
-    xq = sow_site(self, sq, x, layer, "attn_in")
+    xq = sow_site(self, sq, x, layer=layer, site=ATTN_IN)
     qkv = sq.matmul(xq, self.in_proj_qkv.get_value(), "attention")
     z = sq.matmul(xq, self.in_proj_z.get_value(), "attention")
     # Decay and write strength from high-precision projections of the unquantized input.
@@ -207,6 +210,6 @@ class GatedDeltaNet(nnx.Module):
     normed = self.norm(core.astype(x.dtype))
     z = z.reshape(b, t, hv, dv).astype(jnp.float32)
     out = (normed.astype(jnp.float32) * jax.nn.silu(z)).astype(x.dtype).reshape(b, t, hv * dv)
-    out = sow_site(self, sq, out, layer, "attn_out")
+    out = sow_site(self, sq, out, layer=layer, site=ATTN_OUT)
     out = sq.matmul(out, self.out_proj.get_value(), "attention")
     return out, (None if state is None else (new_conv, recurrent))

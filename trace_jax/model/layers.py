@@ -1,10 +1,23 @@
-"""Building blocks: RMSNorm, rotary embeddings, SwiGLU, parameter init, matmuls."""
+"""Building blocks: RMSNorm, rotary embeddings, SwiGLU, parameter init, matmuls, and what
+every block reads of a forward's token layout (`LayerInputs`)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
+
+
+@struct.dataclass
+class LayerInputs:
+  """What every block of one forward reads besides the residual stream (the same for all
+  layers: made once by `Transformer.__call__`)."""
+
+  cos: jax.Array  # [B, T, rotary_dim] RoPE tables at the tokens' positions
+  sin: jax.Array  # [B, T, rotary_dim]
+  attn_mask: jax.Array  # bool [B, T, S]: keys each query attends to (S = T, or cache slots)
+  valid: jax.Array  # bool [B, T]: real tokens (False: padding)
+  start: jax.Array  # int32 []: the first cache slot this forward writes (0 without a cache)
 
 
 def normal_param(rngs: nnx.Rngs, shape, std: float) -> nnx.Param:

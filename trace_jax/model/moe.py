@@ -12,11 +12,33 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import matmul, normal_param, swiglu
-from trace_jax.model.quant import SiteQuantizer, sow_site
+from trace_jax.model.quant import Site, SiteQuantizer, declare_site, sow_site
+
+_MOE = lambda cfg, layer: layer not in cfg.dense_layers  # noqa: E731
+_DENSE = lambda cfg, layer: layer in cfg.dense_layers  # noqa: E731
+# Input of the routed experts' gate/up projections (and the shared expert's), once per token.
+MOE_IN = declare_site("moe_in", present=_MOE, scopes=("experts+kv",))
+# Input of each routed expert's down projection, per (token, chosen expert) row.
+MOE_MID = declare_site("moe_mid", present=_MOE, scopes=("experts+kv",), routed=True)
+# Input of the shared expert's down projection, per token.
+SHARED_MID = declare_site("shared_mid",
+                          present=lambda cfg, layer: _MOE(cfg, layer) and bool(cfg.shared_expert_dim))
+# A dense feed-forward layer's input and the input of its down projection.
+MLP_IN = declare_site("mlp_in", present=_DENSE)
+MLP_MID = declare_site("mlp_mid", present=_DENSE)
+
+
+@struct.dataclass
+class RouterStats:
+  """What one MoE layer reports of its routing."""
+
+  experts: jax.Array  # int32 [B, T, k], descending router probability
+  lb_loss: jax.Array  # float32 [], the load-balancing loss
+  load: jax.Array  # float32 [E], the share of (token, slot) choices per expert
 
 
 class MLP(nnx.Module):
@@ -27,13 +49,13 @@ class MLP(nnx.Module):
     self.w_up = normal_param(rngs, (d_model, ffn_dim), std)
     self.w_down = normal_param(rngs, (ffn_dim, d_model), std)
 
-  def __call__(self, xq, layer: int, sq: SiteQuantizer, mid_site: str):
+  def __call__(self, xq, *, layer: int, sq: SiteQuantizer, mid_site: Site):
     """xq: the input [..., d], already quantized if the scope quantizes it.
-    mid_site: "mlp_mid" (a dense layer) or "shared_mid" (the shared expert)."""
-    group = "shared" if mid_site == "shared_mid" else "mlp"
+    mid_site: MLP_MID (a dense layer) or SHARED_MID (the shared expert)."""
+    group = "shared" if mid_site is SHARED_MID else "mlp"
     gate, up = sq.matmuls(xq, (self.w_gate.get_value(), self.w_up.get_value()), group)  # shared gs
-    return sq.matmul(sow_site(self, sq, swiglu(gate, up), layer, mid_site), self.w_down.get_value(),
-                     group)
+    mid = sow_site(self, sq, swiglu(gate, up), layer=layer, site=mid_site)
+    return sq.matmul(mid, self.w_down.get_value(), group)
 
 
 def route(probs: jax.Array, k: int, norm_topk: bool, routing: jax.Array | None):
@@ -87,10 +109,10 @@ class MoE(nnx.Module):
     self.norm_topk = cfg.norm_topk_prob
     self.dispatch = cfg.dispatch
 
-  def __call__(self, x, valid, layer: int, sq: SiteQuantizer, routing=None):
+  def __call__(self, x, *, valid, layer: int, sq: SiteQuantizer, routing=None):
     """x [B, T, d] (normed), valid bool [B, T]; routing int [B, T, k] to replay, or None.
 
-    Returns (out [B, T, d], stats) with stats: experts [B, T, k], lb_loss, load [E].
+    Returns (out [B, T, d], RouterStats).
     """
     b, t, d = x.shape
     n, k = b * t, self.top_k
@@ -100,32 +122,35 @@ class MoE(nnx.Module):
     probs = jax.nn.softmax(logits, axis=-1)
     experts, weights = route(probs, k, self.norm_topk,
                              None if routing is None else routing.reshape(n, k))
-    xq = sow_site(self, sq, x, layer, "moe_in").reshape(n, d)
-    w_gate, w_up, w_down = (w.get_value() for w in (self.w_gate, self.w_up, self.w_down))
-    if self.dispatch == "grouped":
-      y = self._grouped(xq, experts, w_gate, w_up, w_down, layer, sq, (b, t))
-    else:
-      y = self._dense(xq, experts, w_gate, w_up, w_down, layer, sq, (b, t))
+    xq = sow_site(self, sq, x, layer=layer, site=MOE_IN).reshape(n, d)
+    dispatch = self._grouped if self.dispatch == "grouped" else self._dense
+    y = dispatch(xq, experts, layer=layer, sq=sq, tokens_shape=(b, t))
     out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)  # [N, d]
     if self.shared is not None:
       # The shared expert reads moe_in's FP4 values only when it runs in FP4 itself (scope
       # "all"); under "experts+kv" it sees the high-precision input.
-      shared_in = xq if sq.active("shared_mid") else x.reshape(n, d)
+      shared_in = xq if sq.active(SHARED_MID.name) else x.reshape(n, d)
       # [B, T, d] in, so the shared_mid site (and its guidance) is laid out per token slot.
-      shared = self.shared(shared_in.reshape(b, t, d), layer, sq, "shared_mid").reshape(n, d)
+      shared = self.shared(shared_in.reshape(b, t, d), layer=layer, sq=sq,
+                           mid_site=SHARED_MID).reshape(n, d)
       if self.shared_gate is not None:
         gate = jax.nn.sigmoid(matmul(shared_in, self.shared_gate.get_value().astype(xq.dtype)))
         shared = gate * shared
       out = out + shared
     flat_valid = valid.reshape(n)
     load = jnp.sum(jax.nn.one_hot(experts, probs.shape[-1]).sum(1) * flat_valid[:, None], 0)
-    stats = dict(experts=experts.reshape(b, t, k),
-                 lb_loss=load_balancing_loss(probs, experts, flat_valid),
-                 load=load / jnp.maximum(jnp.sum(load), 1.0))
+    stats = RouterStats(experts=experts.reshape(b, t, k),
+                        lb_loss=load_balancing_loss(probs, experts, flat_valid),
+                        load=load / jnp.maximum(jnp.sum(load), 1.0))
     return out.reshape(b, t, d), stats
 
-  def _grouped(self, xq, experts, w_gate, w_up, w_down, layer, sq, bt):
-    """Sorted-by-expert dispatch with ragged_dot. Returns y [N, k, d] in (token, slot) order."""
+  def _weights(self):
+    return tuple(w.get_value() for w in (self.w_gate, self.w_up, self.w_down))
+
+  def _grouped(self, xq, experts, *, layer: int, sq: SiteQuantizer, tokens_shape):
+    """Sorted-by-expert dispatch with ragged_dot: xq [N, d], experts int32 [N, k], N the
+    B * T tokens of `tokens_shape`. Returns y [N, k, d] in (token, slot) order."""
+    w_gate, w_up, w_down = self._weights()
     n, k = experts.shape
     num_experts = w_gate.shape[0]
     flat = experts.reshape(-1)  # [N * k], row r = token r // k, slot r % k
@@ -140,12 +165,13 @@ class MoE(nnx.Module):
     # Gate and up of each expert share one global scale (served as one fused gate_up_proj).
     h = swiglu(*sq.ragged_dots(xs, (w_gate, w_up), group_sizes))  # [N * k, f], sorted
     # Quantize in (token, slot) order so recorded and given guidance line up with tokens.
-    h = h[inverse].reshape(*bt, k, -1)
-    h = sow_site(self, sq, h, layer, "moe_mid").reshape(n * k, -1)[order]
+    h = h[inverse].reshape(*tokens_shape, k, -1)
+    h = sow_site(self, sq, h, layer=layer, site=MOE_MID).reshape(n * k, -1)[order]
     return gmm(h, w_down)[inverse].reshape(n, k, -1)
 
-  def _dense(self, xq, experts, w_gate, w_up, w_down, layer, sq, bt):
-    """Every expert on every token (reference). Returns y [N, k, d]."""
+  def _dense(self, xq, experts, *, layer: int, sq: SiteQuantizer, tokens_shape):
+    """Every expert on every token (reference; arguments as `_grouped`). Returns y [N, k, d]."""
+    w_gate, w_up, w_down = self._weights()
     n, k = experts.shape
     if sq.guidance:
       raise ValueError("dispatch='dense' is a reference path without guidance; use 'grouped'")
@@ -158,9 +184,9 @@ class MoE(nnx.Module):
                         preferred_element_type=jnp.float32).astype(a.dtype)
 
     h = swiglu(einsum("nd,edf->enf", xq, w_gate), einsum("nd,edf->enf", xq, w_up))  # [E, N, f]
-    if sq.records(layer) and sq.active("moe_mid"):  # record the chosen rows, (token, slot) order
+    if sq.records(layer) and sq.active(MOE_MID.name):  # record the chosen rows, (token, slot) order
       chosen = h[experts, jnp.arange(n)[:, None]]  # [N, k, f]
-      sow_site(self, sq, chosen.reshape(*bt, k, -1), layer, "moe_mid")
-    h = sq(h, layer, "moe_mid")
+      sow_site(self, sq, chosen.reshape(*tokens_shape, k, -1), layer=layer, site=MOE_MID)
+    h = sq(h, layer, MOE_MID.name)
     y = einsum("enf,efd->end", h, w_down)  # [E, N, d]
     return y[experts, jnp.arange(n)[:, None]]  # [N, k, d]

@@ -1,12 +1,14 @@
-"""Where the model quantizes, and how: `QuantConfig` and the per-forward `SiteQuantizer`.
+"""Where the model quantizes, and how: the site registry, `QuantConfig` and the per-forward
+`SiteQuantizer`.
 
-Quantization sites (DESIGN.md section 2), per layer:
-  attn_in     input of the q/k/v projections                 per token
+Quantization sites (DESIGN.md section 2), per layer, each declared once (`declare_site`)
+beside the module call that quantizes it:
+  attn_in     input of the q/k/v projections                 per token      (attention.py)
               (Gated DeltaNet layers: of in_proj_qkv and in_proj_z)
-  attn_out    input of the output projection (out_proj)      per token
+  attn_out    input of the output projection (out_proj)      per token      (attention.py)
   k, v        cache entries, after RoPE (k)                  per (token, KV head)
               (full-attention layers only: linear layers keep a recurrent state)
-  moe_in      input of the experts' gate/up projections      per token, once
+  moe_in      input of the experts' gate/up projections      per token, once (moe.py)
   moe_mid     input of each routed expert's down projection  per (token, expert)
   shared_mid  input of the shared expert's down projection   per token
   mlp_in, mlp_mid   the same two for a dense feed-forward layer
@@ -27,24 +29,30 @@ A tuple of activation-site names (the older form) quantizes exactly those activa
 and, with `weights=True`, every linear weight.
 
 How a site runs (one seam for the rollout and the training path):
-  1. the module calls `sow_site(self, sq, x, layer, "site")` where the site is;
+  1. the module calls `sow_site(self, sq, x, layer=layer, site=SITE)` where the site is
+     (`sow_cache_entry` for a K/V cache entry);
   2. `SiteQuantizer.site` picks the rounding (nearest; guided by the rollout's record at
      guided layers) and calls the pure `quantize_site`, which quantizes once and returns
      (values, record), the record already in the guidance's stored form (`Recording.form`:
      compact bits and scales, or full codes), the fused Pallas kernel's bits as it wrote them;
-  3. the module sows the `SiteRecord` into its `nnx.Intermediate` collection, and
-     `Transformer.__call__` pops them all (`collect_site_records`) into aux["sites"]
-     (and "fallbacks", "site_inputs"), keyed (layer, site) by the module path.
-Adding a site: that `sow_site` line in the module, and its name in `ACTIVATION_SITES`
-(plus `SCOPE_SITES` if a named scope includes it) and in `layer_sites`. Capture, guidance
-buffers, checks and metrics take the recorded sites as they come.
+  3. the module sows the `SiteRecord` into the `nnx.Intermediate` collection, and
+     `Transformer.__call__`, which runs its forward under `nnx.capture`, gathers them
+     (`collect_site_records`) into `ModelOutput.sites` (and `fallbacks`, `site_inputs`),
+     keyed (layer, site) by the module path.
+
+Adding a site touches one place, the module that quantizes it: a `declare_site(...)` at
+module level (its name, which layers have it, the named scopes that include it, whether it
+is a cache entry or a routed-expert site) and the `sow_site(..., site=THAT_SITE)` call.
+`ACTIVATION_SITES`, `SCOPE_SITES`, `KV_SITES`, `layer_sites` (hence the guidance checks),
+the guidance buffers and its byte accounting (an abstract forward) all derive from those two.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import zlib
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -54,12 +62,9 @@ from flax import nnx, struct
 from trace_jax import fp4, kernels as kernels_lib
 from trace_jax.model import layers
 
-ACTIVATION_SITES = ("attn_in", "attn_out", "k", "v", "moe_in", "moe_mid", "shared_mid",
-                    "mlp_in", "mlp_mid")
 PRECISIONS = ("fp4", "bf16")
-# Named FP4 scopes (DESIGN.md section 2) and the activation sites each quantizes.
+# Named FP4 scopes (DESIGN.md section 2); each site declares the scopes that include it.
 SITE_SCOPES = ("all", "experts+kv")
-SCOPE_SITES = {"all": ACTIVATION_SITES, "experts+kv": ("k", "v", "moe_in", "moe_mid")}
 # Groups of linear weights, by the module that owns them; a scope quantizes whole groups.
 WEIGHT_GROUPS = ("attention", "experts", "shared", "mlp")
 SCOPE_WEIGHT_GROUPS = {"all": WEIGHT_GROUPS, "experts+kv": ("experts",)}
@@ -69,9 +74,99 @@ GUIDED_LAYER_NAMES = ("last_half", "all", "none")
 # nearest without guidance: full-code guidance would cost 8 bits per element, the FP8
 # activation itself, and an FP8 flip moves a value by at most 1/8 relative (E2M1: 1/2).
 ACTIVATION_FORMATS = ("fp4", "fp8")
-KV_SITES = ("k", "v")
 GuidedLayers = Union[str, int, Sequence[int]]
 SiteKey = tuple[int, str]
+
+
+# --- The site registry ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Site:
+  """One activation quantization site, as declared beside the module call that quantizes it.
+
+  Attributes:
+    name: the key of its records and guidance, (layer, name).
+    present: (ModelConfig, layer) -> whether that layer of a model has the site.
+    scopes: the named FP4 scopes (`SITE_SCOPES`) that quantize it; "all" always does.
+    cache: a K/V cache entry: stored packed in the cache (`sow_cache_entry`), and FP4 even
+      under W4A8 (`QuantConfig.activations="fp8"` rounds only the linear inputs to FP8).
+    routed: its rows are (token, chosen expert): its guidance only fits the rollout's experts,
+      so guiding it needs routing replay.
+  """
+
+  name: str
+  present: Callable[[Any, int], bool]
+  scopes: tuple[str, ...] = ("all",)
+  cache: bool = False
+  routed: bool = False
+
+
+_REGISTRY: dict[str, Site] = {}
+# The modules that declare sites: importing them completes the registry (they import this
+# module, so the registry is read lazily, never at this module's import).
+_DECLARING_MODULES = ("trace_jax.model.attention", "trace_jax.model.deltanet",
+                      "trace_jax.model.moe")
+
+
+def declare_site(name: str, *, present: Callable[[Any, int], bool] = lambda cfg, layer: True,
+                 scopes: Sequence[str] = (), cache: bool = False, routed: bool = False) -> Site:
+  """Register an activation site (once, at the import of the module that quantizes it).
+
+  Args:
+    name: the site's key; unique.
+    present: (ModelConfig, layer) -> whether that layer has the site (default: every layer).
+    scopes: named scopes besides "all" that quantize it (e.g. ("experts+kv",)).
+    cache: a K/V cache entry (see `Site`).
+    routed: rows are (token, chosen expert) (see `Site`).
+  Returns:
+    the `Site`, for the module's `sow_site(..., site=...)` call.
+  """
+  scopes = ("all",) + tuple(s for s in scopes if s != "all")
+  bad = [s for s in scopes if s not in SITE_SCOPES]
+  if bad:
+    raise ValueError(f"declare_site({name!r}): scopes {bad} are not among {SITE_SCOPES}")
+  if name in _REGISTRY:
+    raise ValueError(f"declare_site({name!r}): a site of that name is already declared")
+  site = Site(name=name, present=present, scopes=scopes, cache=cache, routed=routed)
+  _REGISTRY[name] = site
+  return site
+
+
+def registered_sites() -> tuple[Site, ...]:
+  """Every declared site, in declaration order."""
+  for module in _DECLARING_MODULES:
+    importlib.import_module(module)
+  return tuple(_REGISTRY.values())
+
+
+def site_spec(name: str) -> Site:
+  """The declaration of site `name`."""
+  sites = {s.name: s for s in registered_sites()}
+  if name not in sites:
+    raise ValueError(f"unknown quantization site {name!r}; declared: {tuple(sites)}")
+  return sites[name]
+
+
+_DERIVED = ("ACTIVATION_SITES", "SCOPE_SITES", "KV_SITES", "ROUTED_SITES")
+
+
+def _derived(name: str):
+  if name not in _DERIVED:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  sites = registered_sites()
+  if name == "ACTIVATION_SITES":
+    return tuple(s.name for s in sites)
+  if name == "SCOPE_SITES":
+    return {scope: tuple(s.name for s in sites if scope in s.scopes) for scope in SITE_SCOPES}
+  if name == "KV_SITES":
+    return tuple(s.name for s in sites if s.cache)
+  return tuple(s.name for s in sites if s.routed)
+
+
+def __getattr__(name: str):
+  """ACTIVATION_SITES, SCOPE_SITES, KV_SITES and ROUTED_SITES, derived from the registry."""
+  return _derived(name)
 
 
 def resolve_layers(guided_layers: GuidedLayers, num_layers: int, *, field: str = "guided_layers"
@@ -113,9 +208,40 @@ def _check_layers_spec(guided_layers: GuidedLayers) -> None:
     raise ValueError(f"guided_layers={guided_layers!r} must hold non-negative layer ids")
 
 
+RECORD_FORMS = ("none",) + fp4.RECORD_FORMS
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recording:
+  """What a forward records of its quantization sites (static: part of the jit key).
+
+  The records come out already in the form TRACE guidance stores (`Guidance.sites`), so the
+  rollout writes them into its buffers as they are and nothing is unpacked or repacked.
+  """
+
+  form: str = "none"  # the records' form: "none", "compact" (fp4.CompactGuidance) or "full" (QArray)
+  layers: tuple[int, ...] | None = None  # recorded layers; None: every layer
+  inputs: bool = False  # also keep each recorded site's input, before quantization
+
+  def __post_init__(self):
+    if self.form not in RECORD_FORMS:
+      raise ValueError(f"Recording.form={self.form!r} is not allowed; use one of {RECORD_FORMS}")
+    if self.layers is not None:
+      object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+
+  @property
+  def enabled(self) -> bool:
+    return self.form != "none" or self.inputs
+
+  def covers(self, layer: int) -> bool:
+    return self.enabled and (self.layers is None or layer in self.layers)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantConfig:
-  """What the forward pass quantizes. `precision="bf16"` (or passing None) turns it all off."""
+  """What a forward pass quantizes, and how it runs. `precision="bf16"` (or passing None)
+  turns quantization off; the last three fields say how one call runs (kernels, what it
+  records, its compute dtype), so a model call takes one config (`call_config`)."""
 
   precision: str = "fp4"  # "fp4" or "bf16" (no quantization)
   fmt: str = "nvfp4"  # "nvfp4" or "mxfp4"
@@ -126,6 +252,10 @@ class QuantConfig:
   guided_layers: GuidedLayers = "last_half"  # which layers `rounding` applies to
   activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8: linear inputs in MXFP8 E4M3,
   #   nearest rounding, no guidance; K/V stay FP4)
+  kernels: str = "xla"  # "xla", "pallas" or "auto" (Pallas on GPU): whether packed FP4
+  #   weights and the FP4 cache go through `trace_jax.kernels` (forward only: the rollout)
+  recording: Recording = Recording()  # what the call records of its sites (ModelOutput.sites)
+  compute_dtype: str | None = None  # activations' dtype; None: the model's (ModelConfig.dtype)
 
   def __post_init__(self):
     if self.activations not in ACTIVATION_FORMATS:
@@ -140,16 +270,27 @@ class QuantConfig:
     if isinstance(self.sites, str):
       if self.sites not in SITE_SCOPES:
         raise ValueError(f"QuantConfig.sites={self.sites!r} is not allowed; use one of "
-                         f"{SITE_SCOPES} or a tuple of sites from {ACTIVATION_SITES}")
+                         f"{SITE_SCOPES} or a tuple of sites from {_derived('ACTIVATION_SITES')}")
     else:
       object.__setattr__(self, "sites", tuple(self.sites))
-      unknown = [s for s in self.sites if s not in ACTIVATION_SITES]
+      known = _derived("ACTIVATION_SITES")
+      unknown = [s for s in self.sites if s not in known]
       if unknown:
         raise ValueError(f"QuantConfig.sites has unknown sites {unknown}; allowed: "
-                         f"{ACTIVATION_SITES}, or a scope from {SITE_SCOPES}")
+                         f"{known}, or a scope from {SITE_SCOPES}")
     if not isinstance(self.guided_layers, (str, int)):
       object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
     _check_layers_spec(self.guided_layers)
+    kernels_lib.check_mode(self.kernels, "QuantConfig.kernels")
+    if not isinstance(self.recording, Recording):
+      raise ValueError(f"QuantConfig.recording must be a Recording, got "
+                       f"{type(self.recording).__name__}")
+    if self.compute_dtype is not None:
+      try:
+        name = jnp.dtype(self.compute_dtype).name
+      except TypeError as e:
+        raise ValueError(f"QuantConfig.compute_dtype={self.compute_dtype!r} is not a dtype") from e
+      object.__setattr__(self, "compute_dtype", name)
 
   @property
   def enabled(self) -> bool:
@@ -159,7 +300,7 @@ class QuantConfig:
   def activation_sites(self) -> tuple[str, ...]:
     """The activation sites this config's scope quantizes (whether or not enabled)."""
     if isinstance(self.sites, str):
-      return SCOPE_SITES[self.sites]
+      return _derived("SCOPE_SITES")[self.sites]
     return self.sites
 
   @property
@@ -175,7 +316,7 @@ class QuantConfig:
 
   def in_fp8(self, site: str) -> bool:
     """Whether activation site `site` runs in FP8 (W4A8's linear inputs), not FP4."""
-    return self.quantizes(site) and self.activations == "fp8" and site not in KV_SITES
+    return self.quantizes(site) and self.activations == "fp8" and not site_spec(site).cache
 
   def quantizes_weights(self, group: str) -> bool:
     """Whether the linear weights of `group` (one of `WEIGHT_GROUPS`) run in FP4."""
@@ -188,6 +329,12 @@ class QuantConfig:
 
   def replace(self, **changes) -> "QuantConfig":
     return dataclasses.replace(self, **changes)
+
+
+def call_config(quant: QuantConfig | None, **changes) -> QuantConfig:
+  """`quant` (None: no quantization, `QuantConfig(precision="bf16")`) with fields changed,
+  typically how one call runs: `kernels`, `recording`, `compute_dtype`."""
+  return (QuantConfig(precision="bf16") if quant is None else quant).replace(**changes)
 
 
 # Linear weights that FP4 can quantize; everything else (embedding, LM head, router, norms,
@@ -231,20 +378,13 @@ def is_quantized_weight(path: tuple, quant: QuantConfig | None = None) -> bool:
 
 def layer_sites(cfg, quant: QuantConfig | None) -> dict[int, tuple[str, ...]]:
   """The activation sites each layer of a model (ModelConfig `cfg`) quantizes in FP4 (the
-  ones guidance can cover; W4A8's FP8 sites are not among them)."""
+  ones guidance can cover; W4A8's FP8 sites are not among them), from the declarations."""
   if quant is None or not quant.enabled:
     return {layer: () for layer in range(cfg.num_layers)}
-  out = {}
-  for layer in range(cfg.num_layers):
-    sites = ["attn_in", "attn_out"]
-    if layer not in cfg.linear_layers:
-      sites += ["k", "v"]
-    if layer in cfg.dense_layers:
-      sites += ["mlp_in", "mlp_mid"]
-    else:
-      sites += ["moe_in", "moe_mid"] + (["shared_mid"] if cfg.shared_expert_dim else [])
-    out[layer] = tuple(s for s in sites if quant.quantizes(s) and not quant.in_fp8(s))
-  return out
+  sites = registered_sites()
+  return {layer: tuple(s.name for s in sites if s.present(cfg, layer) and quant.quantizes(s.name)
+                       and not quant.in_fp8(s.name))
+          for layer in range(cfg.num_layers)}
 
 
 def weight_layout(ndim: int) -> tuple[int, Any]:
@@ -324,35 +464,6 @@ def shared_scale_groups(names: Sequence[str]) -> list[tuple[str, ...]]:
   return groups + [(n,) for n in names if n not in grouped]
 
 
-RECORD_FORMS = ("none",) + fp4.RECORD_FORMS
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Recording:
-  """What a forward records of its quantization sites (static: part of the jit key).
-
-  The records come out already in the form TRACE guidance stores (`Guidance.sites`), so the
-  rollout writes them into its buffers as they are and nothing is unpacked or repacked.
-  """
-
-  form: str = "none"  # the records' form: "none", "compact" (fp4.CompactGuidance) or "full" (QArray)
-  layers: tuple[int, ...] | None = None  # recorded layers; None: every layer
-  inputs: bool = False  # also keep each recorded site's input, before quantization
-
-  def __post_init__(self):
-    if self.form not in RECORD_FORMS:
-      raise ValueError(f"Recording.form={self.form!r} is not allowed; use one of {RECORD_FORMS}")
-    if self.layers is not None:
-      object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
-
-  @property
-  def enabled(self) -> bool:
-    return self.form != "none" or self.inputs
-
-  def covers(self, layer: int) -> bool:
-    return self.enabled and (self.layers is None or layer in self.layers)
-
-
 @struct.dataclass
 class SiteRecord:
   """What one quantization site reports beside its values (sown as an nnx.Intermediate).
@@ -412,23 +523,34 @@ def cache_entry(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: st
   return q, record
 
 
-def sow_site(module: nnx.Module, sq: "SiteQuantizer", x: jax.Array, layer: int, site: str
-             ) -> jax.Array:
-  """Quantize activation site `site` of `module` and sow its record (if any) into the
-  module's `nnx.Intermediate` collection, where `Transformer.__call__` collects it."""
-  values, record = sq.site(x, layer, site)
+def sow_site(module: nnx.Module, sq: "SiteQuantizer", x: jax.Array, *, layer: int,
+             site: Site) -> jax.Array:
+  """Quantize activation site `site` of `module` at `layer`; sow its record (if any) into
+  the `nnx.Intermediate` collection, which `Transformer.__call__` captures."""
+  values, record = sq.site(x, layer, site.name)
   if record is not None:
-    module.sow(nnx.Intermediate, site, record)
+    module.sow(nnx.Intermediate, site.name, record)
   return values
 
 
-def collect_site_records(model: nnx.Module) -> dict[SiteKey, SiteRecord]:
-  """Pop the `SiteRecord`s sown during a forward: {(layer, site): record}. Sites live at
-  `blocks/<layer>/.../<site>` of the model's graph."""
-  sown = nnx.pop(model, nnx.Intermediate)
+def sow_cache_entry(module: nnx.Module, sq: "SiteQuantizer", x: jax.Array, *, layer: int,
+                    site: Site):
+  """A K/V cache site of `module`: the packed FP4 entry the cache stores if the scope
+  quantizes it (its record sown as `sow_site` does), else `x` itself."""
+  if not sq.active(site.name):
+    return x
+  entry, record = sq.cache_entry(x, layer, site.name)
+  if record is not None:
+    module.sow(nnx.Intermediate, site.name, record)
+  return entry
+
+
+def collect_site_records(sown) -> dict[SiteKey, SiteRecord]:
+  """The `SiteRecord`s of a forward's captured `nnx.Intermediate` state (what `nnx.capture`
+  returns): {(layer, site): record}. Sites live at `blocks/<layer>/.../<site>`."""
   out = {}
   for path, variable in nnx.to_flat_state(sown):
-    value = variable.get_value() if hasattr(variable, "get_value") else variable.value
+    value = variable.get_value() if hasattr(variable, "get_value") else variable
     for item in (value if isinstance(value, tuple) else (value,)):
       if isinstance(item, SiteRecord):
         out[(int(path[1]), str(path[-1]))] = item
@@ -439,38 +561,39 @@ class SiteQuantizer:
   """How one forward pass quantizes: config, guidance, rounding, kernels (immutable).
 
   Created inside the forward; it collects nothing: `site` returns each site's record,
-  which the module sows (`sow_site`) and the forward collects the Flax way.
+  which the module sows (`sow_site`) and the forward captures the Flax way.
 
   Args:
-    quant: the QuantConfig, or None for no quantization.
+    quant: the QuantConfig (its `kernels` and `recording` say how this call runs), or None
+      for no quantization.
     num_layers: the model's layer count (to resolve guided layers).
     dtype: compute dtype of the returned activations and weights.
     guidance: (layer, site) -> `fp4.QArray` (full) or `fp4.CompactGuidance`, required for
       every quantized site of a guided layer when quant.rounding == "guided".
-    recording: what to record (`Recording`); None records nothing.
     key: PRNG key for quant.rounding == "stochastic".
-    kernels: "xla" (dequantize, then XLA dots), "pallas" (the `trace_jax.kernels`: fused
-      quantization, FP4 matmuls over packed weights, FP4 decode attention; forward only,
-      for the rollout) or "auto" (Pallas on GPU).
   """
 
   def __init__(self, quant: QuantConfig | None, num_layers: int, dtype, *,
-               guidance: Mapping[SiteKey, Any] | None = None,
-               recording: Recording | None = None, key: jax.Array | None = None,
-               kernels: str = "xla"):
+               guidance: Mapping[SiteKey, Any] | None = None, key: jax.Array | None = None):
+    self.recording = self.recording_of(quant)
+    self.kernels = kernels_lib.resolve(quant.kernels if quant is not None else "xla")
     self.quant = quant if quant is not None and quant.enabled else None
-    self.kernels = kernels_lib.resolve(kernels)
     self.dtype = dtype
     self.guidance = dict(guidance or {})
-    self.recording = recording or Recording()
     self.key = key
     self.guided = set()
     if self.quant is not None and self.quant.rounding != "nearest":
       self.guided = set(self.quant.guided_layer_ids(num_layers))
       if self.quant.rounding == "stochastic" and key is None:
-        raise ValueError("QuantConfig.rounding='stochastic' needs key= in the forward call")
+        raise ValueError("QuantConfig.rounding='stochastic' needs a key: pass "
+                         "guidance=Guidance.of_key(key) to the forward")
     if self.guidance and (self.quant is None or self.quant.rounding != "guided"):
       raise ValueError("guidance was given but QuantConfig.rounding is not 'guided'")
+
+  @staticmethod
+  def recording_of(quant: QuantConfig | None) -> Recording:
+    """What a forward with `quant` records (nothing without a config)."""
+    return quant.recording if quant is not None else Recording()
 
   def active(self, site: str) -> bool:
     return self.quant is not None and self.quant.quantizes(site)

@@ -2,15 +2,18 @@
 
 Calling convention (a contract with the rollout and training paths):
 
-  logits, aux = model(tokens, positions=..., mask=..., quant=..., cache=..., guidance=...,
-                      record=...)
+  out = model(tokens, positions=..., mask=..., cache=..., quant=..., guidance=...)
 
-logits are float32 [B, T, V]; aux["routing"] is int32 [num_moe_layers, B, T, k] with each
-token's experts in descending router probability; aux also holds "lb_loss" (mean over MoE
-layers), "router_load" [num_moe_layers, E], "router_entropy", and, when asked, "cache" (the
-updated cache: K/V at attention layers, conv and recurrent states at Gated DeltaNet
-layers), "sites" ({(layer, site): fp4.QArray} of every quantized activation) and
-"fallbacks" ({(layer, site): bool mask} of guidance fallbacks at guided sites).
+`quant` is the one quantization config (`QuantConfig`: what runs in FP4, and how this call
+runs: kernels, what it records, compute dtype); `guidance` the one guidance (`Guidance`:
+the rollout's site records, its routing to replay, a stochastic-rounding key). `out` is a
+`ModelOutput`: logits float32 [B, T, V]; routing int32 [num_moe_layers, B, T, k] with each
+token's experts in descending router probability; lb_loss (mean over MoE layers);
+router_load [num_moe_layers, E]; with a cache, the updated cache (K/V at attention layers,
+conv and recurrent states at Gated DeltaNet layers); and what `quant.recording` asked for:
+sites ({(layer, site): record in the recording's form}), fallbacks ({(layer, site): bool
+mask} of guidance fallbacks at guided sites) and site_inputs (the inputs before
+quantization).
 """
 
 from __future__ import annotations
@@ -18,16 +21,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from trace_jax.guidance import Guidance
 from trace_jax.model.attention import Attention
 from trace_jax.model.cache import KVCache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.deltanet import GatedDeltaNet
-from trace_jax.model.layers import RMSNorm, normal_param, rope_tables
-from trace_jax.model.moe import MLP, MoE
-from trace_jax.model.quant import QuantConfig, Recording, SiteQuantizer, collect_site_records, sow_site
+from trace_jax.model.layers import LayerInputs, RMSNorm, normal_param, rope_tables
+from trace_jax.model.moe import MLP, MLP_IN, MLP_MID, MoE
+from trace_jax.model.quant import QuantConfig, SiteQuantizer, collect_site_records, sow_site
+
+
+@struct.dataclass
+class ModelOutput:
+  """What one forward returns (a pytree: it crosses jit boundaries as it is)."""
+
+  logits: jax.Array  # float32 [B, T, V]
+  routing: jax.Array  # int32 [num_moe_layers, B, T, k], descending router probability
+  lb_loss: jax.Array  # float32 [], the load-balancing loss, mean over MoE layers
+  router_load: jax.Array  # float32 [num_moe_layers, E]
+  cache: KVCache | None = None  # the updated cache, when the call had one
+  sites: dict = struct.field(default_factory=dict)  # {(layer, site): record} (recording.form)
+  fallbacks: dict = struct.field(default_factory=dict)  # {(layer, site): bool} guided sites
+  site_inputs: dict = struct.field(default_factory=dict)  # {(layer, site): input} (recording.inputs)
 
 
 class Block(nnx.Module):
@@ -45,19 +62,22 @@ class Block(nnx.Module):
       self.mlp, self.moe = None, MoE(cfg, rngs=rngs)
     self.layer = layer
 
-  def __call__(self, x, cos, sin, attn_mask, valid, sq, cache=None, index=None, routing=None):
+  def __call__(self, x, inputs: LayerInputs, *, sq: SiteQuantizer, cache=None, routing=None):
+    """x [B, T, d]; cache: this layer's (k, v) entries or (conv, recurrent) state; routing
+    int [B, T, k] to replay. Returns (x, updated cache entries or None, RouterStats or None)."""
     if self.linear:  # cache: (conv, recurrent) state; entries: the updated state
-      attn_out, entries = self.attn(self.attn_norm(x), valid, self.layer, sq, cache)
+      attn_out, entries = self.attn(self.attn_norm(x), inputs, layer=self.layer, sq=sq,
+                                    state=cache)
     else:
-      attn_out, entries = self.attn(self.attn_norm(x), cos, sin, attn_mask, self.layer, sq,
-                                    cache, index)
+      attn_out, entries = self.attn(self.attn_norm(x), inputs, layer=self.layer, sq=sq,
+                                    cache=cache)
     x = x + attn_out
     h = self.mlp_norm(x)
     if self.moe is not None:
-      out, stats = self.moe(h, valid, self.layer, sq, routing)
+      out, stats = self.moe(h, valid=inputs.valid, layer=self.layer, sq=sq, routing=routing)
     else:
-      xq = sow_site(self, sq, h, self.layer, "mlp_in")
-      out, stats = self.mlp(xq, self.layer, sq, "mlp_mid"), None
+      xq = sow_site(self, sq, h, layer=self.layer, site=MLP_IN)
+      out, stats = self.mlp(xq, layer=self.layer, sq=sq, mid_site=MLP_MID), None
     return x + out, entries, stats
 
 
@@ -99,16 +119,14 @@ def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
   return jnp.take(table, tokens, axis=0, mode="fill", fill_value=jnp.nan)
 
 
-def _rematerialized(block: Block):
+def _rematerialized(block: Block, sq: SiteQuantizer):
   """`block`'s call under `nnx.remat` (jax.checkpoint): the backward pass recomputes the
   block's activations from its input instead of keeping them (ModelConfig.remat). Only for
   calls without a cache or recorded sites: those return values made inside the block."""
 
-  def call(x, cos, sin, attn_mask, valid, sq, cache, index, routing):
-    del cache
-    inner = lambda blk, x, cos, sin, attn_mask, valid, routing: blk(
-        x, cos, sin, attn_mask, valid, sq, None, index, routing)
-    return nnx.remat(inner)(block, x, cos, sin, attn_mask, valid, routing)
+  def call(x, inputs, *, routing):
+    inner = lambda blk, x, inputs, routing: blk(x, inputs, sq=sq, routing=routing)
+    return nnx.remat(inner)(block, x, inputs, routing)
 
   return call
 
@@ -130,15 +148,10 @@ class Transformer(nnx.Module):
       *,
       positions: jax.Array | None = None,
       mask: jax.Array | None = None,
-      quant: QuantConfig | None = None,
       cache: KVCache | None = None,
+      quant: QuantConfig | None = None,
       guidance: Guidance | None = None,
-      record: bool | Recording = False,
-      record_inputs: bool = False,
-      key: jax.Array | None = None,
-      dtype=None,
-      kernels: str = "xla",
-  ) -> tuple[jax.Array, dict]:
+  ) -> ModelOutput:
     """Forward over tokens [B, T].
 
     Args:
@@ -146,25 +159,41 @@ class Transformer(nnx.Module):
       positions: int [B, T] RoPE positions; default the slot index (0.. T-1, or continuing
         the cache).
       mask: bool [B, T], False for padding; default all True.
-      quant: FP4 quantization (training path: fake-quantized master weights; rollout path:
-        params made by `quantize_params`). None or precision "bf16": off.
       cache: a KVCache to write slots [cache.index, cache.index + T) into and attend over.
+      quant: what runs in FP4 (training path: fake-quantized master weights; rollout path:
+        params made by `quantize_params`; None or precision "bf16": off) and how this call
+        runs: `kernels`, `recording` (returned as `ModelOutput.sites`, `fallbacks`,
+        `site_inputs`), `compute_dtype` (default cfg.dtype, e.g. bf16 for a rollout of a
+        float32-configured policy). See `quant.call_config`.
       guidance: the rollout's `Guidance`, the model's one guidance input: its sites drive
-        quant.rounding == "guided" (needs rounding "guided" when it holds any), and its
-        routing, if any, int [num_moe_layers, B, T, k], is replayed instead of routing.
-      record: a `Recording` (which layers, in which guidance form, inputs too), or True
-        for every site's `fp4.QArray`; returned as aux["sites"] (and aux["fallbacks"] of
-        guided sites, aux["site_inputs"] when inputs are recorded).
-      record_inputs: with record=True/False: also record the inputs, before quantization.
-      key: PRNG key for stochastic rounding.
-      dtype: compute dtype for this call (default cfg.dtype), e.g. bf16 for a rollout of a
-        float32-configured policy.
-      kernels: "xla", "pallas" or "auto" (Pallas on GPU): whether packed FP4 weights and
-        the FP4 cache go through `trace_jax.kernels` (forward only: the rollout path).
+        quant.rounding == "guided" (needs rounding "guided" when it holds any), its
+        routing, if any, int [num_moe_layers, B, T, k], is replayed instead of routing, and
+        its key draws quant.rounding == "stochastic".
+
+    Returns:
+      a `ModelOutput`.
     """
+    # The sites sow their records into nnx.Intermediate; capture collects them (flax's way
+    # of extracting intermediates) without leaving them on the modules.
+    out, sown = nnx.capture(Transformer._forward, nnx.Intermediate)(
+        self, tokens, positions, mask, cache, quant, guidance)
+    recording = SiteQuantizer.recording_of(quant)
+    if not recording.enabled:
+      return out
+    records = collect_site_records(sown)
+    if recording.form != "none":
+      out = out.replace(
+          sites={k: r.record for k, r in records.items() if r.record is not None},
+          fallbacks={k: r.fallback for k, r in records.items() if r.fallback is not None})
+    if recording.inputs:
+      out = out.replace(site_inputs={k: r.input for k, r in records.items() if r.input is not None})
+    return out
+
+  def _forward(self, tokens, positions, mask, cache, quant, guidance) -> ModelOutput:
     cfg = self.cfg
     check_token_ids(tokens, cfg.vocab_size)
-    dtype = cfg.compute_dtype if dtype is None else jnp.dtype(dtype)
+    dtype = (cfg.compute_dtype if quant is None or quant.compute_dtype is None
+             else jnp.dtype(quant.compute_dtype))
     b, t = tokens.shape
     if mask is None:
       mask = jnp.ones((b, t), bool)
@@ -179,11 +208,9 @@ class Transformer(nnx.Module):
     if routing is not None and routing.shape[:3] != (cfg.num_moe_layers, b, t):
       raise ValueError(f"routing has shape {routing.shape}; expected "
                        f"({cfg.num_moe_layers}, {b}, {t}, {cfg.num_experts_per_tok})")
-    recording = record if isinstance(record, Recording) else Recording(
-        form="full" if record else "none", inputs=record_inputs)
     sq = SiteQuantizer(quant, cfg.num_layers, dtype,
-                       guidance=None if guidance is None else guidance.sites, recording=recording,
-                       key=key, kernels=kernels)
+                       guidance=None if guidance is None else guidance.sites,
+                       key=None if guidance is None else guidance.key)
     cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
     if cache is None:
       attn_mask = attention_mask(mask, jnp.broadcast_to(slots, (b, t)), slots, cfg.sliding_window)
@@ -193,22 +220,25 @@ class Transformer(nnx.Module):
       key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
       attn_mask = attention_mask(valid_cache, jnp.broadcast_to(slots, (b, t)), key_slots,
                                  cfg.sliding_window)
+    inputs = LayerInputs(cos=cos, sin=sin, attn_mask=attn_mask, valid=mask, start=start)
 
     x = embed_tokens(self.embed.get_value(), tokens).astype(dtype)
     new_k, new_v, new_conv, new_recurrent, moe_stats = [], [], [], [], []
     for block in self.blocks:
       i = block.layer
-      layer_cache = None
-      if cache is not None:
-        layer_cache = (cache.conv[i], cache.recurrent[i]) if block.linear else (cache.k[i], cache.v[i])
       layer_routing = None
       if routing is not None and block.moe is not None:
         layer_routing = routing[len(moe_stats)]
-      call = block
-      if cfg.remat and cache is None and not recording.enabled:
-        call = _rematerialized(block)
-      x, entries, stats = call(x, cos, sin, attn_mask, mask, sq, layer_cache, start,
-                               layer_routing)
+      if cache is None:
+        call = block
+        if cfg.remat and not sq.recording.enabled:
+          call = _rematerialized(block, sq)
+          x, entries, stats = call(x, inputs, routing=layer_routing)
+        else:
+          x, entries, stats = block(x, inputs, sq=sq, routing=layer_routing)
+      else:
+        layer_cache = (cache.conv[i], cache.recurrent[i]) if block.linear else (cache.k[i], cache.v[i])
+        x, entries, stats = block(x, inputs, sq=sq, cache=layer_cache, routing=layer_routing)
       if entries is not None:
         kv, states = ((None, None), entries) if block.linear else (entries, (None, None))
         new_k.append(kv[0])
@@ -222,24 +252,19 @@ class Transformer(nnx.Module):
     head = self.embed.get_value().T if self.lm_head is None else self.lm_head.get_value()
     logits = jnp.einsum("btd,dv->btv", h, head, precision=jax.lax.Precision.HIGHEST)
 
-    aux: dict = {}
     if moe_stats:
-      aux["routing"] = jnp.stack([s["experts"] for s in moe_stats])
-      aux["lb_loss"] = jnp.mean(jnp.stack([s["lb_loss"] for s in moe_stats]))
-      aux["router_load"] = jnp.stack([s["load"] for s in moe_stats])
+      routing_out = jnp.stack([s.experts for s in moe_stats])
+      lb_loss = jnp.mean(jnp.stack([s.lb_loss for s in moe_stats]))
+      router_load = jnp.stack([s.load for s in moe_stats])
     else:
-      aux["routing"] = jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32)
-      aux["lb_loss"] = jnp.zeros((), jnp.float32)
-      aux["router_load"] = jnp.zeros((0, cfg.num_experts), jnp.float32)
+      routing_out = jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32)
+      lb_loss = jnp.zeros((), jnp.float32)
+      router_load = jnp.zeros((0, cfg.num_experts), jnp.float32)
+    new_cache = None
     if cache is not None:
       hybrid = bool(cfg.linear_layers)
-      aux["cache"] = KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid_cache,
-                             index=start + t, conv=tuple(new_conv) if hybrid else (),
-                             recurrent=tuple(new_recurrent) if hybrid else ())
-    records = collect_site_records(self)  # what the sites sowed (nnx.Intermediate)
-    if recording.form != "none":
-      aux["sites"] = {k: r.record for k, r in records.items() if r.record is not None}
-      aux["fallbacks"] = {k: r.fallback for k, r in records.items() if r.fallback is not None}
-    if recording.inputs:
-      aux["site_inputs"] = {k: r.input for k, r in records.items() if r.input is not None}
-    return logits, aux
+      new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid_cache, index=start + t,
+                          conv=tuple(new_conv) if hybrid else (),
+                          recurrent=tuple(new_recurrent) if hybrid else ())
+    return ModelOutput(logits=logits, routing=routing_out, lb_loss=lb_loss,
+                       router_load=router_load, cache=new_cache)

@@ -28,7 +28,7 @@ from flax import nnx
 
 from trace_jax.kernels import check_mode as check_kernels
 from trace_jax.model.config import get_preset, qwen3_30b_a3b
-from trace_jax.model.quant import SITE_SCOPES, QuantConfig, resolve_layers
+from trace_jax.model.quant import SITE_SCOPES, QuantConfig, Recording, call_config, resolve_layers
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl import data
 from trace_jax.rl.metrics import fp4_disagreement, guidance_agreement, mismatch_metrics
@@ -122,21 +122,22 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
 
   forward = nnx.jit(
       lambda m, r, g, quant, replay: training_forward(
-          m, r.tokens, r.positions, r.mask, quant=quant, guidance=g, routing_replay=replay,
-          temperature=config.temperature, dtype=dtype, record=True),
+          m, r.tokens, r.positions, r.mask, guidance=g, routing_replay=replay,
+          temperature=config.temperature,
+          quant=call_config(quant, compute_dtype=dtype, recording=Recording(form="full"))),
       static_argnums=(3, 4))
 
   def measure(rollout, quant, guidance, replay):
-    logp, _, aux = forward(policy, rollout.without_cache(), guidance, quant, replay)
+    logp, out = forward(policy, rollout.without_cache(), guidance, quant, replay)
     m = mismatch_metrics(rollout.logprobs, logp, rollout.response_mask)
     row = {name: m[f"mismatch/{name}"] for name in REPORTED}
     row.update({k: m[k] for k in ("is_ratio/mean", "is_ratio/max", "is_ratio/min", "tis/clip_frac")})
     if quant is not None:
-      d = fp4_disagreement(full.sites, aux["sites"], rollout.mask)
+      d = fp4_disagreement(full.sites, out.sites, rollout.mask)
       row.update({k: d[k] for k in ("code_disagree_frac", "one_step_frac",
                                     "mantissa_disagree_frac", "scale_disagree_frac")})
       row["per_layer"] = d["per_layer"]
-      row.update(guidance_agreement(aux["fallbacks"], rollout.mask))
+      row.update(guidance_agreement(out.fallbacks, rollout.mask))
     else:  # nothing is quantized on either path
       row.update(code_disagree_frac=None, one_step_frac=None)
     return row

@@ -44,8 +44,8 @@ from trace_jax import guidance as guidance_lib
 from trace_jax.model import sharding
 from trace_jax.model.cache import init_cache
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.layers import rope_tables
-from trace_jax.model.quant import QuantConfig, SiteQuantizer, resolve_layers
+from trace_jax.model.layers import LayerInputs, rope_tables
+from trace_jax.model.quant import QuantConfig, Recording, SiteQuantizer, call_config, resolve_layers
 from trace_jax.model.transformer import Block, Transformer, attention_mask
 from trace_jax.rollout.params import quantize_params
 from trace_jax.training.forward import token_logprobs
@@ -178,10 +178,10 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
     rows["guidance"] = 0.0
   else:
     def capture():
-      _, aux = Transformer(cfg, rngs=nnx.Rngs(0))(jnp.zeros((1, 1), jnp.int32), quant=quant,
-                                                  record=True)
-      sites = guidance_lib.from_records(aux.get("sites", {}), config.guidance, layers)
-      routing = aux["routing"].astype(guidance_lib.routing_dtype(cfg.num_experts))
+      out = Transformer(cfg, rngs=nnx.Rngs(0))(
+          jnp.zeros((1, 1), jnp.int32), quant=call_config(quant, recording=Recording(form="full")))
+      sites = guidance_lib.from_records(out.sites, config.guidance, layers)
+      routing = out.routing.astype(guidance_lib.routing_dtype(cfg.num_experts))
       return guidance_lib.Guidance(sites=sites, routing=routing, mode=config.guidance,
                                    layers=layers)
     rows["guidance"] = jax.eval_shape(capture).bytes_per_token() * tokens_per_device
@@ -219,8 +219,10 @@ def activation_bytes(cfg: ModelConfig, quant: QuantConfig, batch: int, context: 
       cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
       mask = attention_mask(valid, positions, jnp.arange(t, dtype=jnp.int32), cfg.sliding_window)
       sq = SiteQuantizer(quant, cfg.num_layers, jnp.bfloat16)
-      out, _, stats = nnx.merge(graphdef, state)(x, cos, sin, mask, valid, sq)
-      return out, None if stats is None else stats["lb_loss"]
+      inputs = LayerInputs(cos=cos, sin=sin, attn_mask=mask, valid=valid,
+                           start=jnp.zeros((), jnp.int32))
+      out, _, stats = nnx.merge(graphdef, state)(x, inputs, sq=sq)
+      return out, None if stats is None else stats.lb_loss
 
     per_type[kind] = _dependent_residual_bytes(block_fn, (state, x), {1})
   counts: dict = {}

@@ -38,7 +38,7 @@ import optax
 from flax import nnx, struct
 from tqdm.auto import tqdm
 
-from trace_jax.model.quant import resolve_layers
+from trace_jax.model.quant import Recording, call_config, resolve_layers
 from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model, shard_optimizer
 from trace_jax.rl import data
 from trace_jax.rl import episodes as episodes_lib
@@ -56,7 +56,7 @@ from trace_jax.training.forward import token_entropy, training_forward
 from trace_jax.utils import append_jsonl, read_jsonl, round_up, write_atomic
 from trace_jax.utils.distributed import global_array, host_array, is_main_process
 
-_STATIC = ("quant", "replay", "dtype", "temperature")
+_STATIC = ("quant", "replay", "temperature")
 
 
 @struct.dataclass
@@ -74,14 +74,16 @@ class TrainExample:
 
 
 @functools.partial(nnx.jit, static_argnames=_STATIC + ("record",))
-def _old_logprobs(policy, example: TrainExample, guidance, *, quant, replay, dtype, temperature,
+def _old_logprobs(policy, example: TrainExample, guidance, *, quant, replay, temperature,
                   record: bool):
   """(log pi_old, entropy, guidance fallbacks, training-path site records): the records
   (full QArrays, for the per-layer disagreement) only when `record`."""
-  logp, logits, aux = training_forward(policy, example.tokens, example.positions, example.mask,
-                                       quant=quant, guidance=guidance, routing_replay=replay,
-                                       temperature=temperature, dtype=dtype, record=record)
-  return logp, token_entropy(logits, temperature), aux.get("fallbacks", {}), aux.get("sites", {})
+  if record:
+    quant = quant.replace(recording=Recording(form="full"))
+  logp, out = training_forward(policy, example.tokens, example.positions, example.mask,
+                               quant=quant, guidance=guidance, routing_replay=replay,
+                               temperature=temperature)
+  return logp, token_entropy(out.logits, temperature), out.fallbacks, out.sites
 
 
 # The policy's and the optimizer's state are donated: the update writes them in place, so a
@@ -89,15 +91,15 @@ def _old_logprobs(policy, example: TrainExample, guidance, *, quant, replay, dty
 # is stale after a step: the rollout engines re-sync when next used, and the KL reference is a
 # copy of its own (`Trainer.__init__`).
 @functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config",), donate_argnums=(0, 1))
-def _train_step(policy, opt, example: TrainExample, guidance, ref_logp, *, quant, replay, dtype,
+def _train_step(policy, opt, example: TrainExample, guidance, ref_logp, *, quant, replay,
                 temperature, loss_config):
   def loss_fn(policy):
-    logp, _, aux = training_forward(policy, example.tokens, example.positions, example.mask,
-                                    quant=quant, guidance=guidance, routing_replay=replay,
-                                    temperature=temperature, dtype=dtype)
+    logp, out = training_forward(policy, example.tokens, example.positions, example.mask,
+                                 quant=quant, guidance=guidance, routing_replay=replay,
+                                 temperature=temperature)
     loss, stats = grpo_loss(logp, example.old_logp, example.rollout_logp, example.advantages,
                             example.response_mask, loss_config, ref_logp)
-    return loss + policy.cfg.router_aux_loss_coef * aux["lb_loss"], stats
+    return loss + policy.cfg.router_aux_loss_coef * out.lb_loss, stats
 
   (loss, stats), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
   opt.update(policy, grads)
@@ -306,8 +308,10 @@ class Trainer:
     return [data.prompt_ids(self.tokenizer, item) for item in items]
 
   def _static(self) -> dict:
-    return dict(quant=self.config.train_quant, replay=self.arm.routing_replay,
-                dtype=jnp.dtype(self.config.compute_dtype), temperature=self.config.temperature)
+    """The jitted steps' static arguments: the training path's one QuantConfig (the arm's
+    quantization, None for bf16, in the run's compute dtype), replay, temperature."""
+    return dict(quant=call_config(self.config.train_quant, compute_dtype=self.config.compute_dtype),
+                replay=self.arm.routing_replay, temperature=self.config.temperature)
 
   def _shard(self, tree, axis: int = 0):
     """Split the batch axis of every array over the mesh's "data" axis."""

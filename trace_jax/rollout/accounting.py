@@ -8,7 +8,7 @@ from flax import nnx
 
 from trace_jax import guidance as guidance_lib
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.quant import QuantConfig, Recording, resolve_layers
+from trace_jax.model.quant import QuantConfig, Recording, call_config, resolve_layers
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
 
@@ -24,10 +24,10 @@ def guidance_bytes_per_token(cfg: ModelConfig, config: RolloutConfig,
 
   def capture():
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    _, aux = model(jnp.zeros((1, 1), jnp.int32), quant=quant,
-                   record=Recording(form=config.guidance, layers=layers))
-    sites = aux.get("sites", {})  # the guided layers' records, in the guidance's form
-    routing = aux["routing"].astype(guidance_lib.routing_dtype(cfg.num_experts))
+    out = model(jnp.zeros((1, 1), jnp.int32),
+                quant=call_config(quant, recording=Recording(form=config.guidance, layers=layers)))
+    sites = out.sites  # the guided layers' records, in the guidance's form
+    routing = out.routing.astype(guidance_lib.routing_dtype(cfg.num_experts))
     return guidance_lib.Guidance(sites=sites, routing=routing if config.record_routing else None,
                                  mode=config.guidance, layers=layers)
 

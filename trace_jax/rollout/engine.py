@@ -30,7 +30,7 @@ from trace_jax import kernels as kernels_lib
 from trace_jax.model.cache import init_cache
 from trace_jax.model import sharding as sharding_lib
 from trace_jax.model.sharding import batch_sharding
-from trace_jax.model.quant import Recording, resolve_layers
+from trace_jax.model.quant import QuantConfig, Recording, call_config, resolve_layers
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
 from trace_jax.rollout.params import quantize_params_jit
@@ -167,9 +167,7 @@ def _empty_records(sites, slots: int):
 
 def _forward(graphdef, params, tokens, positions, mask, cache, st: "_Statics"):
   model = nnx.merge(graphdef, params)
-  config = st.config
-  return model(tokens, positions=positions, mask=mask, quant=config.quant, cache=cache,
-               record=st.recording, dtype=config.compute_dtype, kernels=config.kernels)
+  return model(tokens, positions=positions, mask=mask, cache=cache, quant=st.quant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,14 +186,21 @@ class _Statics:
     return Recording(form=self.config.guidance, layers=self.guided_layers,
                      inputs=self.capture_inputs)
 
+  @property
+  def quant(self) -> QuantConfig:
+    """The model call's one config: the rollout's quantization (none for bf16), its kernels,
+    what it records, its compute dtype."""
+    config = self.config
+    return call_config(config.quant, kernels=config.kernels, recording=self.recording,
+                       compute_dtype=config.compute_dtype)
 
-def _captured(aux, st: _Statics):
-  """(guidance site entries, routing, inputs) of one forward's aux: the guided layers'
-  records, already in the guidance's stored form."""
-  sites = aux.get("sites", {})
-  routing = aux["routing"].astype(st.routing_dtype) if st.config.record_routing else None
-  inputs = aux.get("site_inputs") if st.capture_inputs else None
-  return sites, routing, inputs
+
+def _captured(out, st: _Statics):
+  """(guidance site entries, routing, inputs) of one forward's `ModelOutput`: the guided
+  layers' records, already in the guidance's stored form."""
+  routing = out.routing.astype(st.routing_dtype) if st.config.record_routing else None
+  inputs = out.site_inputs if st.capture_inputs else None
+  return out.sites, routing, inputs
 
 
 _MASKS = {"prompt": "prompt_mask", "env": "env_mask", "response": "response_mask"}
@@ -210,12 +215,12 @@ def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Stati
   slot = r.cache.index
   start_pos = jnp.sum(r.mask, axis=-1, dtype=jnp.int32)[:, None]
   positions = start_pos + jnp.maximum(jnp.cumsum(chunk_mask, axis=-1) - 1, 0)
-  logits, aux = _forward(graphdef, params, chunk, positions, chunk_mask, r.cache, st)
-  sites, routing, inputs = _captured(aux, st)
+  out = _forward(graphdef, params, chunk, positions, chunk_mask, r.cache, st)
+  sites, routing, inputs = _captured(out, st)
   updates = dict(
       tokens=_write(r.tokens, jnp.where(chunk_mask, chunk, st.config.pad_id), slot),
       positions=_write(r.positions, positions, slot),
-      cache=aux["cache"],
+      cache=out.cache,
   )
   updates[_MASKS[kind]] = _write(getattr(r, _MASKS[kind]), chunk_mask, slot)
   if r.guidance is not None and sites:
@@ -224,7 +229,7 @@ def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Stati
     updates["routing"] = _write(r.routing, routing, slot, axis=2)
   if inputs is not None:
     updates["site_inputs"] = _write(r.site_inputs, inputs, slot)
-  return dataclasses.replace(r, **updates), logits[:, -1]
+  return dataclasses.replace(r, **updates), out.logits[:, -1]
 
 
 def _decode(graphdef, params, r: Rollout, logits, done, key, st: _Statics) -> Rollout:
@@ -269,7 +274,7 @@ def _empty_rollout(graphdef, params, batch: int, st: _Statics) -> Rollout:
   cache = sharding_lib.constrain_cache(cache, st.mesh)
   one = jnp.zeros((batch, 1), jnp.int32)
   sites, routing, inputs = jax.eval_shape(
-      lambda p, c: _captured(_forward(graphdef, p, one, one, one > -1, c, st)[1], st),
+      lambda p, c: _captured(_forward(graphdef, p, one, one, one > -1, c, st), st),
       params, cache)
   guidance = None
   if config.guidance != "none" or routing is not None:

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import guidance as guidance_lib
+from trace_jax.model import quant as quant_lib
 from trace_jax.model.quant import QuantConfig, layer_sites
-from trace_jax.model.transformer import Transformer, check_token_ids
+from trace_jax.model.transformer import ModelOutput, Transformer, check_token_ids
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:
@@ -40,10 +41,6 @@ def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
   return jnp.concatenate([jnp.zeros_like(entropy[:, :1]), entropy], axis=1)
 
 
-# Sites whose rows are (token, chosen expert): their guidance only fits the rollout's experts.
-ROUTED_SITES = ("moe_mid",)
-
-
 def check_guidance(model: Transformer, quant: QuantConfig | None, guidance, tokens_shape,
                    routing_replay: bool) -> None:
   """Raise a ValueError saying what differs if `guidance` cannot drive this forward."""
@@ -60,7 +57,8 @@ def check_guidance(model: Transformer, quant: QuantConfig | None, guidance, toke
   if guided:
     sites = layer_sites(cfg, quant)
     required = {(layer, s) for layer in quant.guided_layer_ids(cfg.num_layers) for s in sites[layer]}
-    routed = sorted(key for key in required if key[1] in ROUTED_SITES)
+    # Sites whose rows are (token, chosen expert): their guidance only fits the rollout's experts.
+    routed = sorted(key for key in required if quant_lib.site_spec(key[1]).routed)
     if routed and not routing_replay:
       raise ValueError(
           f"guided rounding at routed-expert sites {routed[:4]} needs routing_replay=True: the "
@@ -73,23 +71,21 @@ def check_guidance(model: Transformer, quant: QuantConfig | None, guidance, toke
 
 def training_forward(model: Transformer, tokens, positions, mask, *, quant: QuantConfig | None,
                      guidance: guidance_lib.Guidance | None = None, routing_replay: bool = False,
-                     temperature: float = 1.0, dtype=None, record: bool = False,
-                     record_inputs: bool = False):
+                     temperature: float = 1.0) -> tuple[jax.Array, ModelOutput]:
   """Training-path log-probabilities of a batch of trajectories.
 
   Args:
     model: the policy (float32 master weights).
     tokens, positions, mask: [B, S] as in a `Rollout`.
-    quant: FP4 QAT config (None / "bf16": no quantization).
+    quant: FP4 QAT config (None / "bf16": no quantization); its `compute_dtype` (default
+      the model's) and `recording` (what the output's sites / fallbacks / site_inputs
+      hold) say how this call runs (`quant.call_config`).
     guidance: the rollout's `Guidance`, required for guided rounding or routing replay.
     routing_replay: use the rollout's experts at every MoE layer.
     temperature: the rollout's sampling temperature (log-probs of the tempered policy).
-    dtype: compute dtype (default the model's).
-    record: also return every quantized activation and guidance fallback in aux.
-    record_inputs: also return every quantized site's input (aux["site_inputs"]).
 
   Returns:
-    (logprobs [B, S] as `token_logprobs`, logits [B, S, V], aux of the model).
+    (logprobs [B, S] as `token_logprobs`, the model's `ModelOutput`).
   """
   check_token_ids(tokens, model.cfg.vocab_size, "training_forward tokens")
   check_guidance(model, quant, guidance, tokens.shape, routing_replay)
@@ -97,6 +93,5 @@ def training_forward(model: Transformer, tokens, positions, mask, *, quant: Quan
   if guidance is not None:  # what this forward follows of it: sites if guided, experts if replayed
     guidance = dataclasses.replace(guidance, sites=guidance.sites if guided else {},
                                    routing=guidance.routing if routing_replay else None)
-  logits, aux = model(tokens, positions=positions, mask=mask, quant=quant, guidance=guidance,
-                      record=record, record_inputs=record_inputs, dtype=dtype)
-  return token_logprobs(logits, tokens, temperature), logits, aux
+  out = model(tokens, positions=positions, mask=mask, quant=quant, guidance=guidance)
+  return token_logprobs(out.logits, tokens, temperature), out

@@ -38,11 +38,11 @@ def sft_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], length: int,
 
 def sft_loss(model: Transformer, tokens, loss_mask, valid, quant: QuantConfig | None = None):
   """Mean negative log-likelihood of the masked tokens, plus the load-balancing loss."""
-  logits, aux = model(tokens, mask=valid, quant=quant)
-  logp = token_logprobs(logits, tokens)
+  out = model(tokens, mask=valid, quant=quant)
+  logp = token_logprobs(out.logits, tokens)
   weights = loss_mask.astype(jnp.float32)
   nll = -jnp.sum(logp * weights) / jnp.maximum(jnp.sum(weights), 1.0)
-  return nll + model.cfg.router_aux_loss_coef * aux["lb_loss"], nll
+  return nll + model.cfg.router_aux_loss_coef * out.lb_loss, nll
 
 
 @functools.lru_cache(maxsize=None)
