@@ -24,10 +24,11 @@ def test_calibrated_scales_cover_the_largest_token_and_export_as_w4a4(tmp_path):
   # Independently: 448 * 6 / (largest |x| over valid tokens) of the site inputs.
   graphdef, state = nnx.split(policy)
   from trace_jax.rollout import quantize_params
-  _, aux = nnx.merge(graphdef, quantize_params(state, quant))(
-      tokens, mask=jnp.asarray(mask), quant=quant, dtype=jnp.float32, record_inputs=True)
+  aux = nnx.merge(graphdef, quantize_params(state, quant))(
+      tokens, mask=jnp.asarray(mask),
+      quant=quant.replace(compute_dtype="float32", recording=M.Recording(inputs=True)))
   for key, gs in scales.items():
-    x = np.abs(np.asarray(aux["site_inputs"][key]))
+    x = np.abs(np.asarray(aux.site_inputs[key]))
     x = x.reshape(3, 12, -1)[mask]
     np.testing.assert_allclose(gs, 448 * 6 / x.max(), rtol=1e-6, err_msg=str(key))
   distance = input_scale_distance(policy, quant, scales, tokens, mask, dtype=jnp.float32)

@@ -106,7 +106,8 @@ def _tiny():
 
 @functools.lru_cache(maxsize=None)
 def _step(quant):
-  return nnx.jit(lambda m, t, p, mask, c: m(t, positions=p, mask=mask, cache=c, quant=quant))
+  return nnx.jit(lambda m, t, p, mask, c: (lambda o: (o.logits, o))(
+      m(t, positions=p, mask=mask, cache=c, quant=quant)))
 
 
 @pytest.mark.parametrize("fp4", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -129,14 +130,14 @@ def test_prefill_then_decode_equals_full_forward(fp4):
   logits, aux = _step(quant)(model, tokens[:, :prompt_len], positions[:, :prompt_len],
                              mask[:, :prompt_len], cache)
   pieces = [logits]
-  cache = aux["cache"]
+  cache = aux.cache
   for i in range(prompt_len, prompt_len + steps):
     logits, aux = _step(quant)(model, tokens[:, i:i + 1], positions[:, i:i + 1],
                                mask[:, i:i + 1], cache)
     pieces.append(logits)
-    cache = aux["cache"]
+    cache = aux.cache
   incremental = jnp.concatenate(pieces, axis=1)
-  full, _ = nnx.jit(lambda m, t, p, mask: m(t, positions=p, mask=mask, quant=quant))(
+  full = nnx.jit(lambda m, t, p, mask: m(t, positions=p, mask=mask, quant=quant).logits)(
       model, tokens, positions, mask)
   valid = np.asarray(mask)
   np.testing.assert_allclose(np.asarray(incremental)[valid], np.asarray(full)[valid],

@@ -37,10 +37,11 @@ def test_logits_and_experts_match_transformers(layout):
   expected = np.load(FIXTURES / layout / "expected.npz")
   assert float(expected["min_router_margin"]) > 1e-4  # top-k is unambiguous in float32
   for seed in range(expected["tokens"].shape[0]):  # three token draws
-    logits, aux = _forward()(model, jnp.asarray(expected["tokens"][seed]))
+    aux = _forward()(model, jnp.asarray(expected["tokens"][seed]))
+    logits = aux.logits
     reference = expected["logits"][seed]
     np.testing.assert_allclose(logits, reference, rtol=0, atol=RTOL_STD * reference.std())
-    np.testing.assert_array_equal(aux["routing"], expected["experts"][seed])
+    np.testing.assert_array_equal(aux.routing, expected["experts"][seed])
 
 
 @pytest.mark.slow  # two more compilations of the model (~20 s); tests/model/test_deltanet.py
@@ -48,14 +49,14 @@ def test_chunk_size_does_not_change_logits():  # covers chunk sizes at the funct
 
   model = _load("qwen3_5_moe")
   tokens = jnp.asarray(np.load(FIXTURES / "qwen3_5_moe" / "expected.npz")["tokens"][0])
-  reference, _ = _forward()(model, tokens)  # 24 tokens: one chunk of 64
+  reference = _forward()(model, tokens).logits  # 24 tokens: one chunk of 64
   graphdef, state = nnx.split(model)
   for chunk in (5,):  # 24 is not a multiple of 5
     other = nnx.merge(graphdef, state)
     for block in other.blocks:
       if block.linear:
         block.attn.chunk_size = chunk
-    logits, _ = nnx.jit(lambda m, t: m(t))(other, tokens)
+    logits = nnx.jit(lambda m, t: m(t).logits)(other, tokens)
     np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-4 * float(reference.std()))
 
 

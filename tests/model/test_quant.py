@@ -25,12 +25,15 @@ def hybrid():
   return M.Transformer(cfg, rngs=nnx.Rngs(3))
 
 
-def _forward(model, tokens, quant, **kwargs):
-  return _jitted(model, tokens, quant, tuple(sorted(kwargs.items())))
+def _forward(model, tokens, quant, record=False):
+  """(logits, ModelOutput) of a jitted forward; `record`: every site, in full."""
+  if record:
+    quant = M.call_config(quant, recording=Recording(form="full"))
+  out = _jitted(model, tokens, quant)
+  return out.logits, out
 
 
-_jitted = nnx.jit(lambda m, t, quant, kwargs: m(t, quant=quant, **dict(kwargs)),
-                  static_argnums=(2, 3))
+_jitted = nnx.jit(lambda m, t, quant: m(t, quant=quant), static_argnums=2)
 
 
 def _tokens(seed, b=2, t=9):
@@ -107,7 +110,7 @@ def test_experts_kv_forward_quantizes_only_experts_and_kv(hybrid):
   k, v, moe_in and moe_mid, and the shared expert fed the unquantized input."""
   tokens = _tokens(1)
   logits, aux = _forward(hybrid, tokens, EXPERTS_KV, record=True)
-  assert set(aux["sites"]) == {(0, "k"), (0, "v"), (1, "k"), (1, "v"), (1, "moe_in"), (1, "moe_mid")}
+  assert set(aux.sites) == {(0, "k"), (0, "v"), (1, "k"), (1, "v"), (1, "moe_in"), (1, "moe_mid")}
 
   by_hand = nnx.clone(hybrid)
   moe = by_hand.blocks[1].moe
@@ -149,7 +152,7 @@ def test_w4a8_puts_linear_inputs_in_fp8_and_keeps_kv_in_fp4(hybrid):
   guidance), K/V stay FP4 (recorded, guidable); the sites guidance covers are only K/V."""
   w4a8 = M.QuantConfig(activations="fp8")
   x = jax.random.normal(jax.random.key(4), (3, 64)) * 5
-  sq = M.SiteQuantizer(w4a8, 2, jnp.float32, recording=Recording(form="full"))
+  sq = M.SiteQuantizer(w4a8.replace(recording=Recording(form="full")), 2, jnp.float32)
   for site in ("attn_in", "moe_mid"):  # FP8: values only, no record
     values, record = sq.site(x, 1, site)
     np.testing.assert_array_equal(values, fp4.fp8_values(x))
@@ -164,13 +167,38 @@ def test_w4a8_puts_linear_inputs_in_fp8_and_keeps_kv_in_fp4(hybrid):
   # A whole forward: only K/V recorded; it differs from W4A4 and from no activation rounding.
   tokens = _tokens(3)
   logits, aux = _forward(hybrid, tokens, w4a8, record=True)
-  assert set(aux["sites"]) == {(0, "k"), (0, "v"), (1, "k"), (1, "v")}
+  assert set(aux.sites) == {(0, "k"), (0, "v"), (1, "k"), (1, "v")}
   w4a4, _ = _forward(hybrid, tokens, M.QuantConfig())
   kv_only, _ = _forward(hybrid, tokens, M.QuantConfig(sites=("k", "v")))
   assert float(jnp.abs(logits - w4a4).max()) > 1e-4
   assert float(jnp.abs(logits - kv_only).max()) > 1e-6
   # Guided rounding under W4A8 needs guidance for K/V only.
   guided = w4a8.replace(rounding="guided", guided_layers="all")
-  own = G.Guidance(sites=dict(aux["sites"]), routing=None, mode="full", layers=(0, 1))
-  again, _ = nnx.jit(lambda m, t, g: m(t, quant=guided, guidance=g))(hybrid, tokens, own)
+  own = G.Guidance(sites=dict(aux.sites), routing=None, mode="full", layers=(0, 1))
+  again = nnx.jit(lambda m, t, g: m(t, quant=guided, guidance=g).logits)(hybrid, tokens, own)
   np.testing.assert_allclose(np.asarray(again), np.asarray(logits), atol=1e-5)
+
+
+def test_site_registry_derives_the_lists_scopes_and_layer_sites():
+  """One declaration per site (where the module uses it): the site list, the scopes, the
+  cache and routed-expert sites and each layer's sites all derive from the declarations."""
+  assert M.ACTIVATION_SITES == ("attn_in", "attn_out", "k", "v", "moe_in", "moe_mid",
+                                "shared_mid", "mlp_in", "mlp_mid")
+  assert M.quant.SCOPE_SITES == {"all": M.ACTIVATION_SITES,
+                                 "experts+kv": ("k", "v", "moe_in", "moe_mid")}
+  assert M.quant.KV_SITES == ("k", "v") and M.quant.ROUTED_SITES == ("moe_mid",)
+  # Every layer kind, against a hand table: a linear (DeltaNet) MoE layer with a shared
+  # expert, a full-attention dense layer.
+  cfg = M.qwen3_5_tiny(num_layers=2, layer_types=("linear_attention", "full_attention"),
+                       dense_layers=(1,), ffn_dim=64)
+  assert layer_sites(cfg, M.QuantConfig()) == {
+      0: ("attn_in", "attn_out", "moe_in", "moe_mid", "shared_mid"),
+      1: ("attn_in", "attn_out", "k", "v", "mlp_in", "mlp_mid")}
+  with pytest.raises(ValueError, match="already declared"):
+    M.declare_site("moe_in")
+  with pytest.raises(ValueError, match="scopes"):
+    M.declare_site("new_site", scopes=("experts-only",))
+  with pytest.raises(ValueError, match="unknown quantization site"):
+    M.quant.site_spec("nope")
+  with pytest.raises(AttributeError):
+    M.quant.NOT_A_SITE_LIST  # noqa: B018

@@ -13,9 +13,9 @@ from trace_jax.rl.plan import _dependent_residual_bytes
 
 
 def _loss(model, tokens, quant):
-  logits, aux = model(tokens[:, :-1], quant=quant)
-  logp = jax.nn.log_softmax(logits)
-  return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1)) + 0.01 * aux["lb_loss"]
+  aux = model(tokens[:, :-1], quant=quant)
+  logp = jax.nn.log_softmax(aux.logits)
+  return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1)) + 0.01 * aux.lb_loss
 
 
 @pytest.mark.parametrize("preset", ["tiny", pytest.param("qwen3_5_tiny", marks=pytest.mark.slow)])

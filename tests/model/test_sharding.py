@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent("""
                                    record_routing=True, kernels="xla",
                                    sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
     quant = QuantConfig(rounding="guided", guided_layers="all")
-    static = dict(quant=quant, replay=True, dtype=jnp.dtype("float32"), temperature=1.0)
+    static = dict(quant=quant.replace(compute_dtype="float32"), replay=True, temperature=1.0)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(1, cfg.vocab_size, rng.integers(3, 9)).tolist() for _ in range(8)]
     advantages = jnp.asarray(rng.normal(size=8), jnp.float32)

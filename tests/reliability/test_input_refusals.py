@@ -58,10 +58,10 @@ def test_under_jit_a_bad_id_is_nan_never_another_token(model):
   # Traced ids cannot be read; a negative id used to wrap around to a real token (finite,
   # wrong logits). Now its embedding row is NaN, so the fault shows.
   tokens, where = _tokens(3, -1)
-  logits = nnx.jit(lambda m, t: m(t)[0])(model, tokens)
+  logits = nnx.jit(lambda m, t: m(t).logits)(model, tokens)
   assert np.isnan(np.asarray(logits)[where]).all()
   good = tokens.at[where].set(5)
-  assert np.isfinite(np.asarray(nnx.jit(lambda m, t: m(t)[0])(model, good))).all()
+  assert np.isfinite(np.asarray(nnx.jit(lambda m, t: m(t).logits)(model, good))).all()
 
 
 def _hf_copy(tmp_path, edit=None):

@@ -87,7 +87,7 @@ def test_quantize_params_equal_the_training_path_weights_bit_for_bit(policy):
 def test_greedy_generation_equals_stepwise_argmax_of_the_full_forward(policy, f32_greedy):
   rollout = f32_greedy.generate(PROMPTS, jax.random.key(0))
   # Right-padded to one length (causal: padding after a token cannot change it): one compile.
-  forward = nnx.jit(lambda m, t: m(t)[0])
+  forward = nnx.jit(lambda m, t: m(t).logits)
   for prompt, response, logps in zip(PROMPTS, rollout.responses(),
                                      np.asarray(rollout.logprobs)[np.asarray(rollout.response_mask)]
                                      .reshape(len(PROMPTS), -1)):
@@ -128,10 +128,11 @@ def test_fp4_cache_holds_exactly_the_quantized_k_and_v(policy, fp4_full):
                                       np.asarray(getattr(expected, field))[valid])
   # Layer 0's keys depend on the token alone: they equal the full forward's bit for bit.
   tokens = jnp.asarray(rollout.tokens)
-  _, aux = nnx.jit(lambda m, t, p, k: m(t, positions=p, mask=k, quant=M.QuantConfig(), record=True))(
+  recording = M.QuantConfig(recording=M.Recording(form="full"))
+  aux = nnx.jit(lambda m, t, p, k: m(t, positions=p, mask=k, quant=recording))(
       policy, tokens, rollout.positions, rollout.mask)
   np.testing.assert_array_equal(np.asarray(rollout.cache.k[0].packed)[valid],
-                                np.asarray(aux["sites"][(0, "k")].packed)[valid])
+                                np.asarray(aux.sites[(0, "k")].packed)[valid])
 
 
 @pytest.mark.parametrize("mode", ["full", "compact"])

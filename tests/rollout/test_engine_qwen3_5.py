@@ -51,8 +51,9 @@ def test_fp4_scope_quantizes_exactly_its_sites(policy, sites):
   cfg = policy.cfg
   quant = M.QuantConfig(sites=sites)
   tokens = jax.random.randint(jax.random.key(4), (1, 5), 0, cfg.vocab_size)
-  _, aux = nnx.jit(lambda m, t: m(t, quant=quant, record=True))(policy, tokens)
-  recorded = set(aux["sites"])
+  recording = quant.replace(recording=M.Recording(form="full"))
+  aux = nnx.jit(lambda m, t: m(t, quant=recording))(policy, tokens)
+  recorded = set(aux.sites)
   mixer = ("attn_in", "attn_out") if sites == "all" else ()
   moe = ("moe_in", "moe_mid") + (("shared_mid",) if sites == "all" else ())
   expected = set()
@@ -60,7 +61,7 @@ def test_fp4_scope_quantizes_exactly_its_sites(policy, sites):
     kv = () if layer in cfg.linear_layers else ("k", "v")  # linear layers have no KV cache
     expected |= {(layer, s) for s in mixer + kv + moe}
   assert recorded == expected
-  for key, q in aux["sites"].items():  # laid out per token slot, as guidance buffers need
+  for key, q in aux.sites.items():  # laid out per token slot, as guidance buffers need
     assert q.global_scale.shape[:2] == (1, 5), (key, q.global_scale.shape)
   params = R.quantize_params(nnx.state(policy), quant)
   packed = {tuple(str(p) for p in path[-2:]) for path, v in nnx.to_flat_state(params)

@@ -31,12 +31,14 @@ def captured(policy):
 
 @functools.lru_cache(maxsize=None)
 def _jitted(quant, routing_replay, record_inputs):
+  quant = quant.replace(compute_dtype="float32",
+                        recording=M.Recording(form="full", inputs=record_inputs))
   return nnx.jit(lambda m, r, g: T.training_forward(
-      m, r.tokens, r.positions, r.mask, quant=quant, guidance=g, routing_replay=routing_replay,
-      record=True, record_inputs=record_inputs, dtype=jnp.float32))
+      m, r.tokens, r.positions, r.mask, quant=quant, guidance=g, routing_replay=routing_replay))
 
 
 def _forward(policy, rollout, quant, guidance, routing_replay=True, record_inputs=True):
+  """(log-probs, ModelOutput) of the training path, recording every site in full."""
   return _jitted(quant, routing_replay, record_inputs)(policy, rollout.without_cache(), guidance)
 
 
@@ -62,13 +64,13 @@ def _shared_neighbours(rollout_x, train_x, q):
 @pytest.mark.parametrize("mode", ["full", "compact"])
 def test_guided_codes_equal_the_rollout_codes_where_neighbours_are_shared(policy, captured, mode):
   guidance = captured.guidance if mode == "full" else captured.guidance.to_compact()
-  _, _, aux = _forward(policy, captured, FULL_ALL, guidance)
+  _, aux = _forward(policy, captured, FULL_ALL, guidance)
   valid = np.asarray(captured.mask)
   shared_total = not_shared = 0
   for key, recorded in captured.guidance.sites.items():
-    shared = _shared_neighbours(captured.site_inputs[key], aux["site_inputs"][key], recorded)
+    shared = _shared_neighbours(captured.site_inputs[key], aux.site_inputs[key], recorded)
     weights = np.broadcast_to(valid.reshape(valid.shape + (1,) * (shared.ndim - 2)), shared.shape)
-    train_codes = np.asarray(fp4.codes(aux["sites"][key]))
+    train_codes = np.asarray(fp4.codes(aux.sites[key]))
     rollout_codes = np.asarray(fp4.codes(recorded))
     np.testing.assert_array_equal(train_codes[shared & weights], rollout_codes[shared & weights],
                                   err_msg=str(key))
@@ -86,13 +88,14 @@ def test_guided_mismatch_is_below_nearest_rounding(policy):
                            sampling=R.SamplingConfig(max_new_tokens=12))
   rollout = R.RolloutEngine(policy, config).generate(PROMPTS * 4, jax.random.key(1))
   run = nnx.jit(lambda m, r, g, quant, replay: T.training_forward(
-      m, r.tokens, r.positions, r.mask, quant=quant, guidance=g, routing_replay=replay,
-      record=True, dtype=jnp.bfloat16), static_argnums=(3, 4))
+      m, r.tokens, r.positions, r.mask, guidance=g, routing_replay=replay,
+      quant=quant.replace(compute_dtype="bfloat16", recording=M.Recording(form="full"))),
+      static_argnums=(3, 4))
   stats = {}
   for name, quant, replay in (("none", M.QuantConfig(), False), ("full", FULL_ALL, True)):
-    logp, _, aux = run(policy, rollout.without_cache(), rollout.guidance, quant, replay)
+    logp, aux = run(policy, rollout.without_cache(), rollout.guidance, quant, replay)
     stats[name] = (metrics.mismatch_metrics(rollout.logprobs, logp, rollout.response_mask),
-                   metrics.code_disagreement(rollout.guidance.sites, aux["sites"], rollout.mask))
+                   metrics.code_disagreement(rollout.guidance.sites, aux.sites, rollout.mask))
   assert stats["none"][1]["code_disagree_frac"] > 0  # the paths really differ
   assert stats["full"][1]["code_disagree_frac"] < stats["none"][1]["code_disagree_frac"] / 5
   assert stats["full"][0]["mismatch/k3_kl"] < stats["none"][0]["mismatch/k3_kl"]
@@ -104,13 +107,14 @@ def test_guided_gradients_equal_nearest_ste_gradients(policy, captured):
   so loss and gradients through the guided forward equal those through nearest rounding."""
   tokens, positions, mask = captured.tokens, captured.positions, captured.mask
   quant = M.QuantConfig()
-  _, aux = nnx.jit(lambda m: m(tokens, positions=positions, mask=mask, quant=quant, record=True))(policy)
-  own = G.Guidance(sites=dict(aux["sites"]), routing=aux["routing"].astype(jnp.int8), mode="full",
+  recording = quant.replace(recording=M.Recording(form="full"))
+  aux = nnx.jit(lambda m: m(tokens, positions=positions, mask=mask, quant=recording))(policy)
+  own = G.Guidance(sites=dict(aux.sites), routing=aux.routing.astype(jnp.int8), mode="full",
                    layers=(0, 1))
 
   def loss(model, quant, guidance, replay):
-    logp, _, _ = T.training_forward(model, tokens, positions, mask, quant=quant, guidance=guidance,
-                                    routing_replay=replay)
+    logp, _ = T.training_forward(model, tokens, positions, mask, quant=quant, guidance=guidance,
+                                 routing_replay=replay)
     return -jnp.sum(logp * captured.response_mask)
 
   grad = nnx.jit(nnx.grad(loss), static_argnums=(1, 3))

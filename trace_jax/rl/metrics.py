@@ -61,7 +61,7 @@ def code_disagreement(rollout_sites: Mapping, train_sites: Mapping, mask) -> dic
 
   Args:
     rollout_sites, train_sites: {(layer, site): fp4.QArray} of the same [B, S, ...]
-      activations (e.g. a full-guidance capture and `record=True` of the training forward).
+      activations (e.g. a full-guidance capture and the training forward with `Recording(form="full")`).
     mask: bool [B, S], the token slots to count (real tokens).
 
   Returns:
@@ -128,7 +128,7 @@ def fp4_disagreement(rollout_sites: Mapping, train_sites: Mapping, mask) -> dict
 
   Args:
     rollout_sites: {(layer, site): fp4.QArray (full) or fp4.CompactGuidance}.
-    train_sites: {(layer, site): fp4.QArray} of the training forward (`record=True`).
+    train_sites: {(layer, site): fp4.QArray} of the training forward (`Recording(form="full")`).
     mask: bool [B, S], the token slots to count.
 
   Returns:
