@@ -24,7 +24,6 @@ from trace_jax.model.quant import (
     Recording,
     SiteQuantizer,
     call_config,
-    declare_site,
     layer_sites,
     is_quantized_weight,
     quantize_weight,
@@ -34,4 +33,5 @@ from trace_jax.model.quant import (
     weight_group,
     weight_layout,
 )
+from trace_jax.model.sites import Site, declare_site
 from trace_jax.model.transformer import ModelOutput, Transformer

@@ -15,7 +15,8 @@ from trace_jax import fp4, kernels
 from trace_jax.model import cache as kv_cache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import LayerInputs, RMSNorm, apply_rope, normal_param
-from trace_jax.model.quant import SiteQuantizer, declare_site, sow_cache_entry, sow_site
+from trace_jax.model.quant import SiteQuantizer
+from trace_jax.model.sites import declare_site, sow_cache_entry, sow_site
 
 # The token mixer's sites (softmax attention here; Gated DeltaNet layers have them too).
 ATTN_IN = declare_site("attn_in")  # input of the q/k/v (DeltaNet: in_proj_qkv/z) projections

@@ -24,7 +24,8 @@ from flax import nnx
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.attention import ATTN_IN, ATTN_OUT
 from trace_jax.model.layers import LayerInputs, RMSNorm, normal_param
-from trace_jax.model.quant import SiteQuantizer, sow_site
+from trace_jax.model.quant import SiteQuantizer
+from trace_jax.model.sites import sow_site
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -16,7 +16,8 @@ from flax import nnx, struct
 
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import matmul, normal_param, swiglu
-from trace_jax.model.quant import Site, SiteQuantizer, declare_site, sow_site
+from trace_jax.model.quant import SiteQuantizer
+from trace_jax.model.sites import Site, declare_site, sow_site
 
 _MOE = lambda cfg, layer: layer not in cfg.dense_layers  # noqa: E731
 _DENSE = lambda cfg, layer: layer in cfg.dense_layers  # noqa: E731

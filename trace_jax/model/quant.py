@@ -1,8 +1,7 @@
-"""Where the model quantizes, and how: the site registry, `QuantConfig` and the per-forward
-`SiteQuantizer`.
+"""Where the model quantizes, and how: `QuantConfig` and the per-forward `SiteQuantizer`.
 
-Quantization sites (DESIGN.md section 2), per layer, each declared once (`declare_site`)
-beside the module call that quantizes it:
+Quantization sites (DESIGN.md section 2), per layer, each declared once
+(`sites.declare_site`) beside the module call that quantizes it:
   attn_in     input of the q/k/v projections                 per token      (attention.py)
               (Gated DeltaNet layers: of in_proj_qkv and in_proj_z)
   attn_out    input of the output projection (out_proj)      per token      (attention.py)
@@ -29,8 +28,8 @@ A tuple of activation-site names (the older form) quantizes exactly those activa
 and, with `weights=True`, every linear weight.
 
 How a site runs (one seam for the rollout and the training path):
-  1. the module calls `sow_site(self, sq, x, layer=layer, site=SITE)` where the site is
-     (`sow_cache_entry` for a K/V cache entry);
+  1. the module calls `sites.sow_site(self, sq, x, layer=layer, site=SITE)` where the site
+     is (`sites.sow_cache_entry` for a K/V cache entry);
   2. `SiteQuantizer.site` picks the rounding (nearest; guided by the rollout's record at
      guided layers) and calls the pure `quantize_site`, which quantizes once and returns
      (values, record), the record already in the guidance's stored form (`Recording.form`:
@@ -50,21 +49,25 @@ the guidance buffers and its byte accounting (an abstract forward) all derive fr
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import zlib
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
 
 from trace_jax import fp4, kernels as kernels_lib
 from trace_jax.model import layers
+from trace_jax.model.sites import (SITE_SCOPES, SiteKey, SiteRecord, derived as _derived,
+                                   registered_sites, site_spec)
+
+
+def __getattr__(name: str):
+  """ACTIVATION_SITES, SCOPE_SITES, KV_SITES and ROUTED_SITES, derived from the site
+  declarations (`trace_jax.model.sites`)."""
+  return _derived(name)
 
 PRECISIONS = ("fp4", "bf16")
-# Named FP4 scopes (DESIGN.md section 2); each site declares the scopes that include it.
-SITE_SCOPES = ("all", "experts+kv")
 # Groups of linear weights, by the module that owns them; a scope quantizes whole groups.
 WEIGHT_GROUPS = ("attention", "experts", "shared", "mlp")
 SCOPE_WEIGHT_GROUPS = {"all": WEIGHT_GROUPS, "experts+kv": ("experts",)}
@@ -75,98 +78,6 @@ GUIDED_LAYER_NAMES = ("last_half", "all", "none")
 # activation itself, and an FP8 flip moves a value by at most 1/8 relative (E2M1: 1/2).
 ACTIVATION_FORMATS = ("fp4", "fp8")
 GuidedLayers = Union[str, int, Sequence[int]]
-SiteKey = tuple[int, str]
-
-
-# --- The site registry ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Site:
-  """One activation quantization site, as declared beside the module call that quantizes it.
-
-  Attributes:
-    name: the key of its records and guidance, (layer, name).
-    present: (ModelConfig, layer) -> whether that layer of a model has the site.
-    scopes: the named FP4 scopes (`SITE_SCOPES`) that quantize it; "all" always does.
-    cache: a K/V cache entry: stored packed in the cache (`sow_cache_entry`), and FP4 even
-      under W4A8 (`QuantConfig.activations="fp8"` rounds only the linear inputs to FP8).
-    routed: its rows are (token, chosen expert): its guidance only fits the rollout's experts,
-      so guiding it needs routing replay.
-  """
-
-  name: str
-  present: Callable[[Any, int], bool]
-  scopes: tuple[str, ...] = ("all",)
-  cache: bool = False
-  routed: bool = False
-
-
-_REGISTRY: dict[str, Site] = {}
-# The modules that declare sites: importing them completes the registry (they import this
-# module, so the registry is read lazily, never at this module's import).
-_DECLARING_MODULES = ("trace_jax.model.attention", "trace_jax.model.deltanet",
-                      "trace_jax.model.moe")
-
-
-def declare_site(name: str, *, present: Callable[[Any, int], bool] = lambda cfg, layer: True,
-                 scopes: Sequence[str] = (), cache: bool = False, routed: bool = False) -> Site:
-  """Register an activation site (once, at the import of the module that quantizes it).
-
-  Args:
-    name: the site's key; unique.
-    present: (ModelConfig, layer) -> whether that layer has the site (default: every layer).
-    scopes: named scopes besides "all" that quantize it (e.g. ("experts+kv",)).
-    cache: a K/V cache entry (see `Site`).
-    routed: rows are (token, chosen expert) (see `Site`).
-  Returns:
-    the `Site`, for the module's `sow_site(..., site=...)` call.
-  """
-  scopes = ("all",) + tuple(s for s in scopes if s != "all")
-  bad = [s for s in scopes if s not in SITE_SCOPES]
-  if bad:
-    raise ValueError(f"declare_site({name!r}): scopes {bad} are not among {SITE_SCOPES}")
-  if name in _REGISTRY:
-    raise ValueError(f"declare_site({name!r}): a site of that name is already declared")
-  site = Site(name=name, present=present, scopes=scopes, cache=cache, routed=routed)
-  _REGISTRY[name] = site
-  return site
-
-
-def registered_sites() -> tuple[Site, ...]:
-  """Every declared site, in declaration order."""
-  for module in _DECLARING_MODULES:
-    importlib.import_module(module)
-  return tuple(_REGISTRY.values())
-
-
-def site_spec(name: str) -> Site:
-  """The declaration of site `name`."""
-  sites = {s.name: s for s in registered_sites()}
-  if name not in sites:
-    raise ValueError(f"unknown quantization site {name!r}; declared: {tuple(sites)}")
-  return sites[name]
-
-
-_DERIVED = ("ACTIVATION_SITES", "SCOPE_SITES", "KV_SITES", "ROUTED_SITES")
-
-
-def _derived(name: str):
-  if name not in _DERIVED:
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  sites = registered_sites()
-  if name == "ACTIVATION_SITES":
-    return tuple(s.name for s in sites)
-  if name == "SCOPE_SITES":
-    return {scope: tuple(s.name for s in sites if scope in s.scopes) for scope in SITE_SCOPES}
-  if name == "KV_SITES":
-    return tuple(s.name for s in sites if s.cache)
-  return tuple(s.name for s in sites if s.routed)
-
-
-def __getattr__(name: str):
-  """ACTIVATION_SITES, SCOPE_SITES, KV_SITES and ROUTED_SITES, derived from the registry."""
-  return _derived(name)
 
 
 def resolve_layers(guided_layers: GuidedLayers, num_layers: int, *, field: str = "guided_layers"
@@ -464,22 +375,6 @@ def shared_scale_groups(names: Sequence[str]) -> list[tuple[str, ...]]:
   return groups + [(n,) for n in names if n not in grouped]
 
 
-@struct.dataclass
-class SiteRecord:
-  """What one quantization site reports beside its values (sown as an nnx.Intermediate).
-
-  Attributes:
-    record: the site's quantization outcome in guidance form (`fp4.QArray` for "full",
-      `fp4.CompactGuidance` for "compact"), or None.
-    fallback: bool, input-shaped: where guided rounding fell back (guided sites), or None.
-    input: the activation before quantization (`Recording.inputs`), or None.
-  """
-
-  record: Any = None
-  fallback: Any = None
-  input: Any = None
-
-
 def quantize_site(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: str,
                   kernels: str) -> tuple[jax.Array, Any, jax.Array | None]:
   """One activation site, per token (row): quantize once, return (values, record, fallback).
@@ -521,40 +416,6 @@ def cache_entry(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: st
         global_scale=q.global_scale, scales=q.scales, mantissa_bits=bits, fmt=q.fmt,
         axis=q.axis))
   return q, record
-
-
-def sow_site(module: nnx.Module, sq: "SiteQuantizer", x: jax.Array, *, layer: int,
-             site: Site) -> jax.Array:
-  """Quantize activation site `site` of `module` at `layer`; sow its record (if any) into
-  the `nnx.Intermediate` collection, which `Transformer.__call__` captures."""
-  values, record = sq.site(x, layer, site.name)
-  if record is not None:
-    module.sow(nnx.Intermediate, site.name, record)
-  return values
-
-
-def sow_cache_entry(module: nnx.Module, sq: "SiteQuantizer", x: jax.Array, *, layer: int,
-                    site: Site):
-  """A K/V cache site of `module`: the packed FP4 entry the cache stores if the scope
-  quantizes it (its record sown as `sow_site` does), else `x` itself."""
-  if not sq.active(site.name):
-    return x
-  entry, record = sq.cache_entry(x, layer, site.name)
-  if record is not None:
-    module.sow(nnx.Intermediate, site.name, record)
-  return entry
-
-
-def collect_site_records(sown) -> dict[SiteKey, SiteRecord]:
-  """The `SiteRecord`s of a forward's captured `nnx.Intermediate` state (what `nnx.capture`
-  returns): {(layer, site): record}. Sites live at `blocks/<layer>/.../<site>`."""
-  out = {}
-  for path, variable in nnx.to_flat_state(sown):
-    value = variable.get_value() if hasattr(variable, "get_value") else variable
-    for item in (value if isinstance(value, tuple) else (value,)):
-      if isinstance(item, SiteRecord):
-        out[(int(path[1]), str(path[-1]))] = item
-  return out
 
 
 class SiteQuantizer:

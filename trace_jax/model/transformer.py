@@ -30,7 +30,8 @@ from trace_jax.model.config import ModelConfig
 from trace_jax.model.deltanet import GatedDeltaNet
 from trace_jax.model.layers import LayerInputs, RMSNorm, normal_param, rope_tables
 from trace_jax.model.moe import MLP, MLP_IN, MLP_MID, MoE
-from trace_jax.model.quant import QuantConfig, SiteQuantizer, collect_site_records, sow_site
+from trace_jax.model.quant import QuantConfig, SiteQuantizer
+from trace_jax.model.sites import collect_site_records, sow_site
 
 
 @struct.dataclass
