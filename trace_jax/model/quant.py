@@ -384,6 +384,9 @@ def quantize_site(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: 
   record (`fp4.sparse_guidance`).
   """
   if form == "sparse":
+    # One materialised x for the quantization and the flags: inside a fusion XLA may keep
+    # excess precision for one use of a bf16 value and not for another.
+    x = jax.lax.optimization_barrier(x)
     values, q, fell_back = quantize_site(x, fmt, rounding=rounding, form="full", kernels=kernels)
     return values, fp4.sparse_guidance(x, q, sparse or fp4.SparseSpec()), fell_back
   if kernels == "pallas" and not rounding:
@@ -406,6 +409,7 @@ def cache_entry(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: st
                 kernels: str, sparse: fp4.SparseSpec | None = None) -> tuple[fp4.QArray, Any]:
   """A K or V cache site: (the packed entry the cache stores, its record in `form`)."""
   if form == "sparse":
+    x = jax.lax.optimization_barrier(x)  # as in `quantize_site`
     q, _ = cache_entry(x, fmt, rounding=rounding, form="none", kernels=kernels)
     return q, fp4.sparse_guidance(x, q, sparse or fp4.SparseSpec())
   if kernels == "pallas" and not rounding:
