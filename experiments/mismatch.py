@@ -47,6 +47,8 @@ _SWEEP = flags.DEFINE_list("delta_sweep", [str(d) for d in _D.delta_sweep],
                            "Sparse guidance: the deltas of the sweep.")
 _QUANTILE = flags.DEFINE_float("delta_quantile", _D.delta_quantile,
                                "Share of |t_train - t_rollout| the calibrated delta covers.")
+_LAYER_SWEEP = flags.DEFINE_bool("layer_sweep", _D.layer_sweep, "Compact / full by number of "
+                                 "guided layers (one training-path compile each).")
 _GEOMETRIES = flags.DEFINE_bool("geometries", _D.geometries, "Sparse bytes at the Qwen3-30B-A3B "
                                 "and Qwen3.5-35B-A3B geometries (eval_shape traces).")
 
@@ -89,6 +91,9 @@ def _plot_bytes(results: dict, ax) -> None:
                 fontsize=6)
   for mode, marker in (("compact", "o"), ("full", "s")):
     rows = [r for r in results["sweep"] if r["mode"] == mode and r["guided_layers"] > 0]
+    if not rows:  # --nolayer_sweep: the modes' own points (compact last half, full all)
+      rows = [{"bytes_per_token": results["bytes_per_token"][mode],
+               "k3_kl": results["modes"][mode]["k3_kl"]}]
     ax.loglog([r["bytes_per_token"] for r in rows], [max(r["k3_kl"], floor) for r in rows],
               marker=marker, label=f"{mode}, by guided layers")
   routing = results["modes"]["none+replay"]
@@ -114,7 +119,8 @@ def main(argv):
                        new_tokens=_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
                        compute_dtype=_DTYPE.value, fp4_sites=_FP4_SITES.value, fmt=_FMT.value,
                        delta=_DELTA.value, delta_sweep=tuple(float(d) for d in _SWEEP.value),
-                       delta_quantile=_QUANTILE.value, geometries=_GEOMETRIES.value)
+                       delta_quantile=_QUANTILE.value, geometries=_GEOMETRIES.value,
+                       layer_sweep=_LAYER_SWEEP.value)
   results = run_study(config)
   png = _PNG.value or os.path.splitext(_JSON.value)[0] + ".png"
   plot(results, png)

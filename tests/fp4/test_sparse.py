@@ -4,6 +4,7 @@ The reference finds each rollout value's two E2M1 grid neighbours on the ml_dtyp
 flags it when |(|v| - midpoint)| / spacing <= delta, and expects the training path to land
 on the rollout's code wherever it flagged (values nudged across the midpoint included), and
 on nearest rounding of its own value (`reference.nvfp4`) everywhere else.
+(One test is slow: `pytest -m slow tests/fp4/test_sparse.py`.)
 """
 
 import chex
@@ -52,7 +53,7 @@ def _nudge(x, rng, frac=0.5):
   return nudged
 
 
-@pytest.mark.parametrize("delta", [0.0, 0.03, 0.1])
+@pytest.mark.parametrize("delta", [0.0, 0.1])
 def test_flags_and_bits_match_the_reference(delta):
   rng = np.random.default_rng(int(delta * 1000))
   x = _rows(rng, (6, 5, 64))
@@ -85,6 +86,7 @@ def test_bf16_exact_ties_are_flagged_and_followed():
   np.testing.assert_array_equal(np.asarray(fp4.codes(guided))[flags], codes[flags])
 
 
+@pytest.mark.slow  # ~15 s of compiles; the tie test covers following in the default suite
 def test_training_path_follows_flags_and_rounds_nearest_elsewhere():
   rng = np.random.default_rng(3)
   x = _rows(rng, (4, 8, 128))

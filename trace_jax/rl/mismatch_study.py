@@ -69,9 +69,10 @@ class StudyConfig:
   fp4_sites: str = "all"  # FP4 scope: "all" or "experts+kv"
   kernels: str = "auto"  # the FP4 rollout's implementation: "auto", "pallas" or "xla"
   delta: float = fp4.DEFAULT_DELTA  # sparse guidance's margin: modes["sparse"] is at it
-  delta_sweep: tuple = (0.0, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1)  # sparse rows beside it
+  delta_sweep: tuple = (0.0, 0.005, 0.01, 0.02, 0.035, 0.05, 0.1, 0.15)  # sparse rows beside it
   delta_quantile: float = 0.999  # the share of |t_train - t_rollout| the calibration covers
   geometries: bool = True  # bytes at the Qwen3-30B-A3B / Qwen3.5-35B-A3B geometries (traces)
+  layer_sweep: bool = True  # compact / full by number of guided layers (a compile each)
 
   def __post_init__(self):
     check_kernels(self.kernels, "StudyConfig.kernels")
@@ -187,7 +188,7 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> dict:
                                           sparse_measure)
   modes["sparse"] = next(r for r in sparse_sweep if r["delta"] == config.delta)
   sweep = []
-  for n in range(cfg.num_layers + 1):
+  for n in range(cfg.num_layers + 1) if config.layer_sweep else ():
     layers = resolve_layers(n, cfg.num_layers)
     for mode, guidance in (("compact", compact), ("full", full)):
       row = measure(fp4_rollout, guided(n), guidance.select_layers(layers), True)

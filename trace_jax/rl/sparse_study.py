@@ -80,6 +80,9 @@ def calibrate(rollout_sites, rollout_inputs, train_sites, train_inputs, mask,
         "above_0.5_frac": float(np.mean(e > 0.5)) if e.size else None}
   return {"quantile": quantile, "delta": _quantile(pooled, quantile),
           "scale_delta": _quantile(pooled_blocks, quantile),
+          "quantiles": {str(p): {"delta": _quantile(pooled, p),
+                                 "scale_delta": _quantile(pooled_blocks, p)}
+                        for p in (0.9, 0.99, 0.995, 0.999, 0.9999)},
           "global_scale_differs_frac": gs_differs / max(gs_rows, 1),
           "elements": int(sum(p.size for p in pooled)), "per_site": per_site}
 
