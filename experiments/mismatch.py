@@ -83,7 +83,15 @@ def plot(results: dict, path: str) -> None:
 def _plot_bytes(results: dict, ax) -> None:
   """k3 against guidance bytes/token: none, sparse(delta), compact and full (by layers)."""
   floor = 1e-12
-  sparse = results["sparse_sweep"]
+  sparse = [r for r in results["sparse_sweep"] if not r.get("site_deltas")]
+  per_site = [r for r in results["sparse_sweep"] if r.get("site_deltas")]
+  if per_site:
+    ax.loglog([max(r["bytes_per_token"], 1) for r in per_site],
+              [max(r["k3_kl"], floor) for r in per_site], marker="v", ls=":",
+              label="sparse, per-site margins (calibration quantile)")
+    for r in per_site:
+      ax.annotate(f"q{r['site_quantile']:g}", (max(r["bytes_per_token"], 1),
+                                               max(r["k3_kl"], floor)), fontsize=6)
   ax.loglog([max(r["bytes_per_token"], 1) for r in sparse], [max(r["k3_kl"], floor) for r in sparse],
             marker="^", label="sparse (every layer), by delta")
   for r in sparse:
@@ -169,7 +177,10 @@ def _print_sparse(results: dict) -> None:
            f"{bpt.get(m, 0):.1f}", "-", "-", "-")
           for m in ("none", "none+replay", "compact", "full")]
   for r in results["sparse_sweep"]:
-    rows.append(("sparse", f"{r['delta']:g}", f"{r['k3_kl']:.3e}", pct(r["code_disagree_frac"]),
+    label = f"{r['delta']:g}" if not r.get("site_deltas") else (
+        f"per site, q{r['site_quantile']:g}: " + ", ".join(f"{k} {v:.3g}"
+                                                          for k, v in r["site_deltas"].items()))
+    rows.append(("sparse", label, f"{r['k3_kl']:.3e}", pct(r["code_disagree_frac"]),
                  f"{r['bytes_per_token']:.1f}", pct(r["density"]), pct(r["block_density"]),
                  f"{r['overflow']}/{r['block_overflow']}"))
   print("\nsparse guidance (every layer, routing replay) vs none / compact (last half) / full (all)")
@@ -192,10 +203,11 @@ def _print_sparse(results: dict) -> None:
   geo = results["sparse_geometry_bytes_per_token"]
   if geo:
     print(markdown_table(["geometry", "scope", "compact (last half)", "full (all)",
-                          f"sparse (all, delta {modes['sparse']['delta']:g})"],
+                          f"sparse (all, delta {modes['sparse']['delta']:g})",
+                          "sparse, cheapest within 1.5x of compact's k3"],
                          [(name, scope, f"{b['compact']:.0f}", f"{b['full']:.0f}",
-                           f"{b['sparse']:.0f}") for name, g in geo.items()
-                          for scope, b in g.items()]))
+                           f"{b['sparse']:.0f}", f"{b.get('sparse_within_1.5x', float('nan')):.0f}")
+                          for name, g in geo.items() for scope, b in g.items()]))
 
 
 if __name__ == "__main__":

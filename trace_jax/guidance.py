@@ -159,7 +159,8 @@ class Guidance:
     missing = sorted(set(self.sites) - set(inputs))
     if missing:
       raise ValueError(f"the site inputs lack {missing[:6]} (capture_inputs=True on the engine)")
-    sites = {k: fp4.sparse_guidance(inputs[k], q, spec) for k, q in self.sites.items()}
+    sites = {k: fp4.sparse_guidance(inputs[k], q, spec.for_site(k[1]))
+             for k, q in self.sites.items()}
     return dataclasses.replace(self, sites=sites, mode="sparse")
 
   def take(self, rows) -> "Guidance":

@@ -65,10 +65,13 @@ class SparseSpec:
   capacity_frac: float = 0.25  # flagged elements kept per row: this share of the row,
   #   rounded up to a multiple of 8 (at least 8)
   block_capacity_frac: float = 0.5  # flagged block scales kept per row (at least 1)
+  site_deltas: tuple = ()  # ((site, delta), ...): per-site-kind margins instead of `delta`
+  #   (the paths' differences enter at some sites only: attention outputs, RoPE'd keys)
 
   def __post_init__(self):
-    for name in ("delta", "scale_delta"):
-      value = getattr(self, name)
+    object.__setattr__(self, "site_deltas", tuple((str(k), float(v)) for k, v in self.site_deltas))
+    for name, value in (("delta", self.delta), ("scale_delta", self.scale_delta),
+                        *((f"site_deltas[{k!r}]", v) for k, v in self.site_deltas)):
       if not (isinstance(value, (int, float)) and 0.0 <= value <= 0.5):
         raise ValueError(f"SparseSpec.{name}={value!r} must lie in [0, 0.5] (grid units from "
                          "the midpoint; 0.5 flags every element)")
@@ -76,6 +79,13 @@ class SparseSpec:
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and 0.0 < value <= 1.0):
         raise ValueError(f"SparseSpec.{name}={value!r} must lie in (0, 1]")
+
+  def for_site(self, site: str) -> "SparseSpec":
+    """The spec one site records with: its own margin if `site_deltas` names it."""
+    if not self.site_deltas:
+      return self
+    return dataclasses.replace(self, delta=dict(self.site_deltas).get(site, self.delta),
+                               site_deltas=())
 
   def capacity(self, n: int) -> int:
     return min(n, max(8, 8 * math.ceil(n * self.capacity_frac / 8)))

@@ -520,7 +520,7 @@ class SiteQuantizer:
     form = self.recording.form if keep else "none"
     values, rec, fell_back = quantize_site(x, self.quant.fmt, rounding=self._rounding(layer, site),
                                            form=form, kernels=self.kernels,
-                                           sparse=self.recording.sparse)
+                                           sparse=self.recording.sparse.for_site(site))
     if not keep:
       return values, None
     return values, SiteRecord(record=rec, fallback=fell_back,
@@ -536,7 +536,7 @@ class SiteQuantizer:
     keep = self.records(layer)
     q, rec = cache_entry(x, self.quant.fmt, rounding=self._rounding(layer, site),
                          form=self.recording.form if keep else "none", kernels=self.kernels,
-                         sparse=self.recording.sparse)
+                         sparse=self.recording.sparse.for_site(site))
     if not keep:
       return q, None
     return q, SiteRecord(record=rec, input=x if self.recording.inputs else None)

@@ -33,6 +33,19 @@ from trace_jax.model.quant import QuantConfig, Recording, resolve_layers
 from trace_jax.model.transformer import Transformer
 
 GEOMETRIES = ("qwen3_30b_a3b", "qwen3_5_35b_a3b")
+QUANTILES = (0.9, 0.99, 0.995, 0.999, 0.9999)
+
+
+def site_deltas(calibration: dict, quantile: float) -> tuple:
+  """Per-site-kind margins: for each site kind, the largest over layers of the per-site
+  `quantile` of |t_train - t_rollout| (clipped to 0.5)."""
+  out: dict = {}
+  for name, row in calibration["per_site"].items():
+    value = row["quantiles"].get(str(quantile))
+    if value is not None:
+      site = name.split("/", 1)[1]
+      out[site] = min(max(out.get(site, 0.0), value), 0.5)
+  return tuple(sorted(out.items()))
 
 
 def _quantile(values: list, q: float) -> float | None:
@@ -74,6 +87,7 @@ def calibrate(rollout_sites, rollout_inputs, train_sites, train_inputs, mask,
     gs_differs += int(differs.sum())
     gs_rows += int(differs.size)
     per_site[f"{key[0]}/{key[1]}"] = {
+        "quantiles": {str(p): float(np.quantile(e, p)) if e.size else None for p in QUANTILES},
         "delta": float(np.quantile(e, quantile)) if e.size else None,
         "scale_delta": float(np.quantile(b, quantile)) if b.size else None,
         "mean": float(e.mean()) if e.size else None,
@@ -82,7 +96,7 @@ def calibrate(rollout_sites, rollout_inputs, train_sites, train_inputs, mask,
           "scale_delta": _quantile(pooled_blocks, quantile),
           "quantiles": {str(p): {"delta": _quantile(pooled, p),
                                  "scale_delta": _quantile(pooled_blocks, p)}
-                        for p in (0.9, 0.99, 0.995, 0.999, 0.9999)},
+                        for p in QUANTILES},
           "global_scale_differs_frac": gs_differs / max(gs_rows, 1),
           "elements": int(sum(p.size for p in pooled)), "per_site": per_site}
 
@@ -146,13 +160,15 @@ def geometry_bytes(cfg_name: str, scope: str, costs: dict, fmt: str = "nvfp4") -
 
 
 def sparse_rows(full: guidance_lib.Guidance, inputs, deltas, spec: fp4.SparseSpec, mask,
-                measure) -> list[dict]:
+                measure, site_specs=None) -> list[dict]:
   """One study row per delta: sparse guidance of every layer derived from the full capture
   and the rollout's inputs (bit for bit what a sparse capture records), measured on the
   training path (`measure(guidance) -> row`), with its bytes, densities and overflow."""
   rows = []
-  for delta in deltas:
-    guidance = full.to_sparse(inputs, spec.replace(delta=float(delta)))
+  specs = [(spec.replace(delta=float(d)), {}) for d in deltas] + list(site_specs or ())
+  for row_spec, extra in specs:
+    delta = row_spec.delta
+    guidance = full.to_sparse(inputs, row_spec)
     row = measure(guidance)
     stats = guidance.sparse_stats(mask)
     encodings = {}
@@ -160,7 +176,9 @@ def sparse_rows(full: guidance_lib.Guidance, inputs, deltas, spec: fp4.SparseSpe
       for form, bits in s["element_encodings"].items():
         encodings[form] = encodings.get(form, 0) + bits / 8
     tokens = max(int(np.asarray(mask).sum()), 1)
+    row.update(extra)
     row.update({"delta": float(delta), "scale_delta": spec.scale_delta,
+                "site_deltas": dict(row_spec.site_deltas),
                 "bytes_per_token": guidance.bytes_per_token(mask),
                 "bytes": {k: v / tokens for k, v in guidance.nbytes(mask).items()},
                 "element_position_bytes_per_token": {k: v / tokens for k, v in encodings.items()},
