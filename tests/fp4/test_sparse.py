@@ -221,3 +221,12 @@ def test_bad_input_is_refused():
   g = fp4.sparse_guidance(x, fp4.quantize(x, global_group="row"))
   with pytest.raises(ValueError, match="sparse guidance was recorded"):
     fp4.quantize(jnp.ones((2, 48)), global_group="row", rounding="guided", guidance=g)
+
+
+def test_per_site_margins():
+  spec = fp4.SparseSpec(delta=0.07, site_deltas=(("k", 0.01), ("v", 0.0)))
+  assert (spec.for_site("k").delta, spec.for_site("v").delta, spec.for_site("attn_out").delta) \
+      == (0.01, 0.0, 0.07)
+  assert spec.for_site("k").site_deltas == ()
+  with pytest.raises(ValueError, match=r"site_deltas\['k'\]"):
+    fp4.SparseSpec(site_deltas=(("k", 0.6),))
