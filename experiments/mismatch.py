@@ -3,9 +3,12 @@
   python experiments/mismatch.py --preset=small --json_out=runs/mismatch-small.json
   python experiments/mismatch.py --preset=tiny --sft_steps=50 --rollouts=16 --json_out=/tmp/m.json  # quick
   python experiments/mismatch.py --preset=small --fp4_sites=experts+kv --json_out=runs/mismatch-ekv.json
+  python experiments/mismatch.py --preset=tiny --delta=0.01 --delta_sweep=0,0.005,0.02  # sparse
 
 Modes: bf16 (both paths), none (FP4 QAT, nearest, own routing), none+replay (nearest with the
-rollout's experts), compact / full (guided, with replay). Guidance targets are stated
+rollout's experts), compact / full (guided, with replay), sparse (guided on every layer by
+the elements and scales near a rounding boundary, at --delta; swept over --delta_sweep, with
+the calibration of delta from the measured |t_train - t_rollout|). Guidance targets are stated
 against none+replay (full <= 1/10, compact <= 1/2 of its k3), so guidance is not credited
 with what routing replay removes; none shows the replay effect on its own.
 
@@ -38,10 +41,20 @@ _TEMPERATURE = flags.DEFINE_float("temperature", _D.temperature, "Sampling tempe
 _DTYPE = flags.DEFINE_enum("compute_dtype", _D.compute_dtype, ["bfloat16", "float32"],
                            "Activation dtype of both paths.")
 _TASK = flags.DEFINE_string("task", _D.task, "Built-in task for the warm start and prompts.")
+_DELTA = flags.DEFINE_float("delta", _D.delta, "Sparse guidance: margin around an E2M1 "
+                            "midpoint (grid units); modes['sparse'] is measured at it.")
+_SWEEP = flags.DEFINE_list("delta_sweep", [str(d) for d in _D.delta_sweep],
+                           "Sparse guidance: the deltas of the sweep.")
+_QUANTILE = flags.DEFINE_float("delta_quantile", _D.delta_quantile,
+                               "Share of |t_train - t_rollout| the calibrated delta covers.")
+_LAYER_SWEEP = flags.DEFINE_bool("layer_sweep", _D.layer_sweep, "Compact / full by number of "
+                                 "guided layers (one training-path compile each).")
+_GEOMETRIES = flags.DEFINE_bool("geometries", _D.geometries, "Sparse bytes at the Qwen3-30B-A3B "
+                                "and Qwen3.5-35B-A3B geometries (eval_shape traces).")
 
 
 def plot(results: dict, path: str) -> None:
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4))
   for mode, marker in (("compact", "o"), ("full", "s")):
     rows = [r for r in results["sweep"] if r["mode"] == mode]
     xs = [r["guided_layers"] for r in rows]
@@ -56,6 +69,7 @@ def plot(results: dict, path: str) -> None:
               title="KL(rollout || training path)")
   axes[1].set(xlabel="guided layers (from the top)", ylabel="FP4 codes that differ",
               title="activation code disagreement")
+  _plot_bytes(results, axes[2])
   for ax in axes:
     ax.legend(fontsize=8)
   fig.suptitle(f"{results['model']['preset']}: FP4 rollout vs training path, "
@@ -64,6 +78,39 @@ def plot(results: dict, path: str) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def _plot_bytes(results: dict, ax) -> None:
+  """k3 against guidance bytes/token: none, sparse(delta), compact and full (by layers)."""
+  floor = 1e-12
+  sparse = [r for r in results["sparse_sweep"] if not r.get("site_deltas")]
+  per_site = [r for r in results["sparse_sweep"] if r.get("site_deltas")]
+  if per_site:
+    ax.loglog([max(r["bytes_per_token"], 1) for r in per_site],
+              [max(r["k3_kl"], floor) for r in per_site], marker="v", ls=":",
+              label="sparse, per-site margins (calibration quantile)")
+    for r in per_site:
+      ax.annotate(f"q{r['site_quantile']:g}", (max(r["bytes_per_token"], 1),
+                                               max(r["k3_kl"], floor)), fontsize=6)
+  ax.loglog([max(r["bytes_per_token"], 1) for r in sparse], [max(r["k3_kl"], floor) for r in sparse],
+            marker="^", label="sparse (every layer), by delta")
+  for r in sparse:
+    ax.annotate(f"{r['delta']:g}", (max(r["bytes_per_token"], 1), max(r["k3_kl"], floor)),
+                fontsize=6)
+  for mode, marker in (("compact", "o"), ("full", "s")):
+    rows = [r for r in results["sweep"] if r["mode"] == mode and r["guided_layers"] > 0]
+    if not rows:  # --nolayer_sweep: the modes' own points (compact last half, full all)
+      rows = [{"bytes_per_token": results["bytes_per_token"][mode],
+               "k3_kl": results["modes"][mode]["k3_kl"]}]
+    ax.loglog([r["bytes_per_token"] for r in rows], [max(r["k3_kl"], floor) for r in rows],
+              marker=marker, label=f"{mode}, by guided layers")
+  routing = results["modes"]["none+replay"]
+  for mode, style in (("none", "--"), ("none+replay", "-.")):
+    ax.axhline(max(results["modes"][mode]["k3_kl"], floor), ls=style, c="gray",
+               label=f"{mode} (0 B{'' if mode == 'none' else ' + routing'})")
+  del routing
+  ax.set(xlabel="guidance bytes / token", ylabel="mismatch/k3_kl",
+         title="mismatch against guidance bytes")
 
 
 def _nll(sft: dict) -> str:
@@ -78,7 +125,10 @@ def main(argv):
   config = StudyConfig(preset=_PRESET.value, task=_TASK.value, seed=_SEED.value,
                        sft_steps=_SFT_STEPS.value, rollouts=_ROLLOUTS.value,
                        new_tokens=_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
-                       compute_dtype=_DTYPE.value, fp4_sites=_FP4_SITES.value, fmt=_FMT.value)
+                       compute_dtype=_DTYPE.value, fp4_sites=_FP4_SITES.value, fmt=_FMT.value,
+                       delta=_DELTA.value, delta_sweep=tuple(float(d) for d in _SWEEP.value),
+                       delta_quantile=_QUANTILE.value, geometries=_GEOMETRIES.value,
+                       layer_sweep=_LAYER_SWEEP.value)
   results = run_study(config)
   png = _PNG.value or os.path.splitext(_JSON.value)[0] + ".png"
   plot(results, png)
@@ -115,7 +165,49 @@ def main(argv):
         f"compact {t['compact_k3_reduction']:.1f}x (>= 2x: {t['met']['compact_2x']}); "
         f"compact {t['bytes_ratio_full_over_compact']:.2f}x smaller than full "
         f"(>= 5.5x: {t['met']['bytes_5.5x']})")
+  _print_sparse(results)
   print(f"\nwrote {_JSON.value} and {png} ({results['seconds']:.0f} s)")
+
+
+def _print_sparse(results: dict) -> None:
+  """The sparse rows beside none / compact / full, the calibration and the geometries."""
+  modes, bpt = results["modes"], results["bytes_per_token"]
+  pct = lambda v: "-" if v is None else f"{v:.4%}"  # noqa: E731
+  rows = [(m, "-", f"{modes[m]['k3_kl']:.3e}", pct(modes[m]["code_disagree_frac"]),
+           f"{bpt.get(m, 0):.1f}", "-", "-", "-")
+          for m in ("none", "none+replay", "compact", "full")]
+  for r in results["sparse_sweep"]:
+    label = f"{r['delta']:g}" if not r.get("site_deltas") else (
+        f"per site, q{r['site_quantile']:g}: " + ", ".join(f"{k} {v:.3g}"
+                                                          for k, v in r["site_deltas"].items()))
+    rows.append(("sparse", label, f"{r['k3_kl']:.3e}", pct(r["code_disagree_frac"]),
+                 f"{r['bytes_per_token']:.1f}", pct(r["density"]), pct(r["block_density"]),
+                 f"{r['overflow']}/{r['block_overflow']}"))
+  print("\nsparse guidance (every layer, routing replay) vs none / compact (last half) / full (all)")
+  print(markdown_table(["mode", "delta", "k3_kl", "code_disagree_frac", "bytes/token",
+                        "element density", "block density", "overflow (elements/blocks)"], rows))
+  for state, c in results["sparse_calibration"].items():
+    print(f"calibration ({state}): the {c['quantile']} quantile of |t_train - t_rollout| is "
+          f"{c['delta']:.4g} grid units (elements), {c['scale_delta']:.4g} E4M3 units (block "
+          f"scales), over {c['elements']} elements; global scales differ in "
+          f"{c['global_scale_differs_frac']:.2%} of rows")
+  t = results["targets"]["sparse"]
+  if t["within_1.5x"]:
+    w = t["within_1.5x"]
+    print(f"target: cheapest sparse within 1.5x of compact's k3 ({t['compact_k3']:.3e}): delta "
+          f"{w['delta']:g}, {w['bytes_per_token']:.1f} B/token, {w['full_over_sparse']:.1f}x "
+          f"fewer than full (>= 20x: {t['met']['full_20x']}), {w['compact_over_sparse']:.1f}x "
+          f"fewer than compact (>= 3x: {t['met']['compact_3x']})")
+  else:
+    print(f"target: no swept delta reaches 1.5x compact's k3 ({t['compact_k3']:.3e})")
+  geo = results["sparse_geometry_bytes_per_token"]
+  if geo:
+    print(markdown_table(["geometry", "scope", "compact (last half)", "full (all)",
+                          f"sparse (all, delta {modes['sparse']['delta']:g})",
+                          "sparse, cheapest within 1.5x of compact's k3"],
+                         [(name, scope, f"{b['compact']:.0f}", f"{b['full']:.0f}",
+                           f"{b['sparse']:.0f}", f"{b.get('sparse_within_1.5x', float('nan')):.0f}")
+                          for name, g in geo.items() for scope, b in g.items()]))
 
 
 if __name__ == "__main__":

@@ -72,6 +72,9 @@ _DTYPE = flags.DEFINE_enum("compute_dtype", _D.compute_dtype, ["bfloat16", "floa
 _FP4_SITES = flags.DEFINE_string("fp4_sites", _D.fp4_sites,
                                  "FP4 scope: all, or experts+kv (the method's: routed experts and KV cache).")
 _FMT = flags.DEFINE_string("fmt", _D.fmt, "FP4 format: nvfp4 or mxfp4.")
+_SPARSE_DELTA = flags.DEFINE_float("sparse_delta", _D.sparse_delta,
+                                   "Arm trace-sparse: margin around an E2M1 midpoint (grid "
+                                   "units) within which an element's bit is recorded.")
 _ACTIVATIONS = flags.DEFINE_string("activations", _D.activations,
                                    "fp4 (W4A4) or fp8 (W4A8: linear inputs in MXFP8 E4M3).")
 _HF = flags.DEFINE_string("hf_checkpoint", _D.hf_checkpoint,
@@ -146,7 +149,7 @@ def _main(argv):
         sft_steps=_SFT.value, checkpoint_every=_CKPT.value,
         mesh=tuple(int(m) for m in _MESH.value), compute_dtype=_DTYPE.value,
         fp4_sites=_FP4_SITES.value, fmt=_FMT.value, activations=_ACTIVATIONS.value,
-        hf_checkpoint=_HF.value,
+        sparse_delta=_SPARSE_DELTA.value, hf_checkpoint=_HF.value,
         sft_warm_start=_SFT_WARM.value, prompt_format=_PROMPT_FORMAT.value,
         system_prompt=_SYSTEM.value, observation_role=_OBS_ROLE.value,
         chat_template_options=_options(_CHAT_OPTIONS), remat=_REMAT.value)

@@ -103,3 +103,54 @@ def test_check_fits_says_what_differs():
     G.check_fits(g, tokens_shape=(B, S), required=required, num_moe_layers=3)
   with pytest.raises(ValueError, match="Guidance.mode='partial'"):
     G.Guidance(sites={}, routing=None, mode="partial", layers=())
+
+
+def _sparse(delta=0.05, seed=0, layers=(0, 1)):
+  """Sparse guidance of fresh bf16-valued site inputs, with the full records they came from."""
+  key = jax.random.key(100 + seed)
+  inputs, records = {}, {}
+  for layer in layers:
+    for site, shape in SITE_SHAPES.items():
+      key, sub = jax.random.split(key)
+      x = (3 * jax.random.normal(sub, (B, S, *shape))).astype(jnp.bfloat16).astype(jnp.float32)
+      inputs[(layer, site)] = x
+      records[(layer, site)] = fp4.quantize(x, global_group="row")
+  full = G.Guidance(sites=records, routing=None, mode="full", layers=tuple(layers))
+  return full.to_sparse(inputs, fp4.SparseSpec(delta=delta)), full, inputs
+
+
+def test_sparse_bytes_are_measured_on_real_tokens_and_smaller_than_compact():
+  sparse, full, _ = _sparse()
+  mask = np.zeros((B, S), bool)
+  mask[:, :6] = True
+  stats = sparse.sparse_stats(mask)
+  # Uniform fractional parts: about 2 * delta of the elements sit within delta of a midpoint.
+  assert 0.05 < stats["guidance/sparse_density"] < 0.15
+  parts = sparse.nbytes(mask)
+  assert parts["total"] == parts["scales"] + parts["bits"] + parts["positions"]
+  assert parts["bits"] * 8 == sum(s["bits"] for s in stats["per_site"].values())
+  per_token = sparse.bytes_per_token(mask)
+  assert 0 < per_token < full.to_compact().bytes_per_token(mask) < full.bytes_per_token(mask)
+  # Only the masked tokens count: flags in the other slots change nothing.
+  assert sparse.take(np.arange(B)).bytes_per_token(mask) == per_token
+
+
+def test_sparse_guidance_saves_and_loads(tmp_path):
+  sparse, _, _ = _sparse(layers=(1,))
+  path = os.path.join(tmp_path, "g.npz")
+  sparse.save(path)
+  loaded = G.Guidance.load(path)
+  assert loaded.mode == "sparse" and set(loaded.sites) == set(sparse.sites)
+  for key, g in sparse.sites.items():
+    assert loaded.sites[key].n == g.n
+    jax.tree.map(np.testing.assert_array_equal, loaded.sites[key], jax.device_get(g))
+
+
+def test_sparse_needs_inputs_and_full_guidance():
+  _, full, inputs = _sparse(layers=(0,))
+  with pytest.raises(ValueError, match="site inputs lack"):
+    full.to_sparse({}, fp4.SparseSpec())
+  with pytest.raises(ValueError, match="made from full guidance"):
+    full.to_compact().to_sparse(inputs)
+  with pytest.raises(ValueError, match="site inputs too"):
+    G.from_records({}, "sparse", (0,))

@@ -6,6 +6,9 @@ slots [B, S]:
   compact  `fp4.CompactGuidance`: per-row global scale (f32), E4M3 block-scale bits and the
            mantissa bit of every element (8 per uint8): 1.5 bits per element;
   full     `fp4.QArray`: global scale, block scales and whole 4-bit codes: 4.5 bits;
+  sparse   `fp4.SparseGuidance`: positions and mantissa bits of the elements near an E2M1
+           rounding boundary, positions and bits of the block scales near an E4M3 one
+           (`fp4.sparse`); its bytes depend on the data (measured, `nbytes(mask)`);
 and the experts every MoE layer chose (routing replay), int8 (int16 past 127 experts),
 [num_moe_layers, B, S, k]. It lives on the host between rollout and training
 (`to_host` / `to_device`) and can be spilled to disk for long trajectories (`save`/`load`).
@@ -27,7 +30,7 @@ import numpy as np
 from trace_jax import fp4
 from trace_jax.utils.io import write_atomic
 
-GUIDANCE_MODES = ("none", "compact", "full")
+GUIDANCE_MODES = ("none", "compact", "full", "sparse")
 SiteKey = tuple[int, str]
 
 
@@ -41,7 +44,7 @@ class Guidance:
     sites: {(layer, site): fp4.CompactGuidance (compact) or fp4.QArray (full)}, every
       array [B, S, ...] in the rollout's slot order.
     routing: int8/int16 [num_moe_layers, B, S, k] chosen experts, or None.
-    mode: "compact", "full" or "none" (routing only).
+    mode: "compact", "full", "sparse" or "none" (routing only).
     layers: the guided layer ids.
     key: a PRNG key for `QuantConfig(rounding="stochastic")` (its rounding decisions are
       drawn, not recorded), or None; not saved by `save`.
@@ -67,7 +70,8 @@ class Guidance:
     """(B, S) of the trajectories this guidance is aligned with."""
     if self.sites:
       first = next(iter(self.sites.values()))
-      return tuple(first.global_scale.shape[:2])
+      leaf = first.count if isinstance(first, fp4.SparseGuidance) else first.global_scale
+      return tuple(leaf.shape[:2])
     if self.routing is not None:
       return tuple(self.routing.shape[1:3])
     return (0, 0)
@@ -76,19 +80,62 @@ class Guidance:
     """{(layer, site): fp4 guidance}, what the model's guided forward takes."""
     return dict(self.sites)
 
-  def nbytes(self) -> dict[str, int]:
-    """Bytes by kind: "scales" (global and block), "bits" (mantissa bits or codes), "routing"."""
-    scales = bits = 0
-    for g in self.sites.values():
-      scales += _bytes(g.global_scale) + _bytes(g.scales)
-      bits += _bytes(g.mantissa_bits if isinstance(g, fp4.CompactGuidance) else g.packed)
-    routing = 0 if self.routing is None else _bytes(self.routing)
-    return {"scales": scales, "bits": bits, "routing": routing, "total": scales + bits + routing}
+  def nbytes(self, mask=None) -> dict[str, int]:
+    """Bytes by kind: "scales" (global and block), "bits" (mantissa bits or codes),
+    "positions" (sparse: the flagged positions, encoded), "routing", "total".
 
-  def bytes_per_token(self) -> float:
-    """Every byte the guidance carries (scales, bits or codes, routing) per token slot."""
+    Compact and full guidance cost the same in every token slot; sparse guidance is
+    measured on its data (`fp4.sparse.site_bits`, each site's smallest encoding) over the
+    slots of `mask` (bool [B, S], real tokens; None: every slot)."""
+    scales = bits = positions = 0
+    slots = int(np.prod(self.tokens_shape)) if mask is None else int(np.asarray(mask).sum())
+    for g in self.sites.values():
+      if isinstance(g, fp4.SparseGuidance):
+        if isinstance(g.count, jax.ShapeDtypeStruct):
+          raise ValueError("sparse guidance bytes depend on the data (the flagged share); "
+                           "measure them on a capture (mismatch study) instead of from shapes")
+        measured = fp4.sparse.site_bits(jax.device_get(g), mask)
+        scales += measured["scales"] / 8
+        bits += measured["bits"] / 8
+        positions += measured["positions"] / 8
+        continue
+      per_slot = (_bytes(g.global_scale) + _bytes(g.scales)) / max(np.prod(self.tokens_shape), 1)
+      scales += per_slot * slots
+      stored = g.mantissa_bits if isinstance(g, fp4.CompactGuidance) else g.packed
+      bits += _bytes(stored) / max(np.prod(self.tokens_shape), 1) * slots
+    routing = 0
+    if self.routing is not None:
+      routing = _bytes(self.routing) / max(np.prod(self.routing.shape[1:3]), 1) * slots
+    out = {"scales": scales, "bits": bits, "routing": routing}
+    if self.mode == "sparse":
+      out["positions"] = positions
+    out = {k: int(v) if float(v).is_integer() else float(v) for k, v in out.items()}
+    out["total"] = sum(out.values())
+    return out
+
+  def bytes_per_token(self, mask=None) -> float:
+    """Every byte the guidance carries (scales, bits or codes, positions, routing) per token
+    slot (per real token with `mask`, bool [B, S])."""
     b, s = self.tokens_shape
-    return self.nbytes()["total"] / max(b * s, 1)
+    slots = b * s if mask is None else int(np.asarray(mask).sum())
+    return self.nbytes(mask)["total"] / max(slots, 1)
+
+  def sparse_stats(self, mask=None) -> dict:
+    """Sparse guidance only: the flag densities, overflows and encodings measured over the
+    slots of `mask` ({} for other modes): "guidance/sparse_density" (flagged elements /
+    elements), "guidance/sparse_block_density", "guidance/sparse_overflow" (flags beyond
+    the buffers' capacity: rounded to nearest in training), "guidance/sparse_block_overflow"
+    and per site {"per_site": {(layer, site): fp4.sparse.site_bits(...)}}."""
+    if self.mode != "sparse":
+      return {}
+    per_site = {key: fp4.sparse.site_bits(jax.device_get(g), mask)
+                for key, g in self.sites.items()}
+    total = lambda name: sum(v[name] for v in per_site.values())  # noqa: E731
+    return {"guidance/sparse_density": total("flagged") / max(total("elements"), 1),
+            "guidance/sparse_block_density": total("flagged_blocks") / max(total("blocks"), 1),
+            "guidance/sparse_overflow": total("overflow"),
+            "guidance/sparse_block_overflow": total("block_overflow"),
+            "per_site": per_site}
 
   def select_layers(self, layers) -> "Guidance":
     """The guidance of a subset of the guided layers (routing kept)."""
@@ -108,6 +155,21 @@ class Guidance:
       raise ValueError(f"only full guidance holds codes to make compact guidance of; mode={self.mode!r}")
     sites = {k: fp4.compact_guidance(q) for k, q in self.sites.items()}
     return dataclasses.replace(self, sites=sites, mode="compact")
+
+  def to_sparse(self, inputs: Mapping[SiteKey, Any], spec: "fp4.SparseSpec" = None
+                ) -> "Guidance":
+    """Sparse guidance from full guidance and the rollout's site inputs
+    (`Rollout.site_inputs`): exactly what a sparse capture of the same rollout records."""
+    if self.mode != "full":
+      raise ValueError(f"sparse guidance is made from full guidance (codes and scales); "
+                       f"mode={self.mode!r}")
+    spec = fp4.SparseSpec() if spec is None else spec
+    missing = sorted(set(self.sites) - set(inputs))
+    if missing:
+      raise ValueError(f"the site inputs lack {missing[:6]} (capture_inputs=True on the engine)")
+    sites = {k: fp4.sparse_guidance(inputs[k], q, spec.for_site(k[1]))
+             for k, q in self.sites.items()}
+    return dataclasses.replace(self, sites=sites, mode="sparse")
 
   def take(self, rows) -> "Guidance":
     """The guidance of some sequences (a minibatch): rows index the batch axis."""
@@ -138,11 +200,13 @@ class Guidance:
     for (layer, site), g in self.sites.items():
       for field in dataclasses.fields(g):
         value = getattr(g, field.name)
-        if not isinstance(value, (str, int)):  # fmt and axis go into the meta entry
+        if not isinstance(value, (str, int)):  # fmt, axis (and n) go into the meta entry
           arrays[f"site/{layer}/{site}/{field.name}"] = np.asarray(value)
-      kind = "full" if isinstance(g, fp4.QArray) else "compact"
+      kind = ("full" if isinstance(g, fp4.QArray) else
+              "sparse" if isinstance(g, fp4.SparseGuidance) else "compact")
+      extra = {"n": g.n} if kind == "sparse" else {}
       arrays[f"meta/{layer}/{site}"] = np.asarray(json.dumps({"kind": kind, "fmt": g.fmt,
-                                                              "axis": g.axis}))
+                                                              "axis": g.axis, **extra}))
     if self.routing is not None:
       arrays["routing"] = np.asarray(self.routing)
     meta = {"mode": self.mode, "layers": list(self.layers)}
@@ -185,7 +249,10 @@ class Guidance:
       _, layer, site = name.split("/")
       info = json.loads(str(arrays[name]))
       get = lambda field: arrays[f"site/{layer}/{site}/{field}"]
-      if info["kind"] == "full":
+      if info["kind"] == "sparse":
+        g = fp4.SparseGuidance(**{f: get(f) for f in _SPARSE_FIELDS}, fmt=info["fmt"],
+                               n=int(info["n"]))
+      elif info["kind"] == "full":
         g = fp4.QArray(packed=get("packed"), scales=get("scales"),
                        global_scale=get("global_scale"), fmt=info["fmt"], axis=info["axis"])
       else:
@@ -195,6 +262,9 @@ class Guidance:
       sites[(int(layer), site)] = g
     routing = arrays.get("routing")
     return cls(sites=sites, routing=routing, mode=meta["mode"], layers=tuple(meta["layers"]))
+
+
+_SPARSE_FIELDS = ("index", "mantissa_bits", "count", "block_index", "block_scales", "block_count")
 
 
 def _digest(arrays: Mapping[str, np.ndarray], meta: dict) -> str:
@@ -221,6 +291,9 @@ def from_records(records: Mapping[SiteKey, fp4.QArray], mode: str, layers) -> di
     raise ValueError(f"guidance mode {mode!r} is not allowed; use one of {GUIDANCE_MODES}")
   if mode == "none":
     return {}
+  if mode == "sparse":
+    raise ValueError("sparse guidance is made from the site inputs too: use "
+                     "Guidance.to_sparse(inputs) or a sparse capture (Recording(form='sparse'))")
   layers = set(layers)
   out = {}
   for key, q in records.items():

@@ -18,6 +18,7 @@ PROMISES = {
     "fp4-qat": (True, True, "nearest", "none", None, (), False),
     "trace": (True, True, "guided", "none", "compact", (1,), True),
     "trace-full": (True, True, "guided", "none", "full", (0, 1), True),
+    "trace-sparse": (True, True, "guided", "none", "sparse", (0, 1), True),
 }
 
 
@@ -67,7 +68,12 @@ def test_one_step_keeps_the_arms_promises(tmp_path, arm, fp4_sites, fmt="nvfp4")
     assert metrics["guidance/bytes_per_token"] > 0
     assert 0.5 < metrics["guidance/followed_frac"] <= 1
   # Both paths FP4: per-layer bit and scale disagreement every step; codes with full capture.
-  if packs and quantized:
+  # A sparse capture records bits and scales only near boundaries: its densities instead.
+  if mode == "sparse":
+    assert 0 < metrics["guidance/sparse_density"] < 0.5
+    assert metrics["guidance/sparse_overflow"] >= 0
+    assert "mismatch/mantissa_disagree_frac" not in metrics
+  elif packs and quantized:
     for layer in (0, 1):
       assert 0 <= metrics[f"mismatch/mantissa_disagree/layer_{layer}"] <= 1
       assert 0 <= metrics[f"mismatch/scale_disagree/layer_{layer}"] <= 1

@@ -25,6 +25,8 @@ def test_arm_table_states_the_method_once():
                 True, "none", "fp4"),
       "trace-full": ("fp4", QuantConfig(rounding="guided", guided_layers="all"), "full", True,
                      "none", "fp4"),
+      "trace-sparse": ("fp4", QuantConfig(rounding="guided", guided_layers="all"), "sparse",
+                       True, "none", "fp4"),
       "ptq": ("bf16", None, "none", False, "none", "fp4"),
   }
   assert sorted(ARMS) == sorted(expected)
@@ -79,8 +81,8 @@ def test_rl_script_flag_defaults_are_the_config_defaults():
       "max_new_tokens", "temperature", "learning_rate", "minibatches", "eval_every",
       "eval_size", "sft_steps", "checkpoint_every", "compute_dtype", "fp4_sites", "fmt",
       "clip_low", "clip_high", "aggregation", "std_norm", "kl_coef", "tis_threshold",
-      "rollout_correction", "mesh"}}
-  assert len(defaults) == 26
+      "rollout_correction", "mesh", "sparse_delta"}}
+  assert len(defaults) == 27
   for name, value in defaults.items():
     if name == "rollout_correction":  # the flag is the one knob, RLConfig.correction
       assert value == config.correction

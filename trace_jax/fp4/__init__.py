@@ -31,6 +31,14 @@ from trace_jax.fp4.qarray import (
     get_format,
     mantissa_bits,
 )
+from trace_jax.fp4.sparse import (
+    DEFAULT_DELTA,
+    DEFAULT_SCALE_DELTA,
+    ENCODINGS,
+    SparseGuidance,
+    SparseSpec,
+    sparse_guidance,
+)
 from trace_jax.fp4.quantize import (
     RECORD_FORMS,
     ROUNDING_MODES,

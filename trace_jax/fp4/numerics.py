@@ -270,3 +270,20 @@ def unpack_bits(packed: jax.Array, axis: int = -1) -> jax.Array:
   bits = (packed[..., None] >> shifts) & 1
   bits = bits.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
   return jnp.moveaxis(bits, -1, axis)
+
+
+def e4m3_grid_units(values: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Express a non-negative value (clipped to 448) in units of the E4M3 spacing around it.
+
+  The spacing is 2^(e - 3) in the binade [2^e, 2^(e + 1)) for e >= -6 and 2^-9 below
+  2^-6 (subnormals), so units t = value / spacing (exact: a power of two) has the two E4M3
+  neighbours at floor(t) and ceil(t) units, and its midpoints at half units.
+
+  Returns:
+    (spacing float32, t float32).
+  """
+  values = jnp.minimum(values.astype(jnp.float32), E4M3_MAX)
+  exponent = jnp.clip(floor_log2(values), -6, 8)
+  spacing = jax.lax.bitcast_convert_type((exponent + 124).astype(jnp.uint32) << 23, jnp.float32)
+  inverse = jax.lax.bitcast_convert_type((130 - exponent).astype(jnp.uint32) << 23, jnp.float32)
+  return spacing, values * inverse

@@ -36,13 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.fp4 import numerics
+from trace_jax.fp4 import numerics, sparse
 from trace_jax.fp4.qarray import CompactGuidance, QArray, get_format
+from trace_jax.fp4.sparse import SparseGuidance
 
 ROUNDING_MODES = ("nearest", "stochastic", "guided")
 SCALE_RULES = ("standard", "4over6")
 GlobalGroup = Union[str, int, Sequence[int]]
-Guidance = Union[QArray, CompactGuidance]
+Guidance = Union[QArray, CompactGuidance, SparseGuidance]
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -77,10 +78,17 @@ def _group_axes(global_group: GlobalGroup, ndim: int, axis: int) -> tuple[int, .
 
 def _check_guidance(guidance: Any, shape: tuple[int, ...], fmt: str, axis: int) -> None:
   """Raise a ValueError unless `guidance` was recorded for a tensor like this one."""
-  if not isinstance(guidance, (QArray, CompactGuidance)):
+  if not isinstance(guidance, (QArray, CompactGuidance, SparseGuidance)):
     raise ValueError(
-        "rounding='guided' needs guidance=QArray (full guidance: recorded codes) or "
-        f"CompactGuidance (scales + mantissa bits); got {type(guidance).__name__}")
+        "rounding='guided' needs guidance=QArray (full guidance: recorded codes), "
+        "CompactGuidance (scales + mantissa bits) or SparseGuidance (flagged bits and "
+        f"scales); got {type(guidance).__name__}")
+  if isinstance(guidance, SparseGuidance):
+    if fmt != guidance.fmt or axis != len(shape) - 1 or tuple(guidance.shape) != tuple(shape):
+      raise ValueError(f"sparse guidance was recorded for rows {guidance.shape} in "
+                       f"fmt={guidance.fmt!r} along the last axis; the input has shape {shape}, "
+                       f"fmt={fmt!r}, axis {axis}")
+    return
   kind = "full" if isinstance(guidance, QArray) else "compact"
   if guidance.fmt != fmt:
     raise ValueError(f"{kind} guidance was recorded in fmt={guidance.fmt!r}, not {fmt!r}")
@@ -183,7 +191,7 @@ def _check_static_scale(global_scale, x, fmt, axis, rounding):
 def _resolve(x, fmt, axis, global_group, rounding, key, guidance, scale_rule="standard"):
   """Validate, then return (x, axis >= 0, group_axes) for the jitted core."""
   axis, x = _validate(x, fmt, axis, rounding, key, guidance, scale_rule)
-  if rounding == "guided":
+  if rounding == "guided" and not isinstance(guidance, SparseGuidance):
     # The guidance's global scale fixes the groups (its non-unit axes).
     gs_shape = guidance.global_scale.shape
     group_axes = tuple(a for a in range(x.ndim) if gs_shape[a] != 1)
@@ -220,7 +228,8 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding, static_sca
   finite_b = jnp.min(jnp.isfinite(blocks).astype(jnp.int32), axis=-1)  # [..., nb]
   finite = jnp.min(finite_b, axis=reduce_axes, keepdims=True) == 1
 
-  if rounding == "guided":
+  sparse_dense = None
+  if rounding == "guided" and not isinstance(guidance, SparseGuidance):
     global_scale = _to_last(guidance.global_scale.astype(jnp.float32), axis)
     scale_bits = _to_last(guidance.scales, axis)
   else:
@@ -240,6 +249,9 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding, static_sca
       scale_bits = numerics.e8m0_encode(numerics.floor_log2(amax_b) - 2)
     if scale_rule == "4over6":
       scale_bits = _four_over_six(blocks, amax_b, global_scale, scale_bits)
+    if rounding == "guided":  # sparse: own scales, the recorded ones where flagged
+      sparse_dense = sparse.expand(guidance, xl.shape)
+      scale_bits = jnp.where(sparse_dense[2], sparse_dense[3], scale_bits)
 
   step = numerics.true_divide(spec.decode_scales(scale_bits), global_scale)[..., None]  # s_b / gs
   v = jnp.where(step > 0, numerics.true_divide(blocks, step), 0.0)  # q = 0 where s_b = 0
@@ -254,7 +266,13 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding, static_sca
   else:
     lo_code = numerics.e2m1_unit_code(exponent, lo_units)
     hi_code = numerics.e2m1_unit_code(exponent, hi_units)
-    if isinstance(guidance, CompactGuidance):
+    if sparse_dense is not None:  # the recorded bit where flagged, nearest elsewhere
+      flags = sparse_dense[0].reshape(v.shape)
+      bits = sparse_dense[1].reshape(v.shape)
+      follow = jnp.where((hi_code & 1) == (bits & 1), hi_units, lo_units)
+      chosen = jnp.where(flags, follow, numerics.round_half_even(units))
+      fell_back = flags & (lo_code == hi_code) & ((lo_code & 1) != (bits & 1))
+    elif isinstance(guidance, CompactGuidance):
       bits = numerics.unpack_bits(_to_last(guidance.mantissa_bits, axis)).reshape(v.shape)
       chosen = jnp.where((hi_code & 1) == (bits & 1), hi_units, lo_units)
       fell_back = (lo_code == hi_code) & ((lo_code & 1) != (bits & 1))

@@ -119,7 +119,7 @@ def _check_layers_spec(guided_layers: GuidedLayers) -> None:
     raise ValueError(f"guided_layers={guided_layers!r} must hold non-negative layer ids")
 
 
-RECORD_FORMS = ("none",) + fp4.RECORD_FORMS
+RECORD_FORMS = ("none",) + fp4.RECORD_FORMS + ("sparse",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,6 +133,7 @@ class Recording:
   form: str = "none"  # the records' form: "none", "compact" (fp4.CompactGuidance) or "full" (QArray)
   layers: tuple[int, ...] | None = None  # recorded layers; None: every layer
   inputs: bool = False  # also keep each recorded site's input, before quantization
+  sparse: fp4.SparseSpec = fp4.SparseSpec()  # form "sparse": margins and buffer capacity
 
   def __post_init__(self):
     if self.form not in RECORD_FORMS:
@@ -376,15 +377,24 @@ def shared_scale_groups(names: Sequence[str]) -> list[tuple[str, ...]]:
 
 
 def quantize_site(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: str,
-                  kernels: str) -> tuple[jax.Array, Any, jax.Array | None]:
+                  kernels: str, sparse: fp4.SparseSpec | None = None
+                  ) -> tuple[jax.Array, Any, jax.Array | None]:
   """One activation site, per token (row): quantize once, return (values, record, fallback).
 
   A pure function. `rounding`: {} (nearest) or the rounding kwargs of `fp4.quantize`
   (stochastic with its key, guided with its guidance); `form`: "none", "compact" or "full"
   (the record's guidance form, None when "none"). The fused Pallas kernel (nearest
   rounding, `kernels="pallas"`) emits the compact guidance bits itself; the XLA path takes
-  values and record from one pass of `fp4.fake_quant_record`.
+  values and record from one pass of `fp4.fake_quant_record`. "sparse" (`sparse`: its
+  `fp4.SparseSpec`) flags the boundary elements and scales from the input and the full
+  record (`fp4.sparse_guidance`).
   """
+  if form == "sparse":
+    # One materialised x for the quantization and the flags: inside a fusion XLA may keep
+    # excess precision for one use of a bf16 value and not for another.
+    x = jax.lax.optimization_barrier(x)
+    values, q, fell_back = quantize_site(x, fmt, rounding=rounding, form="full", kernels=kernels)
+    return values, fp4.sparse_guidance(x, q, sparse or fp4.SparseSpec()), fell_back
   if kernels == "pallas" and not rounding:
     q, bits = kernels_lib.quantize(x, fmt)
     record = None
@@ -402,8 +412,12 @@ def quantize_site(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: 
 
 
 def cache_entry(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: str,
-                kernels: str) -> tuple[fp4.QArray, Any]:
+                kernels: str, sparse: fp4.SparseSpec | None = None) -> tuple[fp4.QArray, Any]:
   """A K or V cache site: (the packed entry the cache stores, its record in `form`)."""
+  if form == "sparse":
+    x = jax.lax.optimization_barrier(x)  # as in `quantize_site`
+    q, _ = cache_entry(x, fmt, rounding=rounding, form="none", kernels=kernels)
+    return q, fp4.sparse_guidance(x, q, sparse or fp4.SparseSpec())
   if kernels == "pallas" and not rounding:
     q, bits = kernels_lib.quantize(x, fmt)
   else:
@@ -429,7 +443,8 @@ class SiteQuantizer:
       for no quantization.
     num_layers: the model's layer count (to resolve guided layers).
     dtype: compute dtype of the returned activations and weights.
-    guidance: (layer, site) -> `fp4.QArray` (full) or `fp4.CompactGuidance`, required for
+    guidance: (layer, site) -> `fp4.QArray` (full), `fp4.CompactGuidance` or
+      `fp4.SparseGuidance`, required for
       every quantized site of a guided layer when quant.rounding == "guided".
     key: PRNG key for quant.rounding == "stochastic".
   """
@@ -488,7 +503,8 @@ class SiteQuantizer:
     keep = record and self.records(layer)
     form = self.recording.form if keep else "none"
     values, rec, fell_back = quantize_site(x, self.quant.fmt, rounding=self._rounding(layer, site),
-                                           form=form, kernels=self.kernels)
+                                           form=form, kernels=self.kernels,
+                                           sparse=self.recording.sparse.for_site(site))
     if not keep:
       return values, None
     return values, SiteRecord(record=rec, fallback=fell_back,
@@ -503,7 +519,8 @@ class SiteQuantizer:
     """The packed FP4 entry of a K/V cache site, and its record."""
     keep = self.records(layer)
     q, rec = cache_entry(x, self.quant.fmt, rounding=self._rounding(layer, site),
-                         form=self.recording.form if keep else "none", kernels=self.kernels)
+                         form=self.recording.form if keep else "none", kernels=self.kernels,
+                         sparse=self.recording.sparse.for_site(site))
     if not keep:
       return q, None
     return q, SiteRecord(record=rec, input=x if self.recording.inputs else None)

@@ -124,7 +124,7 @@ class SiteRecord:
 
   Attributes:
     record: the site's quantization outcome in guidance form (`fp4.QArray` for "full",
-      `fp4.CompactGuidance` for "compact"), or None.
+      `fp4.CompactGuidance` for "compact", `fp4.SparseGuidance` for "sparse"), or None.
     fallback: bool, input-shaped: where guided rounding fell back (guided sites), or None.
     input: the activation before quantization (`Recording.inputs`), or None.
   """

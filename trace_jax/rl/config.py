@@ -28,7 +28,8 @@ class Arm:
     rollout_precision: "bf16" or "fp4" (W4A4 + FP4 KV cache).
     train: the training path: "bf16" (no quantization), "qat" (FP4 QAT, nearest rounding)
       or "guided" (FP4 QAT rounded by the rollout's guidance at `guided_layers`).
-    guidance: what the rollout captures for the trainer: "none", "compact" or "full".
+    guidance: what the rollout captures for the trainer: "none", "compact", "full" or
+      "sparse" (boundary elements and scales only, `fp4.sparse`).
     guided_layers: the layers guidance covers, stated once: the rollout captures them and
       the training path rounds by them ("none" without guidance).
     routing_replay: train with the rollout's experts.
@@ -39,7 +40,7 @@ class Arm:
   name: str
   rollout_precision: str  # "bf16" or "fp4"
   train: str  # "bf16", "qat" or "guided"
-  guidance: str = "none"  # "none", "compact" or "full"
+  guidance: str = "none"  # "none", "compact", "full" or "sparse"
   guided_layers: GuidedLayers = "none"  # "last_half", "all", "none", a count, or ids
   routing_replay: bool = False
   correction: str = "none"  # "tis", "mask" or "none"
@@ -57,7 +58,8 @@ class Arm:
     QuantConfig(guided_layers=self.guided_layers)  # validates the layer spec
     guided = self.guided_layers != "none"
     if self.train == "guided" and (self.guidance == "none" or not guided):
-      raise ValueError(f"Arm {self.name!r}: train='guided' needs guidance ('compact' or 'full') "
+      raise ValueError(f"Arm {self.name!r}: train='guided' needs guidance ('compact', 'full' or "
+                       f"'sparse') "
                        f"and guided layers; got guidance={self.guidance!r}, "
                        f"guided_layers={self.guided_layers!r}")
     if self.train != "guided" and (self.guidance != "none" or guided):
@@ -86,6 +88,10 @@ ARMS = {arm.name: arm for arm in (
         guided_layers="last_half", routing_replay=True),
     Arm(name="trace-full", rollout_precision="fp4", train="guided", guidance="full",
         guided_layers="all", routing_replay=True),
+    # Beyond the method: sparse guidance (only elements / scales near a rounding boundary)
+    # is cheap enough to cover every layer, so upstream layers stop feeding noise downstream.
+    Arm(name="trace-sparse", rollout_precision="fp4", train="guided", guidance="sparse",
+        guided_layers="all", routing_replay=True),
     # PTQ: trained exactly like bf16; its headline is the FP4 evaluation of that policy.
     Arm(name="ptq", rollout_precision="bf16", train="bf16"),
 )}
@@ -106,6 +112,8 @@ class RLConfig:
   fmt: str = "nvfp4"  # FP4 format of rollout, QAT and the FP4 evaluation: "nvfp4" or "mxfp4"
   activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8: linear inputs in MXFP8 E4M3 on
   #   both paths, KV cache in FP4; FP8 sites take nearest rounding, no guidance)
+  sparse_delta: float = fp4.DEFAULT_DELTA  # sparse guidance (arm trace-sparse): element
+  #   margin around an E2M1 midpoint in grid units (calibrated: fp4.sparse.DEFAULT_DELTA)
   task: str = "arith"
   task_options: tuple = ()  # (name, value) pairs passed to get_task
   preset: str = "small"
@@ -154,6 +162,13 @@ class RLConfig:
       raise ValueError(f"RLConfig.activations={self.activations!r} is not allowed; use one of "
                        f"{ACTIVATION_FORMATS}")
     _check_block_fit(self.preset, self.fmt, self.fp4_sites)
+    try:
+      self.sparse_spec  # noqa: B018 - validates sparse_delta
+    except ValueError as e:
+      raise ValueError(f"RLConfig.sparse_delta={self.sparse_delta!r}: {e}") from e
+    if self.arm_spec.guidance == "sparse" and self.fmt != "nvfp4":
+      raise ValueError(f"RLConfig.fmt={self.fmt!r}: arm {self.arm!r} (sparse guidance) needs "
+                       "fmt='nvfp4' (E4M3 block scales)")
     if not (self.task in registered() or self.task.startswith("rg:")):
       raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
     object.__setattr__(self, "task_options", tuple(tuple(kv) for kv in self.task_options))
@@ -227,6 +242,11 @@ class RLConfig:
     quant = self.arm_spec.train_quant
     return None if quant is None else quant.replace(sites=self.fp4_sites, fmt=self.fmt,
                                                     activations=self.activations)
+
+  @property
+  def sparse_spec(self) -> fp4.SparseSpec:
+    """What a sparse capture flags (arm trace-sparse)."""
+    return fp4.SparseSpec(delta=self.sparse_delta)
 
   @property
   def loss_config(self) -> LossConfig:

@@ -222,7 +222,7 @@ class Trainer:
     base = RolloutConfig(max_len=max_len, prompt_bucket=bucket, sampling=sampling,
                          compute_dtype=config.compute_dtype, pad_id=self.tokenizer.pad_id,
                          fmt=config.fmt, fp4_sites=config.fp4_sites,
-                         activations=config.activations)
+                         activations=config.activations, sparse=config.sparse_spec)
     # Every arm whose two paths both run FP4 captures (at least compact) guidance on every
     # layer, so the paths' per-layer disagreement is measured each step; the trainer uses
     # only the arm's own guided layers of it.
@@ -410,8 +410,9 @@ class Trainer:
                                 / max(response_mask.sum(), 1)),
                "completions/mean_length": float(response_mask.sum(1).mean()),
                "episodes/mean_turns": float(played.turns.mean()),
+               # per real token (sparse guidance is measured on its data)
                "guidance/bytes_per_token": 0.0 if c.guidance is None or self.arm.guidance == "none"
-               else float(c.guidance.bytes_per_token()),
+               else float(c.guidance.bytes_per_token(host_array(rollout.mask))),
                "kernels/rollout": self._engine.kernels}  # "pallas" or "xla": what ran
     if self._engine.kernels_fallback:
       metrics["kernels/fallback_reason"] = self._engine.kernels_fallback
@@ -421,7 +422,11 @@ class Trainer:
     mask = host_array(rollout.mask)
     fallbacks, train_sites = jax.tree.map(host_array, (s.fallbacks, s.train_sites))
     metrics.update(guidance_agreement(fallbacks, mask))
-    if self.measured and rollout.guidance is not None:  # bits and scales always; codes if full
+    if c.guidance is not None and c.guidance.mode == "sparse":  # densities, overflow
+      stats = c.guidance.sparse_stats(mask)
+      metrics.update({k: v for k, v in stats.items() if k != "per_site"})
+    # Bits and scales always; codes if full (a sparse capture holds neither everywhere).
+    if self.measured and rollout.guidance is not None and rollout.guidance.mode != "sparse":
       metrics.update(disagreement_metrics(jax.tree.map(host_array, rollout.guidance.sites),
                                           train_sites, mask))
     return metrics

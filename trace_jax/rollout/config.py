@@ -63,8 +63,10 @@ class RolloutConfig:
   sampling: SamplingConfig = SamplingConfig()
   fp4_sites: str = "all"  # FP4 scope: "all" or "experts+kv" (QuantConfig.sites)
   activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8; QuantConfig.activations)
-  guidance: str = "compact"  # "none", "compact" or "full"
+  guidance: str = "compact"  # "none", "compact", "full" or "sparse"
   guided_layers: Union[str, int, Sequence[int]] = "last_half"  # "all", "none", count, ids
+  sparse: fp4.SparseSpec = fp4.SparseSpec()  # guidance "sparse": margins (delta) and the
+  #   per-row buffer capacity
   record_routing: bool = True  # keep every MoE layer's experts (routing replay)
   pad_id: int = 0  # token written to slots that hold nothing
   prompt_bucket: int = 16  # pad prompt / observation chunks to a multiple (fewer recompiles)
@@ -87,6 +89,10 @@ class RolloutConfig:
              f"use one of {GUIDANCE_MODES}")
     _require(self.precision == "fp4" or self.guidance == "none", where, "guidance",
              self.guidance, "a bf16 rollout has no FP4 rounding to record; use 'none'")
+    _require(isinstance(self.sparse, fp4.SparseSpec), where, "sparse", self.sparse,
+             "use an fp4.SparseSpec")
+    _require(self.guidance != "sparse" or self.fmt == "nvfp4", where, "guidance", self.guidance,
+             f"sparse guidance needs fmt='nvfp4' (E4M3 block scales); fmt={self.fmt!r}")
     _require(self.prompt_bucket > 0, where, "prompt_bucket", self.prompt_bucket, "must be > 0")
     _require(self.kernels in KERNEL_MODES, where, "kernels", self.kernels,
              f"use one of {KERNEL_MODES}")

@@ -25,6 +25,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from trace_jax import fp4
 from trace_jax import guidance as guidance_lib
 from trace_jax import kernels as kernels_lib
 from trace_jax.model.cache import init_cache
@@ -161,6 +162,8 @@ def _empty_records(sites, slots: int):
   guidance of an empty slot decodes to 0, never to NaN."""
   def empty(record):
     record = _empty_like(record, slots)
+    if isinstance(record, fp4.SparseGuidance):  # counts 0: an empty slot flags nothing
+      return record
     return dataclasses.replace(record, global_scale=jnp.ones_like(record.global_scale))
   return {key: empty(record) for key, record in sites.items()}
 
@@ -184,7 +187,7 @@ class _Statics:
   def recording(self) -> Recording:
     """The guided layers' sites, recorded in the guidance's own form (and inputs)."""
     return Recording(form=self.config.guidance, layers=self.guided_layers,
-                     inputs=self.capture_inputs)
+                     inputs=self.capture_inputs, sparse=self.config.sparse)
 
   @property
   def quant(self) -> QuantConfig:
