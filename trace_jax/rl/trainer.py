@@ -36,10 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, struct
+from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
 from trace_jax.model.quant import resolve_layers
-from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model, shard_optimizer
+from trace_jax.model.sharding import (batch_sharding, guidance_specs, make_mesh, shard_model,
+                                      shard_optimizer)
 from trace_jax.rl import data
 from trace_jax.rl import episodes as episodes_lib
 from trace_jax.rl import policy_source
@@ -318,10 +320,12 @@ class Trainer:
         lambda a: global_array(host_array(a), batch_sharding(self.mesh, a.ndim, axis)), tree)
 
   def _shard_guidance(self, guidance):
+    """Place guidance by `guidance_specs` (the rollout's layout, the planner's bytes)."""
     if self.mesh is None or guidance is None:
       return guidance
-    return dataclasses.replace(guidance, sites=self._shard(guidance.sites),
-                               routing=self._shard(guidance.routing, axis=1))
+    specs = guidance_specs(guidance, self.mesh)
+    return jax.tree.map(lambda a, s: global_array(host_array(a), NamedSharding(self.mesh, s)),
+                        guidance, specs)
 
   def train_step(self) -> dict:
     """One RL step: collect -> score -> update -> log; returns its metrics."""
