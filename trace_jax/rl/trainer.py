@@ -185,9 +185,6 @@ class Trainer:
     # The preset with the character tokenizer, or a checkpoint with its own (policy_source).
     self.source = policy_source.load(config, self.task)
     self.tokenizer, self.model_cfg = self.source.tokenizer, self.source.model_cfg
-    if config.remat:  # recompute each block's activations in the backward pass (memory)
-      self.model_cfg = self.model_cfg.replace(remat=True)
-      self.source.policy.cfg = self.model_cfg
     self.arm = config.arm_spec
     self.mesh = make_mesh(*config.mesh) if np.prod(config.mesh) > 1 else None
 
