@@ -195,7 +195,7 @@ class Trainer:
       self.warmstart = warmstart.load_or_train(
           self.policy, self.workdir, self.task, self.tokenizer, steps=config.sft_steps,
           batch=config.sft_batch, seed=config.seed, learning_rate=config.sft_learning_rate,
-          progress=progress)
+          progress=progress, mesh=self.mesh)
     else:
       self.warmstart = policy_source.skipped_warm_start(self.task)
     self.reference = None
