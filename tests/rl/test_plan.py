@@ -42,6 +42,14 @@ def test_qwen3_30b_rows_match_hand_derivation(qwen3_rows):
   master = 4 * (expert_params / 64 + (attn_params + other) / 8 + norms)
   assert rows["master weights (f32)"] == pytest.approx(master, rel=1e-9)
   assert rows["optimizer state (Adam)"] == pytest.approx(2 * master, rel=1e-6)
+  # Guidance (compact, layers 24..47, every site): per token and site a float32 global
+  # scale per row (per KV head for k/v, per chosen expert for moe_mid), one E4M3 byte per
+  # 16 elements and one mantissa bit per element; routing int16 (128 experts), all layers.
+  compact = lambda rows, width: rows * (4 + width // 16 + width // 8)
+  per_layer = (compact(1, d) + compact(1, 32 * head_dim) + 2 * compact(kv_heads, head_dim)
+               + compact(1, d) + compact(8, ffn))
+  per_token = 24 * per_layer + layers * 8 * 2
+  assert rows["guidance"] == per_token * tokens  # model=1: split over data only
   # Remat keeps one d_model bf16 vector per token and layer instead of every residual.
   assert rows["activations (remat)"] < rows["activations (no remat)"] / 4
   assert rows["activations (remat)"] >= layers * 8 // 8 * 2048 * d * 2

@@ -279,13 +279,15 @@ def _read_config(config_path: str, dtype) -> tuple[ModelConfig, dict]:
     raise ValueError(f"{config_path}: {e}") from e
 
 
-def from_hf(path: str, dtype=jnp.float32) -> Transformer:
+def from_hf(path: str, dtype=jnp.float32, **overrides) -> Transformer:
   """A Transformer with the weights of a local Hugging Face checkpoint directory.
 
   Args:
     path: directory with config.json and *.safetensors (sharded index too); a
       compressed-tensors FP4 checkpoint loads dequantized (`model.compressed`).
     dtype: parameter and compute dtype (float32 or bfloat16).
+    **overrides: ModelConfig fields a checkpoint does not hold, how this run computes
+      (e.g. remat=True); they change no weight's shape.
 
   Raises:
     ValueError: unknown architecture (listing the supported ones), a missing tensor, a
@@ -296,6 +298,7 @@ def from_hf(path: str, dtype=jnp.float32) -> Transformer:
   if not os.path.exists(config_path):
     raise ValueError(f"{path} has no config.json")
   cfg, hf = _read_config(config_path, dtype)
+  cfg = cfg.replace(**overrides)
   tensors = compressed.decompress(hf, _read_checkpoint(path))  # FP4 checkpoints: dequantized
   if cfg.arch == "qwen3_5_moe":  # published layout: rename, skip mtp.* / model.visual.*
     tensors, _ = hf_qwen3_5.text_tensors(tensors)

@@ -8,7 +8,9 @@
                                    replica holds its experts / model slice whole, so a
                                    decode step gathers no weights;
   KV cache, recurrent state        batch over "data", KV / value heads over "model";
-  guidance, batches                batch over "data".
+  guidance                         batch over "data", and over "model" where its activation
+                                   is (`guidance_site_specs`);
+  batches                          batch over "data".
 
 Rules are explicit, not inferred: `PARAM_RULES` names, per parameter (by the last entry of
 its NNX path and, for stacked experts, its rank), which mesh axis splits which dimension.
@@ -28,6 +30,7 @@ model-parallel reductions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -273,6 +276,53 @@ def constrain_batch(tree: Any, mesh: Mesh | None, axis: int = 0):
     return tree
   return jax.tree.map(
       lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim, axis)), tree)
+
+
+# Guidance sites whose activation the forward splits over "model", and the dimension that
+# carries the split in the site's records: K/V [B, S, Hkv, ...] by KV head; the inputs of
+# o_proj / out_proj and of every down projection [B, S, (k,) F-blocks] along the width.
+GUIDANCE_MODEL_DIM = {"k": 2, "v": 2, "attn_out": -1, "mlp_mid": -1, "moe_mid": -1,
+                      "shared_mid": -1}
+
+
+def guidance_site_specs(sites: dict, mesh: Mesh) -> dict:
+  """PartitionSpecs of guidance site records {(layer, site): CompactGuidance or QArray}
+  (arrays or their eval_shape), [B, S, ...]: the batch over "data", and over "model" the
+  dimension `GUIDANCE_MODEL_DIM` names where "model" divides it (the layout the activation
+  has, so capture moves no bytes between devices); a rule, not XLA's choice, so the memory
+  planner predicts the bytes exactly."""
+  model = _axis_size(mesh, "model")
+
+  def spec(site: str, leaf) -> P:
+    axes = ["data"] + [None] * (len(leaf.shape) - 1)
+    dim = GUIDANCE_MODEL_DIM.get(site)
+    if dim is not None and model > 1:
+      dim %= len(leaf.shape)
+      if dim > 0 and leaf.shape[dim] > 1 and leaf.shape[dim] % model == 0:
+        axes[dim] = "model"
+    return _checked(tuple(axes), leaf.shape, mesh, f"guidance site {site}")
+
+  return {key: jax.tree.map(functools.partial(spec, key[1]), record)
+          for key, record in sites.items()}
+
+
+def guidance_specs(guidance, mesh: Mesh):
+  """PartitionSpecs of a `Guidance` (or its eval_shape): sites by `guidance_site_specs`,
+  routing [L, B, S, k] batch over "data"."""
+  routing = None
+  if guidance.routing is not None:
+    routing = _checked((None, "data"), guidance.routing.shape, mesh, "guidance routing")
+  return dataclasses.replace(guidance, sites=guidance_site_specs(guidance.sites, mesh),
+                             routing=routing)
+
+
+def constrain_guidance_sites(sites: dict, mesh: Mesh | None) -> dict:
+  """Inside jit: pin guidance site buffers to `guidance_site_specs` (no-op without a mesh)."""
+  if mesh is None or not sites:
+    return sites
+  specs = guidance_site_specs(sites, mesh)
+  return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)),
+                      sites, specs)
 
 
 def device_bytes(tree) -> int:

@@ -13,7 +13,8 @@ are needed. Per device:
   KV cache           bf16 and FP4, `batch` sequences of `context` slots, batch over data,
                      KV heads over model; Gated DeltaNet layers keep a recurrent state instead;
   guidance           compact guidance of the rollout's guided layers (+ routing replay) for
-                     `batch` x `context` tokens, batch over data;
+                     `batch` x `context` tokens, batch over data and the sites of
+                     model-split activations over model (`sharding.guidance_specs`);
   activations        the residuals the backward pass of one training micro-batch keeps: the
                      outputs of `jax.vjp` traced abstractly, of one block of each layer type
                      and of the LM head, counting only values that depend on the tokens
@@ -172,19 +173,7 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
   rows["KV cache (FP4)"] = cache_bytes(quant, "kv")
   rows["recurrent state"] = cache_bytes(None, "state")
 
-  layers = resolve_layers(config.guided_layers, cfg.num_layers)
-  tokens_per_device = config.batch * config.context / data
-  if config.guidance == "none":
-    rows["guidance"] = 0.0
-  else:
-    def capture():
-      out = Transformer(cfg, rngs=nnx.Rngs(0))(
-          jnp.zeros((1, 1), jnp.int32), quant=call_config(quant, recording=Recording(form="full")))
-      sites = guidance_lib.from_records(out.sites, config.guidance, layers)
-      routing = out.routing.astype(guidance_lib.routing_dtype(cfg.num_experts))
-      return guidance_lib.Guidance(sites=sites, routing=routing, mode=config.guidance,
-                                   layers=layers)
-    rows["guidance"] = jax.eval_shape(capture).bytes_per_token() * tokens_per_device
+  rows["guidance"] = float(guidance_bytes(cfg, config, mesh, quant))
 
   micro = (config.micro_batch or data) // data  # sequences per device
   no_remat, remat = activation_bytes(cfg, quant, micro, config.context)
@@ -197,6 +186,39 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
   rows["train peak (no remat)"] = resident + rows["gradients (f32)"] + no_remat
   rows["train peak (remat)"] = resident + rows["gradients (f32)"] + remat
   return rows
+
+
+def abstract_guidance(cfg: ModelConfig, config: PlanConfig, quant: QuantConfig):
+  """The eval_shape of the `Guidance` a rollout of `config.batch` x `config.context` slots
+  captures: the records of one abstract forward of one token (their trailing shapes),
+  stretched to [batch, context], as the rollout engine's buffers are (`_empty_records`)."""
+  layers = resolve_layers(config.guided_layers, cfg.num_layers)
+
+  def capture():
+    out = Transformer(cfg, rngs=nnx.Rngs(0))(
+        jnp.zeros((1, 1), jnp.int32), quant=call_config(quant, recording=Recording(form="full")))
+    sites = guidance_lib.from_records(out.sites, config.guidance, layers)
+    routing = out.routing.astype(guidance_lib.routing_dtype(cfg.num_experts))
+    return guidance_lib.Guidance(sites=sites, routing=routing, mode=config.guidance,
+                                 layers=layers)
+
+  one = jax.eval_shape(capture)
+  b, s = config.batch, config.context
+  sites = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b, s) + x.shape[2:], x.dtype), one.sites)
+  routing = jax.ShapeDtypeStruct(one.routing.shape[:1] + (b, s) + one.routing.shape[3:],
+                                 one.routing.dtype)
+  return dataclasses.replace(one, sites=sites, routing=routing)
+
+
+def guidance_bytes(cfg: ModelConfig, config: PlanConfig, mesh, quant: QuantConfig) -> int:
+  """Guidance bytes per device: `abstract_guidance` placed by `sharding.guidance_specs`
+  (batch over "data", and over "model" where the site's activation is split), the
+  layout the rollout engine and the trainer hold it in."""
+  if config.guidance == "none":
+    return 0
+  guidance = abstract_guidance(cfg, config, quant)
+  specs = sharding.guidance_specs(guidance, mesh)
+  return _per_device(guidance, specs, mesh)
 
 
 def activation_bytes(cfg: ModelConfig, quant: QuantConfig, batch: int, context: int

@@ -22,6 +22,7 @@ import os
 
 from flax import nnx
 
+from trace_jax import fp4
 from trace_jax.model.config import ModelConfig, get_preset
 from trace_jax.model.hf import config_from_hf, from_hf
 from trace_jax.model.transformer import Transformer
@@ -114,6 +115,7 @@ def check(config, task: Task) -> tuple[Tokenizer, ModelConfig]:
     raise ValueError(f"{path}: tokenizer.json has ids up to {tokenizer.vocab_size - 1} but the "
                      f"checkpoint's embedding has {model_cfg.vocab_size} rows (config.json "
                      "vocab_size): the tokenizer belongs to another model")
+  _check_block_fit(path, model_cfg, config.fmt, config.fp4_sites)
   # The task's conversation must render (a template may refuse a role) before any work.
   tokenizer.prompt_ids(task.sample(0, 1)[0].prompt)
   if task.multi_turn:
@@ -121,11 +123,36 @@ def check(config, task: Task) -> tuple[Tokenizer, ModelConfig]:
   return tokenizer, model_cfg
 
 
+def _check_block_fit(path: str, model_cfg: ModelConfig, fmt: str, sites: str) -> None:
+  """A ValueError before any weight is read if the checkpoint's widths do not split into
+  `fmt`'s blocks in FP4 scope `sites` (the rollout's FP4 weights and KV cache, the QAT
+  path and the FP4 evaluation all need whole blocks)."""
+  block = fp4.get_format(fmt).block_size
+  misfits = {f: w for f, w in model_cfg.quantized_widths(sites).items() if w % block}
+  if not misfits:
+    return
+  scoped = {f: w for f, w in model_cfg.quantized_widths("experts+kv").items() if w % block}
+  hint = ("; RLConfig.fp4_sites='experts+kv' (the method's scope) fits it" if sites == "all"
+          and not scoped else "")
+  raise ValueError(f"hf_checkpoint={path!r}: RLConfig.fmt={fmt!r} quantizes in blocks of "
+                   f"{block}, but the checkpoint has "
+                   f"{', '.join(f'{f}={w}' for f, w in misfits.items())} (FP4 scope "
+                   f"fp4_sites={sites!r}), not a multiple of {block}{hint}")
+
+
+def runtime_fields(config) -> dict:
+  """The ModelConfig fields an RLConfig sets on any architecture: how the policy computes
+  (per-layer remat), not what it is."""
+  return {"remat": config.remat}
+
+
 def load(config, task: Task) -> PolicySource:
-  """The run's tokenizer and initial policy (see the module docstring)."""
+  """The run's tokenizer and initial policy (see the module docstring), configured for the
+  run (`runtime_fields`): the policy's cfg is final here, nothing mutates it later."""
   tokenizer, model_cfg = check(config, task)
+  model_cfg = model_cfg.replace(**runtime_fields(config))
   if config.hf_checkpoint:
-    policy = from_hf(config.hf_checkpoint)
+    policy = from_hf(config.hf_checkpoint, **runtime_fields(config))
     model_cfg = policy.cfg
     observation_len = len(tokenizer.observation_ids("", turn_closed=False)) + OBSERVATION_TOKENS
   else:

@@ -36,10 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, struct
+from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
 from trace_jax.model.quant import Recording, call_config, resolve_layers
-from trace_jax.model.sharding import batch_sharding, make_mesh, shard_model, shard_optimizer
+from trace_jax.model.sharding import (batch_sharding, guidance_specs, make_mesh, shard_model,
+                                      shard_optimizer)
 from trace_jax.rl import data
 from trace_jax.rl import episodes as episodes_lib
 from trace_jax.rl import policy_source
@@ -185,9 +187,6 @@ class Trainer:
     # The preset with the character tokenizer, or a checkpoint with its own (policy_source).
     self.source = policy_source.load(config, self.task)
     self.tokenizer, self.model_cfg = self.source.tokenizer, self.source.model_cfg
-    if config.remat:  # recompute each block's activations in the backward pass (memory)
-      self.model_cfg = self.model_cfg.replace(remat=True)
-      self.source.policy.cfg = self.model_cfg
     self.arm = config.arm_spec
     self.mesh = make_mesh(*config.mesh) if np.prod(config.mesh) > 1 else None
 
@@ -198,7 +197,7 @@ class Trainer:
       self.warmstart = warmstart.load_or_train(
           self.policy, self.workdir, self.task, self.tokenizer, steps=config.sft_steps,
           batch=config.sft_batch, seed=config.seed, learning_rate=config.sft_learning_rate,
-          progress=progress)
+          progress=progress, mesh=self.mesh)
     else:
       self.warmstart = policy_source.skipped_warm_start(self.task)
     self.reference = None
@@ -235,18 +234,27 @@ class Trainer:
         guided_layers="all" if self.measured else self.arm.guided_layers,
         record_routing=self.arm.routing_replay), mesh=self.mesh)
     self.guided_layers = resolve_layers(self.arm.guided_layers, self.model_cfg.num_layers)
-    greedy = base.replace(sampling=SamplingConfig(greedy=True, max_new_tokens=config.max_new_tokens,
-                                                  stop_tokens=self.source.stop_tokens),
-                          guidance="none", record_routing=False)
-    self.eval_engines = {"fp4": RolloutEngine(self.policy, greedy.replace(precision="fp4"), mesh=self.mesh),
-                         "bf16": RolloutEngine(self.policy, greedy.replace(precision="bf16"), mesh=self.mesh)}
+    self._greedy = base.replace(
+        sampling=SamplingConfig(greedy=True, max_new_tokens=config.max_new_tokens,
+                                stop_tokens=self.source.stop_tokens),
+        guidance="none", record_routing=False)
     # Weight sync bookkeeping: the step whose weights the policy holds, and per engine (and
-    # per rollout precision) the step whose weights it holds; all engines start synced.
+    # per rollout precision) the step whose weights it holds; engines start synced.
     self._weights_step = self.step
-    self._engine_step = {id(e): self.step for e in (self._engine, *self.eval_engines.values())}
+    self._engine_step = {id(self._engine): self.step}
     self._made_weights = {}
     self.eval_items = self.task.sample(data.eval_seed(config.seed), config.eval_size)
     self._truncate_metrics(self.step)
+
+  @functools.cached_property
+  def eval_engines(self) -> dict[str, RolloutEngine]:
+    """The greedy evaluation engines, FP4 and bf16, made when first used (a run with
+    eval_every=0 never pays their weight packing)."""
+    engines = {precision: RolloutEngine(self.policy, self._greedy.replace(precision=precision),
+                                        mesh=self.mesh) for precision in ("fp4", "bf16")}
+    for engine in engines.values():  # synced with the weights the policy holds now
+      self._engine_step[id(engine)] = self._weights_step
+    return engines
 
   @property
   def engine(self) -> RolloutEngine:
@@ -322,10 +330,12 @@ class Trainer:
         lambda a: global_array(host_array(a), batch_sharding(self.mesh, a.ndim, axis)), tree)
 
   def _shard_guidance(self, guidance):
+    """Place guidance by `guidance_specs` (the rollout's layout, the planner's bytes)."""
     if self.mesh is None or guidance is None:
       return guidance
-    return dataclasses.replace(guidance, sites=self._shard(guidance.sites),
-                               routing=self._shard(guidance.routing, axis=1))
+    specs = guidance_specs(guidance, self.mesh)
+    return jax.tree.map(lambda a, s: global_array(host_array(a), NamedSharding(self.mesh, s)),
+                        guidance, specs)
 
   def train_step(self) -> dict:
     """One RL step: collect -> score -> update -> log; returns its metrics."""
@@ -383,10 +393,12 @@ class Trainer:
     size = config.batch // config.minibatches
     for _ in range(config.epochs):
       for m in range(config.minibatches):
-        rows = np.arange(m * size, (m + 1) * size)
-        mini = jax.tree.map(lambda a: a[rows], s.example)
-        mini_guidance = None if guidance is None else guidance.take(rows)
-        mini_ref = None if s.ref_logp is None else s.ref_logp[rows]
+        mini, mini_guidance, mini_ref = s.example, guidance, s.ref_logp
+        if config.minibatches > 1:  # (one minibatch: the whole batch, no gather)
+          rows = np.arange(m * size, (m + 1) * size)
+          mini = jax.tree.map(lambda a: a[rows], s.example)
+          mini_guidance = None if guidance is None else guidance.take(rows)
+          mini_ref = None if s.ref_logp is None else s.ref_logp[rows]
         updates.append(_train_step(self.policy, self.opt, mini, mini_guidance, mini_ref,
                                    loss_config=config.loss_config, **static))
     (losses, stats_list, norms), (finite, max_abs) = jax.device_get(

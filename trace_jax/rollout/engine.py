@@ -227,7 +227,9 @@ def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Stati
   )
   updates[_MASKS[kind]] = _write(getattr(r, _MASKS[kind]), chunk_mask, slot)
   if r.guidance is not None and sites:
-    updates["guidance"] = dataclasses.replace(r.guidance, sites=_write(r.guidance.sites, sites, slot))
+    written = _write(r.guidance.sites, sites, slot)  # kept on the rule's layout (the planner's)
+    updates["guidance"] = dataclasses.replace(
+        r.guidance, sites=sharding_lib.constrain_guidance_sites(written, st.mesh))
   if routing is not None:
     updates["routing"] = _write(r.routing, routing, slot, axis=2)
   if inputs is not None:
@@ -286,8 +288,8 @@ def _empty_rollout(graphdef, params, batch: int, st: _Statics) -> Rollout:
         layers=st.guided_layers if config.guidance != "none" else ())
   zeros = lambda dtype: sharding_lib.constrain_batch(jnp.zeros((batch, slots), dtype), st.mesh)
   if guidance is not None:
-    guidance = dataclasses.replace(guidance, sites=sharding_lib.constrain_batch(guidance.sites,
-                                                                                 st.mesh))
+    guidance = dataclasses.replace(
+        guidance, sites=sharding_lib.constrain_guidance_sites(guidance.sites, st.mesh))
   if routing is not None:
     routing = sharding_lib.constrain_batch(_empty_like(routing, slots, axis=2), st.mesh, axis=1)
   return Rollout(
