@@ -51,7 +51,8 @@ _GROUP = flags.DEFINE_integer("group_size", _D.group_size, "Samples per problem.
 _NEW = flags.DEFINE_integer("max_new_tokens", _D.max_new_tokens, "Max tokens per turn.")
 _TEMP = flags.DEFINE_float("temperature", _D.temperature, "Sampling temperature.")
 _LR = flags.DEFINE_float("learning_rate", _D.learning_rate, "Adam learning rate.")
-_MINIBATCHES = flags.DEFINE_integer("minibatches", _D.minibatches, "Updates per step.")
+_MINIBATCHES = flags.DEFINE_integer("minibatches", _D.minibatches, "Updates per epoch.")
+_EPOCHS = flags.DEFINE_integer("epochs", _D.epochs, "Passes over each rollout batch.")
 _WARMUP = flags.DEFINE_integer("lr_warmup_steps", _D.lr_warmup_steps,
                                "RL steps of linear LR warmup from learning_rate / 10.")
 _CLIP_LOW = flags.DEFINE_float("clip_low", _L.clip_low, "Ratio clip below: 1 - clip_low.")
@@ -140,7 +141,7 @@ def _main(argv):
         arm=_ARM.value, task=_TASK.value, task_options=_options(), preset=_PRESET.value,
         seed=_SEED.value, steps=_STEPS.value, prompts_per_step=_PROMPTS.value,
         group_size=_GROUP.value, max_new_tokens=_NEW.value, temperature=_TEMP.value,
-        learning_rate=_LR.value, minibatches=_MINIBATCHES.value,
+        learning_rate=_LR.value, minibatches=_MINIBATCHES.value, epochs=_EPOCHS.value,
         lr_warmup_steps=_WARMUP.value,
         loss=dataclasses.replace(_L, clip_low=_CLIP_LOW.value, clip_high=_CLIP_HIGH.value,
                                  aggregation=_AGG.value, std_norm=_STD.value,

@@ -78,11 +78,11 @@ def test_rl_script_flag_defaults_are_the_config_defaults():
   config, loss = RLConfig(), RLConfig().loss
   defaults = {name: flags.FLAGS[name].default for name in flags.FLAGS if name in {
       "arm", "task", "preset", "steps", "seed", "prompts_per_step", "group_size",
-      "max_new_tokens", "temperature", "learning_rate", "minibatches", "eval_every",
+      "max_new_tokens", "temperature", "learning_rate", "minibatches", "epochs", "eval_every",
       "eval_size", "sft_steps", "checkpoint_every", "compute_dtype", "fp4_sites", "fmt",
       "clip_low", "clip_high", "aggregation", "std_norm", "kl_coef", "tis_threshold",
       "rollout_correction", "mesh", "sparse_delta"}}
-  assert len(defaults) == 27
+  assert len(defaults) == 28
   for name, value in defaults.items():
     if name == "rollout_correction":  # the flag is the one knob, RLConfig.correction
       assert value == config.correction

@@ -174,13 +174,17 @@ class Transformer(nnx.Module):
     Returns:
       a `ModelOutput`.
     """
+    check_token_ids(tokens, self.cfg.vocab_size)  # here: inside capture the ids are traced
     # The sites sow their records into nnx.Intermediate; capture collects them (flax's way
     # of extracting intermediates) without leaving them on the modules.
-    out, sown = nnx.capture(Transformer._forward, nnx.Intermediate)(
-        self, tokens, positions, mask, cache, quant, guidance)
+    # A call that records nothing sows nothing: it runs without capture, so the model also
+    # works closed over by a plain `jax.jit` (capture writes module state, which nnx only
+    # allows at the trace level the module was made at).
     recording = SiteQuantizer.recording_of(quant)
     if not recording.enabled:
-      return out
+      return self._forward(tokens, positions, mask, cache, quant, guidance)
+    out, sown = nnx.capture(Transformer._forward, nnx.Intermediate)(
+        self, tokens, positions, mask, cache, quant, guidance)
     records = collect_site_records(sown)
     if recording.form != "none":
       out = out.replace(
@@ -192,7 +196,6 @@ class Transformer(nnx.Module):
 
   def _forward(self, tokens, positions, mask, cache, quant, guidance) -> ModelOutput:
     cfg = self.cfg
-    check_token_ids(tokens, cfg.vocab_size)
     dtype = (cfg.compute_dtype if quant is None or quant.compute_dtype is None
              else jnp.dtype(quant.compute_dtype))
     b, t = tokens.shape
