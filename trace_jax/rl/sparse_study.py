@@ -49,9 +49,9 @@ def site_deltas(calibration: dict, quantile: float) -> tuple:
 
 
 def _quantile(values: list, q: float) -> float | None:
-  if not values:
-    return None
-  return float(np.quantile(np.concatenate(values), q))
+  """The `q` quantile of the arrays in `values` pooled; None when they hold nothing."""
+  pooled = np.concatenate(values) if values else np.empty(0)
+  return float(np.quantile(pooled, q)) if pooled.size else None
 
 
 def calibrate(rollout_sites, rollout_inputs, train_sites, train_inputs, mask,
@@ -87,9 +87,9 @@ def calibrate(rollout_sites, rollout_inputs, train_sites, train_inputs, mask,
     gs_differs += int(differs.sum())
     gs_rows += int(differs.size)
     per_site[f"{key[0]}/{key[1]}"] = {
-        "quantiles": {str(p): float(np.quantile(e, p)) if e.size else None for p in QUANTILES},
-        "delta": float(np.quantile(e, quantile)) if e.size else None,
-        "scale_delta": float(np.quantile(b, quantile)) if b.size else None,
+        "quantiles": {str(p): _quantile([e], p) for p in QUANTILES},
+        "delta": _quantile([e], quantile),
+        "scale_delta": _quantile([b], quantile),
         "mean": float(e.mean()) if e.size else None,
         "above_0.5_frac": float(np.mean(e > 0.5)) if e.size else None}
   return {"quantile": quantile, "delta": _quantile(pooled, quantile),
