@@ -164,6 +164,9 @@ def _main(argv):
   trainer.run()
   if not distributed.is_main_process():  # process 0 writes the summary and plots
     return
+  if not os.path.exists(trainer.metrics_path):  # --steps=0 --eval_every=0: a warm start only
+    print(f"nothing run (0 RL steps, no evaluation); warm start: {trainer.warmstart}")
+    return
   metrics = read_metrics(trainer.workdir)
   summary = report.summarize(config, metrics, time.time() - start, trainer.warmstart)
   report.write_summary(trainer.workdir, summary)
