@@ -56,7 +56,8 @@ def summarize(config: RLConfig, metrics: list[dict], wall_seconds: float,
 
 
 def plot(metrics: list[dict], workdir: str, title: str) -> list[str]:
-  """reward.png (train reward, greedy evals) and mismatch.png (k3 KL, |dlogp|) over steps."""
+  """reward.png (train reward, share of mixed-reward groups, greedy evals) and mismatch.png
+  (k3 KL, |dlogp|) over steps."""
   train = [m for m in metrics if "rewards/mean" in m]
   paths = []
   fig, ax = plt.subplots(figsize=(7, 4))
@@ -67,6 +68,10 @@ def plot(metrics: list[dict], workdir: str, title: str) -> list[str]:
     window = min(10, len(rewards))
     smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
     ax.plot(steps[window - 1:], smooth, label=f"train reward, mean of {window}")
+    mixed = np.asarray([m.get("reward/mixed_group_frac", np.nan) for m in train])
+    if np.isfinite(mixed).any():  # groups that carry an advantage (not all-equal rewards)
+      ax.plot(steps[window - 1:], np.convolve(mixed, np.ones(window) / window, mode="valid"),
+              ls="--", color="grey", label=f"groups with mixed rewards, mean of {window}")
   for precision, marker in (("fp4", "o"), ("bf16", "s")):
     steps, rewards = eval_curve(metrics, precision)
     if steps:
@@ -99,9 +104,10 @@ def final_table(metrics: list[dict]) -> str:
     if "eval/reward_fp4" in m or "eval/reward_bf16" in m:
       fmt = lambda k, f="{:.3f}": f.format(m[k]) if k in m else "-"
       rows.append((m["step"], fmt("eval/reward_fp4"), fmt("eval/reward_bf16"),
-                   fmt("rewards/mean"), fmt("mismatch/k3_kl", "{:.2e}"),
+                   fmt("rewards/mean"), fmt("reward/mixed_group_frac", "{:.2f}"),
+                   fmt("mismatch/k3_kl", "{:.2e}"),
                    fmt("mismatch/mantissa_disagree_frac", "{:.4f}")))
-  return markdown_table(["step", "eval fp4", "eval bf16", "train reward", "k3_kl",
+  return markdown_table(["step", "eval fp4", "eval bf16", "train reward", "mixed groups", "k3_kl",
                          "mantissa-bit disagree"], rows)
 
 
