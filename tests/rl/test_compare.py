@@ -74,9 +74,12 @@ def test_table_rows_and_markdown():
   assert row["k3"] == pytest.approx(math.exp(np.mean(np.log(k3))))
   assert row["vs_bf16"]["n"] == 3 and row["seeds"] == 3
   assert next(r for r in rows if r["arm"] == "ptq")["k3"] is None
+  mine = [c["summary"] for c in cells if c["task"] == "search" and c["arm"] == "trace"]
+  gains = [s["final_eval_reward"] - s["initial_eval_reward"] for s in mine]
+  assert row["gain"]["n"] == 3 and row["gain"]["mean"] == pytest.approx(np.mean(gains))
   table = compare.markdown(cells)
   assert table.count("\n") == 1 + len(rows)
-  assert "vs bf16 (paired)" in table and "[" in table
+  assert "vs bf16 (paired)" in table and "gain (final - initial)" in table and "[" in table
 
 
 def test_run_cells_resumes_and_refuses_other_settings(tmp_path):

@@ -174,6 +174,9 @@ def table_rows(cells) -> list[dict]:
           "eval_precision": mine[0]["summary"].get("eval_precision"),
           "initial": arm_interval(cells, task, arm, "initial_eval_reward"),
           "final": arm_interval(cells, task, arm),
+          "gain": interval(_value(c, METRIC) - _value(c, "initial_eval_reward") for c in mine
+                           if _value(c, METRIC) is not None
+                           and _value(c, "initial_eval_reward") is not None),
           "vs_bf16": None if arm == "bf16" else paired_difference(cells, task, arm, "bf16"),
           "vs_fp4_qat": None if arm == "fp4-qat" else paired_difference(cells, task, arm,
                                                                          "fp4-qat"),
@@ -190,14 +193,14 @@ def markdown(cells, confidence: float = 0.95) -> str:
   for r in table_rows(cells):
     signed = lambda iv: None if iv is None else dict(iv, signed=True)
     rows.append((r["task"], r["arm"], r["seeds"], r["eval_precision"], _fmt(r["initial"]),
-                 _fmt(r["final"]), "-" if r["vs_bf16"] is None else _fmt(signed(r["vs_bf16"])),
+                 _fmt(r["final"]), _fmt(signed(r["gain"])), "-" if r["vs_bf16"] is None else _fmt(signed(r["vs_bf16"])),
                  "-" if r["vs_fp4_qat"] is None else _fmt(signed(r["vs_fp4_qat"])),
                  _fmt(r["train_reward"]), "-" if r["k3"] is None else f"{r['k3']:.2e}",
                  f"{r['seconds']:.0f}"))
   pct = f"{100 * confidence:.0f}%"
   return markdown_table(
       ["task", "arm", "seeds", "eval in", "initial eval", f"final eval (mean [{pct} CI])",
-       "vs bf16 (paired)", "vs fp4-qat (paired)", "mean train reward", "k3 KL (geo. mean)",
+       "gain (final - initial)", "vs bf16 (paired)", "vs fp4-qat (paired)", "mean train reward", "k3 KL (geo. mean)",
        "s per cell"], rows)
 
 
