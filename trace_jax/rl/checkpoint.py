@@ -246,14 +246,14 @@ class Checkpoints:
   def _verify(self, step: int, restored: dict) -> None:
     saved = self.read_meta(step).get("checksums")
     checksums, nonfinite = fingerprint(restored)
+    # Damage first: a flipped bit can also make a NaN, and "damaged files" is the diagnosis.
+    if saved is not None:  # (None: written before checksums existed; finiteness is all)
+      differ = sorted(k for k in set(saved) | set(checksums) if saved.get(k) != checksums.get(k))
+      if differ:
+        raise CheckpointError(f"step {step}: {len(differ)} arrays differ from the checksums "
+                              f"saved with them (damaged files), e.g. {differ[:2]}")
     if nonfinite:
       raise CheckpointError(f"step {step} holds NaN or Inf in {nonfinite[:3]}")
-    if saved is None:  # written before checksums existed: finiteness is all we can check
-      return
-    differ = sorted(k for k in set(saved) | set(checksums) if saved.get(k) != checksums.get(k))
-    if differ:
-      raise CheckpointError(f"step {step}: {len(differ)} arrays differ from the checksums saved "
-                            f"with them (damaged files), e.g. {differ[:2]}")
 
   def restore_latest(self, like: dict[str, Any]) -> tuple[int, dict, dict] | None:
     """The newest checkpoint that restores and verifies: (step, restored state, meta).
