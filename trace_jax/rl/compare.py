@@ -193,15 +193,16 @@ def markdown(cells, confidence: float = 0.95) -> str:
   for r in table_rows(cells):
     signed = lambda iv: None if iv is None else dict(iv, signed=True)
     rows.append((r["task"], r["arm"], r["seeds"], r["eval_precision"], _fmt(r["initial"]),
-                 _fmt(r["final"]), _fmt(signed(r["gain"])), "-" if r["vs_bf16"] is None else _fmt(signed(r["vs_bf16"])),
+                 _fmt(r["final"]), _fmt(signed(r["gain"])),
+                 "-" if r["vs_bf16"] is None else _fmt(signed(r["vs_bf16"])),
                  "-" if r["vs_fp4_qat"] is None else _fmt(signed(r["vs_fp4_qat"])),
                  _fmt(r["train_reward"]), "-" if r["k3"] is None else f"{r['k3']:.2e}",
                  f"{r['seconds']:.0f}"))
   pct = f"{100 * confidence:.0f}%"
   return markdown_table(
       ["task", "arm", "seeds", "eval in", "initial eval", f"final eval (mean [{pct} CI])",
-       "gain (final - initial)", "vs bf16 (paired)", "vs fp4-qat (paired)", "mean train reward", "k3 KL (geo. mean)",
-       "s per cell"], rows)
+       "gain (final - initial)", "vs bf16 (paired)", "vs fp4-qat (paired)", "mean train reward",
+       "k3 KL (geo. mean)", "s per cell"], rows)
 
 
 def curve_band(cells, task, arm, key="curve_train", window=5):
