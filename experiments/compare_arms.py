@@ -48,6 +48,7 @@ _EVAL_SIZE = flags.DEFINE_integer("eval_size", None, "Eval problems (default RLC
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", None, "Eval period (default RLConfig's).")
 _PROMPTS = flags.DEFINE_integer("prompts_per_step", None, "Problems per step.")
 _GROUP = flags.DEFINE_integer("group_size", None, "Samples per problem.")
+_MINIBATCHES = flags.DEFINE_integer("minibatches", None, "Updates per step (default RLConfig's).")
 _PRESET = flags.DEFINE_string("preset", None, "Model preset (default RLConfig's).")
 _FP4_SITES = flags.DEFINE_string("fp4_sites", None, "FP4 scope: all or experts+kv.")
 _FMT = flags.DEFINE_string("fmt", None, "FP4 format: nvfp4 or mxfp4.")
@@ -63,6 +64,7 @@ def _overrides() -> dict:
   values = {"steps": _STEPS.value, "sft_steps": _SFT.value, "learning_rate": _LR.value,
             "eval_size": _EVAL_SIZE.value, "eval_every": _EVAL_EVERY.value,
             "prompts_per_step": _PROMPTS.value, "group_size": _GROUP.value,
+            "minibatches": _MINIBATCHES.value,
             "preset": _PRESET.value, "fp4_sites": _FP4_SITES.value, "fmt": _FMT.value}
   out = {k: v for k, v in values.items() if v is not None}
   if _STRESS.value:

@@ -1,6 +1,6 @@
 """The main job: RL of a small MoE policy from FP4 rollouts, with TRACE guidance by default.
 
-  python experiments/rl.py                                   # small, arith, arm trace, ~7 min on 2 cores
+  python experiments/rl.py                 # small, chain (held-out eval), arm trace, <10 min on 2 cores
   python experiments/rl.py --arm=fp4-qat --seed=1 --steps=30
   python experiments/rl.py --arm=trace --fp4_sites=experts+kv --fmt=mxfp4 --steps=30
   python experiments/rl.py --arm=trace --fmt=mxfp4 --activations=fp8 --steps=30  # W4A8
@@ -23,6 +23,7 @@ model without one).
 
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -31,7 +32,7 @@ from absl import app, flags, logging
 
 from trace_jax.rl import report
 from trace_jax.rl.checkpoint import CheckpointError
-from trace_jax.rl.config import ARMS, RLConfig
+from trace_jax.rl.config import ARMS, REWARD_CONTROLS, RLConfig
 from trace_jax.rl.grpo import AGGREGATIONS, CORRECTIONS
 from trace_jax.rl.trainer import Trainer, read_metrics
 from trace_jax.utils import distributed
@@ -42,7 +43,7 @@ _L = _D.loss
 _ARM = flags.DEFINE_string("arm", _D.arm, f"One of {sorted(ARMS)}.")
 _TASK = flags.DEFINE_string("task", _D.task, "Task: arith, coding, search, or rg:<name>.")
 _TASK_OPTIONS = flags.DEFINE_list("task_options", [f"{k}={v}" for k, v in _D.task_options],
-                                  "key=value options of the task (ints parsed).")
+                                  "key=value options of the task (numbers parsed).")
 _PRESET = flags.DEFINE_string("preset", _D.preset, "Model preset.")
 _STEPS = flags.DEFINE_integer("steps", _D.steps, "RL steps.")
 _SEED = flags.DEFINE_integer("seed", _D.seed, "Seed of everything random.")
@@ -98,21 +99,34 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "--process_id; default: the cluster environment, if any).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
+_REWARD_CONTROL = flags.DEFINE_enum(
+    "reward_control", _D.reward_control, list(REWARD_CONTROLS),
+    "shuffle: a placebo run, rewards permuted across the batch before the advantages (the "
+    "optimizer's noise, no signal); compare it with the real run.")
 _REMAT = flags.DEFINE_bool("remat", _D.remat, "Recompute each block's activations in the "
                           "backward pass (see experiments/plan.py).")
 
 
 def _options(flag=_TASK_OPTIONS):
-  """key=value pairs of a list flag; ints (and true/false) parsed."""
+  """key=value pairs of a list flag; ints and floats (and, for chat options, true/false)
+  parsed."""
   out = []
   for kv in flag.value:
     if "=" not in kv:
       raise app.UsageError(f"--{flag.name} expects key=value, got {kv!r}")
     k, v = kv.split("=", 1)
-    bools = {"true": True, "false": False}
-    out.append((k, int(v) if v.lstrip("-").isdigit() else bools.get(v.lower(), v)
-                if flag is _CHAT_OPTIONS else v))
+    out.append((k, _parse_value(v, bools=flag is _CHAT_OPTIONS)))
   return tuple(out)
+
+
+def _parse_value(text: str, bools: bool):
+  if text.lstrip("-").isdigit():
+    return int(text)
+  try:
+    number = float(text)
+  except ValueError:
+    return {"true": True, "false": False}.get(text.lower(), text) if bools else text
+  return number if math.isfinite(number) else text
 
 
 def main(argv):
@@ -153,7 +167,8 @@ def _main(argv):
         sparse_delta=_SPARSE_DELTA.value, hf_checkpoint=_HF.value,
         sft_warm_start=_SFT_WARM.value, prompt_format=_PROMPT_FORMAT.value,
         system_prompt=_SYSTEM.value, observation_role=_OBS_ROLE.value,
-        chat_template_options=_options(_CHAT_OPTIONS), remat=_REMAT.value)
+        chat_template_options=_options(_CHAT_OPTIONS), remat=_REMAT.value,
+        reward_control=_REWARD_CONTROL.value)
   except (ValueError, ImportError) as e:  # bad flags, and only those, are usage errors
     raise app.UsageError(str(e)) from e
   workdir = _WORKDIR.value or os.path.join(

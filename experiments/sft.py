@@ -44,7 +44,7 @@ def main(argv):
   record = warmstart.load_or_train(policy, workdir, task, tokenizer, steps=_STEPS.value,
                                    batch=_BATCH.value, seed=_SEED.value,
                                    learning_rate=_LR.value)
-  items = task.sample(eval_seed(_SEED.value), _EVAL.value)
+  items = task.sample(eval_seed(_SEED.value), _EVAL.value, split="eval")
   prompt_len = max(len(prompt_ids(tokenizer, i)) for i in items)
   max_len = episodes.max_len_for(task, prompt_len, 32, 16)
   for precision in ("fp4", "bf16"):

@@ -38,9 +38,9 @@ CASES = [(arm, "all") for arm in sorted(PROMISES)] + [("fp4-qat", "experts+kv"),
 @pytest.mark.parametrize("arm, fp4_sites", CASES)
 def test_one_step_keeps_the_arms_promises(tmp_path, arm, fp4_sites, fmt="nvfp4"):
   packs, quantized, rounding, correction, mode, layers, replay = PROMISES[arm]
-  config = RLConfig(arm=arm, preset="tiny", steps=1, prompts_per_step=2, group_size=4,
-                    minibatches=2, max_new_tokens=6, sft_steps=0, eval_every=0, eval_size=0,
-                    checkpoint_every=0, fp4_sites=fp4_sites, fmt=fmt)
+  config = RLConfig(arm=arm, task="arith", preset="tiny", steps=1, prompts_per_step=2,
+                    group_size=4, minibatches=2, max_new_tokens=6, sft_steps=0, eval_every=0,
+                    eval_size=0, checkpoint_every=0, fp4_sites=fp4_sites, fmt=fmt)
   trainer = Trainer(config, str(tmp_path), progress=False)
   # Rollout precision: packed FP4 weights (in the run's format and scope) or bf16 weights.
   assert _packed(trainer.engine.params) == packs
@@ -104,9 +104,9 @@ def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, arm, fp4_sites, activati
   """--fmt=mxfp4 end to end: MXFP4 rollout weights (E8M0 scales, no global scale), MXFP4 KV
   cache, MXFP4 QAT, guidance captured in the MXFP4 layout; and W4A8 (--activations=fp8:
   linear inputs in MXFP8 E4M3, guidance on the FP4 KV cache only)."""
-  config = RLConfig(arm=arm, preset="small", steps=1, prompts_per_step=1, group_size=2,
-                    minibatches=1, max_new_tokens=4, sft_steps=0, eval_every=0, eval_size=0,
-                    checkpoint_every=0, fp4_sites=fp4_sites, fmt="mxfp4",
+  config = RLConfig(arm=arm, task="arith", preset="small", steps=1, prompts_per_step=1,
+                    group_size=2, minibatches=1, max_new_tokens=4, sft_steps=0, eval_every=0,
+                    eval_size=0, checkpoint_every=0, fp4_sites=fp4_sites, fmt="mxfp4",
                     activations=activations)
   trainer = Trainer(config, str(tmp_path), progress=False)
   packed = [leaf for leaf in jax.tree.leaves(trainer.engine.params,

@@ -81,8 +81,8 @@ def test_rl_script_flag_defaults_are_the_config_defaults():
       "max_new_tokens", "temperature", "learning_rate", "minibatches", "epochs", "eval_every",
       "eval_size", "sft_steps", "checkpoint_every", "compute_dtype", "fp4_sites", "fmt",
       "clip_low", "clip_high", "aggregation", "std_norm", "kl_coef", "tis_threshold",
-      "rollout_correction", "mesh", "sparse_delta"}}
-  assert len(defaults) == 28
+      "rollout_correction", "mesh", "sparse_delta", "reward_control"}}
+  assert len(defaults) == 29
   for name, value in defaults.items():
     if name == "rollout_correction":  # the flag is the one knob, RLConfig.correction
       assert value == config.correction

@@ -23,7 +23,8 @@ TIMING = ("rollout_seconds", "train_seconds")
 
 
 def _config(**overrides):
-  base = dict(preset="tiny", steps=1, prompts_per_step=2, group_size=4, minibatches=2, max_new_tokens=8,
+  base = dict(task="arith", preset="tiny", steps=1, prompts_per_step=2, group_size=4,
+              minibatches=2, max_new_tokens=8,
               sft_steps=3, sft_batch=8, eval_size=4, eval_every=1, checkpoint_every=1)
   return RLConfig(**{**base, **overrides})
 
@@ -118,6 +119,7 @@ def test_resume_with_another_config_names_the_fields(tmp_path):
     (dict(fp4_sites="experts"), "fp4_sites='experts'.*experts\\+kv"),
     (dict(fmt="fp8"), "fmt='fp8'.*mxfp4"),
     (dict(lr_warmup_steps=-1), "lr_warmup_steps=-1"),
+    (dict(reward_control="random"), "reward_control='random'.*shuffle"),
 ])
 def test_bad_configs(overrides, match):
   with pytest.raises(ValueError, match=match):
@@ -187,3 +189,76 @@ def test_learning_rate_warmup():
   np.testing.assert_allclose(sizes[0], lr / 10, rtol=1e-3)
   np.testing.assert_allclose(sizes[-1], lr, rtol=1e-3)
   assert all(a < b for a, b in zip(sizes[:warmup], sizes[1:warmup + 1]))
+
+
+def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path, monkeypatch):
+  """reward_control="shuffle": the advantages are those of the step's rewards permuted by
+  (seed, step) (recomputed here with numpy), while the logged rewards are the episodes' own."""
+  from trace_jax.rl.grpo import group_advantages
+  config = _config(arm="bf16", sft_steps=0, eval_every=0, checkpoint_every=0, minibatches=1,
+                   reward_control="shuffle", seed=3)
+  trainer = Trainer(config, str(tmp_path), progress=False)
+  rewards = {}
+  play_episodes = trainer_lib.episodes_lib.play
+
+  def play(*args, **kwargs):
+    played = play_episodes(*args, **kwargs)
+    n = played.rewards.size  # distinct rewards in a fresh order
+    played.rewards = (np.random.default_rng().permutation(n) / (n - 1)).astype(np.float32)
+    rewards["true"] = played.rewards.copy()
+    return played
+  seen = []
+  step = trainer_lib._train_step
+
+  def recording_step(policy, opt, example, *args, **kwargs):
+    seen.append(np.asarray(example.advantages))
+    return step(policy, opt, example, *args, **kwargs)
+  monkeypatch.setattr(trainer_lib.episodes_lib, "play", play)
+  monkeypatch.setattr(trainer_lib, "_train_step", recording_step)
+  metrics = trainer.train_step()
+  permuted = np.random.default_rng([3, 1]).permutation(rewards["true"])
+  assert not np.array_equal(permuted, rewards["true"])
+  np.testing.assert_allclose(seen[0], np.asarray(group_advantages(permuted, config.group_size)),
+                             atol=1e-6)
+  assert metrics["rewards/mean"] == pytest.approx(float(np.mean(rewards["true"])))
+
+
+def test_fused_update_equals_the_separate_pi_old_forward_and_update():
+  """One update per step (`_fused_step`): the same parameters, Adam state, loss, pi_old
+  log-probs, entropy and training-path site records as pi_old's own forward
+  (`_old_logprobs`) followed by `_train_step`, on FP4 QAT with fresh random trajectories."""
+  import jax.numpy as jnp
+  from trace_jax import model as M
+  from trace_jax.model.quant import QuantConfig, call_config
+  rng = np.random.default_rng()
+  cfg = M.tiny()
+  batch, length = 4, 24
+  tokens = jnp.asarray(rng.integers(5, cfg.vocab_size, (batch, length)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+  mask = jnp.ones((batch, length), bool)
+  response = jnp.asarray(np.arange(length)[None, :] >= rng.integers(4, 12, (batch, 1)))
+  example = trainer_lib.TrainExample(
+      tokens=tokens, positions=positions, mask=mask, response_mask=response,
+      rollout_logp=jnp.asarray(rng.normal(-1.0, 0.3, (batch, length)), jnp.float32),
+      advantages=jnp.asarray(rng.normal(size=batch), jnp.float32))
+  static = dict(quant=call_config(QuantConfig(), compute_dtype="bfloat16"), replay=False,
+                temperature=0.7)
+  loss_config = LossConfig(rollout_correction="tis")
+  results = []
+  for fused in (True, False):
+    policy = M.Transformer(cfg, rngs=nnx.Rngs(7))
+    opt = nnx.Optimizer(policy, trainer_lib._optimizer(1e-3), wrt=nnx.Param)
+    if fused:
+      loss, _, _, old, entropy, _, sites = trainer_lib._fused_step(
+          policy, opt, example, None, None, loss_config=loss_config, record=True, **static)
+    else:
+      old, entropy, _, sites = trainer_lib._old_logprobs(policy, example, None, record=True,
+                                                         **static)
+      loss = trainer_lib._train_step(policy, opt, example.replace(old_logp=old), None, None,
+                                     loss_config=loss_config, **static)[0]
+    results.append((loss, old, entropy, sites, nnx.state(policy, nnx.Param), nnx.state(opt)))
+  for a, b in zip(*results):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                 rtol=1e-5, atol=1e-6)
+  assert jax.tree.leaves(results[0][3])  # the site records are there

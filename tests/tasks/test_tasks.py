@@ -1,10 +1,12 @@
 """Tasks: solvers score 1.0, wrong answers less, determinism, the multi-turn environment."""
 
+import numpy as np
 import pytest
 
 from trace_jax.tasks import get_task, registered
 
 SINGLE_TURN = [("arith", {}), ("arith", {"terms": 4, "max_operand": 50, "ops": "+-*"}),
+               ("chain", {}),
                ("coding", {"level": 1}), ("coding", {"level": 2}), ("coding", {"level": 3})]
 
 
@@ -15,7 +17,8 @@ def test_solver_scores_one_and_wrong_answers_less(name, options):
   for item in items:
     assert task.score(item, item.demonstration) == 1.0
     assert task.score(item, "") == 0.0
-  wrong = {"arith": lambda i: f"#{i.target + 1}", "coding": lambda i: i.demonstration + "+1"}[name]
+  wrong = {"arith": lambda i: f"#{i.target + 1}", "chain": lambda i: f"#{i.target + 1}",
+           "coding": lambda i: i.demonstration + "+1"}[name]
   assert all(task.score(item, wrong(item)) < 1.0 for item in items)
 
 
@@ -72,8 +75,52 @@ def test_search_environment():
       1 - 0.05 * (len(item.demonstration) - 1))
 
 
+def test_arith_held_out_problems_are_never_drawn_for_training():
+  """With eval_share, "eval" draws only from a fixed share of the problems (by the prompt's
+  CRC-32, recomputed here), "train" never from it; together they cover the whole space."""
+  import zlib
+  task = get_task("arith", terms=3, max_operand=3, ops="+", eval_share=0.25)
+  train = {i.prompt for seed in range(40) for i in task.sample(seed, 32)}
+  held = {i.prompt for seed in range(40) for i in task.sample(seed, 32, split="eval")}
+  assert not train & held
+  assert len(train | held) == 4**3  # every (a, b, c) in [0, 3]^3 was drawn by one split
+  for prompt in train | held:
+    in_eval = zlib.crc32(prompt.encode()) / 2**32 < 0.25
+    assert (prompt in held) == in_eval
+  assert 0.1 < len(held) / 4**3 < 0.4
+  assert all(i.meta["terms"] == 3 for i in task.sample(0, 5, split="eval"))
+
+
+def test_chain_is_four_term_sums_with_a_held_out_quarter():
+  """The main job's task: every problem "a+b+c+d=" with operands in [0, 5], its demonstration
+  the three running sums (recomputed here), and about a quarter of the 6**4 problems held out."""
+  task = get_task("chain")
+  for item in task.sample(11, 50) + task.sample(11, 50, split="eval"):
+    values = [int(v) for v in item.prompt[:-1].split("+")]
+    assert len(values) == 4 and all(0 <= v <= 5 for v in values)
+    sums = np.cumsum(values)
+    steps = [f"{a}+{v}={b}" for a, v, b in zip(sums[:-1], values[1:], sums[1:])]
+    assert item.demonstration == ";".join(steps) + f";#{sums[-1]}" and item.target == sums[-1]
+  held = {i.prompt for seed in range(30) for i in task.sample(seed, 64, split="eval")}
+  assert not held & {i.prompt for seed in range(30) for i in task.sample(seed, 64)}
+  assert 0.2 < len(held) / 6**4 < 0.3
+
+
+def test_arith_without_eval_share_draws_both_splits_from_every_problem():
+  task = get_task("arith")
+  evaluated = [i.prompt for i in task.sample(7, 20, split="eval")]
+  assert evaluated == [i.prompt for i in task.sample(7, 20)]
+
+
+@pytest.mark.parametrize("name", ["arith", "coding", "search"])
+def test_unknown_split_is_refused(name):
+  with pytest.raises(ValueError, match="split='test'"):
+    get_task(name).sample(0, 2, split="test")
+
+
 @pytest.mark.parametrize("name, options, match", [
     ("arith", {"terms": 1}, "terms=1"),
+    ("arith", {"eval_share": 1.0}, "eval_share=1.0"),
     ("coding", {"level": 4}, "level=4"),
     ("search", {"bits": 6, "max_turns": 3}, "max_turns=3"),
 ])

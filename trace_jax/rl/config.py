@@ -16,6 +16,7 @@ from trace_jax.tasks.registry import get_task, registered
 
 
 TRAIN_PATHS = ("bf16", "qat", "guided")
+REWARD_CONTROLS = ("none", "shuffle")
 PRECISIONS = ("bf16", "fp4")
 
 
@@ -114,7 +115,7 @@ class RLConfig:
   #   both paths, KV cache in FP4; FP8 sites take nearest rounding, no guidance)
   sparse_delta: float = fp4.DEFAULT_DELTA  # sparse guidance (arm trace-sparse): element
   #   margin around an E2M1 midpoint in grid units (calibrated: fp4.sparse.DEFAULT_DELTA)
-  task: str = "arith"
+  task: str = "chain"
   task_options: tuple = ()  # (name, value) pairs passed to get_task
   preset: str = "small"
   seed: int = 0
@@ -123,9 +124,9 @@ class RLConfig:
   group_size: int = 16  # samples per problem (GRPO group)
   max_new_tokens: int = 32  # per turn
   temperature: float = 0.7  # sampling (and the tempered policy the loss trains)
-  learning_rate: float = 1e-4
+  learning_rate: float = 3e-5  # small: each update's noise costs the warm start (README)
   lr_warmup_steps: int = 0  # RL steps of linear warmup from learning_rate / 10
-  minibatches: int = 2  # optimizer updates per epoch
+  minibatches: int = 1  # optimizer updates per epoch (1: pi_old is the update's own forward)
   epochs: int = 1
   loss: LossConfig = LossConfig(rollout_correction="none")  # its rollout_correction is set
   #   by `correction` (the one knob); leave it "none"
@@ -148,6 +149,10 @@ class RLConfig:
   observation_role: str = "user"  # multi-turn observations as "user" or "tool" turns
   chat_template_options: tuple = ()  # (name, value) template variables, e.g. enable_thinking
   remat: bool = False  # recompute each block's activations in the backward pass (memory)
+  reward_control: str = "none"  # "shuffle": a placebo run; each step's rewards are permuted
+  #   across the batch before the advantages (the logged rewards are the true ones), so the
+  #   update carries the optimizer's noise and no signal: the real run minus this one is
+  #   what the reward taught
 
   def __post_init__(self):
     get_arm(self.arm)
@@ -186,6 +191,9 @@ class RLConfig:
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ValueError(f"RLConfig.{name}={value!r} must be a finite number > 0")
+    if self.reward_control not in REWARD_CONTROLS:
+      raise ValueError(f"RLConfig.reward_control={self.reward_control!r} is not allowed; use one "
+                       f"of {REWARD_CONTROLS}")
     if self.correction not in ("auto",) + CORRECTIONS:
       raise ValueError(f"RLConfig.correction={self.correction!r}; use auto, tis, mask or none")
     if self.loss.rollout_correction != "none":

@@ -108,6 +108,34 @@ def _train_step(policy, opt, example: TrainExample, guidance, ref_logp, *, quant
   return loss, stats, optax.global_norm(grads)
 
 
+@functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config", "record"),
+                   donate_argnums=(0, 1))
+def _fused_step(policy, opt, example: TrainExample, guidance, ref_logp, *, quant, replay,
+                temperature, loss_config, record: bool):
+  """A step's only update (one minibatch, one epoch): pi_old is the policy this update
+  starts from, so its log-probs are this forward's own, held without gradient, and the
+  separate pi_old forward of `_old_logprobs` is not run. Returns `_train_step`'s outputs
+  and then what `_old_logprobs` would have: log pi_old, token entropy, guidance fallbacks
+  and (with `record`) the training path's site records."""
+  if record:
+    quant = quant.replace(recording=Recording(form="full"))
+
+  def loss_fn(policy):
+    logp, out = training_forward(policy, example.tokens, example.positions, example.mask,
+                                 quant=quant, guidance=guidance, routing_replay=replay,
+                                 temperature=temperature)
+    old_logp = jax.lax.stop_gradient(logp)
+    loss, stats = grpo_loss(logp, old_logp, example.rollout_logp, example.advantages,
+                            example.response_mask, loss_config, ref_logp)
+    entropy = token_entropy(jax.lax.stop_gradient(out.logits), temperature)
+    return (loss + policy.cfg.router_aux_loss_coef * out.lb_loss,
+            (stats, old_logp, entropy, out.fallbacks, out.sites))
+
+  (loss, (stats, *scored)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
+  opt.update(policy, grads)
+  return loss, stats, optax.global_norm(grads), *scored
+
+
 @nnx.jit
 def _param_health(policy) -> tuple[jax.Array, jax.Array]:
   """(every parameter finite, max |parameter|): the divergence guard's two numbers."""
@@ -226,6 +254,8 @@ class Trainer:
     # layer, so the paths' per-layer disagreement is measured each step; the trainer uses
     # only the arm's own guided layers of it.
     self.measured = self.arm.rollout_precision == "fp4" and config.train_quant is not None
+    # One update per step: pi_old's log-probs come from that update's own forward.
+    self.fused = config.minibatches == 1 and config.epochs == 1
     capture = self.arm.guidance
     if self.measured and capture == "none":
       capture = "compact"
@@ -243,7 +273,8 @@ class Trainer:
     self._weights_step = self.step
     self._engine_step = {id(self._engine): self.step}
     self._made_weights = {}
-    self.eval_items = self.task.sample(data.eval_seed(config.seed), config.eval_size)
+    self.eval_items = self.task.sample(data.eval_seed(config.seed), config.eval_size,
+                                       split="eval")  # held out, where the task holds any
     self._truncate_metrics(self.step)
 
   @functools.cached_property
@@ -344,8 +375,8 @@ class Trainer:
     collected = self._collect(step)
     rollout_seconds = time.time() - start
     start = time.time()
-    scored = self._score(collected)
-    losses, stats_list, norms = self._update(step, scored)
+    scored = self._score(step, collected)
+    losses, stats_list, norms, scored = self._update(step, scored)
     train_seconds = time.time() - start
     metrics = self._metrics(step, collected, scored, losses, stats_list, norms)
     metrics.update(rollout_seconds=rollout_seconds, train_seconds=train_seconds)
@@ -370,24 +401,44 @@ class Trainer:
         "response_mask": rollout.response_mask, "rollout_logp": rollout.logprobs}))
     return _Collected(played=played, rollout=rollout, example=example, guidance=guidance)
 
-  def _score(self, c: "_Collected") -> "_Scored":
-    """pi_old (and the reference's log-probs) on the training path, and the advantages;
-    the training path's site records only where the disagreement metrics read them."""
+  def _score(self, step: int, c: "_Collected") -> "_Scored":
+    """pi_old (and the reference's log-probs) on the training path, and the advantages (of
+    `advantage_rewards`); the training path's site records only where the disagreement
+    metrics read them."""
     config, static = self.config, self._static()
-    old_logp, entropy, fallbacks, train_sites = _old_logprobs(
-        self.policy, c.example, c.guidance, record=self.measured, **static)
+    old_logp = entropy = fallbacks = train_sites = None  # the fused update gives them
+    if not self.fused:
+      old_logp, entropy, fallbacks, train_sites = _old_logprobs(
+          self.policy, c.example, c.guidance, record=self.measured, **static)
     ref_logp = None
     if self.reference is not None:
       ref_logp = _old_logprobs(self.reference, c.example, c.guidance, record=False, **static)[0]
-    advantages = group_advantages(jnp.asarray(c.played.rewards), config.group_size,
-                                  std_norm=config.loss.std_norm)
+    advantages = group_advantages(jnp.asarray(self.advantage_rewards(step, c.played.rewards)),
+                                  config.group_size, std_norm=config.loss.std_norm)
     example = c.example.replace(old_logp=old_logp, advantages=self._shard(advantages))
     return _Scored(example=example, guidance=c.guidance, ref_logp=ref_logp, entropy=entropy,
                    fallbacks=fallbacks, train_sites=train_sites)
 
+  def advantage_rewards(self, step: int, rewards: np.ndarray) -> np.ndarray:
+    """The rewards the advantages are computed from: the episodes' own, or with
+    `reward_control="shuffle"` the same rewards permuted across the whole batch (by the
+    seed and the step, the same on every process), which keeps their mean and spread and
+    breaks their link to the completions."""
+    if self.config.reward_control == "shuffle":
+      return np.random.default_rng([self.config.seed, step]).permutation(rewards)
+    return rewards
+
   def _update(self, step: int, s: "_Scored"):
-    """Minibatch GRPO updates; raises DivergenceError before anything of a bad step is kept."""
+    """Minibatch GRPO updates; raises DivergenceError before anything of a bad step is kept.
+    Returns (losses, stats, grad norms, the scored batch with pi_old's forward filled in)."""
     config, static = self.config, self._static()
+    if self.fused:  # one update: pi_old's forward is the update's own
+      loss, stats, norm, old_logp, entropy, fallbacks, sites = _fused_step(
+          self.policy, self.opt, s.example, s.guidance, s.ref_logp,
+          loss_config=config.loss_config, record=self.measured, **static)
+      s = dataclasses.replace(s, example=s.example.replace(old_logp=old_logp), entropy=entropy,
+                              fallbacks=fallbacks, train_sites=sites)
+      return self._finish_update(step, [(loss, stats, norm)]) + (s,)
     guidance = s.guidance
     updates = []  # (loss, stats, grad norm) per minibatch, left on device until all ran
     size = config.batch // config.minibatches
@@ -401,6 +452,10 @@ class Trainer:
           mini_ref = None if s.ref_logp is None else s.ref_logp[rows]
         updates.append(_train_step(self.policy, self.opt, mini, mini_guidance, mini_ref,
                                    loss_config=config.loss_config, **static))
+    return self._finish_update(step, updates) + (s,)
+
+  def _finish_update(self, step: int, updates: list) -> tuple:
+    """(losses, stats, grad norms) of a step's updates, checked for divergence."""
     (losses, stats_list, norms), (finite, max_abs) = jax.device_get(
         (tuple(zip(*updates)), _param_health(self.policy)))
     self._check_update(step, losses, norms, bool(finite), float(max_abs))

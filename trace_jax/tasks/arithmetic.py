@@ -5,17 +5,23 @@
   score          1.0 if the number after the last '#' equals the answer, else 0.0
 
 Difficulty: `terms` (operands, >= 2: the chain has terms - 1 steps, each written out) and
-`max_operand`. The default, two single-digit operands, is what a `small` CPU model learns
-from a short SFT and then improves with RL in minutes; three or more terms make multi-step
-chains where one wrong digit anywhere costs the reward.
+`max_operand`. Two single-digit operands (the default) are 200 problems, each a fact of its
+own; three or more terms make multi-step chains where one wrong digit anywhere costs the
+reward, and whose few step facts are shared by many problems.
+
+Held-out problems: with `eval_share` > 0 a fixed share of all problems (by a hash of the
+prompt) is drawn only by `sample(..., split="eval")`, never for training (SFT or RL), so the
+evaluation measures what carries over to problems the policy never saw. With 0 (the
+default) both splits draw from every problem, by different seeds.
 """
 
 from __future__ import annotations
 
 import random
 import re
+import zlib
 
-from trace_jax.tasks.base import Item, Task
+from trace_jax.tasks.base import Item, Task, check_split
 
 _ANSWER = re.compile(r"#(-?\d+)")
 
@@ -24,22 +30,34 @@ class Arithmetic(Task):
   name = "arith"
   kind = "reasoning"
 
-  def __init__(self, terms: int = 2, max_operand: int = 9, ops: str = "+-"):
+  def __init__(self, terms: int = 2, max_operand: int = 9, ops: str = "+-",
+               eval_share: float = 0.0):
     if not isinstance(terms, int) or terms < 2:
       raise ValueError(f"arith: terms={terms!r} must be an int >= 2")
     if not isinstance(max_operand, int) or max_operand < 1:
       raise ValueError(f"arith: max_operand={max_operand!r} must be an int >= 1")
     if not ops or set(ops) - set("+-*"):
       raise ValueError(f"arith: ops={ops!r} must be a non-empty string over '+-*'")
+    if not isinstance(eval_share, (int, float)) or not 0.0 <= eval_share < 1.0:
+      raise ValueError(f"arith: eval_share={eval_share!r} must be a number in [0, 1)")
     self.terms, self.max_operand, self.ops = terms, max_operand, ops
+    self.eval_share = float(eval_share)
 
-  def sample(self, seed: int, n: int) -> list[Item]:
+  def split_of(self, prompt: str) -> str:
+    """The split a problem belongs to: "eval" for a fixed share `eval_share` of prompts
+    (by CRC-32, the same on every machine and Python), else "train"."""
+    return "eval" if zlib.crc32(prompt.encode()) < self.eval_share * 2**32 else "train"
+
+  def sample(self, seed: int, n: int, split: str = "train") -> list[Item]:
+    check_split(self, split)
     rng = random.Random(f"{self.name}:{seed}")
     items = []
-    for _ in range(n):
+    while len(items) < n:
       values = [rng.randint(0, self.max_operand) for _ in range(self.terms)]
       ops = [rng.choice(self.ops) for _ in range(self.terms - 1)]
       prompt = str(values[0]) + "".join(f"{o}{v}" for o, v in zip(ops, values[1:])) + "="
+      if self.eval_share and self.split_of(prompt) != split:
+        continue
       steps, acc = [], values[0]
       for op, v in zip(ops, values[1:]):
         new = acc + v if op == "+" else acc - v if op == "-" else acc * v
@@ -55,3 +73,21 @@ class Arithmetic(Task):
       return 1.0 if found and int(found[-1]) == int(item.target) else 0.0
     except Exception:  # a scorer never raises on model text
       return 0.0
+
+
+class ArithmeticChain(Arithmetic):
+  """The main job's task: four-term sums of operands 0-5, worked out step by step, with a
+  quarter of the 1,296 problems held out for the evaluation.
+
+  prompt "3+5+0+4=", demonstration "3+5=8;8+0=8;8+4=12;#12". Its three step facts per
+  problem come from a table of 96 that every problem shares, so what RL sharpens on the
+  training problems carries over to the held-out ones; a `small` policy after the default
+  warm start solves about a third of the held-out problems greedily, and most of them in
+  16 samples.
+  """
+
+  name = "chain"
+
+  def __init__(self, terms: int = 4, max_operand: int = 5, ops: str = "+",
+               eval_share: float = 0.25):
+    super().__init__(terms=terms, max_operand=max_operand, ops=ops, eval_share=eval_share)

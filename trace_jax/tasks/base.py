@@ -34,6 +34,14 @@ class EnvStep:
   reward: float  # the episode's reward once done (0 before)
 
 
+SPLITS = ("train", "eval")
+
+
+def check_split(task: "Task", split: str) -> None:
+  if split not in SPLITS:
+    raise ValueError(f"task {task.name!r}: split={split!r} is not one of {SPLITS}")
+
+
 class Task(abc.ABC):
   """Single-turn tasks implement `sample` and `score`; multi-turn tasks also set
   `multi_turn = True` and implement `reset` and `step`."""
@@ -44,8 +52,13 @@ class Task(abc.ABC):
   max_turns: int = 1
 
   @abc.abstractmethod
-  def sample(self, seed: int, n: int) -> list[Item]:
-    """n items, a deterministic function of the seed."""
+  def sample(self, seed: int, n: int, split: str = "train") -> list[Item]:
+    """n items, a deterministic function of the seed and the split.
+
+    split: "train" (what SFT and RL draw) or "eval" (the evaluation problems). A task may
+    hold a share of its problems out of "train" (`Arithmetic(eval_share=...)`); one whose
+    problem space is vast (coding, search) keeps the splits apart by seed only.
+    """
 
   @abc.abstractmethod
   def score(self, item: Item, completion: str) -> float:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 import re
 
-from trace_jax.tasks.base import Item, Task
+from trace_jax.tasks.base import Item, Task, check_split
 
 MAX_CHARS = 96
 MAX_DEPTH = 24
@@ -229,7 +229,8 @@ class Coding(Task):
                        f"got shown={shown}, hidden={hidden}, max_input={max_input}")
     self.level, self.shown, self.hidden, self.max_input = level, shown, hidden, max_input
 
-  def sample(self, seed: int, n: int) -> list[Item]:
+  def sample(self, seed: int, n: int, split: str = "train") -> list[Item]:
+    check_split(self, split)  # the problem space is vast: the splits differ by seed only
     rng = random.Random(f"{self.name}:{seed}")
     items = []
     for _ in range(n):

@@ -15,7 +15,7 @@ the answer, or the whole completion if it has none.
 
 from __future__ import annotations
 
-from trace_jax.tasks.base import Item, Task
+from trace_jax.tasks.base import Item, Task, check_split
 
 # Scorers that evaluate model text (checked in reasoning-gym 0.1.25's sources).
 UNSAFE = {
@@ -50,7 +50,8 @@ class ReasoningGymTask(Task):
     except TypeError as e:  # an unknown option: say which task and which option
       raise ValueError(f"rg:{dataset}: bad task option ({e})") from e
 
-  def sample(self, seed: int, n: int) -> list[Item]:
+  def sample(self, seed: int, n: int, split: str = "train") -> list[Item]:
+    check_split(self, split)  # the problem space is vast: the splits differ by seed only
     data = self._rg.create_dataset(self.dataset, size=n, seed=seed, **self.options)
     return [Item(prompt=entry["question"], target=entry, demonstration=f"#{entry['answer']}",
                  meta={"dataset": self.dataset}) for entry in data]

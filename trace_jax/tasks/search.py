@@ -19,7 +19,7 @@ import dataclasses
 import random
 import re
 
-from trace_jax.tasks.base import EnvStep, Item, Task
+from trace_jax.tasks.base import EnvStep, Item, Task, check_split
 
 _INT = re.compile(r"-?\d+")
 
@@ -45,7 +45,8 @@ class Search(Task):
     self.bits, self.max_turns, self.shaping = bits, max_turns, shaping
     self.high = 2**bits - 1
 
-  def sample(self, seed: int, n: int) -> list[Item]:
+  def sample(self, seed: int, n: int, split: str = "train") -> list[Item]:
+    check_split(self, split)  # the problem space is vast: the splits differ by seed only
     rng = random.Random(f"{self.name}:{seed}")
     items = []
     for _ in range(n):
