@@ -119,7 +119,7 @@ class RLConfig:
   task_options: tuple = ()  # (name, value) pairs passed to get_task
   preset: str = "small"
   seed: int = 0
-  steps: int = 120
+  steps: int = 100
   prompts_per_step: int = 8  # distinct problems per step
   group_size: int = 16  # samples per problem (GRPO group)
   max_new_tokens: int = 32  # per turn
