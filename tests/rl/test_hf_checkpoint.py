@@ -171,7 +171,7 @@ def test_errors_before_any_work(tmp_path):
   # a template that refuses the observation role of a multi-turn task
   strict = make_tokenizer.CHAT_TEMPLATE.replace("message.role == 'tool'", "false")
   picky = checkpoint(tmp_path / "picky", "olmoe", chat_template=strict)
-  refused(RLConfig(hf_checkpoint=picky, task="search", observation_role="tool", **TINY),
+  refused(RLConfig(hf_checkpoint=picky, observation_role="tool", **{**TINY, "task": "search"}),
           "refused the conversation: unknown role tool")
 
 

@@ -208,57 +208,16 @@ def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path,
     rewards["true"] = played.rewards.copy()
     return played
   seen = []
-  step = trainer_lib._train_step
+  step = trainer_lib._fused_step  # one update per step (minibatches=1)
 
   def recording_step(policy, opt, example, *args, **kwargs):
     seen.append(np.asarray(example.advantages))
     return step(policy, opt, example, *args, **kwargs)
   monkeypatch.setattr(trainer_lib.episodes_lib, "play", play)
-  monkeypatch.setattr(trainer_lib, "_train_step", recording_step)
+  monkeypatch.setattr(trainer_lib, "_fused_step", recording_step)
   metrics = trainer.train_step()
   permuted = np.random.default_rng([3, 1]).permutation(rewards["true"])
   assert not np.array_equal(permuted, rewards["true"])
   np.testing.assert_allclose(seen[0], np.asarray(group_advantages(permuted, config.group_size)),
                              atol=1e-6)
   assert metrics["rewards/mean"] == pytest.approx(float(np.mean(rewards["true"])))
-
-
-def test_fused_update_equals_the_separate_pi_old_forward_and_update():
-  """One update per step (`_fused_step`): the same parameters, Adam state, loss, pi_old
-  log-probs, entropy and training-path site records as pi_old's own forward
-  (`_old_logprobs`) followed by `_train_step`, on FP4 QAT with fresh random trajectories."""
-  import jax.numpy as jnp
-  from trace_jax import model as M
-  from trace_jax.model.quant import QuantConfig, call_config
-  rng = np.random.default_rng()
-  cfg = M.tiny()
-  batch, length = 4, 24
-  tokens = jnp.asarray(rng.integers(5, cfg.vocab_size, (batch, length)), jnp.int32)
-  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-  mask = jnp.ones((batch, length), bool)
-  response = jnp.asarray(np.arange(length)[None, :] >= rng.integers(4, 12, (batch, 1)))
-  example = trainer_lib.TrainExample(
-      tokens=tokens, positions=positions, mask=mask, response_mask=response,
-      rollout_logp=jnp.asarray(rng.normal(-1.0, 0.3, (batch, length)), jnp.float32),
-      advantages=jnp.asarray(rng.normal(size=batch), jnp.float32))
-  static = dict(quant=call_config(QuantConfig(), compute_dtype="bfloat16"), replay=False,
-                temperature=0.7)
-  loss_config = LossConfig(rollout_correction="tis")
-  results = []
-  for fused in (True, False):
-    policy = M.Transformer(cfg, rngs=nnx.Rngs(7))
-    opt = nnx.Optimizer(policy, trainer_lib._optimizer(1e-3), wrt=nnx.Param)
-    if fused:
-      loss, _, _, old, entropy, _, sites = trainer_lib._fused_step(
-          policy, opt, example, None, None, loss_config=loss_config, record=True, **static)
-    else:
-      old, entropy, _, sites = trainer_lib._old_logprobs(policy, example, None, record=True,
-                                                         **static)
-      loss = trainer_lib._train_step(policy, opt, example.replace(old_logp=old), None, None,
-                                     loss_config=loss_config, **static)[0]
-    results.append((loss, old, entropy, sites, nnx.state(policy, nnx.Param), nnx.state(opt)))
-  for a, b in zip(*results):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-      np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
-                                 rtol=1e-5, atol=1e-6)
-  assert jax.tree.leaves(results[0][3])  # the site records are there
