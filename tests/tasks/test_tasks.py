@@ -112,6 +112,14 @@ def test_arith_without_eval_share_draws_both_splits_from_every_problem():
   assert evaluated == [i.prompt for i in task.sample(7, 20)]
 
 
+def test_an_empty_split_is_an_error_not_a_hang():
+  task = get_task("arith", terms=2, max_operand=1, ops="+", eval_share=0.01)  # 4 problems
+  held = [p for p in ("0+0=", "0+1=", "1+0=", "1+1=") if task.split_of(p) == "eval"]
+  assert not held  # CRC-32 puts none of the four below 1% (checked here, not assumed)
+  with pytest.raises(ValueError, match="split='eval' has no problems"):
+    task.sample(0, 3, split="eval")
+
+
 @pytest.mark.parametrize("name", ["arith", "coding", "search"])
 def test_unknown_split_is_refused(name):
   with pytest.raises(ValueError, match="split='test'"):

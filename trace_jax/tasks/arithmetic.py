@@ -51,8 +51,13 @@ class Arithmetic(Task):
   def sample(self, seed: int, n: int, split: str = "train") -> list[Item]:
     check_split(self, split)
     rng = random.Random(f"{self.name}:{seed}")
-    items = []
+    items, draws = [], 0
     while len(items) < n:
+      draws += 1
+      if draws > 1_000 * (n + 10):  # eval_share=0.25 needs ~4 draws per item
+        raise ValueError(f"arith: split={split!r} has no problems: eval_share={self.eval_share} "
+                         f"of these {self.terms}-term problems puts none there; use a larger "
+                         f"problem space or another eval_share")
       values = [rng.randint(0, self.max_operand) for _ in range(self.terms)]
       ops = [rng.choice(self.ops) for _ in range(self.terms - 1)]
       prompt = str(values[0]) + "".join(f"{o}{v}" for o, v in zip(ops, values[1:])) + "="
