@@ -18,7 +18,7 @@ def test_fused_update_equals_the_separate_pi_old_forward_and_update():
   log-probs, entropy and training-path site records as pi_old's own forward
   (`_old_logprobs`) followed by `_train_step`, on FP4 QAT with fresh random trajectories."""
   rng = np.random.default_rng()
-  cfg = M.tiny()
+  cfg = M.tiny(num_layers=1)  # one block: the compile is the test's cost
   batch, length = 4, 24
   tokens = jnp.asarray(rng.integers(5, cfg.vocab_size, (batch, length)), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))

@@ -39,19 +39,20 @@ def test_short_run_on_each_task_kind(tmp_path, monkeypatch, task, options):
   only arith warm-starts (SFT), the others start from the random policy."""
   # coding also trains against a KL reference policy (a copy: the policy's buffers are donated).
   loss = LossConfig(rollout_correction="none", kl_coef=0.01 if task == "coding" else 0.0)
+  # One update per step (the main job's): the fused update, pi_old's forward its own.
   config = _config(task=task, task_options=options, max_new_tokens=4 if task == "search" else 8,
                    prompt_bucket=8 if task == "search" else 32,
-                   sft_steps=3 if task == "arith" else 0, loss=loss)
+                   sft_steps=3 if task == "arith" else 0, loss=loss, minibatches=1)
   trainer = Trainer(config, str(tmp_path), progress=False)
   # The buffers each train step receives (earlier jitted calls, e.g. pi_old's forward, hand
   # the policy new arrays, so they are taken at the step's boundary).
   given = []
-  step = trainer_lib._train_step
+  step = trainer_lib._fused_step
 
   def recording_step(policy, opt, *args, **kwargs):
     given.append(jax.tree.leaves((nnx.state(policy, nnx.Param), nnx.state(opt))))
     return step(policy, opt, *args, **kwargs)
-  monkeypatch.setattr(trainer_lib, "_train_step", recording_step)
+  monkeypatch.setattr(trainer_lib, "_fused_step", recording_step)
   reference = None if trainer.reference is None else jax.tree.leaves(nnx.state(trainer.reference))
   history = trainer.run()
   # The train step donated the policy's and the optimizer's buffers (updated in place)...
