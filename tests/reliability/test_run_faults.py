@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 # The smallest run the trainer allows: bf16 arm, 1 problem x 2 samples, 2 new tokens, no SFT,
 # no evaluation, a checkpoint every step.
-CONFIG = dict(arm="bf16", task="arith", preset="tiny", steps=3, prompts_per_step=1, group_size=2, minibatches=1,
+CONFIG = dict(arm="bf16", task="arith", preset="tiny", steps=3, prompts_per_step=1, group_size=2,
+              minibatches=1,
               max_new_tokens=2, sft_steps=0, eval_every=0, eval_size=1, checkpoint_every=1,
               prompt_bucket=16)
 

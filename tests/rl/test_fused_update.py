@@ -1,4 +1,4 @@
-"""One update per step: the fused update (`trainer._fused_step`) against pi_old's own forward
+"""One update per step: the fused update (`trainer._train_step(..., fused=True)`) against pi_old's own forward
 followed by the plain update. Its own file so that pytest-xdist can place it beside the
 trainer's longer end-to-end tests."""
 
@@ -14,7 +14,7 @@ from trace_jax.rl.grpo import LossConfig
 
 
 def test_fused_update_equals_the_separate_pi_old_forward_and_update():
-  """One update per step (`_fused_step`): the same parameters, Adam state, loss, pi_old
+  """One update per step (`_train_step(..., fused=True)`): the same parameters, Adam state, loss, pi_old
   log-probs, entropy and training-path site records as pi_old's own forward
   (`_old_logprobs`) followed by `_train_step`, on FP4 QAT with fresh random trajectories."""
   rng = np.random.default_rng()
@@ -36,8 +36,9 @@ def test_fused_update_equals_the_separate_pi_old_forward_and_update():
     policy = M.Transformer(cfg, rngs=nnx.Rngs(7))
     opt = nnx.Optimizer(policy, trainer_lib._optimizer(1e-3), wrt=nnx.Param)
     if fused:
-      loss, _, _, old, entropy, _, sites = trainer_lib._fused_step(
-          policy, opt, example, None, None, loss_config=loss_config, record=True, **static)
+      loss, _, _, old, entropy, _, sites = trainer_lib._train_step(
+          policy, opt, example, None, None, loss_config=loss_config, fused=True, record=True,
+          **static)
     else:
       old, entropy, _, sites = trainer_lib._old_logprobs(policy, example, None, record=True,
                                                          **static)

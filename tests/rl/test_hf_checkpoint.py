@@ -29,7 +29,8 @@ _spec.loader.exec_module(make_tokenizer)
 
 VOCAB = {"qwen3_moe": 96, "mixtral": 96, "olmoe": 96, "qwen3_5_moe": 64, "qwen3_5_moe_text": 64}
 SYSTEM = "answer after #."
-TINY = dict(task="arith", steps=2, prompts_per_step=2, group_size=2, minibatches=1, max_new_tokens=4,
+TINY = dict(task="arith", steps=2, prompts_per_step=2, group_size=2, minibatches=1,
+            max_new_tokens=4,
             eval_every=0, eval_size=0, checkpoint_every=0)
 
 

@@ -47,12 +47,13 @@ def test_short_run_on_each_task_kind(tmp_path, monkeypatch, task, options):
   # The buffers each train step receives (earlier jitted calls, e.g. pi_old's forward, hand
   # the policy new arrays, so they are taken at the step's boundary).
   given = []
-  step = trainer_lib._fused_step
+  step = trainer_lib._train_step
 
   def recording_step(policy, opt, *args, **kwargs):
+    assert kwargs["fused"]  # one minibatch: the fused update
     given.append(jax.tree.leaves((nnx.state(policy, nnx.Param), nnx.state(opt))))
     return step(policy, opt, *args, **kwargs)
-  monkeypatch.setattr(trainer_lib, "_fused_step", recording_step)
+  monkeypatch.setattr(trainer_lib, "_train_step", recording_step)
   reference = None if trainer.reference is None else jax.tree.leaves(nnx.state(trainer.reference))
   history = trainer.run()
   # The train step donated the policy's and the optimizer's buffers (updated in place)...
@@ -209,13 +210,13 @@ def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path,
     rewards["true"] = played.rewards.copy()
     return played
   seen = []
-  step = trainer_lib._fused_step  # one update per step (minibatches=1)
+  step = trainer_lib._train_step
 
   def recording_step(policy, opt, example, *args, **kwargs):
     seen.append(np.asarray(example.advantages))
     return step(policy, opt, example, *args, **kwargs)
   monkeypatch.setattr(trainer_lib.episodes_lib, "play", play)
-  monkeypatch.setattr(trainer_lib, "_fused_step", recording_step)
+  monkeypatch.setattr(trainer_lib, "_train_step", recording_step)
   metrics = trainer.train_step()
   permuted = np.random.default_rng([3, 1]).permutation(rewards["true"])
   assert not np.array_equal(permuted, rewards["true"])

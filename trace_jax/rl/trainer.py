@@ -92,30 +92,16 @@ def _old_logprobs(policy, example: TrainExample, guidance, *, quant, replay, tem
 # step holds one copy of parameters and Adam moments, not two. Whatever shares those buffers
 # is stale after a step: the rollout engines re-sync when next used, and the KL reference is a
 # copy of its own (`Trainer.__init__`).
-@functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config",), donate_argnums=(0, 1))
-def _train_step(policy, opt, example: TrainExample, guidance, ref_logp, *, quant, replay,
-                temperature, loss_config):
-  def loss_fn(policy):
-    logp, out = training_forward(policy, example.tokens, example.positions, example.mask,
-                                 quant=quant, guidance=guidance, routing_replay=replay,
-                                 temperature=temperature)
-    loss, stats = grpo_loss(logp, example.old_logp, example.rollout_logp, example.advantages,
-                            example.response_mask, loss_config, ref_logp)
-    return loss + policy.cfg.router_aux_loss_coef * out.lb_loss, stats
-
-  (loss, stats), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
-  opt.update(policy, grads)
-  return loss, stats, optax.global_norm(grads)
-
-
-@functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config", "record"),
+@functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config", "fused", "record"),
                    donate_argnums=(0, 1))
-def _fused_step(policy, opt, example: TrainExample, guidance, ref_logp, *, quant, replay,
-                temperature, loss_config, record: bool):
-  """A step's only update (one minibatch, one epoch): pi_old is the policy this update
-  starts from, so its log-probs are this forward's own, held without gradient, and the
-  separate pi_old forward of `_old_logprobs` is not run. Returns `_train_step`'s outputs
-  and then what `_old_logprobs` would have: log pi_old, token entropy, guidance fallbacks
+def _train_step(policy, opt, example: TrainExample, guidance, ref_logp, *, quant, replay,
+                temperature, loss_config, fused: bool = False, record: bool = False):
+  """One GRPO update on `example` (a minibatch): (loss, stats, gradient norm).
+
+  fused: the step's only update (one minibatch, one epoch). pi_old is then the policy this
+  update starts from, so its log-probs are this forward's own, held without gradient
+  (`example.old_logp` is not read and `_old_logprobs` need not run), and the update also
+  returns what `_old_logprobs` would have: log pi_old, token entropy, guidance fallbacks
   and (with `record`) the training path's site records."""
   if record:
     quant = quant.replace(recording=Recording(form="full"))
@@ -124,16 +110,18 @@ def _fused_step(policy, opt, example: TrainExample, guidance, ref_logp, *, quant
     logp, out = training_forward(policy, example.tokens, example.positions, example.mask,
                                  quant=quant, guidance=guidance, routing_replay=replay,
                                  temperature=temperature)
-    old_logp = jax.lax.stop_gradient(logp)
+    old_logp = jax.lax.stop_gradient(logp) if fused else example.old_logp
     loss, stats = grpo_loss(logp, old_logp, example.rollout_logp, example.advantages,
                             example.response_mask, loss_config, ref_logp)
-    entropy = token_entropy(jax.lax.stop_gradient(out.logits), temperature)
-    return (loss + policy.cfg.router_aux_loss_coef * out.lb_loss,
-            (stats, old_logp, entropy, out.fallbacks, out.sites))
+    scored = ()
+    if fused:
+      scored = (old_logp, token_entropy(jax.lax.stop_gradient(out.logits), temperature),
+                out.fallbacks, out.sites)
+    return loss + policy.cfg.router_aux_loss_coef * out.lb_loss, (stats, scored)
 
-  (loss, (stats, *scored)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
+  (loss, (stats, scored)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
   opt.update(policy, grads)
-  return loss, stats, optax.global_norm(grads), *scored
+  return (loss, stats, optax.global_norm(grads)) + tuple(scored)
 
 
 @nnx.jit
@@ -433,9 +421,9 @@ class Trainer:
     Returns (losses, stats, grad norms, the scored batch with pi_old's forward filled in)."""
     config, static = self.config, self._static()
     if self.fused:  # one update: pi_old's forward is the update's own
-      loss, stats, norm, old_logp, entropy, fallbacks, sites = _fused_step(
+      loss, stats, norm, old_logp, entropy, fallbacks, sites = _train_step(
           self.policy, self.opt, s.example, s.guidance, s.ref_logp,
-          loss_config=config.loss_config, record=self.measured, **static)
+          loss_config=config.loss_config, fused=True, record=self.measured, **static)
       s = dataclasses.replace(s, example=s.example.replace(old_logp=old_logp), entropy=entropy,
                               fallbacks=fallbacks, train_sites=sites)
       return self._finish_update(step, [(loss, stats, norm)]) + (s,)
