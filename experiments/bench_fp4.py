@@ -30,24 +30,49 @@ def main(argv):
     compact = fp4.compact_guidance(q)
     x_other = x.astype(jnp.bfloat16).astype(jnp.float32)  # a nearby training-path value
     cases = [
-        ("quantize", "nearest", jax.jit(lambda x: fp4.quantize(x, fmt, global_group="row")), (x,)),
-        ("quantize", "guided compact",
-         jax.jit(lambda x, g: fp4.quantize(x, fmt, rounding="guided", guidance=g)), (x_other, compact)),
-        ("quantize", "guided full",
-         jax.jit(lambda x, g: fp4.quantize(x, fmt, rounding="guided", guidance=g)), (x_other, q)),
-        ("dequantize", "-", jax.jit(fp4.dequantize), (q,)),
-        ("fake_quant", "nearest", jax.jit(lambda x: fp4.fake_quant(x, fmt, global_group="row")), (x,)),
-        ("fake_quant", "guided compact",
-         jax.jit(lambda x, g: fp4.fake_quant(x, fmt, rounding="guided", guidance=g)), (x_other, compact)),
+      ("quantize", "nearest", jax.jit(lambda x: fp4.quantize(x, fmt, global_group="row")), (x,)),
+      (
+        "quantize",
+        "guided compact",
+        jax.jit(lambda x, g: fp4.quantize(x, fmt, rounding="guided", guidance=g)),
+        (x_other, compact),
+      ),
+      (
+        "quantize",
+        "guided full",
+        jax.jit(lambda x, g: fp4.quantize(x, fmt, rounding="guided", guidance=g)),
+        (x_other, q),
+      ),
+      ("dequantize", "-", jax.jit(fp4.dequantize), (q,)),
+      (
+        "fake_quant",
+        "nearest",
+        jax.jit(lambda x: fp4.fake_quant(x, fmt, global_group="row")),
+        (x,),
+      ),
+      (
+        "fake_quant",
+        "guided compact",
+        jax.jit(lambda x, g: fp4.fake_quant(x, fmt, rounding="guided", guidance=g)),
+        (x_other, compact),
+      ),
     ]
     for op, rounding, fn, args in cases:
       rows.append((f"{fmt} {op}", rounding, fmt, time_jitted(fn, *args, repeats=_REPEATS.value)))
   table = [
-      (name, rounding, f"{seconds * 1e3:.2f}", f"{nbytes / seconds / 1e9:.2f}", f"{seconds / copy_s:.1f}x")
-      for name, rounding, _, seconds in rows
+    (
+      name,
+      rounding,
+      f"{seconds * 1e3:.2f}",
+      f"{nbytes / seconds / 1e9:.2f}",
+      f"{seconds / copy_s:.1f}x",
+    )
+    for name, rounding, _, seconds in rows
   ]
-  print(f"\n{n} x {n} float32 ({nbytes / 1e6:.0f} MB), backend {jax.default_backend()}, "
-        f"{jax.device_count()} device(s)\n")
+  print(
+    f"\n{n} x {n} float32 ({nbytes / 1e6:.0f} MB), backend {jax.default_backend()}, "
+    f"{jax.device_count()} device(s)\n"
+  )
   print(markdown_table(["op", "rounding", "ms", "GB/s (f32 input)", "time / copy"], table))
 
 

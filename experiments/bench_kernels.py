@@ -34,12 +34,14 @@ _SMOKE = flags.DEFINE_bool("smoke", None, "Tiny shapes (default: on unless on a 
 _BATCHES = flags.DEFINE_list("batches", None, "Decode batch sizes (default 1,32,256; smoke 1,4).")
 _KV_LEN = flags.DEFINE_integer("kv_len", None, "KV-cache slots (default 4096; smoke 64).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed repetitions (default 20; smoke 2).")
-_PEAK = flags.DEFINE_float("peak_gbps", 4800.0, "HBM bandwidth of the roofline, GB/s "
-                           "(H200: 4800; H100 SXM: 3350).")
+_PEAK = flags.DEFINE_float(
+  "peak_gbps", 4800.0, "HBM bandwidth of the roofline, GB/s (H200: 4800; H100 SXM: 3350)."
+)
 
 # Qwen3-30B-A3B: d_model 2048, 32 query / 4 KV heads of 128, 128 experts (top 8) of 768.
-FULL = dict(d_model=2048, q_out=4096, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
-            ffn=768)
+FULL = dict(
+  d_model=2048, q_out=4096, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, ffn=768
+)
 SMOKE = dict(d_model=64, q_out=64, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2, ffn=32)
 
 
@@ -64,13 +66,26 @@ def _cases(shape, batch, kv_len, rng):
   # fp4_matmul: a q projection [d, q_out].
   w = jax.random.normal(keys[1], (d, shape["q_out"]), jnp.float32) * 0.02
   wq, wb = fp4.quantize(w, axis=0), w.astype(bf16)
-  out.append(("fp4_matmul", [
-      ("pallas", jax.jit(lambda x, w: kernels.fp4_matmul(x, w, out_dtype=bf16)), (x, wq),
-       _nbytes(x, wq)),
-      ("xla dequant+dot", jax.jit(lambda x, w: layers.matmul(x, fp4.dequantize(w, bf16))),
-       (x, wq), _nbytes(x, wq)),
-      ("bf16", jax.jit(layers.matmul), (x, wb), _nbytes(x, wb)),
-  ]))
+  out.append(
+    (
+      "fp4_matmul",
+      [
+        (
+          "pallas",
+          jax.jit(lambda x, w: kernels.fp4_matmul(x, w, out_dtype=bf16)),
+          (x, wq),
+          _nbytes(x, wq),
+        ),
+        (
+          "xla dequant+dot",
+          jax.jit(lambda x, w: layers.matmul(x, fp4.dequantize(w, bf16))),
+          (x, wq),
+          _nbytes(x, wq),
+        ),
+        ("bf16", jax.jit(layers.matmul), (x, wb), _nbytes(x, wb)),
+      ],
+    )
+  )
 
   # moe_gmm: batch tokens routed to top_k of the experts (the gate projection).
   experts = jax.random.randint(keys[2], (batch * k,), 0, e)
@@ -79,15 +94,31 @@ def _cases(shape, batch, kv_len, rng):
   we = jax.random.normal(keys[4], (e, d, f), jnp.float32) * 0.02
   weq, web = fp4.quantize(we, axis=1, global_group=0), we.astype(bf16)
   used = int(np.count_nonzero(np.asarray(sizes)))  # only touched experts must be read
-  out.append(("moe_gmm", [
-      ("pallas", jax.jit(lambda a, w, s: kernels.moe_gmm(a, w, s)), (rows, weq, sizes),
-       _nbytes(rows) + _nbytes(weq) * used // e),
-      ("xla dequant+ragged_dot",
-       jax.jit(lambda a, w, s: layers.ragged_matmul(a, fp4.dequantize(w, bf16), s)),
-       (rows, weq, sizes), _nbytes(rows) + _nbytes(weq) * used // e),
-      ("bf16 ragged_dot", jax.jit(layers.ragged_matmul), (rows, web, sizes),
-       _nbytes(rows) + _nbytes(web) * used // e),
-  ]))
+  out.append(
+    (
+      "moe_gmm",
+      [
+        (
+          "pallas",
+          jax.jit(lambda a, w, s: kernels.moe_gmm(a, w, s)),
+          (rows, weq, sizes),
+          _nbytes(rows) + _nbytes(weq) * used // e,
+        ),
+        (
+          "xla dequant+ragged_dot",
+          jax.jit(lambda a, w, s: layers.ragged_matmul(a, fp4.dequantize(w, bf16), s)),
+          (rows, weq, sizes),
+          _nbytes(rows) + _nbytes(weq) * used // e,
+        ),
+        (
+          "bf16 ragged_dot",
+          jax.jit(layers.ragged_matmul),
+          (rows, web, sizes),
+          _nbytes(rows) + _nbytes(web) * used // e,
+        ),
+      ],
+    )
+  )
 
   # decode_attention over a full cache.
   hkv, dh, h = shape["kv_heads"], shape["head_dim"], shape["heads"]
@@ -103,20 +134,35 @@ def _cases(shape, batch, kv_len, rng):
     k, v = (fp4.dequantize(a, bf16) if isinstance(a, fp4.QArray) else a for a in (k, v))
     return attend(q[:, None], k, v, keep)[:, 0]
 
-  out.append(("decode_attention", [
-      ("pallas", jax.jit(kernels.decode_attention), (q, kq, vq, lengths), _nbytes(q, kq, vq)),
-      ("xla dequant+attend", jax.jit(attention), (q, kq, vq), _nbytes(q, kq, vq)),
-      ("bf16", jax.jit(attention), (q, kb, vb), _nbytes(q, kb, vb)),
-  ]))
+  out.append(
+    (
+      "decode_attention",
+      [
+        ("pallas", jax.jit(kernels.decode_attention), (q, kq, vq, lengths), _nbytes(q, kq, vq)),
+        ("xla dequant+attend", jax.jit(attention), (q, kq, vq), _nbytes(q, kq, vq)),
+        ("bf16", jax.jit(attention), (q, kb, vb), _nbytes(q, kb, vb)),
+      ],
+    )
+  )
 
   # quantize: activations of the batch, codes + scales + guidance bits out.
   xa = jax.random.normal(keys[7], (batch, d), bf16)
   q_out = _nbytes(quantize_lib.reference(xa))  # codes, scales, global scales, guidance bits
-  out.append(("quantize", [
-      ("pallas (fused, + guidance bits)", jax.jit(kernels.quantize), (xa,), _nbytes(xa) + q_out),
-      ("xla quantize + mantissa_bits", jax.jit(quantize_lib.reference), (xa,), _nbytes(xa) + q_out),
-      ("bf16 copy", jax.jit(lambda a: a + 0), (xa,), 2 * _nbytes(xa)),
-  ]))
+  out.append(
+    (
+      "quantize",
+      [
+        ("pallas (fused, + guidance bits)", jax.jit(kernels.quantize), (xa,), _nbytes(xa) + q_out),
+        (
+          "xla quantize + mantissa_bits",
+          jax.jit(quantize_lib.reference),
+          (xa,),
+          _nbytes(xa) + q_out,
+        ),
+        ("bf16 copy", jax.jit(lambda a: a + 0), (xa,), 2 * _nbytes(xa)),
+      ],
+    )
+  )
   return out
 
 
@@ -137,17 +183,41 @@ def main(argv):
       for impl, fn, args, nbytes in impls:
         seconds = time_jitted(fn, *args, repeats=repeats, warmup=1)
         baseline = baseline or seconds  # the first row (the kernel) is the reference time
-        rows.append((kernel, batch, impl, f"{seconds * 1e3:.3f}", f"{nbytes / 1024:.1f}",
-                     f"{nbytes / seconds / 1e9:.1f}", f"{nbytes / seconds / copy:.0%}",
-                     f"{nbytes / seconds / (_PEAK.value * 1e9):.0%}",
-                     f"{seconds / baseline:.2f}x"))
+        rows.append(
+          (
+            kernel,
+            batch,
+            impl,
+            f"{seconds * 1e3:.3f}",
+            f"{nbytes / 1024:.1f}",
+            f"{nbytes / seconds / 1e9:.1f}",
+            f"{nbytes / seconds / copy:.0%}",
+            f"{nbytes / seconds / (_PEAK.value * 1e9):.0%}",
+            f"{seconds / baseline:.2f}x",
+          )
+        )
   mode = "interpret mode (CPU emulation: not a speed figure)" if not on_gpu else "compiled"
-  print(f"\n{'smoke' if smoke else 'Qwen3-30B-A3B decode'} shapes {shape}, KV {kv_len} slots; "
-        f"backend {jax.default_backend()}, kernels {mode}; copy bandwidth {copy / 1e9:.1f} GB/s; "
-        f"{time.time() - start:.0f} s\n")
-  print(markdown_table(["kernel", "batch", "implementation", "ms", "KiB read", "GB/s",
-                        "of copy BW", f"of roofline ({_PEAK.value:.0f} GB/s)", "time / pallas"],
-                       rows))
+  print(
+    f"\n{'smoke' if smoke else 'Qwen3-30B-A3B decode'} shapes {shape}, KV {kv_len} slots; "
+    f"backend {jax.default_backend()}, kernels {mode}; copy bandwidth {copy / 1e9:.1f} GB/s; "
+    f"{time.time() - start:.0f} s\n"
+  )
+  print(
+    markdown_table(
+      [
+        "kernel",
+        "batch",
+        "implementation",
+        "ms",
+        "KiB read",
+        "GB/s",
+        "of copy BW",
+        f"of roofline ({_PEAK.value:.0f} GB/s)",
+        "time / pallas",
+      ],
+      rows,
+    )
+  )
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def _step_fns(quant):
       logp = jax.nn.log_softmax(out.logits)
       nll = -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
       return nll + model.cfg.router_aux_loss_coef * out.lb_loss
+
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     opt.update(model, grads)
     return loss
@@ -51,22 +52,48 @@ def main(argv):
   rows = []
   for name in _PRESETS.value:
     cfg = M.get_preset(name, dtype="bfloat16")
-    tokens = jax.random.randint(jax.random.key(0), (_BATCH.value, _SEQ.value + 1), 0, cfg.vocab_size)
+    tokens = jax.random.randint(
+      jax.random.key(0), (_BATCH.value, _SEQ.value + 1), 0, cfg.vocab_size
+    )
     times = {}
     for label, quant in (("bf16", None), ("fp4", FP4), ("fp4 experts+kv", SCOPE)):
       model = M.Transformer(cfg, rngs=nnx.Rngs(0))
       opt = nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
       forward, train_step = _step_fns(quant)
-      times[label] = (time_jitted(forward, model, tokens[:, :-1], repeats=_REPEATS.value),
-                      time_jitted(train_step, model, opt, tokens, repeats=_REPEATS.value))
+      times[label] = (
+        time_jitted(forward, model, tokens[:, :-1], repeats=_REPEATS.value),
+        time_jitted(train_step, model, opt, tokens, repeats=_REPEATS.value),
+      )
     for i, what in enumerate(("forward", "train step")):
       bf16, fp4, scope = times["bf16"][i], times["fp4"][i], times["fp4 experts+kv"][i]
-      rows.append((name, what, f"{bf16 * 1e3:.1f}", f"{fp4 * 1e3:.1f}", f"{fp4 / bf16:.2f}x",
-                   f"{scope * 1e3:.1f}", f"{scope / bf16:.2f}x"))
-  print(f"\nbatch {_BATCH.value} x {_SEQ.value} tokens, compute bf16, backend "
-        f"{jax.default_backend()}\n")
-  print(markdown_table(["preset", "op", "bf16 ms", "fp4 (all) ms", "fp4 / bf16",
-                        "fp4 experts+kv ms", "experts+kv / bf16"], rows))
+      rows.append(
+        (
+          name,
+          what,
+          f"{bf16 * 1e3:.1f}",
+          f"{fp4 * 1e3:.1f}",
+          f"{fp4 / bf16:.2f}x",
+          f"{scope * 1e3:.1f}",
+          f"{scope / bf16:.2f}x",
+        )
+      )
+  print(
+    f"\nbatch {_BATCH.value} x {_SEQ.value} tokens, compute bf16, backend {jax.default_backend()}\n"
+  )
+  print(
+    markdown_table(
+      [
+        "preset",
+        "op",
+        "bf16 ms",
+        "fp4 (all) ms",
+        "fp4 / bf16",
+        "fp4 experts+kv ms",
+        "experts+kv / bf16",
+      ],
+      rows,
+    )
+  )
 
   rows = []
   for name in M.PRESETS:
@@ -76,16 +103,42 @@ def main(argv):
     kv_bf16 = accounting.kv_bytes_per_token(cfg)
     kv_fp4 = accounting.kv_bytes_per_token(cfg, FP4)
     state = accounting.state_bytes_per_sequence(cfg)
-    rows.append((name, f"{accounting.param_count(cfg) / 1e9:.4g}B", f"{bf16 / 2**30:.4g}",
-                 f"{nvfp4 / 2**30:.4g}", f"{bf16 / nvfp4:.2f}x", f"{scope / 2**30:.4g}",
-                 f"{kv_bf16 / 1024:.4g}", f"{kv_fp4 / 1024:.4g}", f"{kv_bf16 / kv_fp4:.2f}x",
-                 f"{state / 2**20:.4g}"))
+    rows.append(
+      (
+        name,
+        f"{accounting.param_count(cfg) / 1e9:.4g}B",
+        f"{bf16 / 2**30:.4g}",
+        f"{nvfp4 / 2**30:.4g}",
+        f"{bf16 / nvfp4:.2f}x",
+        f"{scope / 2**30:.4g}",
+        f"{kv_bf16 / 1024:.4g}",
+        f"{kv_fp4 / 1024:.4g}",
+        f"{kv_bf16 / kv_fp4:.2f}x",
+        f"{state / 2**20:.4g}",
+      )
+    )
   print()
-  print(markdown_table(["preset", "params", "weights bf16 GiB", "weights NVFP4 GiB", "ratio",
-                        "NVFP4 experts+kv GiB", "KV bf16 KiB/token", "KV FP4 KiB/token",
-                        "ratio", "linear-attn state MiB/seq"], rows))
-  print("\nNVFP4 weights: linear layers packed (4.5 bits + f32 scale per matrix/expert); "
-        "embedding, LM head, router and norms stay bf16.")
+  print(
+    markdown_table(
+      [
+        "preset",
+        "params",
+        "weights bf16 GiB",
+        "weights NVFP4 GiB",
+        "ratio",
+        "NVFP4 experts+kv GiB",
+        "KV bf16 KiB/token",
+        "KV FP4 KiB/token",
+        "ratio",
+        "linear-attn state MiB/seq",
+      ],
+      rows,
+    )
+  )
+  print(
+    "\nNVFP4 weights: linear layers packed (4.5 bits + f32 scale per matrix/expert); "
+    "embedding, LM head, router and norms stay bf16."
+  )
 
 
 if __name__ == "__main__":

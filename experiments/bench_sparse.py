@@ -40,8 +40,11 @@ def main(argv):
   rows = []
   base = None
   for form in ("none", "compact", "full", "sparse"):
-    fn = jax.jit(lambda x, form=form: quantize_site(x, "nvfp4", rounding={}, form=form,
-                                                     kernels="xla", sparse=fp4.SparseSpec())[:2])
+    fn = jax.jit(
+      lambda x, form=form: quantize_site(
+        x, "nvfp4", rounding={}, form=form, kernels="xla", sparse=fp4.SparseSpec()
+      )[:2]
+    )
     seconds = _time(fn, x)
     base = seconds if form == "compact" else base
     rows.append((form, f"{seconds * 1e6:.0f}"))

@@ -32,18 +32,27 @@ def _recording_cost(name, policy, rollout, guidance):
   recording every site's outcome (what the per-layer disagreement metrics read)."""
   seconds = {}
   for record in (False, True):
-    quant = M.QuantConfig(rounding="guided", guided_layers="all", compute_dtype="bfloat16",
-                          recording=M.Recording(form="full" if record else "none"))
+    quant = M.QuantConfig(
+      rounding="guided",
+      guided_layers="all",
+      compute_dtype="bfloat16",
+      recording=M.Recording(form="full" if record else "none"),
+    )
 
     @nnx.jit
     def forward(model, r, guidance, quant=quant):
-      logp, out = training_forward(model, r.tokens, r.positions, r.mask, quant=quant,
-                                   guidance=guidance, routing_replay=True)
+      logp, out = training_forward(
+        model, r.tokens, r.positions, r.mask, quant=quant, guidance=guidance, routing_replay=True
+      )
       return logp, out.sites
 
     seconds[record] = time_jitted(forward, policy, rollout, guidance, repeats=_REPEATS.value)
-  return (name, f"{seconds[False] * 1e3:.1f}", f"{seconds[True] * 1e3:.1f}",
-          f"{seconds[True] / seconds[False]:.2f}x")
+  return (
+    name,
+    f"{seconds[False] * 1e3:.1f}",
+    f"{seconds[True] * 1e3:.1f}",
+    f"{seconds[True] / seconds[False]:.2f}x",
+  )
 
 
 def main(argv):
@@ -51,17 +60,24 @@ def main(argv):
   rows, record_rows = [], []
   for name in _PRESETS.value:
     policy = M.Transformer(M.get_preset(name), rngs=nnx.Rngs(0))
-    config = R.RolloutConfig(guidance="full", guided_layers="all", max_len=16 + _NEW.value,
-                             sampling=R.SamplingConfig(max_new_tokens=_NEW.value))
+    config = R.RolloutConfig(
+      guidance="full",
+      guided_layers="all",
+      max_len=16 + _NEW.value,
+      sampling=R.SamplingConfig(max_new_tokens=_NEW.value),
+    )
     prompts = [[1 + (i * 5 + j) % 90 for j in range(16)] for i in range(_BATCH.value)]
     rollout = R.RolloutEngine(policy, config).generate(prompts, jax.random.key(0)).without_cache()
     half = resolve_layers("last_half", policy.cfg.num_layers)
     arms = {
-        "bf16": (None, None, False),
-        "fp4-qat": (M.QuantConfig(), None, False),
-        "trace compact": (M.QuantConfig(rounding="guided"),
-                          rollout.guidance.to_compact().select_layers(half), True),
-        "trace full": (M.QuantConfig(rounding="guided", guided_layers="all"), rollout.guidance, True),
+      "bf16": (None, None, False),
+      "fp4-qat": (M.QuantConfig(), None, False),
+      "trace compact": (
+        M.QuantConfig(rounding="guided"),
+        rollout.guidance.to_compact().select_layers(half),
+        True,
+      ),
+      "trace full": (M.QuantConfig(rounding="guided", guided_layers="all"), rollout.guidance, True),
     }
     seconds, bytes_per_token = {}, {}
     for arm, (quant, guidance, replay) in arms.items():
@@ -69,12 +85,21 @@ def main(argv):
       opt = nnx.Optimizer(model, optax.adam(1e-5), wrt=nnx.Param)
 
       @nnx.jit
-      def step(model, opt, r, guidance, quant=M.call_config(quant, compute_dtype="bfloat16"),
-               replay=replay):
+      def step(
+        model, opt, r, guidance, quant=M.call_config(quant, compute_dtype="bfloat16"), replay=replay
+      ):
         def loss_fn(model):
-          logp, _ = training_forward(model, r.tokens, r.positions, r.mask, quant=quant,
-                                     guidance=guidance, routing_replay=replay)
+          logp, _ = training_forward(
+            model,
+            r.tokens,
+            r.positions,
+            r.mask,
+            quant=quant,
+            guidance=guidance,
+            routing_replay=replay,
+          )
           return -jnp.sum(logp * r.response_mask) / jnp.maximum(jnp.sum(r.response_mask), 1)
+
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         opt.update(model, grads)
         return loss
@@ -82,15 +107,28 @@ def main(argv):
       seconds[arm] = time_jitted(step, model, opt, rollout, guidance, repeats=_REPEATS.value)
       bytes_per_token[arm] = 0 if guidance is None else guidance.bytes_per_token()
     for arm in arms:
-      rows.append((name, arm, f"{seconds[arm] * 1e3:.1f}", f"{seconds[arm] / seconds['bf16']:.2f}x",
-                   f"{bytes_per_token[arm]:.0f}"))
+      rows.append(
+        (
+          name,
+          arm,
+          f"{seconds[arm] * 1e3:.1f}",
+          f"{seconds[arm] / seconds['bf16']:.2f}x",
+          f"{bytes_per_token[arm]:.0f}",
+        )
+      )
     record_rows.append(_recording_cost(name, policy, rollout, rollout.guidance))
-  print(f"\nbatch {_BATCH.value} x {16 + _NEW.value} slots, bf16 compute, backend "
-        f"{jax.default_backend()}\n")
+  print(
+    f"\nbatch {_BATCH.value} x {16 + _NEW.value} slots, bf16 compute, backend "
+    f"{jax.default_backend()}\n"
+  )
   print(markdown_table(["preset", "arm", "step ms", "vs bf16", "guidance bytes/token"], rows))
   print()
-  print(markdown_table(["preset", "pi_old forward ms (trace full)", "+ record every site ms",
-                        "recording cost"], record_rows))
+  print(
+    markdown_table(
+      ["preset", "pi_old forward ms (trace full)", "+ record every site ms", "recording cost"],
+      record_rows,
+    )
+  )
 
 
 if __name__ == "__main__":

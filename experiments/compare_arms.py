@@ -28,7 +28,6 @@ import time
 
 from absl import app, flags, logging
 
-from trace_jax.model.config import get_preset
 from trace_jax.model.transformer import Transformer  # noqa: F401  (the policy class)
 from trace_jax.rl import compare, ptq, report, warmstart
 from trace_jax.rl.config import RLConfig
@@ -53,19 +52,30 @@ _PRESET = flags.DEFINE_string("preset", None, "Model preset (default RLConfig's)
 _FP4_SITES = flags.DEFINE_string("fp4_sites", None, "FP4 scope: all or experts+kv.")
 _FMT = flags.DEFINE_string("fmt", None, "FP4 format: nvfp4 or mxfp4.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/arms", "Root of the run directories.")
-_RESULTS = flags.DEFINE_string("results", os.path.join(_ROOT, "experiments", "results", "arms"),
-                               "Root of the results directories.")
+_RESULTS = flags.DEFINE_string(
+  "results",
+  os.path.join(_ROOT, "experiments", "results", "arms"),
+  "Root of the results directories.",
+)
 
 STRESS_LR_FACTOR = 4.0
 STRESS_STEPS_FACTOR = 2
 
 
 def _overrides() -> dict:
-  values = {"steps": _STEPS.value, "sft_steps": _SFT.value, "learning_rate": _LR.value,
-            "eval_size": _EVAL_SIZE.value, "eval_every": _EVAL_EVERY.value,
-            "prompts_per_step": _PROMPTS.value, "group_size": _GROUP.value,
-            "minibatches": _MINIBATCHES.value,
-            "preset": _PRESET.value, "fp4_sites": _FP4_SITES.value, "fmt": _FMT.value}
+  values = {
+    "steps": _STEPS.value,
+    "sft_steps": _SFT.value,
+    "learning_rate": _LR.value,
+    "eval_size": _EVAL_SIZE.value,
+    "eval_every": _EVAL_EVERY.value,
+    "prompts_per_step": _PROMPTS.value,
+    "group_size": _GROUP.value,
+    "minibatches": _MINIBATCHES.value,
+    "preset": _PRESET.value,
+    "fp4_sites": _FP4_SITES.value,
+    "fmt": _FMT.value,
+  }
   out = {k: v for k, v in values.items() if v is not None}
   if _STRESS.value:
     out["steps"] = out.get("steps", _D.steps * STRESS_STEPS_FACTOR)
@@ -99,8 +109,9 @@ def main(argv):
     raise app.UsageError(str(e)) from e
   results_dir = os.path.join(os.path.abspath(_RESULTS.value), name)
   work_root = os.path.join(os.path.abspath(_WORKDIR.value), name)
-  workdir = lambda task, seed, arm: os.path.join(work_root, task.replace(":", "_"),
-                                                 f"seed{seed}", arm)
+  workdir = lambda task, seed, arm: os.path.join(
+    work_root, task.replace(":", "_"), f"seed{seed}", arm
+  )
 
   def config_of(task, seed, arm):
     return {"arm": arm, **_rl_config(task, seed, arm, overrides).to_dict()}
@@ -109,8 +120,11 @@ def main(argv):
     config = _rl_config(task, seed, arm, overrides)
     path = workdir(task, seed, arm)
     first = os.path.join(workdir(task, seed, "bf16"), warmstart.WARMSTART_DIR)
-    if arm != "bf16" and os.path.exists(first) and not os.path.exists(
-        os.path.join(path, warmstart.WARMSTART_DIR)):
+    if (
+      arm != "bf16"
+      and os.path.exists(first)
+      and not os.path.exists(os.path.join(path, warmstart.WARMSTART_DIR))
+    ):
       shutil.copytree(first, os.path.join(path, warmstart.WARMSTART_DIR))  # one start policy
     start = time.time()
     trainer = Trainer(config, path)
@@ -119,33 +133,57 @@ def main(argv):
     summary = report.summarize(config, metrics, time.time() - start, trainer.warmstart)
     train = [m for m in metrics if "rewards/mean" in m]
     summary["curve_train"] = [[m["step"] for m in train], [m["rewards/mean"] for m in train]]
-    summary["curve_mixed"] = [[m["step"] for m in train],
-                              [m.get("reward/mixed_group_frac") for m in train]]
+    summary["curve_mixed"] = [
+      [m["step"] for m in train],
+      [m.get("reward/mixed_group_frac") for m in train],
+    ]
     summary["curve_eval"] = report.eval_curve(metrics, config.arm_spec.deploy)
     summary["curve_fp4"] = report.eval_curve(metrics, "fp4")
     report.write_summary(path, summary)
     return summary
 
   def run_ptq(task, seed, arm):
-    bf16 = compare.finished_summary(results_dir, task, seed, "bf16",
-                                    config_of(task, seed, "bf16"), _D.to_dict())
-    summary = dict(bf16, arm=arm, eval_precision="fp4", mean_k3_kl=None,
-                   mean_logp_abs_diff=None, curve_train=None, curve_mixed=None,
-                   curve_eval=bf16["curve_fp4"])
+    bf16 = compare.finished_summary(
+      results_dir, task, seed, "bf16", config_of(task, seed, "bf16"), _D.to_dict()
+    )
+    summary = dict(
+      bf16,
+      arm=arm,
+      eval_precision="fp4",
+      mean_k3_kl=None,
+      mean_logp_abs_diff=None,
+      curve_train=None,
+      curve_mixed=None,
+      curve_eval=bf16["curve_fp4"],
+    )
     if arm == "ptq":  # the rollout path's own quantization: the bf16 run's FP4 evals
-      summary.update(initial_eval_reward=bf16["initial_eval_reward_fp4"],
-                     final_eval_reward=bf16["final_eval_reward_fp4"])
+      summary.update(
+        initial_eval_reward=bf16["initial_eval_reward_fp4"],
+        final_eval_reward=bf16["final_eval_reward_fp4"],
+      )
       return summary
     start = time.time()
     config = _rl_config(task, seed, "bf16", overrides)
     trainer = Trainer(config, workdir(task, seed, "bf16"), progress=False)  # its final step
     final = ptq.ptq_eval_reward(trainer, ptq.PTQ_SCALE_RULES[arm])
-    warmstart.load_or_train(trainer.policy, trainer.workdir, trainer.task, trainer.tokenizer,
-                            steps=config.sft_steps, batch=config.sft_batch, seed=config.seed,
-                            learning_rate=config.sft_learning_rate, progress=False)
+    warmstart.load_or_train(
+      trainer.policy,
+      trainer.workdir,
+      trainer.task,
+      trainer.tokenizer,
+      steps=config.sft_steps,
+      batch=config.sft_batch,
+      seed=config.seed,
+      learning_rate=config.sft_learning_rate,
+      progress=False,
+    )
     initial = ptq.ptq_eval_reward(trainer, ptq.PTQ_SCALE_RULES[arm])
-    summary.update(initial_eval_reward=initial, final_eval_reward=final, curve_eval=None,
-                   wall_seconds=bf16["wall_seconds"] + time.time() - start)
+    summary.update(
+      initial_eval_reward=initial,
+      final_eval_reward=final,
+      curve_eval=None,
+      wall_seconds=bf16["wall_seconds"] + time.time() - start,
+    )
     return summary
 
   def runner(task, seed, arm):
@@ -154,15 +192,27 @@ def main(argv):
   plan = [(task, seed, arm) for task in _TASKS.value for seed in seeds for arm in arms]
   cells = compare.run_cells(results_dir, plan, config_of, runner, defaults=_D.to_dict())
   preset = overrides.get("preset", _D.preset)
-  title = (f"{name}: {len(arms)} arms x {len(_TASKS.value)} tasks x {len(seeds)} seeds, "
-           f"{preset}, {overrides.get('steps', _D.steps)} steps")
-  compare.write_results(results_dir, cells, {"name": name, "overrides": overrides,
-                                             "seeds": seeds, "tasks": list(_TASKS.value),
-                                             "arms": arms}, title)
+  title = (
+    f"{name}: {len(arms)} arms x {len(_TASKS.value)} tasks x {len(seeds)} seeds, "
+    f"{preset}, {overrides.get('steps', _D.steps)} steps"
+  )
+  compare.write_results(
+    results_dir,
+    cells,
+    {
+      "name": name,
+      "overrides": overrides,
+      "seeds": seeds,
+      "tasks": list(_TASKS.value),
+      "arms": arms,
+    },
+    title,
+  )
   print()
   print(compare.markdown(cells))
-  print(f"\nwrote {results_dir}/results.json, table.md, reward_curves.png, final_reward.png, "
-        f"k3.png")
+  print(
+    f"\nwrote {results_dir}/results.json, table.md, reward_curves.png, final_reward.png, k3.png"
+  )
 
 
 if __name__ == "__main__":

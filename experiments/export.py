@@ -21,13 +21,16 @@ from trace_jax.export.run import describe, export_run, format_listing
 _D = ExportConfig()
 _WORKDIR = flags.DEFINE_string("workdir", None, "RL run directory (experiments/rl.py --workdir).")
 _OUT = flags.DEFINE_string("out", None, "Output checkpoint directory.")
-_HF = flags.DEFINE_string("hf_checkpoint", None,
-                          "HF checkpoint the run started from (config, tokenizer files).")
+_HF = flags.DEFINE_string(
+  "hf_checkpoint", None, "HF checkpoint the run started from (config, tokenizer files)."
+)
 _FMT = flags.DEFINE_enum("fmt", _D.fmt, list(FORMATS), "Weight format.")
-_ACTS = flags.DEFINE_enum("activations", _D.activations, list(ACTIVATIONS),
-                          "none: weight-only W4A16; nvfp4 / mxfp4: W4A4.")
-_CALIB = flags.DEFINE_integer("calibration_prompts", 64,
-                              "Rollouts that calibrate (and, as many again, measure) W4A4 scales.")
+_ACTS = flags.DEFINE_enum(
+  "activations", _D.activations, list(ACTIVATIONS), "none: weight-only W4A16; nvfp4 / mxfp4: W4A4."
+)
+_CALIB = flags.DEFINE_integer(
+  "calibration_prompts", 64, "Rollouts that calibrate (and, as many again, measure) W4A4 scales."
+)
 _LIST = flags.DEFINE_bool("list", True, "Print the tensor listing.")
 flags.mark_flags_as_required(["workdir", "out"])
 
@@ -36,8 +39,14 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   try:
-    summary = export_run(_WORKDIR.value, _OUT.value, hf_checkpoint=_HF.value, fmt=_FMT.value,
-                         activations=_ACTS.value, calibration_prompts=_CALIB.value)
+    summary = export_run(
+      _WORKDIR.value,
+      _OUT.value,
+      hf_checkpoint=_HF.value,
+      fmt=_FMT.value,
+      activations=_ACTS.value,
+      calibration_prompts=_CALIB.value,
+    )
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   if _LIST.value:

@@ -34,7 +34,6 @@ import time
 from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from trace_jax import kernels as kernels_lib
@@ -42,7 +41,7 @@ from trace_jax import model as M
 from trace_jax.model import accounting
 from trace_jax.model.cache import init_cache
 from trace_jax.rl.mismatch_study import StudyConfig, run_study
-from trace_jax.rollout.params import params_nbytes, quantize_params_jit
+from trace_jax.rollout.params import quantize_params_jit
 from trace_jax.utils import markdown_table
 
 SECTIONS = ("probe", "tests", "kernels", "decode", "mismatch")
@@ -55,8 +54,11 @@ _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "128"], "Decode batch s
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed decode steps per row (after 3 warm-up).")
 _MEMORY = flags.DEFINE_float("memory_fraction", 0.8, "Of the GPU's memory a row may use.")
 _STUDY_PRESET = flags.DEFINE_string("study_preset", "small", "Model preset of `mismatch`.")
-_ANY_BACKEND = flags.DEFINE_bool("any_backend", False, "Run even without a GPU (kernels in "
-                                 "interpret mode: checks the script, measures nothing).")
+_ANY_BACKEND = flags.DEFINE_bool(
+  "any_backend",
+  False,
+  "Run even without a GPU (kernels in interpret mode: checks the script, measures nothing).",
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,22 +70,32 @@ def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
 
 def probe_section() -> bool:
   implementation, reason = kernels_lib.resolve_with_reason("auto")
-  print(markdown_table(["kernels='auto' picks", "fallback reason"],
-                       [(implementation, reason or "-")]))
+  print(
+    markdown_table(["kernels='auto' picks", "fallback reason"], [(implementation, reason or "-")])
+  )
   return implementation == "pallas"
 
 
 def tests_section() -> bool:
-  code, output = _run([sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider",
-                       "tests/kernels"], timeout=1800)
+  code, output = _run(
+    [sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider", "tests/kernels"],
+    timeout=1800,
+  )
   print("```\n" + "\n".join(output.strip().splitlines()[-15:]) + "\n```")
   return code == 0
 
 
 def kernels_section() -> bool:
-  code, output = _run([sys.executable, os.path.join(ROOT, "experiments", "bench_kernels.py"),
-                       "--batches=1,32,256", f"--peak_gbps={_PEAK.value}"], timeout=1800)
-  print(output[output.find("\n| kernel"):].strip() if code == 0 else output[-4000:])
+  code, output = _run(
+    [
+      sys.executable,
+      os.path.join(ROOT, "experiments", "bench_kernels.py"),
+      "--batches=1,32,256",
+      f"--peak_gbps={_PEAK.value}",
+    ],
+    timeout=1800,
+  )
+  print(output[output.find("\n| kernel") :].strip() if code == 0 else output[-4000:])
   return code == 0
 
 
@@ -97,8 +109,11 @@ def _random_cache(cfg, batch: int, slots: int, quant, key):
   def fill(leaf, k):
     if leaf.dtype == jnp.uint8:  # codes, or E4M3 scale bits in [0x20, 0x40): 2^-3 .. 2
       value = jax.random.randint(k, leaf.shape, 0, 256, jnp.int32)
-      return value.astype(jnp.uint8) if leaf.shape[-1] == cfg.head_dim // 2 else (
-          0x20 + value % 0x20).astype(jnp.uint8)
+      return (
+        value.astype(jnp.uint8)
+        if leaf.shape[-1] == cfg.head_dim // 2
+        else (0x20 + value % 0x20).astype(jnp.uint8)
+      )
     if leaf.dtype == jnp.bfloat16:
       return jax.random.normal(k, leaf.shape, jnp.bfloat16)
     if leaf.dtype == jnp.bool_:
@@ -106,6 +121,7 @@ def _random_cache(cfg, batch: int, slots: int, quant, key):
     if leaf.ndim == 0:  # the write index
       return jnp.asarray(slots - 1, leaf.dtype)
     return leaf  # global scales: ones
+
   return jax.tree.unflatten(tree, [fill(leaf, k) for leaf, k in zip(leaves, keys)])
 
 
@@ -138,8 +154,8 @@ def _decode_rate(policy, cfg, batch, context, precision, kernels, key):
   @functools.partial(jax.jit, donate_argnums=1)  # the cache is updated in place
   def step(params, cache, tokens):
     out = nnx.merge(graphdef, params)(
-        tokens, cache=cache,
-        quant=M.call_config(quant, compute_dtype="bfloat16", kernels=kernels))
+      tokens, cache=cache, quant=M.call_config(quant, compute_dtype="bfloat16", kernels=kernels)
+    )
     return jnp.argmax(out.logits[:, -1], -1), dataclasses.replace(out.cache, index=cache.index)
 
   for _ in range(3):
@@ -161,47 +177,90 @@ def decode_section() -> bool:
   for context in map(int, _CONTEXTS.value):
     for batch in map(int, _BATCHES.value):
       rates = {}
-      for arm, precision, kernels in (("bf16", "bf16", "xla"), ("fp4 pallas", "fp4", "pallas"),
-                                      ("fp4 xla", "fp4", "xla")):
+      for arm, precision, kernels in (
+        ("bf16", "bf16", "xla"),
+        ("fp4 pallas", "fp4", "pallas"),
+        ("fp4 xla", "fp4", "xla"),
+      ):
         quant = M.QuantConfig() if precision == "fp4" else None
         cache_bytes = batch * (context + 1) * accounting.kv_bytes_per_token(cfg, quant)
         if limit and cache_bytes * 2 + accounting.weight_bytes(cfg) * 2 > limit:
           rows.append((context, batch, arm, "does not fit", "-", "-", "-"))
           continue
         try:
-          rate, nbytes, seconds = _decode_rate(policy, cfg, batch, context, precision, kernels,
-                                               key)
+          rate, nbytes, seconds = _decode_rate(policy, cfg, batch, context, precision, kernels, key)
         except Exception as error:  # noqa: BLE001 (report the row, keep measuring)
-          rows.append((context, batch, arm, f"failed: {type(error).__name__}: "
-                       f"{str(error)[:120]}", "-", "-", "-"))
+          rows.append(
+            (
+              context,
+              batch,
+              arm,
+              f"failed: {type(error).__name__}: {str(error)[:120]}",
+              "-",
+              "-",
+              "-",
+            )
+          )
           continue
         rates[arm] = rate
         roofline = nbytes / (_PEAK.value * 1e9)
-        rows.append((context, batch, arm, f"{rate:.0f}", f"{nbytes / 2**20:.1f}",
-                     f"{roofline / seconds:.0%}",
-                     f"{rate / rates['bf16']:.2f}x" if "bf16" in rates else "-"))
-  print(f"{cfg.num_layers} layers of {cfg.name} (plus embedding and LM head), bf16 compute; "
-        f"FP4: NVFP4 weights, activations and KV cache\n")
-  print(markdown_table(["context", "batch", "rollout", "tokens/s", "MiB read / step",
-                        "of roofline", "vs bf16"], rows))
+        rows.append(
+          (
+            context,
+            batch,
+            arm,
+            f"{rate:.0f}",
+            f"{nbytes / 2**20:.1f}",
+            f"{roofline / seconds:.0%}",
+            f"{rate / rates['bf16']:.2f}x" if "bf16" in rates else "-",
+          )
+        )
+  print(
+    f"{cfg.num_layers} layers of {cfg.name} (plus embedding and LM head), bf16 compute; "
+    f"FP4: NVFP4 weights, activations and KV cache\n"
+  )
+  print(
+    markdown_table(
+      ["context", "batch", "rollout", "tokens/s", "MiB read / step", "of roofline", "vs bf16"], rows
+    )
+  )
   return True
 
 
 def mismatch_section() -> bool:
   results = {}
   for kernels in ("pallas", "xla"):
-    results[kernels] = run_study(StudyConfig(preset=_STUDY_PRESET.value, kernels=kernels),
-                                 progress=False)
+    results[kernels] = run_study(
+      StudyConfig(preset=_STUDY_PRESET.value, kernels=kernels), progress=False
+    )
   rows = []
   for mode in ("none", "compact", "full"):
     pallas, xla = (results[k]["modes"][mode] for k in ("pallas", "xla"))
-    rows.append((mode, f"{xla['k3_kl']:.3e}", f"{pallas['k3_kl']:.3e}",
-                 f"{pallas['k3_kl'] / max(xla['k3_kl'], 1e-30):.2f}x",
-                 f"{xla['code_disagree_frac']:.4%}", f"{pallas['code_disagree_frac']:.4%}"))
+    rows.append(
+      (
+        mode,
+        f"{xla['k3_kl']:.3e}",
+        f"{pallas['k3_kl']:.3e}",
+        f"{pallas['k3_kl'] / max(xla['k3_kl'], 1e-30):.2f}x",
+        f"{xla['code_disagree_frac']:.4%}",
+        f"{pallas['code_disagree_frac']:.4%}",
+      )
+    )
   ran = {k: results[k]["kernels"]["rollout"] for k in results}
   print(f"{_STUDY_PRESET.value}: FP4 rollout on {ran}; training path identical\n")
-  print(markdown_table(["guidance", "k3_kl rollout xla", "k3_kl rollout pallas",
-                        "pallas / xla", "codes differ (xla)", "codes differ (pallas)"], rows))
+  print(
+    markdown_table(
+      [
+        "guidance",
+        "k3_kl rollout xla",
+        "k3_kl rollout pallas",
+        "pallas / xla",
+        "codes differ (xla)",
+        "codes differ (pallas)",
+      ],
+      rows,
+    )
+  )
   return all(v == k for k, v in ran.items())
 
 
@@ -210,15 +269,19 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   backend = jax.default_backend()
   if backend != "gpu" and not _ANY_BACKEND.value:
-    print(f"gpu_check needs a GPU; the backend here is {backend!r}, so nothing ran. "
-          "(tests/kernels/test_cuda_lowering.py checks the kernels' CUDA lowering anywhere.)")
+    print(
+      f"gpu_check needs a GPU; the backend here is {backend!r}, so nothing ran. "
+      "(tests/kernels/test_cuda_lowering.py checks the kernels' CUDA lowering anywhere.)"
+    )
     return
   bad = [s for s in _SECTIONS.value if s not in SECTIONS]
   if bad:
     raise ValueError(f"--sections={bad} is not allowed; use some of {SECTIONS}")
   device = jax.devices()[0]
-  print(f"# gpu_check on {device.device_kind} ({jax.device_count()} device(s)), jax "
-        f"{jax.__version__}, roofline {_PEAK.value:.0f} GB/s\n")
+  print(
+    f"# gpu_check on {device.device_kind} ({jax.device_count()} device(s)), jax "
+    f"{jax.__version__}, roofline {_PEAK.value:.0f} GB/s\n"
+  )
   verdicts = {}
   for section in _SECTIONS.value:
     print(f"\n## {section}\n")

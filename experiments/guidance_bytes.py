@@ -24,8 +24,12 @@ METHOD_KB = 7.5  # the method's compact guidance, last 20 of 40 layers, Qwen3.5-
 def main(argv):
   del argv
   cfg = M.get_preset(_PRESET.value)
-  variants = (("compact", "last_half", False), ("compact", "last_half", True),
-              ("full", "last_half", False), ("full", "all", True))
+  variants = (
+    ("compact", "last_half", False),
+    ("compact", "last_half", True),
+    ("full", "last_half", False),
+    ("full", "all", True),
+  )
   rows = []
   for sites in SITE_SCOPES:
     quant = M.QuantConfig(sites=sites)
@@ -35,12 +39,37 @@ def main(argv):
     for mode, layers, routing in variants:
       config = R.RolloutConfig(guidance=mode, guided_layers=layers, record_routing=routing)
       value = guidance_bytes_per_token(cfg, config, quant)
-      rows.append((sites, mode, layers, "yes" if routing else "no", ", ".join(site_names),
-                   f"{value:.0f}", f"{value / 1000:.2f}", f"{value / 1000 / METHOD_KB:.2f}x"))
-  print(f"\n{cfg.name}: {cfg.num_layers} layers ({len(cfg.linear_layers)} Gated DeltaNet), "
-        f"{cfg.num_experts} experts top {cfg.num_experts_per_tok}\n")
-  print(markdown_table(["scope", "guidance", "layers", "routing", "FP4 sites guided", "B/token",
-                        "KB/token", f"vs method's {METHOD_KB} KB"], rows))
+      rows.append(
+        (
+          sites,
+          mode,
+          layers,
+          "yes" if routing else "no",
+          ", ".join(site_names),
+          f"{value:.0f}",
+          f"{value / 1000:.2f}",
+          f"{value / 1000 / METHOD_KB:.2f}x",
+        )
+      )
+  print(
+    f"\n{cfg.name}: {cfg.num_layers} layers ({len(cfg.linear_layers)} Gated DeltaNet), "
+    f"{cfg.num_experts} experts top {cfg.num_experts_per_tok}\n"
+  )
+  print(
+    markdown_table(
+      [
+        "scope",
+        "guidance",
+        "layers",
+        "routing",
+        "FP4 sites guided",
+        "B/token",
+        "KB/token",
+        f"vs method's {METHOD_KB} KB",
+      ],
+      rows,
+    )
+  )
 
 
 if __name__ == "__main__":

@@ -36,21 +36,36 @@ _PNG = flags.DEFINE_string("png_out", None, "Plot path (default: next to --json_
 _SEED = flags.DEFINE_integer("seed", _D.seed, "Seed of the SFT data, init and rollouts.")
 _SFT_STEPS = flags.DEFINE_integer("sft_steps", _D.sft_steps, "SFT warm-start steps.")
 _ROLLOUTS = flags.DEFINE_integer("rollouts", _D.rollouts, "Sequences in the studied batch.")
-_NEW_TOKENS = flags.DEFINE_integer("new_tokens", _D.new_tokens, "Max generated tokens per sequence.")
+_NEW_TOKENS = flags.DEFINE_integer(
+  "new_tokens", _D.new_tokens, "Max generated tokens per sequence."
+)
 _TEMPERATURE = flags.DEFINE_float("temperature", _D.temperature, "Sampling temperature.")
-_DTYPE = flags.DEFINE_enum("compute_dtype", _D.compute_dtype, ["bfloat16", "float32"],
-                           "Activation dtype of both paths.")
+_DTYPE = flags.DEFINE_enum(
+  "compute_dtype", _D.compute_dtype, ["bfloat16", "float32"], "Activation dtype of both paths."
+)
 _TASK = flags.DEFINE_string("task", _D.task, "Built-in task for the warm start and prompts.")
-_DELTA = flags.DEFINE_float("delta", _D.delta, "Sparse guidance: margin around an E2M1 "
-                            "midpoint (grid units); modes['sparse'] is measured at it.")
-_SWEEP = flags.DEFINE_list("delta_sweep", [str(d) for d in _D.delta_sweep],
-                           "Sparse guidance: the deltas of the sweep.")
-_QUANTILE = flags.DEFINE_float("delta_quantile", _D.delta_quantile,
-                               "Share of |t_train - t_rollout| the calibrated delta covers.")
-_LAYER_SWEEP = flags.DEFINE_bool("layer_sweep", _D.layer_sweep, "Compact / full by number of "
-                                 "guided layers (one training-path compile each).")
-_GEOMETRIES = flags.DEFINE_bool("geometries", _D.geometries, "Sparse bytes at the Qwen3-30B-A3B "
-                                "and Qwen3.5-35B-A3B geometries (eval_shape traces).")
+_DELTA = flags.DEFINE_float(
+  "delta",
+  _D.delta,
+  "Sparse guidance: margin around an E2M1 "
+  "midpoint (grid units); modes['sparse'] is measured at it.",
+)
+_SWEEP = flags.DEFINE_list(
+  "delta_sweep", [str(d) for d in _D.delta_sweep], "Sparse guidance: the deltas of the sweep."
+)
+_QUANTILE = flags.DEFINE_float(
+  "delta_quantile", _D.delta_quantile, "Share of |t_train - t_rollout| the calibrated delta covers."
+)
+_LAYER_SWEEP = flags.DEFINE_bool(
+  "layer_sweep",
+  _D.layer_sweep,
+  "Compact / full by number of guided layers (one training-path compile each).",
+)
+_GEOMETRIES = flags.DEFINE_bool(
+  "geometries",
+  _D.geometries,
+  "Sparse bytes at the Qwen3-30B-A3B and Qwen3.5-35B-A3B geometries (eval_shape traces).",
+)
 
 
 def plot(results: dict, path: str) -> None:
@@ -58,22 +73,37 @@ def plot(results: dict, path: str) -> None:
   for mode, marker in (("compact", "o"), ("full", "s")):
     rows = [r for r in results["sweep"] if r["mode"] == mode]
     xs = [r["guided_layers"] for r in rows]
-    axes[0].semilogy(xs, [max(r["k3_kl"], 1e-12) for r in rows], marker=marker, label=f"guided {mode}")
+    axes[0].semilogy(
+      xs, [max(r["k3_kl"], 1e-12) for r in rows], marker=marker, label=f"guided {mode}"
+    )
     axes[1].plot(xs, [r["code_disagree_frac"] for r in rows], marker=marker, label=f"guided {mode}")
   for mode, style in (("none", "--"), ("none+replay", "-."), ("bf16", ":")):
-    axes[0].axhline(max(results["modes"][mode]["k3_kl"], 1e-12), ls=style, c="gray",
-                    label="bf16 both paths" if mode == "bf16" else f"{mode} (no guidance)")
-  axes[1].axhline(results["modes"]["none"]["code_disagree_frac"], ls="--", c="gray",
-                  label="none (no guidance)")
-  axes[0].set(xlabel="guided layers (from the top)", ylabel="mismatch/k3_kl",
-              title="KL(rollout || training path)")
-  axes[1].set(xlabel="guided layers (from the top)", ylabel="FP4 codes that differ",
-              title="activation code disagreement")
+    axes[0].axhline(
+      max(results["modes"][mode]["k3_kl"], 1e-12),
+      ls=style,
+      c="gray",
+      label="bf16 both paths" if mode == "bf16" else f"{mode} (no guidance)",
+    )
+  axes[1].axhline(
+    results["modes"]["none"]["code_disagree_frac"], ls="--", c="gray", label="none (no guidance)"
+  )
+  axes[0].set(
+    xlabel="guided layers (from the top)",
+    ylabel="mismatch/k3_kl",
+    title="KL(rollout || training path)",
+  )
+  axes[1].set(
+    xlabel="guided layers (from the top)",
+    ylabel="FP4 codes that differ",
+    title="activation code disagreement",
+  )
   _plot_bytes(results, axes[2])
   for ax in axes:
     ax.legend(fontsize=8)
-  fig.suptitle(f"{results['model']['preset']}: FP4 rollout vs training path, "
-               f"{results['config']['compute_dtype']} compute")
+  fig.suptitle(
+    f"{results['model']['preset']}: FP4 rollout vs training path, "
+    f"{results['config']['compute_dtype']} compute"
+  )
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, dpi=110)
@@ -86,31 +116,58 @@ def _plot_bytes(results: dict, ax) -> None:
   sparse = [r for r in results["sparse_sweep"] if not r.get("site_deltas")]
   per_site = [r for r in results["sparse_sweep"] if r.get("site_deltas")]
   if per_site:
-    ax.loglog([max(r["bytes_per_token"], 1) for r in per_site],
-              [max(r["k3_kl"], floor) for r in per_site], marker="v", ls=":",
-              label="sparse, per-site margins (calibration quantile)")
+    ax.loglog(
+      [max(r["bytes_per_token"], 1) for r in per_site],
+      [max(r["k3_kl"], floor) for r in per_site],
+      marker="v",
+      ls=":",
+      label="sparse, per-site margins (calibration quantile)",
+    )
     for r in per_site:
-      ax.annotate(f"q{r['site_quantile']:g}", (max(r["bytes_per_token"], 1),
-                                               max(r["k3_kl"], floor)), fontsize=6)
-  ax.loglog([max(r["bytes_per_token"], 1) for r in sparse], [max(r["k3_kl"], floor) for r in sparse],
-            marker="^", label="sparse (every layer), by delta")
+      ax.annotate(
+        f"q{r['site_quantile']:g}",
+        (max(r["bytes_per_token"], 1), max(r["k3_kl"], floor)),
+        fontsize=6,
+      )
+  ax.loglog(
+    [max(r["bytes_per_token"], 1) for r in sparse],
+    [max(r["k3_kl"], floor) for r in sparse],
+    marker="^",
+    label="sparse (every layer), by delta",
+  )
   for r in sparse:
-    ax.annotate(f"{r['delta']:g}", (max(r["bytes_per_token"], 1), max(r["k3_kl"], floor)),
-                fontsize=6)
+    ax.annotate(
+      f"{r['delta']:g}", (max(r["bytes_per_token"], 1), max(r["k3_kl"], floor)), fontsize=6
+    )
   for mode, marker in (("compact", "o"), ("full", "s")):
     rows = [r for r in results["sweep"] if r["mode"] == mode and r["guided_layers"] > 0]
     if not rows:  # --nolayer_sweep: the modes' own points (compact last half, full all)
-      rows = [{"bytes_per_token": results["bytes_per_token"][mode],
-               "k3_kl": results["modes"][mode]["k3_kl"]}]
-    ax.loglog([r["bytes_per_token"] for r in rows], [max(r["k3_kl"], floor) for r in rows],
-              marker=marker, label=f"{mode}, by guided layers")
+      rows = [
+        {
+          "bytes_per_token": results["bytes_per_token"][mode],
+          "k3_kl": results["modes"][mode]["k3_kl"],
+        }
+      ]
+    ax.loglog(
+      [r["bytes_per_token"] for r in rows],
+      [max(r["k3_kl"], floor) for r in rows],
+      marker=marker,
+      label=f"{mode}, by guided layers",
+    )
   routing = results["modes"]["none+replay"]
   for mode, style in (("none", "--"), ("none+replay", "-.")):
-    ax.axhline(max(results["modes"][mode]["k3_kl"], floor), ls=style, c="gray",
-               label=f"{mode} (0 B{'' if mode == 'none' else ' + routing'})")
+    ax.axhline(
+      max(results["modes"][mode]["k3_kl"], floor),
+      ls=style,
+      c="gray",
+      label=f"{mode} (0 B{'' if mode == 'none' else ' + routing'})",
+    )
   del routing
-  ax.set(xlabel="guidance bytes / token", ylabel="mismatch/k3_kl",
-         title="mismatch against guidance bytes")
+  ax.set(
+    xlabel="guidance bytes / token",
+    ylabel="mismatch/k3_kl",
+    title="mismatch against guidance bytes",
+  )
 
 
 def _nll(sft: dict) -> str:
@@ -122,13 +179,23 @@ def _nll(sft: dict) -> str:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
-  config = StudyConfig(preset=_PRESET.value, task=_TASK.value, seed=_SEED.value,
-                       sft_steps=_SFT_STEPS.value, rollouts=_ROLLOUTS.value,
-                       new_tokens=_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
-                       compute_dtype=_DTYPE.value, fp4_sites=_FP4_SITES.value, fmt=_FMT.value,
-                       delta=_DELTA.value, delta_sweep=tuple(float(d) for d in _SWEEP.value),
-                       delta_quantile=_QUANTILE.value, geometries=_GEOMETRIES.value,
-                       layer_sweep=_LAYER_SWEEP.value)
+  config = StudyConfig(
+    preset=_PRESET.value,
+    task=_TASK.value,
+    seed=_SEED.value,
+    sft_steps=_SFT_STEPS.value,
+    rollouts=_ROLLOUTS.value,
+    new_tokens=_NEW_TOKENS.value,
+    temperature=_TEMPERATURE.value,
+    compute_dtype=_DTYPE.value,
+    fp4_sites=_FP4_SITES.value,
+    fmt=_FMT.value,
+    delta=_DELTA.value,
+    delta_sweep=tuple(float(d) for d in _SWEEP.value),
+    delta_quantile=_QUANTILE.value,
+    geometries=_GEOMETRIES.value,
+    layer_sweep=_LAYER_SWEEP.value,
+  )
   results = run_study(config)
   png = _PNG.value or os.path.splitext(_JSON.value)[0] + ".png"
   plot(results, png)
@@ -138,33 +205,79 @@ def main(argv):
   pct = lambda v: "-" if v is None else f"{v:.4%}"  # noqa: E731
   for mode in MODES:
     m = results["modes"][mode]
-    rows.append((mode, f"{m['k3_kl']:.3e}", f"{m['kl']:.3e}", f"{m['logp_abs_diff']:.3e}",
-                 f"{m['prob_diff_max']:.3f}", pct(m["code_disagree_frac"]),
-                 pct(m["one_step_frac"]), pct(m.get("mantissa_disagree_frac")),
-                 pct(m.get("scale_disagree_frac")), pct(m.get("guidance/followed_frac"))))
-  print(f"\n{results['model']['preset']}, {results['rollout']['sequences']} sequences, "
-        f"{results['rollout']['response_tokens']} response tokens, FP4 reward "
-        f"{results['rollout']['fp4_reward_mean']:.2f}, SFT nll {_nll(results['sft'])}\n")
+    rows.append(
+      (
+        mode,
+        f"{m['k3_kl']:.3e}",
+        f"{m['kl']:.3e}",
+        f"{m['logp_abs_diff']:.3e}",
+        f"{m['prob_diff_max']:.3f}",
+        pct(m["code_disagree_frac"]),
+        pct(m["one_step_frac"]),
+        pct(m.get("mantissa_disagree_frac")),
+        pct(m.get("scale_disagree_frac")),
+        pct(m.get("guidance/followed_frac")),
+      )
+    )
+  print(
+    f"\n{results['model']['preset']}, {results['rollout']['sequences']} sequences, "
+    f"{results['rollout']['response_tokens']} response tokens, FP4 reward "
+    f"{results['rollout']['fp4_reward_mean']:.2f}, SFT nll {_nll(results['sft'])}\n"
+  )
   print(f"FP4 scope: {results['config']['fp4_sites']}, {results['config']['fmt']}\n")
-  print(markdown_table(["mode", "k3_kl", "kl", "logp_abs_diff", "prob_diff_max",
-                        "code_disagree_frac", "one-step share", "mantissa-bit disagree",
-                        "block-scale disagree", "guidance followed"], rows))
-  sweep = [(r["mode"], r["guided_layers"], f"{r['k3_kl']:.3e}", f"{r['code_disagree_frac']:.4%}",
-            f"{r['bytes_per_token']:.0f}") for r in results["sweep"]]
+  print(
+    markdown_table(
+      [
+        "mode",
+        "k3_kl",
+        "kl",
+        "logp_abs_diff",
+        "prob_diff_max",
+        "code_disagree_frac",
+        "one-step share",
+        "mantissa-bit disagree",
+        "block-scale disagree",
+        "guidance followed",
+      ],
+      rows,
+    )
+  )
+  sweep = [
+    (
+      r["mode"],
+      r["guided_layers"],
+      f"{r['k3_kl']:.3e}",
+      f"{r['code_disagree_frac']:.4%}",
+      f"{r['bytes_per_token']:.0f}",
+    )
+    for r in results["sweep"]
+  ]
   print()
-  print(markdown_table(["guidance", "guided layers", "k3_kl", "code_disagree_frac", "bytes/token"], sweep))
+  print(
+    markdown_table(
+      ["guidance", "guided layers", "k3_kl", "code_disagree_frac", "bytes/token"], sweep
+    )
+  )
   t = results["targets"]
-  print(f"\nbytes per token: compact {results['bytes_per_token']['compact']:.0f}, full "
-        f"{results['bytes_per_token']['full']:.0f}")
+  print(
+    f"\nbytes per token: compact {results['bytes_per_token']['compact']:.0f}, full "
+    f"{results['bytes_per_token']['full']:.0f}"
+  )
   qwen = results["qwen3_30b_a3b_bytes_per_token"]
-  print(markdown_table(["Qwen3-30B-A3B guidance bytes/token", "compact (last half)", "full (all)"],
-                       [(scope, f"{b['compact']:.0f}", f"{b['full']:.0f}") for scope, b in qwen.items()]))
+  print(
+    markdown_table(
+      ["Qwen3-30B-A3B guidance bytes/token", "compact (last half)", "full (all)"],
+      [(scope, f"{b['compact']:.0f}", f"{b['full']:.0f}") for scope, b in qwen.items()],
+    )
+  )
   print(f"replay alone cuts k3_kl {t['replay_k3_reduction']:.1f}x (none / none+replay)")
-  print(f"targets vs none+replay: full cuts k3_kl {t['full_k3_reduction']:.1f}x "
-        f"(>= 10x: {t['met']['full_10x']}); "
-        f"compact {t['compact_k3_reduction']:.1f}x (>= 2x: {t['met']['compact_2x']}); "
-        f"compact {t['bytes_ratio_full_over_compact']:.2f}x smaller than full "
-        f"(>= 5.5x: {t['met']['bytes_5.5x']})")
+  print(
+    f"targets vs none+replay: full cuts k3_kl {t['full_k3_reduction']:.1f}x "
+    f"(>= 10x: {t['met']['full_10x']}); "
+    f"compact {t['compact_k3_reduction']:.1f}x (>= 2x: {t['met']['compact_2x']}); "
+    f"compact {t['bytes_ratio_full_over_compact']:.2f}x smaller than full "
+    f"(>= 5.5x: {t['met']['bytes_5.5x']})"
+  )
   _print_sparse(results)
   print(f"\nwrote {_JSON.value} and {png} ({results['seconds']:.0f} s)")
 
@@ -173,41 +286,102 @@ def _print_sparse(results: dict) -> None:
   """The sparse rows beside none / compact / full, the calibration and the geometries."""
   modes, bpt = results["modes"], results["bytes_per_token"]
   pct = lambda v: "-" if v is None else f"{v:.4%}"  # noqa: E731
-  rows = [(m, "-", f"{modes[m]['k3_kl']:.3e}", pct(modes[m]["code_disagree_frac"]),
-           f"{bpt.get(m, 0):.1f}", "-", "-", "-")
-          for m in ("none", "none+replay", "compact", "full")]
+  rows = [
+    (
+      m,
+      "-",
+      f"{modes[m]['k3_kl']:.3e}",
+      pct(modes[m]["code_disagree_frac"]),
+      f"{bpt.get(m, 0):.1f}",
+      "-",
+      "-",
+      "-",
+    )
+    for m in ("none", "none+replay", "compact", "full")
+  ]
   for r in results["sparse_sweep"]:
-    label = f"{r['delta']:g}" if not r.get("site_deltas") else (
-        f"per site, q{r['site_quantile']:g}: " + ", ".join(f"{k} {v:.3g}"
-                                                          for k, v in r["site_deltas"].items()))
-    rows.append(("sparse", label, f"{r['k3_kl']:.3e}", pct(r["code_disagree_frac"]),
-                 f"{r['bytes_per_token']:.1f}", pct(r["density"]), pct(r["block_density"]),
-                 f"{r['overflow']}/{r['block_overflow']}"))
-  print("\nsparse guidance (every layer, routing replay) vs none / compact (last half) / full (all)")
-  print(markdown_table(["mode", "delta", "k3_kl", "code_disagree_frac", "bytes/token",
-                        "element density", "block density", "overflow (elements/blocks)"], rows))
+    label = (
+      f"{r['delta']:g}"
+      if not r.get("site_deltas")
+      else (
+        f"per site, q{r['site_quantile']:g}: "
+        + ", ".join(f"{k} {v:.3g}" for k, v in r["site_deltas"].items())
+      )
+    )
+    rows.append(
+      (
+        "sparse",
+        label,
+        f"{r['k3_kl']:.3e}",
+        pct(r["code_disagree_frac"]),
+        f"{r['bytes_per_token']:.1f}",
+        pct(r["density"]),
+        pct(r["block_density"]),
+        f"{r['overflow']}/{r['block_overflow']}",
+      )
+    )
+  print(
+    "\nsparse guidance (every layer, routing replay) vs none / compact (last half) / full (all)"
+  )
+  print(
+    markdown_table(
+      [
+        "mode",
+        "delta",
+        "k3_kl",
+        "code_disagree_frac",
+        "bytes/token",
+        "element density",
+        "block density",
+        "overflow (elements/blocks)",
+      ],
+      rows,
+    )
+  )
   for state, c in results["sparse_calibration"].items():
-    print(f"calibration ({state}): the {c['quantile']} quantile of |t_train - t_rollout| is "
-          f"{c['delta']:.4g} grid units (elements), {c['scale_delta']:.4g} E4M3 units (block "
-          f"scales), over {c['elements']} elements; global scales differ in "
-          f"{c['global_scale_differs_frac']:.2%} of rows")
+    print(
+      f"calibration ({state}): the {c['quantile']} quantile of |t_train - t_rollout| is "
+      f"{c['delta']:.4g} grid units (elements), {c['scale_delta']:.4g} E4M3 units (block "
+      f"scales), over {c['elements']} elements; global scales differ in "
+      f"{c['global_scale_differs_frac']:.2%} of rows"
+    )
   t = results["targets"]["sparse"]
   if t["within_1.5x"]:
     w = t["within_1.5x"]
-    print(f"target: cheapest sparse within 1.5x of compact's k3 ({t['compact_k3']:.3e}): delta "
-          f"{w['delta']:g}, {w['bytes_per_token']:.1f} B/token, {w['full_over_sparse']:.1f}x "
-          f"fewer than full (>= 20x: {t['met']['full_20x']}), {w['compact_over_sparse']:.1f}x "
-          f"fewer than compact (>= 3x: {t['met']['compact_3x']})")
+    print(
+      f"target: cheapest sparse within 1.5x of compact's k3 ({t['compact_k3']:.3e}): delta "
+      f"{w['delta']:g}, {w['bytes_per_token']:.1f} B/token, {w['full_over_sparse']:.1f}x "
+      f"fewer than full (>= 20x: {t['met']['full_20x']}), {w['compact_over_sparse']:.1f}x "
+      f"fewer than compact (>= 3x: {t['met']['compact_3x']})"
+    )
   else:
     print(f"target: no swept delta reaches 1.5x compact's k3 ({t['compact_k3']:.3e})")
   geo = results["sparse_geometry_bytes_per_token"]
   if geo:
-    print(markdown_table(["geometry", "scope", "compact (last half)", "full (all)",
-                          f"sparse (all, delta {modes['sparse']['delta']:g})",
-                          "sparse, cheapest within 1.5x of compact's k3"],
-                         [(name, scope, f"{b['compact']:.0f}", f"{b['full']:.0f}",
-                           f"{b['sparse']:.0f}", f"{b.get('sparse_within_1.5x', float('nan')):.0f}")
-                          for name, g in geo.items() for scope, b in g.items()]))
+    print(
+      markdown_table(
+        [
+          "geometry",
+          "scope",
+          "compact (last half)",
+          "full (all)",
+          f"sparse (all, delta {modes['sparse']['delta']:g})",
+          "sparse, cheapest within 1.5x of compact's k3",
+        ],
+        [
+          (
+            name,
+            scope,
+            f"{b['compact']:.0f}",
+            f"{b['full']:.0f}",
+            f"{b['sparse']:.0f}",
+            f"{b.get('sparse_within_1.5x', float('nan')):.0f}",
+          )
+          for name, g in geo.items()
+          for scope, b in g.items()
+        ],
+      )
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,11 @@ _D = RLConfig()  # every flag's default is the config classes' own
 _L = _D.loss
 _ARM = flags.DEFINE_string("arm", _D.arm, f"One of {sorted(ARMS)}.")
 _TASK = flags.DEFINE_string("task", _D.task, "Task: arith, coding, search, or rg:<name>.")
-_TASK_OPTIONS = flags.DEFINE_list("task_options", [f"{k}={v}" for k, v in _D.task_options],
-                                  "key=value options of the task (numbers parsed).")
+_TASK_OPTIONS = flags.DEFINE_list(
+  "task_options",
+  [f"{k}={v}" for k, v in _D.task_options],
+  "key=value options of the task (numbers parsed).",
+)
 _PRESET = flags.DEFINE_string("preset", _D.preset, "Model preset.")
 _STEPS = flags.DEFINE_integer("steps", _D.steps, "RL steps.")
 _SEED = flags.DEFINE_integer("seed", _D.seed, "Seed of everything random.")
@@ -54,57 +57,99 @@ _TEMP = flags.DEFINE_float("temperature", _D.temperature, "Sampling temperature.
 _LR = flags.DEFINE_float("learning_rate", _D.learning_rate, "Adam learning rate.")
 _MINIBATCHES = flags.DEFINE_integer("minibatches", _D.minibatches, "Updates per epoch.")
 _EPOCHS = flags.DEFINE_integer("epochs", _D.epochs, "Passes over each rollout batch.")
-_WARMUP = flags.DEFINE_integer("lr_warmup_steps", _D.lr_warmup_steps,
-                               "RL steps of linear LR warmup from learning_rate / 10.")
+_WARMUP = flags.DEFINE_integer(
+  "lr_warmup_steps", _D.lr_warmup_steps, "RL steps of linear LR warmup from learning_rate / 10."
+)
 _CLIP_LOW = flags.DEFINE_float("clip_low", _L.clip_low, "Ratio clip below: 1 - clip_low.")
 _CLIP_HIGH = flags.DEFINE_float("clip_high", _L.clip_high, "Ratio clip above: 1 + clip_high.")
 _AGG = flags.DEFINE_enum("aggregation", _L.aggregation, list(AGGREGATIONS), "Loss aggregation.")
 _STD = flags.DEFINE_bool("std_norm", _L.std_norm, "Divide advantages by the group std.")
 _KL = flags.DEFINE_float("kl_coef", _L.kl_coef, "KL-to-reference weight.")
-_CORR = flags.DEFINE_enum("rollout_correction", _D.correction, ["auto", *CORRECTIONS],
-                          "Correction on pi_old / pi_rollout (auto: the arm's; TIS for fp4-rollout).")
+_CORR = flags.DEFINE_enum(
+  "rollout_correction",
+  _D.correction,
+  ["auto", *CORRECTIONS],
+  "Correction on pi_old / pi_rollout (auto: the arm's; TIS for fp4-rollout).",
+)
 _TIS = flags.DEFINE_float("tis_threshold", _L.tis_threshold, "TIS truncation / masking threshold.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", _D.eval_every, "Greedy evaluation period (steps).")
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", _D.eval_size, "Evaluation problems.")
-_SFT = flags.DEFINE_integer("sft_steps", _D.sft_steps, "Warm-start SFT steps (when the workdir has none).")
-_CKPT = flags.DEFINE_integer("checkpoint_every", _D.checkpoint_every,
-                             "Checkpoint period in steps (and at the last step); 0 = never.")
+_SFT = flags.DEFINE_integer(
+  "sft_steps", _D.sft_steps, "Warm-start SFT steps (when the workdir has none)."
+)
+_CKPT = flags.DEFINE_integer(
+  "checkpoint_every",
+  _D.checkpoint_every,
+  "Checkpoint period in steps (and at the last step); 0 = never.",
+)
 _MESH = flags.DEFINE_list("mesh", [str(m) for m in _D.mesh], "data,expert,model device counts.")
-_DTYPE = flags.DEFINE_enum("compute_dtype", _D.compute_dtype, ["bfloat16", "float32"], "Activations.")
-_FP4_SITES = flags.DEFINE_string("fp4_sites", _D.fp4_sites,
-                                 "FP4 scope: all, or experts+kv (the method's: routed experts and KV cache).")
+_DTYPE = flags.DEFINE_enum(
+  "compute_dtype", _D.compute_dtype, ["bfloat16", "float32"], "Activations."
+)
+_FP4_SITES = flags.DEFINE_string(
+  "fp4_sites",
+  _D.fp4_sites,
+  "FP4 scope: all, or experts+kv (the method's: routed experts and KV cache).",
+)
 _FMT = flags.DEFINE_string("fmt", _D.fmt, "FP4 format: nvfp4 or mxfp4.")
-_SPARSE_DELTA = flags.DEFINE_float("sparse_delta", _D.sparse_delta,
-                                   "Arm trace-sparse: margin around an E2M1 midpoint (grid "
-                                   "units) within which an element's bit is recorded.")
-_ACTIVATIONS = flags.DEFINE_string("activations", _D.activations,
-                                   "fp4 (W4A4) or fp8 (W4A8: linear inputs in MXFP8 E4M3).")
-_HF = flags.DEFINE_string("hf_checkpoint", _D.hf_checkpoint,
-                          "Local HF checkpoint directory to start from (its weights, tokenizer, "
-                          "chat template, stop tokens) instead of --preset.")
-_SFT_WARM = flags.DEFINE_bool("sft_warm_start", _D.sft_warm_start,
-                              "SFT warm start on solver demonstrations (default: yes for a "
-                              "preset, no for --hf_checkpoint).")
-_PROMPT_FORMAT = flags.DEFINE_enum("prompt_format", _D.prompt_format, ["auto", "chat", "raw"],
-                                   "Prompts: the checkpoint's chat template, or raw text "
-                                   "(auto: chat with --hf_checkpoint).")
-_SYSTEM = flags.DEFINE_string("system_prompt", _D.system_prompt,
-                              "System turn of the chat template (needs --hf_checkpoint).")
-_OBS_ROLE = flags.DEFINE_enum("observation_role", _D.observation_role, ["user", "tool"],
-                              "Chat turn that carries multi-turn observations.")
-_CHAT_OPTIONS = flags.DEFINE_list("chat_template_options", [],
-                                  "key=value chat template variables, e.g. enable_thinking=false.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
-                                   "Multi-host: HOST:PORT of process 0 (with --num_processes and "
-                                   "--process_id; default: the cluster environment, if any).")
+_SPARSE_DELTA = flags.DEFINE_float(
+  "sparse_delta",
+  _D.sparse_delta,
+  "Arm trace-sparse: margin around an E2M1 midpoint (grid "
+  "units) within which an element's bit is recorded.",
+)
+_ACTIVATIONS = flags.DEFINE_string(
+  "activations", _D.activations, "fp4 (W4A4) or fp8 (W4A8: linear inputs in MXFP8 E4M3)."
+)
+_HF = flags.DEFINE_string(
+  "hf_checkpoint",
+  _D.hf_checkpoint,
+  "Local HF checkpoint directory to start from (its weights, tokenizer, "
+  "chat template, stop tokens) instead of --preset.",
+)
+_SFT_WARM = flags.DEFINE_bool(
+  "sft_warm_start",
+  _D.sft_warm_start,
+  "SFT warm start on solver demonstrations (default: yes for a preset, no for --hf_checkpoint).",
+)
+_PROMPT_FORMAT = flags.DEFINE_enum(
+  "prompt_format",
+  _D.prompt_format,
+  ["auto", "chat", "raw"],
+  "Prompts: the checkpoint's chat template, or raw text (auto: chat with --hf_checkpoint).",
+)
+_SYSTEM = flags.DEFINE_string(
+  "system_prompt", _D.system_prompt, "System turn of the chat template (needs --hf_checkpoint)."
+)
+_OBS_ROLE = flags.DEFINE_enum(
+  "observation_role",
+  _D.observation_role,
+  ["user", "tool"],
+  "Chat turn that carries multi-turn observations.",
+)
+_CHAT_OPTIONS = flags.DEFINE_list(
+  "chat_template_options", [], "key=value chat template variables, e.g. enable_thinking=false."
+)
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address",
+  None,
+  "Multi-host: HOST:PORT of process 0 (with --num_processes and "
+  "--process_id; default: the cluster environment, if any).",
+)
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
 _REWARD_CONTROL = flags.DEFINE_enum(
-    "reward_control", _D.reward_control, list(REWARD_CONTROLS),
-    "shuffle: a placebo run, rewards permuted across the batch before the advantages (the "
-    "optimizer's noise, no signal); compare it with the real run.")
-_REMAT = flags.DEFINE_bool("remat", _D.remat, "Recompute each block's activations in the "
-                          "backward pass (see experiments/plan.py).")
+  "reward_control",
+  _D.reward_control,
+  list(REWARD_CONTROLS),
+  "shuffle: a placebo run, rewards permuted across the batch before the advantages (the "
+  "optimizer's noise, no signal); compare it with the real run.",
+)
+_REMAT = flags.DEFINE_bool(
+  "remat",
+  _D.remat,
+  "Recompute each block's activations in the backward pass (see experiments/plan.py).",
+)
 
 
 def _options(flag=_TASK_OPTIONS):
@@ -152,27 +197,54 @@ def _main(argv):
   distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   try:
     config = RLConfig(
-        arm=_ARM.value, task=_TASK.value, task_options=_options(), preset=_PRESET.value,
-        seed=_SEED.value, steps=_STEPS.value, prompts_per_step=_PROMPTS.value,
-        group_size=_GROUP.value, max_new_tokens=_NEW.value, temperature=_TEMP.value,
-        learning_rate=_LR.value, minibatches=_MINIBATCHES.value, epochs=_EPOCHS.value,
-        lr_warmup_steps=_WARMUP.value,
-        loss=dataclasses.replace(_L, clip_low=_CLIP_LOW.value, clip_high=_CLIP_HIGH.value,
-                                 aggregation=_AGG.value, std_norm=_STD.value,
-                                 kl_coef=_KL.value, tis_threshold=_TIS.value),
-        correction=_CORR.value, eval_every=_EVAL_EVERY.value, eval_size=_EVAL_SIZE.value,
-        sft_steps=_SFT.value, checkpoint_every=_CKPT.value,
-        mesh=tuple(int(m) for m in _MESH.value), compute_dtype=_DTYPE.value,
-        fp4_sites=_FP4_SITES.value, fmt=_FMT.value, activations=_ACTIVATIONS.value,
-        sparse_delta=_SPARSE_DELTA.value, hf_checkpoint=_HF.value,
-        sft_warm_start=_SFT_WARM.value, prompt_format=_PROMPT_FORMAT.value,
-        system_prompt=_SYSTEM.value, observation_role=_OBS_ROLE.value,
-        chat_template_options=_options(_CHAT_OPTIONS), remat=_REMAT.value,
-        reward_control=_REWARD_CONTROL.value)
+      arm=_ARM.value,
+      task=_TASK.value,
+      task_options=_options(),
+      preset=_PRESET.value,
+      seed=_SEED.value,
+      steps=_STEPS.value,
+      prompts_per_step=_PROMPTS.value,
+      group_size=_GROUP.value,
+      max_new_tokens=_NEW.value,
+      temperature=_TEMP.value,
+      learning_rate=_LR.value,
+      minibatches=_MINIBATCHES.value,
+      epochs=_EPOCHS.value,
+      lr_warmup_steps=_WARMUP.value,
+      loss=dataclasses.replace(
+        _L,
+        clip_low=_CLIP_LOW.value,
+        clip_high=_CLIP_HIGH.value,
+        aggregation=_AGG.value,
+        std_norm=_STD.value,
+        kl_coef=_KL.value,
+        tis_threshold=_TIS.value,
+      ),
+      correction=_CORR.value,
+      eval_every=_EVAL_EVERY.value,
+      eval_size=_EVAL_SIZE.value,
+      sft_steps=_SFT.value,
+      checkpoint_every=_CKPT.value,
+      mesh=tuple(int(m) for m in _MESH.value),
+      compute_dtype=_DTYPE.value,
+      fp4_sites=_FP4_SITES.value,
+      fmt=_FMT.value,
+      activations=_ACTIVATIONS.value,
+      sparse_delta=_SPARSE_DELTA.value,
+      hf_checkpoint=_HF.value,
+      sft_warm_start=_SFT_WARM.value,
+      prompt_format=_PROMPT_FORMAT.value,
+      system_prompt=_SYSTEM.value,
+      observation_role=_OBS_ROLE.value,
+      chat_template_options=_options(_CHAT_OPTIONS),
+      remat=_REMAT.value,
+      reward_control=_REWARD_CONTROL.value,
+    )
   except (ValueError, ImportError) as e:  # bad flags, and only those, are usage errors
     raise app.UsageError(str(e)) from e
   workdir = _WORKDIR.value or os.path.join(
-      "runs", f"{config.arm}-{config.task.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    "runs", f"{config.arm}-{config.task.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
+  )
   start = time.time()
   trainer = Trainer(config, workdir)
   print(f"workdir {trainer.workdir}; warm start: {trainer.warmstart}")
@@ -189,14 +261,20 @@ def _main(argv):
   plots = report.plot(metrics, trainer.workdir, f"{config.arm} on {config.task} ({model})")
   print()
   print(report.final_table(metrics))
-  print(f"\n{config.arm} on {config.task}: greedy {summary['eval_precision']} eval reward "
-        f"{summary['initial_eval_reward']} -> {summary['final_eval_reward']}, mean k3_kl "
-        f"{summary['mean_k3_kl']:.3e}, guidance {summary['guidance_bytes_per_token']:.0f} B/token, "
-        f"rollout {summary['rollout_seconds']:.0f} s, train {summary['train_seconds']:.0f} s, "
-        f"wall {summary['wall_seconds']:.0f} s")
-  print(f"wrote {os.path.join(trainer.workdir, 'summary.json')}, metrics.jsonl, "
-        f"{', '.join(os.path.basename(p) for p in plots)}")
-  print(f"export for vLLM: python experiments/export.py --workdir={trainer.workdir} --out={trainer.workdir}/export")
+  print(
+    f"\n{config.arm} on {config.task}: greedy {summary['eval_precision']} eval reward "
+    f"{summary['initial_eval_reward']} -> {summary['final_eval_reward']}, mean k3_kl "
+    f"{summary['mean_k3_kl']:.3e}, guidance {summary['guidance_bytes_per_token']:.0f} B/token, "
+    f"rollout {summary['rollout_seconds']:.0f} s, train {summary['train_seconds']:.0f} s, "
+    f"wall {summary['wall_seconds']:.0f} s"
+  )
+  print(
+    f"wrote {os.path.join(trainer.workdir, 'summary.json')}, metrics.jsonl, "
+    f"{', '.join(os.path.basename(p) for p in plots)}"
+  )
+  print(
+    f"export for vLLM: python experiments/export.py --workdir={trainer.workdir} --out={trainer.workdir}/export"
+  )
 
 
 if __name__ == "__main__":

@@ -39,18 +39,34 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   tokenizer = CharTokenizer()
-  policy = Transformer(preset.replace(vocab_size=max(preset.vocab_size, tokenizer.vocab_size)),
-                       rngs=nnx.Rngs(_SEED.value))
-  record = warmstart.load_or_train(policy, workdir, task, tokenizer, steps=_STEPS.value,
-                                   batch=_BATCH.value, seed=_SEED.value,
-                                   learning_rate=_LR.value)
+  policy = Transformer(
+    preset.replace(vocab_size=max(preset.vocab_size, tokenizer.vocab_size)),
+    rngs=nnx.Rngs(_SEED.value),
+  )
+  record = warmstart.load_or_train(
+    policy,
+    workdir,
+    task,
+    tokenizer,
+    steps=_STEPS.value,
+    batch=_BATCH.value,
+    seed=_SEED.value,
+    learning_rate=_LR.value,
+  )
   items = task.sample(eval_seed(_SEED.value), _EVAL.value, split="eval")
   prompt_len = max(len(prompt_ids(tokenizer, i)) for i in items)
   max_len = episodes.max_len_for(task, prompt_len, 32, 16)
   for precision in ("fp4", "bf16"):
-    engine = RolloutEngine(policy, RolloutConfig(
-        precision=precision, guidance="none", record_routing=False, max_len=max_len,
-        sampling=SamplingConfig(greedy=True, max_new_tokens=32, stop_tokens=(tokenizer.eos_id,))))
+    engine = RolloutEngine(
+      policy,
+      RolloutConfig(
+        precision=precision,
+        guidance="none",
+        record_routing=False,
+        max_len=max_len,
+        sampling=SamplingConfig(greedy=True, max_new_tokens=32, stop_tokens=(tokenizer.eos_id,)),
+      ),
+    )
     played = episodes.play(engine, task, tokenizer, items, jax.random.key(0))
     record[f"eval_reward_{precision}"] = float(np.mean(played.rewards))
   print(record)

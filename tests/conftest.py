@@ -37,8 +37,10 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # also when a plugin imported jax first
   jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+  jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs",
+    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+  )
 
 
 def pytest_unconfigure(config):
@@ -53,4 +55,5 @@ def policy():
   (a module may override it with its own preset)."""
   from flax import nnx  # noqa: PLC0415 - keeps collection of unrelated tests light
   from trace_jax import model as M  # noqa: PLC0415
+
   return M.Transformer(M.tiny(), rngs=nnx.Rngs(0))

@@ -12,8 +12,14 @@ from trace_jax import guidance as G
 
 B, S = 3, 10
 # tiny: d_model 64, 4 heads x 16, 2 KV heads x 16, top-2 of 4 experts with width 64.
-SITE_SHAPES = {"attn_in": (64,), "attn_out": (64,), "k": (2, 16), "v": (2, 16), "moe_in": (64,),
-               "moe_mid": (2, 64)}
+SITE_SHAPES = {
+  "attn_in": (64,),
+  "attn_out": (64,),
+  "k": (2, 16),
+  "v": (2, 16),
+  "moe_in": (64,),
+  "moe_mid": (2, 64),
+}
 
 
 def _records(seed=0, layers=(0, 1)):
@@ -29,8 +35,9 @@ def _records(seed=0, layers=(0, 1)):
 
 def _guidance(mode, layers=(1,)):
   routing = jax.random.randint(jax.random.key(9), (2, B, S, 2), 0, 4).astype(jnp.int8)
-  return G.Guidance(sites=G.from_records(_records(), mode, layers), routing=routing, mode=mode,
-                    layers=tuple(layers))
+  return G.Guidance(
+    sites=G.from_records(_records(), mode, layers), routing=routing, mode=mode, layers=tuple(layers)
+  )
 
 
 def test_bytes_per_token_by_hand():
@@ -39,8 +46,14 @@ def test_bytes_per_token_by_hand():
   # 2 KV heads (n = 16) for k and v, top-2 experts (n = 64) for moe_mid.
   compact_row = {64: 8 + 4 + 4, 16: 2 + 1 + 4}
   full_row = {64: 32 + 4 + 4, 16: 8 + 1 + 4}
-  rows = {"attn_in": (1, 64), "attn_out": (1, 64), "k": (2, 16), "v": (2, 16), "moe_in": (1, 64),
-          "moe_mid": (2, 64)}
+  rows = {
+    "attn_in": (1, 64),
+    "attn_out": (1, 64),
+    "k": (2, 16),
+    "v": (2, 16),
+    "moe_in": (1, 64),
+    "moe_mid": (2, 64),
+  }
   routing = 2 * 2 * 1  # 2 MoE layers x top-2 x int8
   compact = sum(r * compact_row[n] for r, n in rows.values()) + routing
   full = sum(r * full_row[n] for r, n in rows.values()) + routing
@@ -55,7 +68,9 @@ def test_bytes_per_token_by_hand():
 def test_compact_is_the_mantissa_bits_of_full():
   compact, full = _guidance("compact"), _guidance("full")
   for key in compact.sites:
-    np.testing.assert_array_equal(compact.sites[key].mantissa_bits, fp4.mantissa_bits(full.sites[key]))
+    np.testing.assert_array_equal(
+      compact.sites[key].mantissa_bits, fp4.mantissa_bits(full.sites[key])
+    )
 
 
 def test_host_device_round_trip_and_disk_spill(tmp_path):

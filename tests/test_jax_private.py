@@ -15,9 +15,10 @@ from trace_jax.fp4 import numerics
 def test_installed_jax_is_the_verified_version():
   version = tuple(int(p) for p in jax.__version__.split(".")[:2])
   assert version == _jax_private.TESTED_JAX, (
-      f"jax {jax.__version__} is not the version whose internals trace_jax/_jax_private.py was "
-      f"verified with ({_jax_private.TESTED_JAX}): run this file, check each hook, then update "
-      "TESTED_JAX")
+    f"jax {jax.__version__} is not the version whose internals trace_jax/_jax_private.py was "
+    f"verified with ({_jax_private.TESTED_JAX}): run this file, check each hook, then update "
+    "TESTED_JAX"
+  )
 
 
 def test_eager_true_divide_runs_through_apply_primitive():
@@ -34,10 +35,14 @@ def test_triton_lowering_rule_emits_precise_division():
     o_ref[...] = numerics.true_divide(a_ref[...], b_ref[...])
 
   def f(a, b):
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
-                          compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1))(a, b)
+    return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
+      compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
+    )(a, b)
 
   from trace_jax.kernels import cuda_lowering  # reads the module back through the hooks
+
   lowered = cuda_lowering.lower(f, jnp.ones((16, 16)), jnp.ones((16, 16)))
   calls = cuda_lowering.triton_calls(lowered)
   assert len(calls) == 1

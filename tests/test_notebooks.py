@@ -20,8 +20,14 @@ def test_there_are_notebooks():
 def test_notebook_executes(path, tmp_path):
   nb = nbformat.read(path, as_version=4)
   client = nbclient.NotebookClient(
-      nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+  )
   client.execute()
-  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-            if o.get("output_type") == "error"]
+  errors = [
+    o
+    for c in nb.cells
+    if c.cell_type == "code"
+    for o in c.get("outputs", [])
+    if o.get("output_type") == "error"
+  ]
   assert not errors

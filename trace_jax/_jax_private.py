@@ -23,7 +23,7 @@ TESTED_JAX = (0, 10)  # major, minor of the JAX these hooks were verified with
 
 try:
   from jax._src import dispatch as _dispatch
-  from jax._src.lib.mlir import ir as mlir_ir
+  from jax._src.lib.mlir import ir as mlir_ir  # noqa: F401 (re-exported)
   from jax._src.lib.triton import dialect as _triton_dialect
   from jax._src.pallas.triton import lowering as _pallas_triton_lowering
 
@@ -34,6 +34,7 @@ try:
   new_triton_ir_context = _pallas_triton_lowering._new_ir_context  # noqa: SLF001
 except (ImportError, AttributeError) as e:  # pragma: no cover - only on another JAX
   raise ImportError(
-      f"trace_jax needs JAX internals that jax {jax.__version__} does not have ({e}); they "
-      f"were verified with jax {TESTED_JAX[0]}.{TESTED_JAX[1]}.x. Install that version, or "
-      f"update trace_jax/_jax_private.py and run tests/test_jax_private.py.") from e
+    f"trace_jax needs JAX internals that jax {jax.__version__} does not have ({e}); they "
+    f"were verified with jax {TESTED_JAX[0]}.{TESTED_JAX[1]}.x. Install that version, or "
+    f"update trace_jax/_jax_private.py and run tests/test_jax_private.py."
+  ) from e

@@ -34,8 +34,11 @@ GUIDANCE_MODES = ("none", "compact", "full", "sparse")
 SiteKey = tuple[int, str]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["sites", "routing", "key"],
-                   meta_fields=["mode", "layers"])
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["sites", "routing", "key"],
+  meta_fields=["mode", "layers"],
+)
 @dataclasses.dataclass(frozen=True)
 class Guidance:
   """Recorded FP4 rounding outcomes and routing of a batch of trajectories.
@@ -92,8 +95,10 @@ class Guidance:
     for g in self.sites.values():
       if isinstance(g, fp4.SparseGuidance):
         if isinstance(g.count, jax.ShapeDtypeStruct):
-          raise ValueError("sparse guidance bytes depend on the data (the flagged share); "
-                           "measure them on a capture (mismatch study) instead of from shapes")
+          raise ValueError(
+            "sparse guidance bytes depend on the data (the flagged share); "
+            "measure them on a capture (mismatch study) instead of from shapes"
+          )
         measured = fp4.sparse.site_bits(jax.device_get(g), mask)
         scales += measured["scales"] / 8
         bits += measured["bits"] / 8
@@ -128,14 +133,15 @@ class Guidance:
     and per site {"per_site": {(layer, site): fp4.sparse.site_bits(...)}}."""
     if self.mode != "sparse":
       return {}
-    per_site = {key: fp4.sparse.site_bits(jax.device_get(g), mask)
-                for key, g in self.sites.items()}
+    per_site = {key: fp4.sparse.site_bits(jax.device_get(g), mask) for key, g in self.sites.items()}
     total = lambda name: sum(v[name] for v in per_site.values())  # noqa: E731
-    return {"guidance/sparse_density": total("flagged") / max(total("elements"), 1),
-            "guidance/sparse_block_density": total("flagged_blocks") / max(total("blocks"), 1),
-            "guidance/sparse_overflow": total("overflow"),
-            "guidance/sparse_block_overflow": total("block_overflow"),
-            "per_site": per_site}
+    return {
+      "guidance/sparse_density": total("flagged") / max(total("elements"), 1),
+      "guidance/sparse_block_density": total("flagged_blocks") / max(total("blocks"), 1),
+      "guidance/sparse_overflow": total("overflow"),
+      "guidance/sparse_block_overflow": total("block_overflow"),
+      "per_site": per_site,
+    }
 
   def select_layers(self, layers) -> "Guidance":
     """The guidance of a subset of the guided layers (routing kept)."""
@@ -152,36 +158,43 @@ class Guidance:
     if self.mode == "compact":
       return self
     if self.mode != "full":
-      raise ValueError(f"only full guidance holds codes to make compact guidance of; mode={self.mode!r}")
+      raise ValueError(
+        f"only full guidance holds codes to make compact guidance of; mode={self.mode!r}"
+      )
     sites = {k: fp4.compact_guidance(q) for k, q in self.sites.items()}
     return dataclasses.replace(self, sites=sites, mode="compact")
 
-  def to_sparse(self, inputs: Mapping[SiteKey, Any], spec: "fp4.SparseSpec" = None
-                ) -> "Guidance":
+  def to_sparse(self, inputs: Mapping[SiteKey, Any], spec: "fp4.SparseSpec" = None) -> "Guidance":
     """Sparse guidance from full guidance and the rollout's site inputs
     (`Rollout.site_inputs`): exactly what a sparse capture of the same rollout records."""
     if self.mode != "full":
-      raise ValueError(f"sparse guidance is made from full guidance (codes and scales); "
-                       f"mode={self.mode!r}")
+      raise ValueError(
+        f"sparse guidance is made from full guidance (codes and scales); mode={self.mode!r}"
+      )
     spec = fp4.SparseSpec() if spec is None else spec
     missing = sorted(set(self.sites) - set(inputs))
     if missing:
       raise ValueError(f"the site inputs lack {missing[:6]} (capture_inputs=True on the engine)")
-    sites = {k: fp4.sparse_guidance(inputs[k], q, spec.for_site(k[1]))
-             for k, q in self.sites.items()}
+    sites = {
+      k: fp4.sparse_guidance(inputs[k], q, spec.for_site(k[1])) for k, q in self.sites.items()
+    }
     return dataclasses.replace(self, sites=sites, mode="sparse")
 
   def take(self, rows) -> "Guidance":
     """The guidance of some sequences (a minibatch): rows index the batch axis."""
     return dataclasses.replace(
-        self, sites=jax.tree.map(lambda a: a[rows], self.sites),
-        routing=None if self.routing is None else self.routing[:, rows])
+      self,
+      sites=jax.tree.map(lambda a: a[rows], self.sites),
+      routing=None if self.routing is None else self.routing[:, rows],
+    )
 
   def trim(self, slots: int) -> "Guidance":
     """The first `slots` token slots."""
     return dataclasses.replace(
-        self, sites=jax.tree.map(lambda a: a[:, :slots], self.sites),
-        routing=None if self.routing is None else self.routing[:, :, :slots])
+      self,
+      sites=jax.tree.map(lambda a: a[:, :slots], self.sites),
+      routing=None if self.routing is None else self.routing[:, :, :slots],
+    )
 
   def without_routing(self) -> "Guidance":
     return dataclasses.replace(self, routing=None)
@@ -202,11 +215,17 @@ class Guidance:
         value = getattr(g, field.name)
         if not isinstance(value, (str, int)):  # fmt, axis (and n) go into the meta entry
           arrays[f"site/{layer}/{site}/{field.name}"] = np.asarray(value)
-      kind = ("full" if isinstance(g, fp4.QArray) else
-              "sparse" if isinstance(g, fp4.SparseGuidance) else "compact")
+      kind = (
+        "full"
+        if isinstance(g, fp4.QArray)
+        else "sparse"
+        if isinstance(g, fp4.SparseGuidance)
+        else "compact"
+      )
       extra = {"n": g.n} if kind == "sparse" else {}
-      arrays[f"meta/{layer}/{site}"] = np.asarray(json.dumps({"kind": kind, "fmt": g.fmt,
-                                                              "axis": g.axis, **extra}))
+      arrays[f"meta/{layer}/{site}"] = np.asarray(
+        json.dumps({"kind": kind, "fmt": g.fmt, "axis": g.axis, **extra})
+      )
     if self.routing is not None:
       arrays["routing"] = np.asarray(self.routing)
     meta = {"mode": self.mode, "layers": list(self.layers)}
@@ -228,8 +247,10 @@ class Guidance:
     except FileNotFoundError:
       raise
     except Exception as e:  # noqa: BLE001 - zip, npy, JSON and checksum faults all mean "damaged"
-      raise ValueError(f"{path} is not a readable guidance file ({type(e).__name__}: "
-                       f"{str(e)[:200]}); it is damaged: delete it and roll out again") from e
+      raise ValueError(
+        f"{path} is not a readable guidance file ({type(e).__name__}: "
+        f"{str(e)[:200]}); it is damaged: delete it and roll out again"
+      ) from e
 
   @classmethod
   def _load(cls, path: str) -> "Guidance":
@@ -250,15 +271,25 @@ class Guidance:
       info = json.loads(str(arrays[name]))
       get = lambda field: arrays[f"site/{layer}/{site}/{field}"]
       if info["kind"] == "sparse":
-        g = fp4.SparseGuidance(**{f: get(f) for f in _SPARSE_FIELDS}, fmt=info["fmt"],
-                               n=int(info["n"]))
+        g = fp4.SparseGuidance(
+          **{f: get(f) for f in _SPARSE_FIELDS}, fmt=info["fmt"], n=int(info["n"])
+        )
       elif info["kind"] == "full":
-        g = fp4.QArray(packed=get("packed"), scales=get("scales"),
-                       global_scale=get("global_scale"), fmt=info["fmt"], axis=info["axis"])
+        g = fp4.QArray(
+          packed=get("packed"),
+          scales=get("scales"),
+          global_scale=get("global_scale"),
+          fmt=info["fmt"],
+          axis=info["axis"],
+        )
       else:
-        g = fp4.CompactGuidance(global_scale=get("global_scale"), scales=get("scales"),
-                                mantissa_bits=get("mantissa_bits"), fmt=info["fmt"],
-                                axis=info["axis"])
+        g = fp4.CompactGuidance(
+          global_scale=get("global_scale"),
+          scales=get("scales"),
+          mantissa_bits=get("mantissa_bits"),
+          fmt=info["fmt"],
+          axis=info["axis"],
+        )
       sites[(int(layer), site)] = g
     routing = arrays.get("routing")
     return cls(sites=sites, routing=routing, mode=meta["mode"], layers=tuple(meta["layers"]))
@@ -292,8 +323,10 @@ def from_records(records: Mapping[SiteKey, fp4.QArray], mode: str, layers) -> di
   if mode == "none":
     return {}
   if mode == "sparse":
-    raise ValueError("sparse guidance is made from the site inputs too: use "
-                     "Guidance.to_sparse(inputs) or a sparse capture (Recording(form='sparse'))")
+    raise ValueError(
+      "sparse guidance is made from the site inputs too: use "
+      "Guidance.to_sparse(inputs) or a sparse capture (Recording(form='sparse'))"
+    )
   layers = set(layers)
   out = {}
   for key, q in records.items():
@@ -302,8 +335,9 @@ def from_records(records: Mapping[SiteKey, fp4.QArray], mode: str, layers) -> di
   return out
 
 
-def check_fits(guidance: Guidance, *, tokens_shape, required, num_moe_layers=None,
-               mode=None) -> None:
+def check_fits(
+  guidance: Guidance, *, tokens_shape, required, num_moe_layers=None, mode=None
+) -> None:
   """Raise a ValueError saying what differs if `guidance` does not fit a training batch.
 
   Args:
@@ -314,15 +348,21 @@ def check_fits(guidance: Guidance, *, tokens_shape, required, num_moe_layers=Non
   """
   if mode is not None and guidance.mode != mode:
     raise ValueError(f"guidance mode is {guidance.mode!r}; the training config expects {mode!r}")
-  if (guidance.sites or guidance.routing is not None) and tuple(guidance.tokens_shape) != tuple(tokens_shape):
-    raise ValueError(f"guidance covers {guidance.tokens_shape[0]} sequences x "
-                     f"{guidance.tokens_shape[1]} slots; the batch is {tokens_shape[0]} x "
-                     f"{tokens_shape[1]} (misaligned positions or another batch)")
+  if (guidance.sites or guidance.routing is not None) and tuple(guidance.tokens_shape) != tuple(
+    tokens_shape
+  ):
+    raise ValueError(
+      f"guidance covers {guidance.tokens_shape[0]} sequences x "
+      f"{guidance.tokens_shape[1]} slots; the batch is {tokens_shape[0]} x "
+      f"{tokens_shape[1]} (misaligned positions or another batch)"
+    )
   required = set(required)
   missing_layers = sorted({layer for layer, _ in required} - set(guidance.layers))
   if missing_layers:
-    raise ValueError(f"the training config guides layers {sorted({l for l, _ in required})}; "
-                     f"the guidance has layers {list(guidance.layers)} (missing {missing_layers})")
+    raise ValueError(
+      f"the training config guides layers {sorted({l for l, _ in required})}; "
+      f"the guidance has layers {list(guidance.layers)} (missing {missing_layers})"
+    )
   if required and guidance.mode == "none":
     raise ValueError("the training config rounds by guidance, but the guidance mode is 'none'")
   missing = sorted(required - set(guidance.sites))
@@ -332,5 +372,7 @@ def check_fits(guidance: Guidance, *, tokens_shape, required, num_moe_layers=Non
     if guidance.routing is None:
       raise ValueError("routing replay needs recorded routing; the guidance has none")
     if guidance.routing.shape[0] != num_moe_layers:
-      raise ValueError(f"guidance routing covers {guidance.routing.shape[0]} MoE layers; the "
-                       f"model has {num_moe_layers}")
+      raise ValueError(
+        f"guidance routing covers {guidance.routing.shape[0]} MoE layers; the "
+        f"model has {num_moe_layers}"
+      )

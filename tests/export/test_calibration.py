@@ -24,9 +24,12 @@ def test_calibrated_scales_cover_the_largest_token_and_export_as_w4a4(tmp_path):
   # Independently: 448 * 6 / (largest |x| over valid tokens) of the site inputs.
   graphdef, state = nnx.split(policy)
   from trace_jax.rollout import quantize_params
+
   aux = nnx.merge(graphdef, quantize_params(state, quant))(
-      tokens, mask=jnp.asarray(mask),
-      quant=quant.replace(compute_dtype="float32", recording=M.Recording(inputs=True)))
+    tokens,
+    mask=jnp.asarray(mask),
+    quant=quant.replace(compute_dtype="float32", recording=M.Recording(inputs=True)),
+  )
   for key, gs in scales.items():
     x = np.abs(np.asarray(aux.site_inputs[key]))
     x = x.reshape(3, 12, -1)[mask]
@@ -43,4 +46,8 @@ def test_calibrated_scales_cover_the_largest_token_and_export_as_w4a4(tmp_path):
   assert rows[name.format("q_proj")] == ("F32", (1,))
   qc = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
   inputs = qc["config_groups"]["group_0"]["input_activations"]
-  assert (inputs["strategy"], inputs["dynamic"], inputs["group_size"]) == ("tensor_group", "local", 16)
+  assert (inputs["strategy"], inputs["dynamic"], inputs["group_size"]) == (
+    "tensor_group",
+    "local",
+    16,
+  )

@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-torch = pytest.importorskip("torch", reason="compressed-tensors needs torch: pip install -e .[export]")
-ct = pytest.importorskip("compressed_tensors",
-                         reason="compressed-tensors is not installed: pip install -e .[export]")
+torch = pytest.importorskip(
+  "torch", reason="compressed-tensors needs torch: pip install -e .[export]"
+)
+ct = pytest.importorskip(
+  "compressed_tensors", reason="compressed-tensors is not installed: pip install -e .[export]"
+)
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
 from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -49,8 +52,9 @@ def _skeleton(tensors, ignore):
   return root, shapes
 
 
-@pytest.mark.parametrize("fmt,activations", [("nvfp4", "none"), ("nvfp4", "nvfp4"),
-                                             ("mxfp4", "none")])
+@pytest.mark.parametrize(
+  "fmt,activations", [("nvfp4", "none"), ("nvfp4", "nvfp4"), ("mxfp4", "none")]
+)
 def test_compressed_tensors_decompresses_the_export_to_our_weights(fmt, activations, tmp_path):
   policy = M.Transformer(M.tiny(), rngs=nnx.Rngs(7))
   quant = M.QuantConfig(fmt=fmt)

@@ -10,7 +10,6 @@ from trace_jax import fp4
 
 
 class FakeQuantTest(chex.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_gradient_is_identity_and_not_rounded(self):
     x = jax.random.normal(jax.random.key(0), (4, 64))
@@ -33,7 +32,9 @@ class FakeQuantTest(chex.TestCase):
     for guidance in (q_ref, fp4.compact_guidance(q_ref)):
       f = self.variant(lambda x, g: jnp.sum(w * fp4.fake_quant(x, rounding="guided", guidance=g)))
       chex.assert_trees_all_equal(jax.grad(f)(x, guidance), w)
-      value = self.variant(lambda x, g: fp4.fake_quant(x, rounding="guided", guidance=g))(x, guidance)
+      value = self.variant(lambda x, g: fp4.fake_quant(x, rounding="guided", guidance=g))(
+        x, guidance
+      )
       chex.assert_trees_all_equal(value, fp4.dequantize(q_ref))
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -41,7 +42,9 @@ class FakeQuantTest(chex.TestCase):
     x = jax.random.normal(jax.random.key(5), (2, 32))
     f = self.variant(lambda x, k: fp4.fake_quant(x, rounding="stochastic", key=k))
     chex.assert_trees_all_equal(f(x, jax.random.key(7)), f(x, jax.random.key(7)))
-    chex.assert_trees_all_equal(jax.grad(lambda x: f(x, jax.random.key(7)).sum())(x), jnp.ones_like(x))
+    chex.assert_trees_all_equal(
+      jax.grad(lambda x: f(x, jax.random.key(7)).sum())(x), jnp.ones_like(x)
+    )
 
 
 def test_bf16_keeps_dtype_and_gradient_dtype():
@@ -50,7 +53,9 @@ def test_bf16_keeps_dtype_and_gradient_dtype():
   assert y.dtype == jnp.bfloat16
   g = jax.grad(lambda x: jnp.sum(fp4.fake_quant(x).astype(jnp.float32) * 0.1))(x)
   assert g.dtype == jnp.bfloat16
-  np.testing.assert_array_equal(np.asarray(g, np.float32), np.full((4, 32), np.float32(jnp.bfloat16(0.1))))
+  np.testing.assert_array_equal(
+    np.asarray(g, np.float32), np.full((4, 32), np.float32(jnp.bfloat16(0.1)))
+  )
 
 
 def test_vmap_over_keys_and_scan_over_guidance():
@@ -76,16 +81,16 @@ def test_vmap_over_keys_and_scan_over_guidance():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(fmt="int4"), "fmt='int4'.*allowed"),
-        (dict(rounding="up"), "rounding='up'.*allowed"),
-        (dict(rounding="stochastic"), "needs key"),
-        (dict(global_group="block"), "global_group='block'"),
-        (dict(global_group=1), "quantized axis"),
-        (dict(global_group=5), "out of range"),
-        (dict(axis=3), "axis=3 is out of range"),
-    ],
+  "kwargs, match",
+  [
+    (dict(fmt="int4"), "fmt='int4'.*allowed"),
+    (dict(rounding="up"), "rounding='up'.*allowed"),
+    (dict(rounding="stochastic"), "needs key"),
+    (dict(global_group="block"), "global_group='block'"),
+    (dict(global_group=1), "quantized axis"),
+    (dict(global_group=5), "out of range"),
+    (dict(axis=3), "axis=3 is out of range"),
+  ],
 )
 def test_bad_arguments_raise_value_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -116,7 +121,8 @@ class FakeQuantRecordTest(chex.TestCase):
       want = fp4.fake_quant(x, fmt, global_group="row")
       for form, record in (("full", q), ("compact", fp4.compact_guidance(q))):
         values, got, fell_back = self.variant(
-            lambda x: fp4.fake_quant_record(x, fmt, form=form, global_group="row"))(x)
+          lambda x: fp4.fake_quant_record(x, fmt, form=form, global_group="row")
+        )(x)
         chex.assert_trees_all_equal(values, want)
         chex.assert_trees_all_equal(got, record)
         self.assertFalse(bool(jnp.any(fell_back)))
@@ -124,18 +130,23 @@ class FakeQuantRecordTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   def test_guided_fallbacks_and_gradient(self):
     x = jax.random.normal(jax.random.key(6), (4, 32))
-    rollout = fp4.quantize(x + 0.05 * jax.random.normal(jax.random.key(7), x.shape),
-                           global_group="row")
+    rollout = fp4.quantize(
+      x + 0.05 * jax.random.normal(jax.random.key(7), x.shape), global_group="row"
+    )
     w = jax.random.normal(jax.random.key(8), x.shape)
     for guidance in (rollout, fp4.compact_guidance(rollout)):
       q, fb = fp4.quantize_with_fallbacks(x, rounding="guided", guidance=guidance)
-      values, record, fell_back = self.variant(lambda x, g: fp4.fake_quant_record(
-          x, form="full", rounding="guided", guidance=g))(x, guidance)
+      values, record, fell_back = self.variant(
+        lambda x, g: fp4.fake_quant_record(x, form="full", rounding="guided", guidance=g)
+      )(x, guidance)
       chex.assert_trees_all_equal(record, q)
       chex.assert_trees_all_equal(fell_back, fb)
       chex.assert_trees_all_equal(values, fp4.fake_quant(x, rounding="guided", guidance=guidance))
-      grad = jax.grad(lambda x: jnp.sum(w * fp4.fake_quant_record(
-          x, form="compact", rounding="guided", guidance=guidance)[0]))(x)
+      grad = jax.grad(
+        lambda x: jnp.sum(
+          w * fp4.fake_quant_record(x, form="compact", rounding="guided", guidance=guidance)[0]
+        )
+      )(x)
       chex.assert_trees_all_equal(grad, w)
 
   def test_bad_form(self):

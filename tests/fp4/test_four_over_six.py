@@ -37,7 +37,8 @@ def test_hand_derivation():
   fake = fp4.fake_quant(jnp.asarray(x), "nvfp4", scale_rule="4over6")
   np.testing.assert_array_equal(np.asarray(fake), x)
   grad = jax.grad(lambda v: jnp.sum(fp4.fake_quant(v, "nvfp4", scale_rule="4over6") * 3.0))(
-      jnp.asarray(x))
+    jnp.asarray(x)
+  )
   np.testing.assert_array_equal(np.asarray(grad), np.full_like(x, 3.0))
 
 
@@ -46,8 +47,12 @@ def _reference_four_over_six(x):
   _, standard_bits, gs = reference.nvfp4(x, group_axes=(0,))
   blocks = x.reshape(x.shape[0], -1, 16)
   amax_b = np.max(np.abs(blocks), axis=-1)
-  four_bits = np.minimum(amax_b / F32(4) * gs, F32(448)).astype(F32).astype(
-      ml_dtypes.float8_e4m3fn).view(np.uint8)
+  four_bits = (
+    np.minimum(amax_b / F32(4) * gs, F32(448))
+    .astype(F32)
+    .astype(ml_dtypes.float8_e4m3fn)
+    .view(np.uint8)
+  )
 
   def error(bits):
     step = (bits.view(ml_dtypes.float8_e4m3fn).astype(F32) / gs)[..., None]
@@ -59,8 +64,12 @@ def _reference_four_over_six(x):
   err6, dec6 = error(standard_bits)
   err4, dec4 = error(four_bits)
   take4 = err4 < err6
-  return (np.where(take4, four_bits, standard_bits), np.where(take4[..., None], dec4, dec6),
-          np.minimum(err4, err6), err6)
+  return (
+    np.where(take4, four_bits, standard_bits),
+    np.where(take4[..., None], dec4, dec6),
+    np.minimum(err4, err6),
+    err6,
+  )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -71,8 +80,9 @@ def test_matches_reference_on_random_rows(dtype):
   bits, decoded, err, err6 = _reference_four_over_six(x)
   q = fp4.quantize(jnp.asarray(x, dtype), "nvfp4", global_group="row", scale_rule="4over6")
   np.testing.assert_array_equal(np.asarray(q.scales), bits)
-  chex.assert_trees_all_close(np.asarray(fp4.dequantize(q)), decoded.reshape(x.shape),
-                              rtol=0, atol=0)
+  chex.assert_trees_all_close(
+    np.asarray(fp4.dequantize(q)), decoded.reshape(x.shape), rtol=0, atol=0
+  )
   assert np.all(err <= err6)  # never worse than the standard rule, block by block
   assert np.any(err < err6)  # and some blocks do take the amax -> 4 scale on random data
 
@@ -84,5 +94,4 @@ def test_refusals():
   with pytest.raises(ValueError, match="fmt='mxfp4'"):
     fp4.quantize(x, "mxfp4", scale_rule="4over6")
   with pytest.raises(ValueError, match="rounding='stochastic'"):
-    fp4.fake_quant(x, "nvfp4", rounding="stochastic", key=jax.random.key(0),
-                   scale_rule="4over6")
+    fp4.fake_quant(x, "nvfp4", rounding="stochastic", key=jax.random.key(0), scale_rule="4over6")

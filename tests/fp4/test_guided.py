@@ -42,7 +42,8 @@ def test_guidance_reproduces_codes_when_values_stay_between_the_same_neighbours(
   ref_codes = np.asarray(fp4.codes(q_ref))
   for guidance in (q_ref, fp4.compact_guidance(q_ref)):
     q, fell_back = fp4.quantize_with_fallbacks(
-        jnp.asarray(x_new), fmt, rounding="guided", guidance=guidance)
+      jnp.asarray(x_new), fmt, rounding="guided", guidance=guidance
+    )
     np.testing.assert_array_equal(fp4.codes(q), ref_codes)
     np.testing.assert_array_equal(q.scales, q_ref.scales)
     np.testing.assert_array_equal(q.global_scale, q_ref.global_scale)
@@ -69,7 +70,8 @@ def test_values_that_cross_a_neighbour_fall_back_as_designed():
   nearest = reference.e2m1_codes(v_new)
 
   q_full, fell_back = fp4.quantize_with_fallbacks(
-      jnp.asarray(x_new), rounding="guided", guidance=q_ref)
+    jnp.asarray(x_new), rounding="guided", guidance=q_ref
+  )
   usable = (recorded == lo) | (recorded == hi)
   assert (~usable).sum() > 20
   np.testing.assert_array_equal(fell_back, ~usable)
@@ -78,7 +80,8 @@ def test_values_that_cross_a_neighbour_fall_back_as_designed():
   np.testing.assert_array_equal(fp4.codes(q_full), expected_full)
 
   q_compact, compact_fell_back = fp4.quantize_with_fallbacks(
-      jnp.asarray(x_new), rounding="guided", guidance=fp4.compact_guidance(q_ref))
+    jnp.asarray(x_new), rounding="guided", guidance=fp4.compact_guidance(q_ref)
+  )
   chosen = np.where((hi & 1) == (recorded & 1), hi, lo)
   expected_compact = chosen | np.where((x_new < 0) & (chosen != 0), 8, 0)
   np.testing.assert_array_equal(fp4.codes(q_compact), expected_compact)
@@ -119,8 +122,12 @@ def test_guided_rejects_mismatched_guidance():
   with pytest.raises(ValueError, match="fmt='nvfp4'"):
     fp4.quantize(jnp.ones((4, 32)), "mxfp4", rounding="guided", guidance=q_row)
   with pytest.raises(ValueError, match="axis"):
-    fp4.quantize(jnp.ones((32, 32)), axis=0, rounding="guided",
-                 guidance=fp4.quantize(jnp.ones((32, 32)), global_group="row"))
+    fp4.quantize(
+      jnp.ones((32, 32)),
+      axis=0,
+      rounding="guided",
+      guidance=fp4.quantize(jnp.ones((32, 32)), global_group="row"),
+    )
   with pytest.raises(ValueError, match="QArray"):
     fp4.quantize(x, rounding="guided", guidance={"scales": 1})
   with pytest.raises(ValueError, match="only used with rounding='guided'"):
@@ -143,8 +150,9 @@ def test_mantissa_bits_decide_exact_ties():
   step = (s_b / 256).astype(np.float32)  # [rows, 2]
   x = np.zeros((rows, 2, 16), np.float32)
   x[:, :, 0] = step * 6
-  x[:, :, 1:] = (rng.choice(mids, (rows, 2, 15)) * rng.choice([-1, 1], (rows, 2, 15))
-                 * step[..., None])
+  x[:, :, 1:] = (
+    rng.choice(mids, (rows, 2, 15)) * rng.choice([-1, 1], (rows, 2, 15)) * step[..., None]
+  )
   x = jnp.asarray(x.reshape(rows, 32), jnp.bfloat16)
   v = np.asarray(x, np.float32).reshape(rows, 2, 16) / step[..., None]
   lo, hi = _neighbour_codes(np.abs(v))
@@ -162,8 +170,12 @@ def test_mantissa_bits_decide_exact_ties():
   bits = rng.integers(0, 2, (rows, 2, 16)).astype(np.uint8)
   bits[:, :, 0] = 1  # the block maxima (code 7) keep their own bit
   recorded = fp4.CompactGuidance(
-      global_scale=q.global_scale, scales=q.scales,
-      mantissa_bits=fp4.pack_bits(jnp.asarray(bits.reshape(rows, 32))), fmt="nvfp4", axis=-1)
+    global_scale=q.global_scale,
+    scales=q.scales,
+    mantissa_bits=fp4.pack_bits(jnp.asarray(bits.reshape(rows, 32))),
+    fmt="nvfp4",
+    axis=-1,
+  )
   guided, fell_back = fp4.quantize_with_fallbacks(x, rounding="guided", guidance=recorded)
   chosen = np.where((hi & 1) == bits, hi, lo)
   sign = np.where(chosen != 0, sign, 0)  # zero stays +0

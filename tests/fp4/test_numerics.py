@@ -109,7 +109,9 @@ def test_e4m3_encode_matches_ml_dtypes_including_subnormals_and_ties():
 
 def test_e8m0_encode_clamps():
   exponents = jnp.asarray([-300, -127, -1, 0, 5, 127, 200])
-  np.testing.assert_array_equal(np.asarray(fp4.e8m0_encode(exponents)), [0, 0, 126, 127, 132, 254, 254])
+  np.testing.assert_array_equal(
+    np.asarray(fp4.e8m0_encode(exponents)), [0, 0, 126, 127, 132, 254, 254]
+  )
 
 
 @pytest.mark.parametrize("axis", [-1, 0, 1])
@@ -134,7 +136,9 @@ def test_pack_bits_round_trip_and_layout():
   packed = fp4.pack_bits(bits)
   assert packed.shape == (5, 4)
   np.testing.assert_array_equal(fp4.unpack_bits(packed), bits)
-  np.testing.assert_array_equal(fp4.pack_bits(jnp.asarray([1, 0, 0, 0, 0, 0, 0, 1], jnp.uint8)), [0x81])
+  np.testing.assert_array_equal(
+    fp4.pack_bits(jnp.asarray([1, 0, 0, 0, 0, 0, 0, 1], jnp.uint8)), [0x81]
+  )
 
 
 def test_pack_rejects_odd_lengths():

@@ -13,7 +13,7 @@ def _row(*blocks, block=16):
   """A 1-row tensor made of blocks given by their leading elements (rest zero)."""
   row = np.zeros(len(blocks) * block, np.float32)
   for i, lead in enumerate(blocks):
-    row[i * block: i * block + len(lead)] = lead
+    row[i * block : i * block + len(lead)] = lead
   return jnp.asarray(row[None])
 
 
@@ -36,8 +36,9 @@ def test_golden_nvfp4_tie_scale_saturates():
   np.testing.assert_array_equal(codes[16:20], [7, 4, 12, 1])
   assert not codes[4:16].any() and not codes[20:].any()
   np.testing.assert_array_equal(
-      np.asarray(fp4.dequantize(q))[0, [0, 1, 2, 3, 16, 17, 18, 19]],
-      [1.5, -0.75, 0.25, 0.125, 2688.0, 896.0, -896.0, 224.0])
+    np.asarray(fp4.dequantize(q))[0, [0, 1, 2, 3, 16, 17, 18, 19]],
+    [1.5, -0.75, 0.25, 0.125, 2688.0, 896.0, -896.0, 224.0],
+  )
 
 
 def test_golden_nvfp4_huge_value_flushes_small_blocks():
@@ -75,8 +76,9 @@ def test_golden_nvfp4_subnormal_block_scale():
   np.testing.assert_array_equal(q.scales, [[0x03, 0x7E]])
   # v = 5.12 -> 6 (7); 1.7067 -> 1.5 (3); -3.413 -> -3 (13)
   np.testing.assert_array_equal(np.asarray(fp4.codes(q))[0, :3], [7, 3, 13])
-  np.testing.assert_array_equal(np.asarray(fp4.dequantize(q))[0, :3],
-                                [0.03515625, 0.0087890625, -0.017578125])
+  np.testing.assert_array_equal(
+    np.asarray(fp4.dequantize(q))[0, :3], [0.03515625, 0.0087890625, -0.017578125]
+  )
 
 
 def test_golden_mxfp4():
@@ -93,8 +95,10 @@ def test_golden_mxfp4():
   np.testing.assert_array_equal(codes[:5], [7, 7, 4, 0, 2])
   np.testing.assert_array_equal(codes[32:36], [6, 3, 9, 6])
   assert not codes[64:].any()
-  np.testing.assert_array_equal(np.asarray(fp4.dequantize(q))[0, [0, 2, 4, 32, 33, 34, 35]],
-                                [6.0, 2.0, 1.0, 8.0, 3.0, -1.0, 8.0])
+  np.testing.assert_array_equal(
+    np.asarray(fp4.dequantize(q))[0, [0, 2, 4, 32, 33, 34, 35]],
+    [6.0, 2.0, 1.0, 8.0, 3.0, -1.0, 8.0],
+  )
 
 
 # --- Against the NumPy reference on random tensors -------------------------------------
@@ -122,8 +126,10 @@ def test_nvfp4_matches_reference_bit_for_bit(kind, global_group):
   np.testing.assert_array_equal(q.scales, scale_bits)
   np.testing.assert_array_equal(q.global_scale, gs)
   # NumPy divides truly (a jnp division by a broadcast would be a reciprocal multiply).
-  expected = reference.e2m1_values(codes).reshape(6, 8, 4, 16) * (
-      np.asarray(fp4.e4m3_decode(jnp.asarray(scale_bits))) / gs)[..., None]
+  expected = (
+    reference.e2m1_values(codes).reshape(6, 8, 4, 16)
+    * (np.asarray(fp4.e4m3_decode(jnp.asarray(scale_bits))) / gs)[..., None]
+  )
   np.testing.assert_array_equal(fp4.dequantize(q), np.asarray(expected).reshape(x.shape))
 
 
@@ -169,7 +175,9 @@ def test_codes_and_dequantize_agree_with_ml_dtypes_values():
     q = fp4.quantize(x, fmt, global_group="row")
     block = q.format.block_size
     step = np.asarray(q.format.decode_scales(q.scales)) / np.asarray(q.global_scale)
-    expected = reference.e2m1_values(np.asarray(fp4.codes(q))) * np.repeat(np.asarray(step), block, -1)
+    expected = reference.e2m1_values(np.asarray(fp4.codes(q))) * np.repeat(
+      np.asarray(step), block, -1
+    )
     np.testing.assert_array_equal(fp4.dequantize(q), expected)
     assert fp4.dequantize(q, jnp.bfloat16).dtype == jnp.bfloat16
 

@@ -29,7 +29,9 @@ def _reference_flags(x, delta):
   codes, scale_bits, gs = reference.nvfp4(x, tuple(range(x.ndim - 1)))
   step = scale_bits.view(ml_dtypes.float8_e4m3fn).astype(F32) / gs
   blocks = x.reshape(*x.shape[:-1], -1, 16)
-  v = np.abs(np.where(step[..., None] > 0, blocks / step[..., None], 0).astype(F32)).astype(np.float64)
+  v = np.abs(np.where(step[..., None] > 0, blocks / step[..., None], 0).astype(F32)).astype(
+    np.float64
+  )
   v = np.minimum(v, 6.0)
   hi = GRID[np.minimum(np.searchsorted(GRID, v, side="left"), len(GRID) - 1)]
   lo = GRID[np.maximum(np.searchsorted(GRID, v, side="right") - 1, 0)]
@@ -94,10 +96,12 @@ def test_training_path_follows_flags_and_rounds_nearest_elsewhere():
   delta = 0.05
   flags, _, codes = _reference_flags(x, delta)
   q = fp4.quantize(jnp.asarray(x), global_group="row")
-  g = fp4.sparse_guidance(jnp.asarray(x), q, fp4.SparseSpec(delta=delta, capacity_frac=1.0,
-                                                            scale_delta=0.0))
-  got = np.asarray(fp4.codes(fp4.quantize(jnp.asarray(x_train), global_group="row",
-                                          rounding="guided", guidance=g)))
+  g = fp4.sparse_guidance(
+    jnp.asarray(x), q, fp4.SparseSpec(delta=delta, capacity_frac=1.0, scale_delta=0.0)
+  )
+  got = np.asarray(
+    fp4.codes(fp4.quantize(jnp.asarray(x_train), global_group="row", rounding="guided", guidance=g))
+  )
   own_codes, own_scales, _ = reference.nvfp4(x_train, (0, 1))
   flagged = np.asarray(sparse.expand(g, x.shape)[0])
   same_scale = np.repeat(own_scales == np.asarray(q.scales), 16, axis=-1)
@@ -107,9 +111,12 @@ def test_training_path_follows_flags_and_rounds_nearest_elsewhere():
   assert (own_codes[follow] != codes[follow]).sum() > 10  # guidance changed something
   # Far from every boundary nothing is recorded and the guided path is nearest rounding.
   on_grid = np.asarray(reference.nvfp4(x, (0, 1))[0])
-  x_grid = (reference.e2m1_values(on_grid) * np.repeat(
-      (own_scales.view(ml_dtypes.float8_e4m3fn).astype(F32)
-       / reference.nvfp4(x, (0, 1))[2]), 16, -1)).astype(F32)
+  x_grid = (
+    reference.e2m1_values(on_grid)
+    * np.repeat(
+      (own_scales.view(ml_dtypes.float8_e4m3fn).astype(F32) / reference.nvfp4(x, (0, 1))[2]), 16, -1
+    )
+  ).astype(F32)
   q_grid = fp4.quantize(jnp.asarray(x_grid), global_group="row")
   g_grid = fp4.sparse_guidance(jnp.asarray(x_grid), q_grid, fp4.SparseSpec(delta=0.2))
   assert int(np.asarray(g_grid.count).sum()) == 0
@@ -133,8 +140,9 @@ def test_far_values_need_no_record():
   bits = sparse.site_bits(g)
   assert bits["flagged"] == 0 and bits["bits"] == 0
   chex.assert_trees_all_equal(
-      fp4.fake_quant(jnp.asarray(x), global_group="row", rounding="guided", guidance=g),
-      fp4.fake_quant(jnp.asarray(x), global_group="row"))
+    fp4.fake_quant(jnp.asarray(x), global_group="row", rounding="guided", guidance=g),
+    fp4.fake_quant(jnp.asarray(x), global_group="row"),
+  )
 
 
 def test_overflow_is_counted_and_overflowed_flags_round_nearest():
@@ -225,8 +233,11 @@ def test_bad_input_is_refused():
 
 def test_per_site_margins():
   spec = fp4.SparseSpec(delta=0.07, site_deltas=(("k", 0.01), ("v", 0.0)))
-  assert (spec.for_site("k").delta, spec.for_site("v").delta, spec.for_site("attn_out").delta) \
-      == (0.01, 0.0, 0.07)
+  assert (spec.for_site("k").delta, spec.for_site("v").delta, spec.for_site("attn_out").delta) == (
+    0.01,
+    0.0,
+    0.07,
+  )
   assert spec.for_site("k").site_deltas == ()
   with pytest.raises(ValueError, match=r"site_deltas\['k'\]"):
     fp4.SparseSpec(site_deltas=(("k", 0.6),))

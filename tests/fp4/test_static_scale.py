@@ -52,7 +52,8 @@ def test_static_scale_fake_quant_is_dequantize_and_straight_through():
   gs = jnp.full((4, 1), 448 * 6 / 20.0, jnp.float32)
   values = fp4.fake_quant(x, global_group="row", global_scale=gs)
   np.testing.assert_array_equal(
-      values, fp4.dequantize(fp4.quantize(x, global_group="row", global_scale=gs)))
+    values, fp4.dequantize(fp4.quantize(x, global_group="row", global_scale=gs))
+  )
   grad = jax.grad(lambda a: jnp.sum(fp4.fake_quant(a, global_group="row", global_scale=gs) * x))(x)
   np.testing.assert_array_equal(grad, x)
   with pytest.raises(ValueError, match="mxfp4"):

@@ -31,7 +31,7 @@ def _e4m3_values():
 def _e4m3_midpoints():
   values = _e4m3_values().astype(np.float64)
   mids = ((values[:-1] + values[1:]) / 2).astype(F32)
-  return mids[(mids > 2.0 ** -6) & (mids < 448)]  # normal range, below the clip
+  return mids[(mids > 2.0**-6) & (mids < 448)]  # normal range, below the clip
 
 
 def _ulps(x, n):
@@ -87,14 +87,16 @@ def test_element_ties_at_e2m1_midpoints_round_half_to_even():
   m = rng.choice(E2M1_MIDPOINTS, (rows, n // 16, 15)) * rng.choice([-1, 1], (rows, n // 16, 15))
   candidates = _ulps((m * step).astype(F32), 0)
   offset = rng.integers(-1, 2, candidates.shape)
-  x[:, :, 1:] = np.where(offset < 0, _ulps(candidates, -1),
-                         np.where(offset > 0, _ulps(candidates, 1), candidates))
+  x[:, :, 1:] = np.where(
+    offset < 0, _ulps(candidates, -1), np.where(offset > 0, _ulps(candidates, 1), candidates)
+  )
   x = x.reshape(rows, n)
   v = (x.reshape(rows, n // 16, 16) / step).astype(F32)
   ties = np.isin(np.abs(v), E2M1_MIDPOINTS)
   assert ties.sum() > 5000
-  flipped = reference.e2m1_codes(x.reshape(rows, n // 16, 16) * (F32(1) / step)) != \
-      reference.e2m1_codes(v)
+  flipped = reference.e2m1_codes(
+    x.reshape(rows, n // 16, 16) * (F32(1) / step)
+  ) != reference.e2m1_codes(v)
   assert (flipped & ties).sum() > 50  # a reciprocal multiply gets these wrong
   _assert_matches_reference(x)
 
@@ -181,7 +183,9 @@ def test_fused_quantize_kernel_keeps_ties():
   np.testing.assert_array_equal(fp4.codes(q), codes)
   np.testing.assert_array_equal(q.scales, scale_bits)
   np.testing.assert_array_equal(q.global_scale, gs)
-  np.testing.assert_array_equal(bits, fp4.mantissa_bits(fp4.quantize(jnp.asarray(x), global_group="row")))
+  np.testing.assert_array_equal(
+    bits, fp4.mantissa_bits(fp4.quantize(jnp.asarray(x), global_group="row"))
+  )
 
 
 def test_true_divide_lowers_for_cuda_through_pallas_triton():
@@ -195,8 +199,11 @@ def test_true_divide_lowers_for_cuda_through_pallas_triton():
     o_ref[...] = numerics.true_divide(a_ref[...], b_ref[...])
 
   def f(a, b):
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
-                          compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1))(a, b)
+    return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
+      compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),
+    )(a, b)
 
   a, b = jnp.ones((16, 16)), jnp.ones((16, 1))
   text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()

@@ -31,8 +31,13 @@ def _qarray(shape, fmt, axis, global_shape):
   packed, scales = list(shape), list(shape)
   packed[axis] //= 2
   scales[axis] //= block
-  return fp4.QArray(packed=S(tuple(packed), jnp.uint8), scales=S(tuple(scales), jnp.uint8),
-                    global_scale=S(global_shape, jnp.float32), fmt=fmt, axis=axis - len(shape))
+  return fp4.QArray(
+    packed=S(tuple(packed), jnp.uint8),
+    scales=S(tuple(scales), jnp.uint8),
+    global_scale=S(global_shape, jnp.float32),
+    fmt=fmt,
+    axis=axis - len(shape),
+  )
 
 
 def _lower_one(fn, *args):
@@ -43,14 +48,19 @@ def _lower_one(fn, *args):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("activations", ["w4a16", "w4a4"])
-@pytest.mark.parametrize("batch, k, n", [(1, D_MODEL, FFN), (32, FFN, D_MODEL),
-                                         (256, D_MODEL, FFN)])
+@pytest.mark.parametrize(
+  "batch, k, n", [(1, D_MODEL, FFN), (32, FFN, D_MODEL), (256, D_MODEL, FFN)]
+)
 def test_fp4_matmul_lowers(fmt, activations, batch, k, n):
   w = _qarray((k, n), fmt, 0, (1, 1))
-  x = S((batch, k), jnp.bfloat16) if activations == "w4a16" else _qarray(
-      (batch, k), fmt, 1, (batch, 1))
-  call = _lower_one(lambda x, w: kernels.fp4_matmul(x, w, out_dtype=jnp.bfloat16,
-                                                    interpret=False), x, w)
+  x = (
+    S((batch, k), jnp.bfloat16)
+    if activations == "w4a16"
+    else _qarray((batch, k), fmt, 1, (batch, 1))
+  )
+  call = _lower_one(
+    lambda x, w: kernels.fp4_matmul(x, w, out_dtype=jnp.bfloat16, interpret=False), x, w
+  )
   expected = kernels.fp4_matmul_lib.tiling(batch, n, k)
   assert call.name == "fp4_matmul"
   assert (call.num_warps, call.num_stages) == (expected["num_warps"], expected["num_stages"])
@@ -58,7 +68,8 @@ def test_fp4_matmul_lowers(fmt, activations, batch, k, n):
   assert call.grid == (-(-batch // block_m), n // expected["block_n"], expected["k_splits"])
   if batch <= 64:  # decode: K split until the GPU has enough programs (or K is used up)
     assert call.grid[0] * call.grid[1] * call.grid[2] >= min(
-        kernels.fp4_matmul_lib.TARGET_PROGRAMS, call.grid[0] * call.grid[1] * k // 256)
+      kernels.fp4_matmul_lib.TARGET_PROGRAMS, call.grid[0] * call.grid[1] * k // 256
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -68,8 +79,12 @@ def test_moe_gmm_lowers(fmt, batch, projection):
   k, n = (D_MODEL, FFN) if projection == "gate" else (FFN, D_MODEL)
   w = _qarray((EXPERTS, k, n), fmt, 1, (EXPERTS, 1, 1))
   rows = batch * TOP_K  # every token's top-8 experts, sorted by expert
-  call = _lower_one(lambda x, w, sizes: kernels.moe_gmm(x, w, sizes, interpret=False),
-                    S((rows, k), jnp.bfloat16), w, S((EXPERTS,), jnp.int32))
+  call = _lower_one(
+    lambda x, w, sizes: kernels.moe_gmm(x, w, sizes, interpret=False),
+    S((rows, k), jnp.bfloat16),
+    w,
+    S((EXPERTS,), jnp.int32),
+  )
   assert call.name == "moe_gmm" and call.grid[0] * call.grid[1] * call.grid[2] >= 96
 
 
@@ -80,9 +95,15 @@ def test_decode_attention_lowers(fmt, batch, groups):
   cache = _qarray((batch, KV_LEN, KV_HEADS, HEAD_DIM), fmt, 3, (batch, KV_LEN, KV_HEADS, 1))
   q = S((batch, KV_HEADS * groups, HEAD_DIM), jnp.bfloat16)
   call = _lower_one(
-      lambda q, k, v, lengths, valid: kernels.decode_attention(q, k, v, lengths, valid,
-                                                               interpret=False),
-      q, cache, cache, S((batch,), jnp.int32), S((batch, KV_LEN), bool))
+    lambda q, k, v, lengths, valid: kernels.decode_attention(
+      q, k, v, lengths, valid, interpret=False
+    ),
+    q,
+    cache,
+    cache,
+    S((batch,), jnp.int32),
+    S((batch, KV_LEN), bool),
+  )
   assert call.name == "decode_attention" and call.grid == (batch, KV_HEADS, 8)
   assert (call.num_warps, call.num_stages) == (8, 2)  # 128-slot chunks
 
@@ -91,8 +112,9 @@ def test_decode_attention_lowers(fmt, batch, groups):
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("width", [D_MODEL, FFN, 32 * HEAD_DIM])  # moe_in, moe_mid, attn_out
 def test_fused_quantize_lowers(fmt, batch, width):
-  call = _lower_one(lambda x: kernels.quantize(x, fmt, interpret=False),
-                    S((batch, width), jnp.bfloat16))
+  call = _lower_one(
+    lambda x: kernels.quantize(x, fmt, interpret=False), S((batch, width), jnp.bfloat16)
+  )
   padded = 1 << (width - 1).bit_length()
   expected = kernels.quantize_lib.tiling(padded)
   assert call.name == "fp4_quantize" and call.num_stages == 1
@@ -102,14 +124,16 @@ def test_fused_quantize_lowers(fmt, batch, width):
 def test_fused_quantize_divides_exactly_when_compiled():
   """Triton's float32 `/` is div.full.f32 (about 2 ulp), which would move exact ties; the
   compiled kernel must carry correctly rounded divisions only (inline div.rn.f32)."""
-  call = _lower_one(lambda x: kernels.quantize(x, "nvfp4", interpret=False),
-                    S((4, FFN), jnp.bfloat16))
+  call = _lower_one(
+    lambda x: kernels.quantize(x, "nvfp4", interpret=False), S((4, FFN), jnp.bfloat16)
+  )
   text = call.ttir_text()
   # global scale, block scale, step, v = x / step: fp4.numerics.true_divide's
   # tt.precise_divf (div.rn.f32 in PTX).
   assert text.count("precise_divf") >= 4
-  tensor_divisions = [line for line in text.splitlines()
-                      if "arith.divf" in line and "tensor<" in line]
+  tensor_divisions = [
+    line for line in text.splitlines() if "arith.divf" in line and "tensor<" in line
+  ]
   assert not tensor_divisions, tensor_divisions[:3]
 
 
@@ -141,11 +165,17 @@ def test_triton_params_are_checked():
     dispatch.triton_params(4, 0, "fp4_matmul")
   w = _qarray((64, 32), "nvfp4", 0, (1, 1))
   with pytest.raises(ValueError, match="num_warps=6"):
-    cuda_lowering.lower(lambda x, w: kernels.fp4_matmul(x, w, interpret=False, num_warps=6),
-                        S((2, 64), jnp.bfloat16), w)
+    cuda_lowering.lower(
+      lambda x, w: kernels.fp4_matmul(x, w, interpret=False, num_warps=6),
+      S((2, 64), jnp.bfloat16),
+      w,
+    )
   # An explicit choice reaches the kernel.
-  call = _lower_one(lambda x, w: kernels.fp4_matmul(x, w, interpret=False, num_warps=2,
-                                                    num_stages=5), S((2, 64), jnp.bfloat16), w)
+  call = _lower_one(
+    lambda x, w: kernels.fp4_matmul(x, w, interpret=False, num_warps=2, num_stages=5),
+    S((2, 64), jnp.bfloat16),
+    w,
+  )
   assert (call.num_warps, call.num_stages) == (2, 5)
 
 
@@ -157,14 +187,21 @@ def test_each_kernel_compiles_to_a_cubin_without_a_gpu():
   w = _qarray((D_MODEL, FFN), fmt, 0, (1, 1))
   cache = _qarray((batch, KV_LEN, KV_HEADS, HEAD_DIM), fmt, 3, (batch, KV_LEN, KV_HEADS, 1))
   lowerings = [
-      (lambda x, w: kernels.fp4_matmul(x, w, interpret=False), S((batch, D_MODEL), jnp.bfloat16), w),
-      (lambda x, w, s: kernels.moe_gmm(x, w, s, interpret=False),
-       S((batch * TOP_K, D_MODEL), jnp.bfloat16), _qarray((EXPERTS, D_MODEL, FFN), fmt, 1,
-                                                          (EXPERTS, 1, 1)),
-       S((EXPERTS,), jnp.int32)),
-      (lambda q, k, v, n: decode_attention_lib.decode_attention(q, k, v, n, interpret=False),
-       S((batch, KV_HEADS * 4, HEAD_DIM), jnp.bfloat16), cache, cache, S((batch,), jnp.int32)),
-      (lambda x: kernels.quantize(x, "mxfp4", interpret=False), S((batch, FFN), jnp.bfloat16)),
+    (lambda x, w: kernels.fp4_matmul(x, w, interpret=False), S((batch, D_MODEL), jnp.bfloat16), w),
+    (
+      lambda x, w, s: kernels.moe_gmm(x, w, s, interpret=False),
+      S((batch * TOP_K, D_MODEL), jnp.bfloat16),
+      _qarray((EXPERTS, D_MODEL, FFN), fmt, 1, (EXPERTS, 1, 1)),
+      S((EXPERTS,), jnp.int32),
+    ),
+    (
+      lambda q, k, v, n: decode_attention_lib.decode_attention(q, k, v, n, interpret=False),
+      S((batch, KV_HEADS * 4, HEAD_DIM), jnp.bfloat16),
+      cache,
+      cache,
+      S((batch,), jnp.int32),
+    ),
+    (lambda x: kernels.quantize(x, "mxfp4", interpret=False), S((batch, FFN), jnp.bfloat16)),
   ]
   for fn, *args in lowerings:
     compiled = cuda_lowering.compile_triton(_lower_one(fn, *args))
@@ -180,6 +217,7 @@ def test_gpu_check_without_a_gpu_says_so_and_exits_cleanly():
   import os  # noqa: PLC0415
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
+
   script = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "gpu_check.py")
   result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]

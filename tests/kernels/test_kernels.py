@@ -13,8 +13,13 @@ from flax import nnx
 from trace_jax import fp4, kernels
 from trace_jax import model as M
 from trace_jax import rollout as R
-from trace_jax.kernels import (decode_attention_lib, dispatch, fp4_matmul_lib, moe_gmm_lib,
-                               quantize_lib)
+from trace_jax.kernels import (
+  decode_attention_lib,
+  dispatch,
+  fp4_matmul_lib,
+  moe_gmm_lib,
+  quantize_lib,
+)
 from trace_jax.model.attention import attend
 
 
@@ -31,8 +36,9 @@ def _close(actual, desired, rtol=1e-5):
   np.testing.assert_allclose(actual, desired, rtol=rtol, atol=rtol * np.abs(desired).max())
 
 
-@pytest.mark.parametrize("m, k, n, fmt", [(1, 64, 48, "nvfp4"), (5, 128, 32, "nvfp4"),
-                                          (33, 64, 16, "mxfp4")])
+@pytest.mark.parametrize(
+  "m, k, n, fmt", [(1, 64, 48, "nvfp4"), (5, 128, 32, "nvfp4"), (33, 64, 16, "mxfp4")]
+)
 def test_fp4_matmul_w4a16_matches_reference_and_dequantized_dot(m, k, n, fmt):
   x = _rand(m, (m, k))
   w = fp4.quantize(_rand(k + n, (k, n), 0.1), fmt, axis=0)
@@ -63,9 +69,8 @@ def test_moe_gmm_ragged_groups_including_empty(sizes):
   w = fp4.quantize(_rand(7, (5, k, n), 0.1), "nvfp4", axis=1, global_group=0)
   y = kernels.moe_gmm(lhs, w, sizes, poison=True, block_m=16)
   _close(y, moe_gmm_lib.reference(lhs, w, sizes))
-  _close(y, jax.lax.ragged_dot(lhs, fp4.dequantize(w), sizes,
-                               precision=jax.lax.Precision.HIGHEST))
-  assert not np.asarray(y[int(sizes.sum()):]).any()
+  _close(y, jax.lax.ragged_dot(lhs, fp4.dequantize(w), sizes, precision=jax.lax.Precision.HIGHEST))
+  assert not np.asarray(y[int(sizes.sum()) :]).any()
 
 
 def test_split_k_partial_sums_match_the_references(k_splits=4):
@@ -133,19 +138,22 @@ def test_decode_attention_nan_in_masked_slots_does_not_leak():
   assert masked.any()
   clean = decode_attention_lib.reference(q, k, v, lengths, valid)
   k_nan, v_nan = _poison_slots(k, masked), _poison_slots(v, masked)
-  out = kernels.decode_attention(q, k_nan, v_nan, lengths, valid, poison=True, num_splits=2,
-                                 chunk=8)
+  out = kernels.decode_attention(
+    q, k_nan, v_nan, lengths, valid, poison=True, num_splits=2, chunk=8
+  )
   _close(out, clean)
   _close(decode_attention_lib.reference(q, k_nan, v_nan, lengths, valid), clean)
   # NaN in an attended slot stays visible.
   attended = jnp.zeros_like(masked).at[0, 0].set(True)
-  out = kernels.decode_attention(q, k, _poison_slots(v, attended), lengths, valid, num_splits=2,
-                                 chunk=8)
+  out = kernels.decode_attention(
+    q, k, _poison_slots(v, attended), lengths, valid, num_splits=2, chunk=8
+  )
   assert np.isnan(np.asarray(out[0])).all() and np.isfinite(np.asarray(out[1])).all()
 
 
-@pytest.mark.parametrize("fmt, dtype", [("nvfp4", jnp.float32), ("nvfp4", jnp.bfloat16),
-                                        ("mxfp4", jnp.float32)])
+@pytest.mark.parametrize(
+  "fmt, dtype", [("nvfp4", jnp.float32), ("nvfp4", jnp.bfloat16), ("mxfp4", jnp.float32)]
+)
 def test_fused_quantize_is_bit_exact(fmt, dtype):
   x = _rand(5, (3, 11, 64)).astype(dtype)
   x = x.at[0, 0].set(0.0).at[1, 2, 5].set(jnp.nan).at[2, 3, 7].set(1e-30)
@@ -164,8 +172,11 @@ def test_bad_input_names_what_is_wrong():
   with pytest.raises(ValueError, match="2-D fp4.QArray"):
     kernels.fp4_matmul(jnp.ones((2, 64)), jnp.ones((64, 32)))
   with pytest.raises(ValueError, match="group_sizes must be"):
-    kernels.moe_gmm(jnp.ones((4, 64)), fp4.quantize(jnp.ones((3, 64, 16)), axis=1,
-                                                     global_group=0), jnp.ones((2,), jnp.int32))
+    kernels.moe_gmm(
+      jnp.ones((4, 64)),
+      fp4.quantize(jnp.ones((3, 64, 16)), axis=1, global_group=0),
+      jnp.ones((2,), jnp.int32),
+    )
   with pytest.raises(ValueError, match="multiple of 16"):
     kernels.quantize(jnp.ones((2, 40)))
   with pytest.raises(ValueError, match="kernels='cuda'"):
@@ -187,21 +198,31 @@ def test_generation_with_pallas_kernels_equals_the_xla_path(monkeypatch):
     def counted(*args, _original=original, _name=name, **kw):
       calls[_name] += 1
       return _original(*args, **kw)
+
     monkeypatch.setattr(kernels, name, counted)
   policy = M.Transformer(M.tiny(), rngs=nnx.Rngs(3))
   prompts = [[5, 17, 3], [9, 2, 44, 7, 61, 8, 30], [100]]
   results = {}
   for mode in ("xla", "pallas"):
-    config = R.RolloutConfig(precision="fp4", compute_dtype="float32", guidance="none",
-                             max_len=16, prompt_bucket=8, kernels=mode,
-                             sampling=R.SamplingConfig(greedy=True, max_new_tokens=5))
+    config = R.RolloutConfig(
+      precision="fp4",
+      compute_dtype="float32",
+      guidance="none",
+      max_len=16,
+      prompt_bucket=8,
+      kernels=mode,
+      sampling=R.SamplingConfig(greedy=True, max_new_tokens=5),
+    )
     results[mode] = R.RolloutEngine(policy, config).generate(prompts, jax.random.key(0))
   assert all(calls.values()), calls  # every kernel ran in the pallas generation
   xla_run, pallas_run = results["xla"], results["pallas"]
   np.testing.assert_array_equal(np.asarray(pallas_run.tokens), np.asarray(xla_run.tokens))
-  np.testing.assert_array_equal(np.asarray(pallas_run.response_mask), np.asarray(xla_run.response_mask))
-  np.testing.assert_allclose(np.asarray(pallas_run.logprobs), np.asarray(xla_run.logprobs),
-                             atol=1e-4)
+  np.testing.assert_array_equal(
+    np.asarray(pallas_run.response_mask), np.asarray(xla_run.response_mask)
+  )
+  np.testing.assert_allclose(
+    np.asarray(pallas_run.logprobs), np.asarray(xla_run.logprobs), atol=1e-4
+  )
 
 
 @pytest.mark.slow
@@ -209,9 +230,14 @@ def test_bench_kernels_smoke_runs():
   import os
   import subprocess
   import sys
+
   script = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "bench_kernels.py")
-  result = subprocess.run([sys.executable, script, "--smoke", "--batches=1", "--repeats=1"],
-                          capture_output=True, text=True, timeout=600)
+  result = subprocess.run(
+    [sys.executable, script, "--smoke", "--batches=1", "--repeats=1"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   for kernel in ("fp4_matmul", "moe_gmm", "decode_attention", "quantize"):
     assert f"| {kernel} | 1 | pallas" in result.stdout
@@ -228,6 +254,7 @@ def test_auto_probe_checks_every_kernel_even_when_first_asked_inside_a_trace():
 def test_probe_failure_names_the_kernel_and_the_differing_field(monkeypatch):
   """The probe holds the fused quantize to bit-exactness: one flipped guidance bit is a
   failure, and its reason (which `resolve_with_reason` and the run records) says where."""
+
   def off_by_one_bit(x, fmt="nvfp4", **kw):
     q, bits = quantize_lib.reference(x, fmt)
     return q, bits.at[0, 0].set(bits[0, 0] ^ 1)

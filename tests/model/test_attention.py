@@ -22,8 +22,9 @@ def _inputs(seed=0, b=2, t=5, s=9, h=4, hkv=2, dh=8):
 
 def _reference(q, k, v, mask):
   """Attention over the visible slots only, in float64 NumPy."""
-  q, k, v, mask = (np.asarray(a, np.float64) if a.dtype != bool else np.asarray(a)
-                   for a in (q, k, v, mask))
+  q, k, v, mask = (
+    np.asarray(a, np.float64) if a.dtype != bool else np.asarray(a) for a in (q, k, v, mask)
+  )
   b, t, h, dh = q.shape
   group = h // k.shape[2]
   out = np.zeros((b, t, h, dh))
@@ -50,13 +51,17 @@ def test_nan_in_masked_slots_does_not_leak():
   # Queries 0..3 never see slot 8: exactly the clean output; query 4 of batch 0 sees the
   # Inf in slot 8 (KV head 1 = query heads 2, 3) and must show it as NaN.
   valid_rows = np.asarray(mask).any(-1)  # all but the padding query [1, 1]
-  np.testing.assert_array_equal(out[:, :4][valid_rows[:, :4]],
-                                np.asarray(clean)[:, :4][valid_rows[:, :4]])
+  np.testing.assert_array_equal(
+    out[:, :4][valid_rows[:, :4]], np.asarray(clean)[:, :4][valid_rows[:, :4]]
+  )
   np.testing.assert_array_equal(out[1, 4], np.asarray(clean)[1, 4])
   assert np.isnan(out[0, 4, 2:]).all() and np.isfinite(out[0, 4, :2]).all()
-  np.testing.assert_allclose(out[:, :4][valid_rows[:, :4]],
-                             _reference(q, k, v, mask)[:, :4][valid_rows[:, :4]],
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    out[:, :4][valid_rows[:, :4]],
+    _reference(q, k, v, mask)[:, :4][valid_rows[:, :4]],
+    rtol=1e-5,
+    atol=1e-6,
+  )
 
 
 def test_fully_masked_padding_row_stays_finite():

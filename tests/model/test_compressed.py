@@ -7,14 +7,22 @@ import pytest
 from trace_jax import fp4
 from trace_jax.model import compressed
 
-NV = {"quantization_config": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-                              "config_groups": {"group_0": {"format": "nvfp4-pack-quantized"}}}}
+NV = {
+  "quantization_config": {
+    "quant_method": "compressed-tensors",
+    "format": "nvfp4-pack-quantized",
+    "config_groups": {"group_0": {"format": "nvfp4-pack-quantized"}},
+  }
+}
 
 
 def _module(w, fmt="nvfp4"):
   q = fp4.quantize(w, fmt, axis=-1)  # HF layout [out, in], quantized along in
-  out = {"m.weight_packed": np.asarray(q.packed), "m.weight_scale": np.asarray(q.scales),
-         "norm.weight": np.ones(4, np.float32)}
+  out = {
+    "m.weight_packed": np.asarray(q.packed),
+    "m.weight_scale": np.asarray(q.scales),
+    "norm.weight": np.ones(4, np.float32),
+  }
   if fmt == "nvfp4":
     out["m.weight_global_scale"] = np.asarray(q.global_scale).reshape(1)
   return q, out
@@ -27,7 +35,9 @@ def test_decompress_gives_the_dequantized_weight_and_leaves_plain_tensors():
   out = compressed.decompress(NV, tensors)
   assert set(out) == {"m.weight", "norm.weight"}
   np.testing.assert_array_equal(out["m.weight"], fp4.dequantize(q))
-  mx = {"quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}}
+  mx = {
+    "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+  }
   q, tensors = _module(w, "mxfp4")
   np.testing.assert_array_equal(compressed.decompress(mx, tensors)["m.weight"], fp4.dequantize(q))
   assert compressed.decompress({}, {"a": 1}) == {"a": 1}

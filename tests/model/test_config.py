@@ -8,8 +8,8 @@ from trace_jax import model as M
 
 
 @pytest.mark.parametrize(
-    "preset, published_billions",
-    [("qwen3_30b_a3b", 30.5), ("mixtral_8x7b", 46.7), ("olmoe_1b_7b", 6.9)],
+  "preset, published_billions",
+  [("qwen3_30b_a3b", 30.5), ("mixtral_8x7b", 46.7), ("olmoe_1b_7b", 6.9)],
 )
 def test_published_geometries_match_published_parameter_counts(preset, published_billions):
   cfg = M.get_preset(preset)
@@ -19,17 +19,17 @@ def test_published_geometries_match_published_parameter_counts(preset, published
 
 
 @pytest.mark.parametrize(
-    "overrides, match",
-    [
-        (dict(num_kv_heads=3), "num_kv_heads=3"),
-        (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),
-        (dict(qk_norm="layer"), "qk_norm='layer'"),
-        (dict(dtype="float16"), "dtype='float16'"),
-        (dict(dispatch="sparse"), "dispatch='sparse'"),
-        (dict(dense_layers=(5,)), "dense_layers"),
-        (dict(d_model=0), "d_model=0"),
-        (dict(arch="llama"), "arch='llama'"),
-    ],
+  "overrides, match",
+  [
+    (dict(num_kv_heads=3), "num_kv_heads=3"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),
+    (dict(qk_norm="layer"), "qk_norm='layer'"),
+    (dict(dtype="float16"), "dtype='float16'"),
+    (dict(dispatch="sparse"), "dispatch='sparse'"),
+    (dict(dense_layers=(5,)), "dense_layers"),
+    (dict(d_model=0), "d_model=0"),
+    (dict(arch="llama"), "arch='llama'"),
+  ],
 )
 def test_model_config_rejects_bad_fields(overrides, match):
   with pytest.raises(ValueError, match=match):

@@ -16,7 +16,7 @@ from trace_jax.model import deltanet
 
 def _inputs(seed, b=2, t=13, h=3, dk=8, dv=5):
   keys = jax.random.split(jax.random.key(seed), 6)
-  q = deltanet._l2norm(jax.random.normal(keys[0], (b, t, h, dk))) * dk ** -0.5
+  q = deltanet._l2norm(jax.random.normal(keys[0], (b, t, h, dk))) * dk**-0.5
   k = deltanet._l2norm(jax.random.normal(keys[1], (b, t, h, dk)))
   v = jax.random.normal(keys[2], (b, t, h, dv))
   g = -jax.nn.softplus(jax.random.normal(keys[3], (b, t, h)))
@@ -62,8 +62,10 @@ def test_masked_tokens_leave_state_unchanged():
   keep = np.array([True] * 3 + [False] * 2 + [True] * 5 + [False] + [True])
   gm, bm = (jnp.where(jnp.asarray(keep)[None, :, None], a, 0.0) for a in (g, beta))
   ref_out, ref_state = _numpy_delta_rule(*(a[:, keep] for a in (q, k, v, g, beta)), state)
-  for out, final in (deltanet.recurrent_delta_rule(q, k, v, gm, bm, state),
-                     deltanet.chunked_delta_rule(q, k, v, gm, bm, state, 4)):
+  for out, final in (
+    deltanet.recurrent_delta_rule(q, k, v, gm, bm, state),
+    deltanet.chunked_delta_rule(q, k, v, gm, bm, state, 4),
+  ):
     np.testing.assert_allclose(np.asarray(out)[:, keep], ref_out, atol=5e-5)
     np.testing.assert_allclose(final, ref_state, atol=5e-5)
 
@@ -72,9 +74,13 @@ def _numpy_conv(x, weight, state):
   """Depthwise causal conv of the valid tokens (rows of x), continuing from `state`."""
   full = np.concatenate([state, x], axis=0)
   width = weight.shape[0]
-  out = np.stack([sum(weight[width - 1 - j] * full[i - j] for j in range(width))
-                  for i in range(width - 1, full.shape[0])])
-  return out, full[-(width - 1):]
+  out = np.stack(
+    [
+      sum(weight[width - 1 - j] * full[i - j] for j in range(width))
+      for i in range(width - 1, full.shape[0])
+    ]
+  )
+  return out, full[-(width - 1) :]
 
 
 def test_causal_conv_skips_holes_and_carries_state():
@@ -87,7 +93,9 @@ def test_causal_conv_skips_holes_and_carries_state():
   valid[1, [2, 5, 6]] = False  # holes
   out, new_state = jax.jit(deltanet.causal_conv)(x, weight, state, jnp.asarray(valid))
   for b in range(2):
-    ref, ref_state = _numpy_conv(np.asarray(x[b])[valid[b]], np.asarray(weight), np.asarray(state[b]))
+    ref, ref_state = _numpy_conv(
+      np.asarray(x[b])[valid[b]], np.asarray(weight), np.asarray(state[b])
+    )
     np.testing.assert_allclose(np.asarray(out[b])[valid[b]], ref, atol=1e-5)
     np.testing.assert_allclose(new_state[b], ref_state, atol=1e-6)
 
@@ -99,15 +107,19 @@ def test_causal_conv_skips_holes_and_carries_state():
 def _tiny():
   """qwen3_5_tiny cut to one Gated DeltaNet layer and one gated full-attention layer: both
   kinds of cache entry at half the compile time of the 4-layer preset."""
-  cfg = M.get_preset("qwen3_5_tiny", num_layers=2,
-                     layer_types=("linear_attention", "full_attention"))
+  cfg = M.get_preset(
+    "qwen3_5_tiny", num_layers=2, layer_types=("linear_attention", "full_attention")
+  )
   return M.Transformer(cfg, rngs=nnx.Rngs(1))
 
 
 @functools.lru_cache(maxsize=None)
 def _step(quant):
-  return nnx.jit(lambda m, t, p, mask, c: (lambda o: (o.logits, o))(
-      m(t, positions=p, mask=mask, cache=c, quant=quant)))
+  return nnx.jit(
+    lambda m, t, p, mask, c: (lambda o: (o.logits, o))(
+      m(t, positions=p, mask=mask, cache=c, quant=quant)
+    )
+  )
 
 
 @pytest.mark.parametrize("fp4", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -127,19 +139,23 @@ def test_prefill_then_decode_equals_full_forward(fp4):
   assert cache.k[0] is None and cache.recurrent[0].shape == (b, 4, 16, 16)
   assert cache.k[1] is not None and cache.recurrent[1] is None
   assert cache.quantized == fp4
-  logits, aux = _step(quant)(model, tokens[:, :prompt_len], positions[:, :prompt_len],
-                             mask[:, :prompt_len], cache)
+  logits, aux = _step(quant)(
+    model, tokens[:, :prompt_len], positions[:, :prompt_len], mask[:, :prompt_len], cache
+  )
   pieces = [logits]
   cache = aux.cache
   for i in range(prompt_len, prompt_len + steps):
-    logits, aux = _step(quant)(model, tokens[:, i:i + 1], positions[:, i:i + 1],
-                               mask[:, i:i + 1], cache)
+    logits, aux = _step(quant)(
+      model, tokens[:, i : i + 1], positions[:, i : i + 1], mask[:, i : i + 1], cache
+    )
     pieces.append(logits)
     cache = aux.cache
   incremental = jnp.concatenate(pieces, axis=1)
   full = nnx.jit(lambda m, t, p, mask: m(t, positions=p, mask=mask, quant=quant).logits)(
-      model, tokens, positions, mask)
+    model, tokens, positions, mask
+  )
   valid = np.asarray(mask)
-  np.testing.assert_allclose(np.asarray(incremental)[valid], np.asarray(full)[valid],
-                             atol=2e-4 if fp4 else 2e-5)
+  np.testing.assert_allclose(
+    np.asarray(incremental)[valid], np.asarray(full)[valid], atol=2e-4 if fp4 else 2e-5
+  )
   assert int(cache.index) == prompt_len + steps

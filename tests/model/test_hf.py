@@ -72,7 +72,9 @@ def test_unknown_architecture_lists_supported(tmp_path):
 
 
 def _rewrite(path, edit):
-  tensors = {k: np.array(v) for k, v in hf.read_safetensors(str(path / "model.safetensors")).items()}
+  tensors = {
+    k: np.array(v) for k, v in hf.read_safetensors(str(path / "model.safetensors")).items()
+  }
   edit(tensors)
   _write_safetensors(path / "model.safetensors", tensors)
 
@@ -81,7 +83,11 @@ def _write_safetensors(path, tensors):
   header, chunks, offset = {}, [], 0
   for name, array in tensors.items():
     data = np.ascontiguousarray(array, np.float32).tobytes()
-    header[name] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+    header[name] = {
+      "dtype": "F32",
+      "shape": list(array.shape),
+      "data_offsets": [offset, offset + len(data)],
+    }
     chunks.append(data)
     offset += len(data)
   blob = json.dumps(header).encode()
@@ -100,7 +106,10 @@ def test_misshapen_tensor_is_named(tmp_path):
   path = _copy("olmoe", tmp_path)
 
   def shrink(t):
-    t["model.layers.0.mlp.experts.2.up_proj.weight"] = t["model.layers.0.mlp.experts.2.up_proj.weight"][:8]
+    t["model.layers.0.mlp.experts.2.up_proj.weight"] = t[
+      "model.layers.0.mlp.experts.2.up_proj.weight"
+    ][:8]
+
   _rewrite(path, shrink)
   with pytest.raises(ValueError, match="experts"):
     hf.from_hf(str(path))
@@ -122,15 +131,20 @@ def test_fused_expert_layout_loads_the_same(tmp_path):
       downs = [t.pop(f"{p}.{e}.down_proj.weight") for e in range(4)]
       t[f"{p}.gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(gates, ups)])
       t[f"{p}.down_proj"] = np.stack(downs)
+
   _rewrite(path, fuse)
   fused = hf.from_hf(str(path))
   for name in ("w_gate", "w_up", "w_down"):
-    np.testing.assert_array_equal(getattr(fused.blocks[2].moe, name).get_value(),
-                                  getattr(reference.blocks[2].moe, name).get_value())
+    np.testing.assert_array_equal(
+      getattr(fused.blocks[2].moe, name).get_value(),
+      getattr(reference.blocks[2].moe, name).get_value(),
+    )
 
 
 def test_unused_tensors_are_an_error(tmp_path):
   path = _copy("olmoe", tmp_path)
-  _rewrite(path, lambda t: t.update({"model.layers.0.mlp.shared_expert.weight": np.ones(3, np.float32)}))
+  _rewrite(
+    path, lambda t: t.update({"model.layers.0.mlp.shared_expert.weight": np.ones(3, np.float32)})
+  )
   with pytest.raises(ValueError, match="nothing loads.*shared_expert"):
     hf.from_hf(str(path))

@@ -63,8 +63,13 @@ def test_chunk_size_does_not_change_logits():  # covers chunk sizes at the funct
 def test_config_traps_are_read():
   text = _load("qwen3_5_moe_text").cfg
   # layer_types wins over the contradicting full_attention_interval=4 in the same config.
-  assert text.layer_types == ("linear_attention", "full_attention", "linear_attention",
-                              "linear_attention", "full_attention")
+  assert text.layer_types == (
+    "linear_attention",
+    "full_attention",
+    "linear_attention",
+    "linear_attention",
+    "full_attention",
+  )
   assert text.linear_layers == (0, 2, 3) and text.rotary_dim == 8  # factor 0.5 of 16
   assert text.tie_embeddings and text.attn_output_gate and text.zero_centered_norm
   assert (text.linear_num_key_heads, text.linear_num_value_heads) == (2, 4)
@@ -95,8 +100,11 @@ def _edit_shard_of(path, name, edit):
   header, chunks, offset = {}, [], 0
   for key, array in tensors.items():
     data = np.ascontiguousarray(array).tobytes()
-    header[key] = {"dtype": "F32", "shape": list(array.shape),
-                   "data_offsets": [offset, offset + len(data)]}
+    header[key] = {
+      "dtype": "F32",
+      "shape": list(array.shape),
+      "data_offsets": [offset, offset + len(data)],
+    }
     chunks.append(data)
     offset += len(data)
   blob = json.dumps(header).encode()
@@ -107,8 +115,13 @@ def test_other_unknown_tensors_are_still_an_error(tmp_path):
   path = tmp_path / "q"
   shutil.copytree(FIXTURES / "qwen3_5_moe", path)
   name = "model.language_model.layers.0.linear_attn.A_log"
-  _edit_shard_of(path, name, lambda t: t.update(
-      {"model.language_model.layers.0.linear_attn.extra.weight": np.ones(3, np.float32)}))
+  _edit_shard_of(
+    path,
+    name,
+    lambda t: t.update(
+      {"model.language_model.layers.0.linear_attn.extra.weight": np.ones(3, np.float32)}
+    ),
+  )
   with pytest.raises(ValueError, match="nothing loads.*linear_attn.extra"):
     hf.from_hf(str(path))
 

@@ -20,8 +20,9 @@ EXPERTS_KV = M.QuantConfig(sites="experts+kv")
 @pytest.fixture(scope="module")
 def hybrid():
   """Shared expert (gated), a dense layer 0 and an MoE layer 1: every weight group."""
-  cfg = M.tiny(shared_expert_dim=32, shared_expert_gate=True, dense_layers=(0,), ffn_dim=64,
-               num_layers=2)
+  cfg = M.tiny(
+    shared_expert_dim=32, shared_expert_gate=True, dense_layers=(0,), ffn_dim=64, num_layers=2
+  )
   return M.Transformer(cfg, rngs=nnx.Rngs(3))
 
 
@@ -81,8 +82,11 @@ def _experts_by_hand(moe) -> dict:
   concatenation along the output axis is one global group)."""
   gate, up, down = (getattr(moe, n).get_value() for n in ("w_gate", "w_up", "w_down"))
   joint = fp4.dequantize(fp4.quantize(jnp.concatenate([gate, up], -1), axis=1, global_group=0))
-  return {"w_gate": joint[..., :gate.shape[-1]], "w_up": joint[..., gate.shape[-1]:],
-          "w_down": fp4.dequantize(fp4.quantize(down, axis=1, global_group=0))}
+  return {
+    "w_gate": joint[..., : gate.shape[-1]],
+    "w_up": joint[..., gate.shape[-1] :],
+    "w_down": fp4.dequantize(fp4.quantize(down, axis=1, global_group=0)),
+  }
 
 
 def test_rollout_params_pack_only_the_scope(hybrid):
@@ -182,18 +186,31 @@ def test_w4a8_puts_linear_inputs_in_fp8_and_keeps_kv_in_fp4(hybrid):
 def test_site_registry_derives_the_lists_scopes_and_layer_sites():
   """One declaration per site (where the module uses it): the site list, the scopes, the
   cache and routed-expert sites and each layer's sites all derive from the declarations."""
-  assert M.ACTIVATION_SITES == ("attn_in", "attn_out", "k", "v", "moe_in", "moe_mid",
-                                "shared_mid", "mlp_in", "mlp_mid")
-  assert M.quant.SCOPE_SITES == {"all": M.ACTIVATION_SITES,
-                                 "experts+kv": ("k", "v", "moe_in", "moe_mid")}
+  assert M.ACTIVATION_SITES == (
+    "attn_in",
+    "attn_out",
+    "k",
+    "v",
+    "moe_in",
+    "moe_mid",
+    "shared_mid",
+    "mlp_in",
+    "mlp_mid",
+  )
+  assert M.quant.SCOPE_SITES == {
+    "all": M.ACTIVATION_SITES,
+    "experts+kv": ("k", "v", "moe_in", "moe_mid"),
+  }
   assert M.quant.KV_SITES == ("k", "v") and M.quant.ROUTED_SITES == ("moe_mid",)
   # Every layer kind, against a hand table: a linear (DeltaNet) MoE layer with a shared
   # expert, a full-attention dense layer.
-  cfg = M.qwen3_5_tiny(num_layers=2, layer_types=("linear_attention", "full_attention"),
-                       dense_layers=(1,), ffn_dim=64)
+  cfg = M.qwen3_5_tiny(
+    num_layers=2, layer_types=("linear_attention", "full_attention"), dense_layers=(1,), ffn_dim=64
+  )
   assert layer_sites(cfg, M.QuantConfig()) == {
-      0: ("attn_in", "attn_out", "moe_in", "moe_mid", "shared_mid"),
-      1: ("attn_in", "attn_out", "k", "v", "mlp_in", "mlp_mid")}
+    0: ("attn_in", "attn_out", "moe_in", "moe_mid", "shared_mid"),
+    1: ("attn_in", "attn_out", "k", "v", "mlp_in", "mlp_mid"),
+  }
   with pytest.raises(ValueError, match="already declared"):
     M.declare_site("moe_in")
   with pytest.raises(ValueError, match="scopes"):

@@ -30,7 +30,9 @@ def test_remat_matches_unrolled(preset):
   (loss, grads), (remat_loss, remat_grads) = results
   assert float(jnp.abs(loss)) > 0 and np.isfinite(float(loss))
   chex.assert_trees_all_close(remat_loss, loss, rtol=1e-6)
-  chex.assert_trees_all_close(remat_grads, grads, rtol=1e-4, atol=1e-6)  # recompute: fused differently
+  chex.assert_trees_all_close(
+    remat_grads, grads, rtol=1e-4, atol=1e-6
+  )  # recompute: fused differently
 
 
 def test_remat_keeps_fewer_activations():

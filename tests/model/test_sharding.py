@@ -134,10 +134,18 @@ SCRIPT = textwrap.dedent("""
 def _run_meshes(meshes):
   # Compilation is most of this test's time: XLA's lowest backend optimisation level (how
   # fast the code runs, not what it computes; the mesh runs and the reference alike).
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-             "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
-  result = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(meshes)], capture_output=True,
-                          text=True, env=env, timeout=1800)
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=8 "
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+  )
+  result = subprocess.run(
+    [sys.executable, "-c", SCRIPT, json.dumps(meshes)],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=1800,
+  )
   assert result.returncode == 0, result.stderr[-4000:]
   assert result.stdout.count("OK") == len(meshes), result.stdout
 
@@ -154,8 +162,12 @@ def test_sharded_rollout_and_train_step_match_single_device_more_meshes():
 
 
 def test_param_rules():
-  assert sharding.param_spec(("blocks", 0, "moe", "w_down"), (8, 64, 32)) == P("expert", "model", "data")
-  assert sharding.param_spec(("blocks", 0, "moe", "w_gate"), (8, 32, 64)) == P("expert", "data", "model")
+  assert sharding.param_spec(("blocks", 0, "moe", "w_down"), (8, 64, 32)) == P(
+    "expert", "model", "data"
+  )
+  assert sharding.param_spec(("blocks", 0, "moe", "w_gate"), (8, 32, 64)) == P(
+    "expert", "data", "model"
+  )
   assert sharding.param_spec(("blocks", 0, "moe", "router"), (32, 8)) == P("data", None)
   assert sharding.param_spec(("blocks", 0, "attn", "q_proj"), (32, 64)) == P("data", "model")
   assert sharding.param_spec(("blocks", 0, "attn_norm", "scale"), (32,)) == P(None)
@@ -174,16 +186,25 @@ def test_every_parameter_has_an_explicit_rule():
 
 def test_indivisible_dimension_is_refused():
   devices = jax.devices()[:1] * 3  # a 3-way "data" axis over d_model=64 cannot divide
-  mesh = jax.sharding.Mesh(__import__("numpy").asarray(devices).reshape(3, 1, 1),
-                           sharding.MESH_AXES)
+  mesh = jax.sharding.Mesh(
+    __import__("numpy").asarray(devices).reshape(3, 1, 1), sharding.MESH_AXES
+  )
   model = nnx.eval_shape(lambda: M.Transformer(M.tiny(), rngs=nnx.Rngs(0)))
-  with pytest.raises(ValueError, match=r"parameter blocks/0/attn/k_proj: dimension 0 .* size 64.*'data' of size 3 does not divide"):
+  with pytest.raises(
+    ValueError,
+    match=r"parameter blocks/0/attn/k_proj: dimension 0 .* size 64.*'data' of size 3 does not divide",
+  ):
     sharding.param_shardings(model, mesh)
 
 
 def test_attention_replicated_over_model_when_heads_do_not_split():
   cfg = M.tiny(num_heads=4, num_kv_heads=1)  # 1 KV head: k/v cannot split over model=2
-  mesh = jax.sharding.Mesh(__import__("numpy").asarray(jax.devices()[:1] * 2).reshape(1, 1, 2),
-                           sharding.MESH_AXES)
-  assert sharding.param_spec(("blocks", 0, "attn", "k_proj"), (64, 16), mesh, cfg) == P("data", None)
-  assert sharding.param_spec(("blocks", 0, "attn", "q_proj"), (64, 64), mesh, cfg) == P("data", "model")
+  mesh = jax.sharding.Mesh(
+    __import__("numpy").asarray(jax.devices()[:1] * 2).reshape(1, 1, 2), sharding.MESH_AXES
+  )
+  assert sharding.param_spec(("blocks", 0, "attn", "k_proj"), (64, 16), mesh, cfg) == P(
+    "data", None
+  )
+  assert sharding.param_spec(("blocks", 0, "attn", "q_proj"), (64, 64), mesh, cfg) == P(
+    "data", "model"
+  )

@@ -53,6 +53,7 @@ def test_shapes_and_routing_in_descending_probability(tiny_model):
   chex.assert_shape(logits, (2, 12, cfg.vocab_size))
   assert logits.dtype == jnp.float32
   chex.assert_shape(aux.routing, (cfg.num_moe_layers, 2, 12, cfg.num_experts_per_tok))
+
   # Recompute layer 0's router probabilities independently and check the order.
   @nnx.jit
   def layer0_router_probs(model, tokens):
@@ -62,8 +63,13 @@ def test_shapes_and_routing_in_descending_probability(tiny_model):
     mask = M.transformer.attention_mask(jnp.ones((2, 12), bool), positions, jnp.arange(12), None)
     cos, sin = M.transformer.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     sq = M.SiteQuantizer(None, cfg.num_layers, jnp.float32)
-    inputs = LayerInputs(cos=cos, sin=sin, attn_mask=mask, valid=jnp.ones((2, 12), bool),
-                         start=jnp.zeros((), jnp.int32))
+    inputs = LayerInputs(
+      cos=cos,
+      sin=sin,
+      attn_mask=mask,
+      valid=jnp.ones((2, 12), bool),
+      start=jnp.zeros((), jnp.int32),
+    )
     h = x + block.attn(block.attn_norm(x), inputs, layer=0, sq=sq)[0]
     return jax.nn.softmax(block.mlp_norm(h) @ block.moe.router.get_value(), axis=-1)
 
@@ -87,8 +93,10 @@ def test_grouped_and_dense_dispatch_agree(quant):
 def test_routing_replay_uses_the_given_experts(tiny_model):
   tokens = _tokens(seed=2)
   logits, aux = run(tiny_model, tokens)
+
   def replay(routing):  # routing replay travels inside the Guidance, as from a rollout
     return G.Guidance(sites={}, routing=routing.astype(jnp.int8), mode="none", layers=())
+
   replayed, aux_r = run(tiny_model, tokens, guidance=replay(aux.routing))
   np.testing.assert_array_equal(replayed, logits)
   other = (aux.routing + 1) % tiny_model.cfg.num_experts
@@ -132,13 +140,16 @@ def test_cached_decoding_equals_the_full_forward(tiny_model, quant):
   full, aux_full = run(tiny_model, tokens, positions=positions, mask=mask, quant=quant)
   cache = M.init_cache(tiny_model.cfg, b, 16, quant=quant)
   assert cache.quantized == (quant is not None)
-  step = nnx.jit(lambda m, t, p, k, c: (lambda o: (o.logits, o))(
-      m(t, positions=p, mask=k, quant=quant, cache=c)))
+  step = nnx.jit(
+    lambda m, t, p, k, c: (lambda o: (o.logits, o))(m(t, positions=p, mask=k, quant=quant, cache=c))
+  )
   logits, aux = step(tiny_model, tokens[:, :prompt], positions[:, :prompt], mask[:, :prompt], cache)
   outs, routes = [logits], [aux.routing]
   cache = aux.cache
   for i in range(prompt, total):
-    logits, aux = step(tiny_model, tokens[:, i:i + 1], positions[:, i:i + 1], mask[:, i:i + 1], cache)
+    logits, aux = step(
+      tiny_model, tokens[:, i : i + 1], positions[:, i : i + 1], mask[:, i : i + 1], cache
+    )
     outs.append(logits)
     routes.append(aux.routing)
     cache = aux.cache
@@ -163,7 +174,9 @@ def test_fp4_cache_holds_the_fake_quantized_keys(tiny_model):
     np.testing.assert_array_equal(stored.global_scale[:, :5], recorded.global_scale)
   per_token = aux.cache.bytes_per_token()
   bf16 = M.init_cache(tiny_model.cfg.replace(dtype="bfloat16"), 2, 8).bytes_per_token()
-  assert per_token == pytest.approx(bf16 * 4.5 / 16 + 2 * 2 * 2 * 4)  # + f32 scale per (k|v, head, layer)
+  assert per_token == pytest.approx(
+    bf16 * 4.5 / 16 + 2 * 2 * 2 * 4
+  )  # + f32 scale per (k|v, head, layer)
 
 
 def test_recorded_sites_are_the_quantized_activations(tiny_model):
@@ -182,10 +195,13 @@ def test_recorded_sites_are_the_quantized_activations(tiny_model):
     np.testing.assert_array_equal(recorded.global_scale, expected.global_scale, err_msg=str(key))
   # Layer 0's attention input is attn_norm(embedding), computed here independently.
   x = tiny_model.embed.get_value()[tokens]
-  np.testing.assert_allclose(aux_inputs.site_inputs[(0, "attn_in")],
-                             tiny_model.blocks[0].attn_norm(x), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+    aux_inputs.site_inputs[(0, "attn_in")], tiny_model.blocks[0].attn_norm(x), rtol=1e-6, atol=1e-6
+  )
   chex.assert_shape(sites[(0, "k")].global_scale, (2, 12, cfg.num_kv_heads, 1))
-  chex.assert_shape(sites[(1, "moe_mid")].packed, (2, 12, cfg.num_experts_per_tok, cfg.moe_ffn_dim // 2))
+  chex.assert_shape(
+    sites[(1, "moe_mid")].packed, (2, 12, cfg.num_experts_per_tok, cfg.moe_ffn_dim // 2)
+  )
 
 
 def test_weights_are_quantized_per_matrix_and_per_expert(tiny_model):
@@ -211,8 +227,16 @@ def test_fp4_changes_the_output_but_bf16_precision_is_off(tiny_model):
 
 
 def test_qk_norm_full_clip_tied_shared_expert_and_dense_layers_run():
-  m = _model(qk_norm="full", clip_qkv=0.5, tie_embeddings=True, shared_expert_dim=32,
-             shared_expert_gate=True, dense_layers=(0,), ffn_dim=64, num_layers=3)
+  m = _model(
+    qk_norm="full",
+    clip_qkv=0.5,
+    tie_embeddings=True,
+    shared_expert_dim=32,
+    shared_expert_gate=True,
+    dense_layers=(0,),
+    ffn_dim=64,
+    num_layers=3,
+  )
   logits, aux = run(m, _tokens(seed=10), quant=FP4, record=True)
   assert bool(jnp.all(jnp.isfinite(logits)))
   assert aux.routing.shape[0] == 2 and m.lm_head is None
@@ -234,7 +258,9 @@ def test_rmsnorm_matches_definition():
   x = jax.random.normal(jax.random.key(11), (3, 16)) * 5
   norm = RMSNorm(16, 1e-6)
   norm.scale.set_value(jnp.linspace(0.5, 1.5, 16))
-  expected = x / np.sqrt(np.mean(np.square(x), -1, keepdims=True) + 1e-6) * np.linspace(0.5, 1.5, 16)
+  expected = (
+    x / np.sqrt(np.mean(np.square(x), -1, keepdims=True) + 1e-6) * np.linspace(0.5, 1.5, 16)
+  )
   np.testing.assert_allclose(norm(x), expected, rtol=1e-5)
 
 
@@ -252,6 +278,7 @@ def test_jitted_train_step_learns(quant):
       logp = jax.nn.log_softmax(logits)
       nll = -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
       return nll + m.cfg.router_aux_loss_coef * aux.lb_loss
+
     loss, grads = nnx.value_and_grad(loss_fn)(m)
     opt.update(m, grads)
     return loss, grads
@@ -269,6 +296,7 @@ def test_forward_takes_one_config_one_guidance_and_sows_under_capture(tiny_model
   records come through nnx.capture: no Module.sow deprecation, nothing left on the model."""
   import inspect  # noqa: PLC0415
   import warnings  # noqa: PLC0415
+
   params = list(inspect.signature(M.Transformer.__call__).parameters)
   assert params == ["self", "tokens", "positions", "mask", "cache", "quant", "guidance"]
   quant = FP4.replace(recording=M.Recording(form="compact", layers=(1,)))

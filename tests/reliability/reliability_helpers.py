@@ -16,8 +16,14 @@ def full_filesystem(path, size_kib: int = 256):
     yield False
     return
   try:
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs",
-                              str(path)], capture_output=True, timeout=30).returncode == 0
+    mounted = (
+      subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
+        capture_output=True,
+        timeout=30,
+      ).returncode
+      == 0
+    )
   except (OSError, subprocess.SubprocessError):
     mounted = False
   try:

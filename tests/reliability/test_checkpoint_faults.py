@@ -21,9 +21,13 @@ from trace_jax.rl.checkpoint import CheckpointError, Checkpoints
 
 def _state(seed: int) -> dict:
   key = jax.random.key(seed)
-  return {"policy": {"w": jax.random.normal(key, (32, 128)),
-                     "b": jax.random.uniform(jax.random.fold_in(key, 1), (7,))},
-          "count": jnp.int32(seed)}
+  return {
+    "policy": {
+      "w": jax.random.normal(key, (32, 128)),
+      "b": jax.random.uniform(jax.random.fold_in(key, 1), (7,)),
+    },
+    "count": jnp.int32(seed),
+  }
 
 
 def _saved(directory, steps=(1, 2)) -> Checkpoints:
@@ -34,7 +38,9 @@ def _saved(directory, steps=(1, 2)) -> Checkpoints:
 
 
 def _data_files(directory, step):
-  files = glob.glob(os.path.join(str(directory), str(step), "state", "**", "d", "*"), recursive=True)
+  files = glob.glob(
+    os.path.join(str(directory), str(step), "state", "**", "d", "*"), recursive=True
+  )
   return sorted((f for f in files if os.path.isfile(f)), key=os.path.getsize)
 
 
@@ -50,7 +56,8 @@ def test_flipped_bit_is_caught_by_the_checksum_and_the_previous_checkpoint_used(
   # Orbax itself reads the damaged array without complaint (what the old code restored).
   like = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(0))
   raw = ocp.CheckpointManager(str(tmp_path)).restore(
-      2, args=ocp.args.Composite(state=ocp.args.StandardRestore(like)))["state"]
+    2, args=ocp.args.Composite(state=ocp.args.StandardRestore(like))
+  )["state"]
   assert not np.array_equal(raw["policy"]["w"], _state(2)["policy"]["w"])
 
   checkpoints = Checkpoints(str(tmp_path))
@@ -91,8 +98,11 @@ def test_no_checkpoint_restores_names_the_directory_and_moves_nothing(tmp_path):
   for step in (1, 2):
     with open(_data_files(tmp_path, step)[-1], "r+b") as f:
       f.truncate(10)
-  with pytest.raises(CheckpointError, match=rf"no checkpoint in {tmp_path} restores \(step 2: "
-                                            r".*step 1: .*\)\. Move that directory away"):
+  with pytest.raises(
+    CheckpointError,
+    match=rf"no checkpoint in {tmp_path} restores \(step 2: "
+    r".*step 1: .*\)\. Move that directory away",
+  ):
     Checkpoints(str(tmp_path)).restore_latest(_state(0))
   assert sorted(os.listdir(tmp_path)) == ["1", "2"]
   assert Checkpoints(str(tmp_path / "empty")).restore_latest(_state(0)) is None
@@ -109,9 +119,11 @@ def test_stale_temporary_directories_are_cleaned(tmp_path):
 
 
 def _check_full_disk_error(error: CheckpointError, directory) -> None:
-  assert str(error) == (f"could not save checkpoint step 2 in {directory}: no space left on "
-                        f"device; the previous checkpoints (steps [1]) are intact; a rerun "
-                        f"resumes from step 1. Free space (or fix the cause) and rerun.")
+  assert str(error) == (
+    f"could not save checkpoint step 2 in {directory}: no space left on "
+    f"device; the previous checkpoints (steps [1]) are intact; a rerun "
+    f"resumes from step 1. Free space (or fix the cause) and rerun."
+  )
 
 
 def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, capfd, monkeypatch):
@@ -121,8 +133,10 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, capfd, 
     if mounted:  # a real full filesystem: the array writes fail inside TensorStore
       fill(str(tmp_path / "fs"), leave_bytes=4096)
     else:  # no mount allowed here: the commit of the written step fails with ENOSPC
+
       async def no_space(self, *args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.get()))
+
       monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", no_space)
     capfd.readouterr()
     with pytest.raises(CheckpointError) as caught:

@@ -2,7 +2,6 @@
 the flag parts of 5 and 6): only bad flags are usage errors (the flag help); every other
 fault ends the run with one line naming what failed, the path and what to do, exit 1."""
 
-import json
 import os
 import subprocess
 import sys
@@ -18,8 +17,9 @@ TINY = ["--preset=tiny", "--sft_steps=0", "--eval_every=0", "--steps=1"]
 
 
 def _start(*flags):
-  return subprocess.Popen([sys.executable, SCRIPT, *flags], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen(
+    [sys.executable, SCRIPT, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
 
 
 def _finish(process):
@@ -44,25 +44,31 @@ def test_faults_of_the_run_are_not_usage_errors(tmp_path):
   damaged_ckpt = tmp_path / "ckpt"
   Checkpoints(str(damaged_ckpt / "checkpoints")).save(1, {"x": jnp.arange(4.0)}, {"step": 1})
   (damaged_ckpt / "checkpoints" / "1" / "meta" / "metadata").write_text('{"step": ')
-  processes = {"log": _start(f"--workdir={damaged_log}", *TINY),
-               "ckpt": _start(f"--workdir={damaged_ckpt}", *TINY)}
+  processes = {
+    "log": _start(f"--workdir={damaged_log}", *TINY),
+    "ckpt": _start(f"--workdir={damaged_ckpt}", *TINY),
+  }
   with full_filesystem(tmp_path / "fs", size_kib=64) as mounted:
     if mounted:  # 3. a full disk (where this machine lets us mount a tiny tmpfs)
       fill(str(tmp_path / "fs"))
       code, _, err = _finish(_start(f"--workdir={tmp_path / 'fs' / 'run'}", *TINY))
       assert code == 1
-      assert _error_line(err).startswith(f"rl.py: error: workdir '{tmp_path / 'fs' / 'run'}' "
-                                         f"is not writable: [Errno 28] No space left on device")
+      assert _error_line(err).startswith(
+        f"rl.py: error: workdir '{tmp_path / 'fs' / 'run'}' "
+        f"is not writable: [Errno 28] No space left on device"
+      )
 
   code, _, err = _finish(processes["log"])
   assert code == 1
-  assert _error_line(err).startswith(f"rl.py: error: {damaged_log / 'metrics.jsonl'}, line 2: "
-                                     f"not valid JSON")
+  assert _error_line(err).startswith(
+    f"rl.py: error: {damaged_log / 'metrics.jsonl'}, line 2: not valid JSON"
+  )
   code, _, err = _finish(processes["ckpt"])
   assert code == 1
   line = _error_line(err)
-  assert line.startswith(f"rl.py: error: no checkpoint in {damaged_ckpt / 'checkpoints'} "
-                         f"restores (step 1: "), line
+  assert line.startswith(
+    f"rl.py: error: no checkpoint in {damaged_ckpt / 'checkpoints'} restores (step 1: "
+  ), line
   assert line.endswith("Move that directory away to start over, or use another --workdir."), line
 
 
@@ -70,7 +76,9 @@ def test_bad_flags_are_refused_before_any_work(tmp_path):
   # --temperature=nan used to pass RLConfig (nan <= 0 is False) and fail after the warm
   # start; --checkpoint_every is a flag now.
   workdir = tmp_path / "never"
-  code, _, err = _finish(_start(f"--workdir={workdir}", "--temperature=nan", "--checkpoint_every=5"))
+  code, _, err = _finish(
+    _start(f"--workdir={workdir}", "--temperature=nan", "--checkpoint_every=5")
+  )
   assert code == 1
   assert "FATAL Flags parsing error" not in err
   assert "RLConfig.temperature=nan must be a finite number > 0" in err

@@ -49,7 +49,9 @@ def test_token_ids_outside_the_vocabulary_are_refused(model, bad):
     model(tokens)
   with pytest.raises(ValueError, match=r"^training_forward tokens hold " + message):
     training_forward(model, tokens, None, jnp.ones(tokens.shape, bool), quant=None)
-  engine = RolloutEngine(model, RolloutConfig(max_len=32, sampling=SamplingConfig(max_new_tokens=2)))
+  engine = RolloutEngine(
+    model, RolloutConfig(max_len=32, sampling=SamplingConfig(max_new_tokens=2))
+  )
   with pytest.raises(ValueError, match=rf"prompts\[{where[0]}\] holds token ids \[{bad}\]"):
     engine.generate(np.asarray(tokens).tolist(), jax.random.key(0))
 
@@ -74,16 +76,22 @@ def _hf_copy(tmp_path, edit=None):
   return path
 
 
-@pytest.mark.parametrize("option, value, allowed", [
+@pytest.mark.parametrize(
+  "option, value, allowed",
+  [
     ("hidden_act", "gelu", r"\['silu', 'swish'\]"),
     ("attention_bias", True, r"\[False\]"),
     ("mlp_bias", True, r"\[False\]"),
     ("partial_rotary_factor", 0.5, r"\[1, 1.0\]"),
-])
+  ],
+)
 def test_from_hf_refuses_options_it_does_not_compute(tmp_path, option, value, allowed):
   path = _hf_copy(tmp_path, lambda c: c.update({option: value}))
-  with pytest.raises(ValueError, match=rf"config.json: {option}={value!r} is not supported; "
-                                       rf"supported: {allowed}"):
+  with pytest.raises(
+    ValueError,
+    match=rf"config.json: {option}={value!r} is not supported; "
+    rf"supported: {allowed}",
+  ):
     hf.from_hf(str(path))
 
 
@@ -103,8 +111,11 @@ def test_from_hf_names_the_bad_file(tmp_path):
   weights = path / "model.safetensors"
   data = weights.read_bytes()
   weights.write_bytes(data[: len(data) * 2 // 3])  # a download cut short
-  with pytest.raises(ValueError, match=rf"{weights}: tensor '.*' .* has data offsets .* "
-                                       rf"\(truncated or damaged file\)"):
+  with pytest.raises(
+    ValueError,
+    match=rf"{weights}: tensor '.*' .* has data offsets .* "
+    rf"\(truncated or damaged file\)",
+  ):
     hf.from_hf(str(path))
   weights.write_bytes(data[:4])
   with pytest.raises(ValueError, match=rf"{weights}: not a safetensors file \(4 bytes"):
@@ -113,12 +124,16 @@ def test_from_hf_names_the_bad_file(tmp_path):
 
 def _small_guidance():
   key = jax.random.key(7)
-  records = {(1, site): fp4.quantize(jax.random.normal(jax.random.fold_in(key, i), (1, 2, 32)),
-                                     global_group="row")
-             for i, site in enumerate(("attn_in", "moe_in"))}
+  records = {
+    (1, site): fp4.quantize(
+      jax.random.normal(jax.random.fold_in(key, i), (1, 2, 32)), global_group="row"
+    )
+    for i, site in enumerate(("attn_in", "moe_in"))
+  }
   routing = jax.random.randint(key, (2, 1, 2, 2), 0, 4).astype(jnp.int8)
-  return G.Guidance(sites=G.from_records(records, "compact", (1,)), routing=routing,
-                    mode="compact", layers=(1,)).to_host()
+  return G.Guidance(
+    sites=G.from_records(records, "compact", (1,)), routing=routing, mode="compact", layers=(1,)
+  ).to_host()
 
 
 def test_damaged_guidance_file_never_loads_silently(tmp_path):
@@ -157,8 +172,11 @@ def test_quantize_of_an_empty_array_is_refused(shape, axis):
 
 
 def test_unknown_task_option_is_named():
-  with pytest.raises(ValueError, match=r"task 'arith' has no option 'colour'; its options "
-                                       r"\(with defaults\): terms=2, max_operand=9, ops='\+-'"):
+  with pytest.raises(
+    ValueError,
+    match=r"task 'arith' has no option 'colour'; its options "
+    r"\(with defaults\): terms=2, max_operand=9, ops='\+-'",
+  ):
     RLConfig(task="arith", task_options=(("colour", "red"),))
   with pytest.raises(ValueError, match=r"task 'search' has no option 'bitz'"):
     get_task("search", bitz=3)
@@ -166,19 +184,29 @@ def test_unknown_task_option_is_named():
     RLConfig(task="arith", task_options=(("terms", 1),))
 
 
-@pytest.mark.parametrize("field, value", [("temperature", float("nan")), ("temperature", float("inf")),
-                                          ("learning_rate", float("nan")), ("learning_rate", -1e-3)])
+@pytest.mark.parametrize(
+  "field, value",
+  [
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("learning_rate", float("nan")),
+    ("learning_rate", -1e-3),
+  ],
+)
 def test_non_finite_or_negative_rates_are_refused(field, value):
   with pytest.raises(ValueError, match=rf"RLConfig.{field}={value!r} must be a finite number > 0"):
     RLConfig(**{field: value})
 
 
-@pytest.mark.parametrize("field, value, match", [
+@pytest.mark.parametrize(
+  "field, value, match",
+  [
     ("clip_low", 5.0, r"LossConfig.clip_low=5.0 must lie in \[0, 1\)"),
     ("clip_low", 1.0, r"LossConfig.clip_low=1.0 must lie in \[0, 1\)"),
     ("clip_high", float("nan"), r"LossConfig.clip_high=nan must be a finite number >= 0"),
     ("tis_threshold", float("inf"), r"LossConfig.tis_threshold=inf must be a finite number"),
-])
+  ],
+)
 def test_loss_knobs_out_of_range_are_refused(field, value, match):
   with pytest.raises(ValueError, match=match):
     LossConfig(**{field: value})

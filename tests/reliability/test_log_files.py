@@ -15,8 +15,10 @@ from trace_jax.utils import append_jsonl, read_jsonl, write_atomic, write_json
 
 def _records(n, seed=0):
   rng = __import__("random").Random(seed)
-  return [{"step": s, "rewards/mean": rng.random(), "mismatch/k3_kl": rng.random() * 1e-3}
-          for s in range(n)]
+  return [
+    {"step": s, "rewards/mean": rng.random(), "mismatch/k3_kl": rng.random() * 1e-3}
+    for s in range(n)
+  ]
 
 
 @pytest.mark.parametrize("cut", [1, 5, 17])
@@ -58,7 +60,7 @@ def test_appends_and_rewrites_on_a_full_disk(tmp_path, monkeypatch):
 
         def write(self, data):
           if len(data) > self.left:
-            self.f.write(data[:self.left])
+            self.f.write(data[: self.left])
             self.f.flush()
             raise OSError(28, "No space left on device")
           self.left -= len(data)
@@ -82,8 +84,10 @@ def test_appends_and_rewrites_on_a_full_disk(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert read_jsonl(str(path)) == records  # the torn append dropped, the rest intact
     assert json.loads(summary.read_text()) == {"steps": 3}  # the old file, whole
-    assert sorted(os.listdir(tmp_path / "fs")) in (["filler", "metrics.jsonl", "summary.json"],
-                                                   ["metrics.jsonl", "summary.json"])
+    assert sorted(os.listdir(tmp_path / "fs")) in (
+      ["filler", "metrics.jsonl", "summary.json"],
+      ["metrics.jsonl", "summary.json"],
+    )
 
 
 def test_write_atomic_replaces_whole(tmp_path):

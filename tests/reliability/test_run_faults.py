@@ -2,7 +2,6 @@
 checkpoint, divergence, a crash before the first checkpoint. Each resumes from the last
 good checkpoint, logs every step exactly once and ends where an uninterrupted run ends."""
 
-import dataclasses
 import glob
 import json
 import os
@@ -26,10 +25,21 @@ pytestmark = pytest.mark.slow
 
 # The smallest run the trainer allows: bf16 arm, 1 problem x 2 samples, 2 new tokens, no SFT,
 # no evaluation, a checkpoint every step.
-CONFIG = dict(arm="bf16", task="arith", preset="tiny", steps=3, prompts_per_step=1, group_size=2,
-              minibatches=1,
-              max_new_tokens=2, sft_steps=0, eval_every=0, eval_size=1, checkpoint_every=1,
-              prompt_bucket=16)
+CONFIG = dict(
+  arm="bf16",
+  task="arith",
+  preset="tiny",
+  steps=3,
+  prompts_per_step=1,
+  group_size=2,
+  minibatches=1,
+  max_new_tokens=2,
+  sft_steps=0,
+  eval_every=0,
+  eval_size=1,
+  checkpoint_every=1,
+  prompt_bucket=16,
+)
 
 
 def _config(**overrides) -> RLConfig:
@@ -53,8 +63,12 @@ def killed(tmp_path_factory):
   """A run killed with SIGKILL during the save of step 2, started first: it compiles in its
   own process while this one makes the uninterrupted run (2 cores: about half the wall time)."""
   workdir = tmp_path_factory.mktemp("killed") / "run"
-  process = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(workdir), repr(CONFIG)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  process = subprocess.Popen(
+    [sys.executable, "-c", KILL_SCRIPT, str(workdir), repr(CONFIG)],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   yield workdir, process
   if process.poll() is None:
     process.kill()
@@ -117,8 +131,13 @@ def test_sigkill_during_checkpoint_save_then_resume(killed, straight):
 def _damage_latest(checkpoints: str) -> int:
   """Truncate the largest array data file of the newest checkpoint; return its step."""
   step = max(int(name) for name in os.listdir(checkpoints) if name.isdigit())
-  files = [f for f in glob.glob(os.path.join(checkpoints, str(step), "state", "**", "d", "*"),
-                                recursive=True) if os.path.isfile(f)]
+  files = [
+    f
+    for f in glob.glob(
+      os.path.join(checkpoints, str(step), "state", "**", "d", "*"), recursive=True
+    )
+    if os.path.isfile(f)
+  ]
   largest = max(files, key=os.path.getsize)
   with open(largest, "r+b") as f:
     f.truncate(os.path.getsize(largest) // 3)
@@ -133,8 +152,10 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(straight, tmp_path
   resumed = Trainer(_config(), str(workdir), progress=False)
   assert resumed.step == 2  # step 3 does not restore; step 2 (orbax keeps 2) does
   assert [s for s, _ in resumed.checkpoints.skipped] == [3]
-  assert any("checkpoint step 3" in r.getMessage() and "does not restore" in r.getMessage()
-             for r in caplog.records)
+  assert any(
+    "checkpoint step 3" in r.getMessage() and "does not restore" in r.getMessage()
+    for r in caplog.records
+  )
   assert os.listdir(workdir / "checkpoints_unusable")[0].startswith("3-")  # kept, moved aside
   assert _steps(workdir) == [1, 2]
   resumed.run()  # re-does step 3 (its checkpoint number is free again)
@@ -144,7 +165,8 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(straight, tmp_path
 
 
 def test_divergence_stops_before_saving_and_keeps_the_last_good_checkpoint(
-    straight, tmp_path, monkeypatch):
+  straight, tmp_path, monkeypatch
+):
   source, params, _ = straight
   workdir = tmp_path / "run"
   shutil.copytree(source, workdir)
@@ -154,10 +176,13 @@ def test_divergence_stops_before_saving_and_keeps_the_last_good_checkpoint(
   monkeypatch.setattr(trainer_lib, "_optimizer", lambda lr, *warmup: real(1e30, *warmup))
   trainer = Trainer(_config(steps=4), str(workdir), progress=False)
   assert trainer.step == 3
-  with pytest.raises(DivergenceError, match=r"^step 4 diverged: max \|parameter\| is 1\.\d+e\+30, "
-                                            r"beyond RLConfig.max_param_abs=10000\. Nothing of step "
-                                            r"4 was saved; the latest checkpoint, step 3 in .*, is "
-                                            r"the last good one"):
+  with pytest.raises(
+    DivergenceError,
+    match=r"^step 4 diverged: max \|parameter\| is 1\.\d+e\+30, "
+    r"beyond RLConfig.max_param_abs=10000\. Nothing of step "
+    r"4 was saved; the latest checkpoint, step 3 in .*, is "
+    r"the last good one",
+  ):
     trainer.run()
   assert trainer.checkpoints.latest_step() == 3  # nothing of step 4 was saved
   assert _steps(workdir) == [1, 2, 3]  # nor logged

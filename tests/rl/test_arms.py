@@ -13,40 +13,62 @@ from trace_jax.rl.trainer import Trainer
 # arm: (rollout packs FP4 weights, training quantizes, rounding, correction, guidance mode,
 #       guided layers of the tiny model, routing replay)
 PROMISES = {
-    "bf16": (False, False, None, "none", None, (), False),
-    "fp4-rollout": (True, False, None, "tis", None, (), False),
-    "fp4-qat": (True, True, "nearest", "none", None, (), False),
-    "trace": (True, True, "guided", "none", "compact", (1,), True),
-    "trace-full": (True, True, "guided", "none", "full", (0, 1), True),
-    "trace-sparse": (True, True, "guided", "none", "sparse", (0, 1), True),
+  "bf16": (False, False, None, "none", None, (), False),
+  "fp4-rollout": (True, False, None, "tis", None, (), False),
+  "fp4-qat": (True, True, "nearest", "none", None, (), False),
+  "trace": (True, True, "guided", "none", "compact", (1,), True),
+  "trace-full": (True, True, "guided", "none", "full", (0, 1), True),
+  "trace-sparse": (True, True, "guided", "none", "sparse", (0, 1), True),
 }
 
 
 def _packed(params) -> bool:
-  return any(isinstance(leaf, fp4.QArray)
-             for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, fp4.QArray)))
+  return any(
+    isinstance(leaf, fp4.QArray)
+    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, fp4.QArray))
+  )
 
 
 # Every arm in the full scope, and the method's own scope for the FP4-trained arms. (MXFP4
 # needs widths in multiples of 32; the tiny preset's heads are 16 wide, so MXFP4 runs on
 # `small`: test_one_mxfp4_step_on_a_preset_that_fits.)
-CASES = [(arm, "all") for arm in sorted(PROMISES)] + [("fp4-qat", "experts+kv"),
-                                                       ("trace", "experts+kv")]
+CASES = [(arm, "all") for arm in sorted(PROMISES)] + [
+  ("fp4-qat", "experts+kv"),
+  ("trace", "experts+kv"),
+]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arm, fp4_sites", CASES)
 def test_one_step_keeps_the_arms_promises(tmp_path, arm, fp4_sites, fmt="nvfp4"):
   packs, quantized, rounding, correction, mode, layers, replay = PROMISES[arm]
-  config = RLConfig(arm=arm, task="arith", preset="tiny", steps=1, prompts_per_step=2,
-                    group_size=4, minibatches=2, max_new_tokens=6, sft_steps=0, eval_every=0,
-                    eval_size=0, checkpoint_every=0, fp4_sites=fp4_sites, fmt=fmt)
+  config = RLConfig(
+    arm=arm,
+    task="arith",
+    preset="tiny",
+    steps=1,
+    prompts_per_step=2,
+    group_size=4,
+    minibatches=2,
+    max_new_tokens=6,
+    sft_steps=0,
+    eval_every=0,
+    eval_size=0,
+    checkpoint_every=0,
+    fp4_sites=fp4_sites,
+    fmt=fmt,
+  )
   trainer = Trainer(config, str(tmp_path), progress=False)
   # Rollout precision: packed FP4 weights (in the run's format and scope) or bf16 weights.
   assert _packed(trainer.engine.params) == packs
   if packs:
-    packed = [leaf for leaf in jax.tree.leaves(trainer.engine.params, is_leaf=lambda x: isinstance(x, fp4.QArray))
-              if isinstance(leaf, fp4.QArray)]
+    packed = [
+      leaf
+      for leaf in jax.tree.leaves(
+        trainer.engine.params, is_leaf=lambda x: isinstance(x, fp4.QArray)
+      )
+      if isinstance(leaf, fp4.QArray)
+    ]
     assert {q.fmt for q in packed} == {fmt}
     # experts+kv packs only the routed experts (3 per MoE layer); "all" packs 7 per layer.
     assert len(packed) == (6 if fp4_sites == "experts+kv" else 14)
@@ -86,7 +108,9 @@ def test_one_step_keeps_the_arms_promises(tmp_path, arm, fp4_sites, fmt="nvfp4")
   # Routing replay: the rollout records routing exactly when the arm replays it.
   assert trainer.engine.config.record_routing == replay
   if not packs:  # bf16 rollout: router and LM head stay float32, as in the FP4 arms
-    state = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(trainer.engine.params)}
+    state = {
+      ".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(trainer.engine.params)
+    }
     assert state["lm_head"].dtype == np.float32 and state["blocks.1.moe.router"].dtype == np.float32
 
 
@@ -98,20 +122,37 @@ def test_arm_scope_and_format_reach_the_training_path():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arm, fp4_sites, activations", [
-    ("trace", "all", "fp4"), ("fp4-qat", "experts+kv", "fp4"), ("trace", "all", "fp8")])
+@pytest.mark.parametrize(
+  "arm, fp4_sites, activations",
+  [("trace", "all", "fp4"), ("fp4-qat", "experts+kv", "fp4"), ("trace", "all", "fp8")],
+)
 def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, arm, fp4_sites, activations):
   """--fmt=mxfp4 end to end: MXFP4 rollout weights (E8M0 scales, no global scale), MXFP4 KV
   cache, MXFP4 QAT, guidance captured in the MXFP4 layout; and W4A8 (--activations=fp8:
   linear inputs in MXFP8 E4M3, guidance on the FP4 KV cache only)."""
-  config = RLConfig(arm=arm, task="arith", preset="small", steps=1, prompts_per_step=1,
-                    group_size=2, minibatches=1, max_new_tokens=4, sft_steps=0, eval_every=0,
-                    eval_size=0, checkpoint_every=0, fp4_sites=fp4_sites, fmt="mxfp4",
-                    activations=activations)
+  config = RLConfig(
+    arm=arm,
+    task="arith",
+    preset="small",
+    steps=1,
+    prompts_per_step=1,
+    group_size=2,
+    minibatches=1,
+    max_new_tokens=4,
+    sft_steps=0,
+    eval_every=0,
+    eval_size=0,
+    checkpoint_every=0,
+    fp4_sites=fp4_sites,
+    fmt="mxfp4",
+    activations=activations,
+  )
   trainer = Trainer(config, str(tmp_path), progress=False)
-  packed = [leaf for leaf in jax.tree.leaves(trainer.engine.params,
-                                             is_leaf=lambda x: isinstance(x, fp4.QArray))
-            if isinstance(leaf, fp4.QArray)]
+  packed = [
+    leaf
+    for leaf in jax.tree.leaves(trainer.engine.params, is_leaf=lambda x: isinstance(x, fp4.QArray))
+    if isinstance(leaf, fp4.QArray)
+  ]
   assert packed and {q.fmt for q in packed} == {"mxfp4"}
   assert all(np.all(np.asarray(q.global_scale) == 1) for q in packed)  # MXFP4: none
   assert config.train_quant.fmt == "mxfp4"

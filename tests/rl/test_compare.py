@@ -19,14 +19,23 @@ def _cells(rng, arms=("bf16", "fp4-qat", "trace", "ptq"), seeds=(0, 1, 2), tasks
     for seed in seeds:
       for arm in arms:
         steps = list(range(1, 11))
-        cells.append({"arm": arm, "task": task, "seed": seed, "summary": {
-            "final_eval_reward": float(rng.uniform()),
-            "initial_eval_reward": float(rng.uniform()),
-            "mean_train_reward": float(rng.uniform()), "eval_precision": "fp4",
-            "mean_k3_kl": None if arm == "ptq" else float(10 ** rng.uniform(-6, -2)),
-            "wall_seconds": float(rng.uniform(10, 100)),
-            "curve_train": [steps, rng.uniform(size=10).tolist()],
-            "curve_eval": [[0, 5, 10], rng.uniform(size=3).tolist()]}})
+        cells.append(
+          {
+            "arm": arm,
+            "task": task,
+            "seed": seed,
+            "summary": {
+              "final_eval_reward": float(rng.uniform()),
+              "initial_eval_reward": float(rng.uniform()),
+              "mean_train_reward": float(rng.uniform()),
+              "eval_precision": "fp4",
+              "mean_k3_kl": None if arm == "ptq" else float(10 ** rng.uniform(-6, -2)),
+              "wall_seconds": float(rng.uniform(10, 100)),
+              "curve_train": [steps, rng.uniform(size=10).tolist()],
+              "curve_eval": [[0, 5, 10], rng.uniform(size=3).tolist()],
+            },
+          }
+        )
   return cells
 
 
@@ -53,14 +62,14 @@ def test_paired_differences_by_hand():
     diffs = [value[(arm, s)] - value[(base, s)] for s in range(3)]
     iv = compare.paired_difference(cells, "arith", arm, base)
     assert iv["mean"] == pytest.approx(np.mean(diffs))
-    assert iv["hi"] - iv["mean"] == pytest.approx(
-        T_975_DF2 * np.std(diffs, ddof=1) / math.sqrt(3))
+    assert iv["hi"] - iv["mean"] == pytest.approx(T_975_DF2 * np.std(diffs, ddof=1) / math.sqrt(3))
   # A seed the baseline lacks is left out of the pairing.
   partial = [c for c in cells if not (c["arm"] == "bf16" and c["seed"] == 2)]
   iv = compare.paired_difference(partial, "arith", "trace", "bf16")
   assert iv["n"] == 2
-  assert iv["mean"] == pytest.approx(np.mean([value[("trace", s)] - value[("bf16", s)]
-                                              for s in (0, 1)]))
+  assert iv["mean"] == pytest.approx(
+    np.mean([value[("trace", s)] - value[("bf16", s)] for s in (0, 1)])
+  )
 
 
 def test_table_rows_and_markdown():
@@ -68,7 +77,11 @@ def test_table_rows_and_markdown():
   cells = _cells(rng, tasks=("arith", "search"))
   rows = compare.table_rows(cells)
   assert [(r["task"], r["arm"]) for r in rows][:4] == [
-      ("arith", "bf16"), ("arith", "fp4-qat"), ("arith", "trace"), ("arith", "ptq")]
+    ("arith", "bf16"),
+    ("arith", "fp4-qat"),
+    ("arith", "trace"),
+    ("arith", "ptq"),
+  ]
   row = next(r for r in rows if r["task"] == "search" and r["arm"] == "trace")
   k3 = [c["summary"]["mean_k3_kl"] for c in cells if c["task"] == "search" and c["arm"] == "trace"]
   assert row["k3"] == pytest.approx(math.exp(np.mean(np.log(k3))))
@@ -108,11 +121,18 @@ def test_run_cells_resumes_and_refuses_other_settings(tmp_path):
   compare.run_cells(str(tmp_path), plan, grown, runner, progress=False, defaults={"new": 0})
   assert calls == []
   with pytest.raises(ValueError, match=r"another config \(fields \['new'\]\)"):
-    compare.run_cells(str(tmp_path), plan, lambda t, s, a: grown(t, s, a, new=1), runner,
-                      progress=False, defaults={"new": 0})
+    compare.run_cells(
+      str(tmp_path),
+      plan,
+      lambda t, s, a: grown(t, s, a, new=1),
+      runner,
+      progress=False,
+      defaults={"new": 0},
+    )
   with pytest.raises(ValueError, match="another config"):
-    compare.run_cells(str(tmp_path), plan, lambda t, s, a: {"steps": 6, "arm": a, "seed": s},
-                      runner, progress=False)
+    compare.run_cells(
+      str(tmp_path), plan, lambda t, s, a: {"steps": 6, "arm": a, "seed": s}, runner, progress=False
+    )
 
 
 def test_write_results(tmp_path):

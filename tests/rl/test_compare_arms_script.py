@@ -13,15 +13,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.slow
 def test_compare_arms_runs_then_resumes(tmp_path):
-  cmd = [sys.executable, os.path.join(ROOT, "experiments", "compare_arms.py"), "--name=t",
-         "--seeds=0", "--tasks=arith", "--arms=bf16,ptq,ptq-46", "--preset=tiny", "--steps=1",
-         "--sft_steps=2", "--eval_size=4", "--eval_every=1", "--prompts_per_step=1",
-         "--group_size=2", f"--workdir={tmp_path / 'runs'}", f"--results={tmp_path / 'res'}"]
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "experiments", "compare_arms.py"),
+    "--name=t",
+    "--seeds=0",
+    "--tasks=arith",
+    "--arms=bf16,ptq,ptq-46",
+    "--preset=tiny",
+    "--steps=1",
+    "--sft_steps=2",
+    "--eval_size=4",
+    "--eval_every=1",
+    "--prompts_per_step=1",
+    "--group_size=2",
+    f"--workdir={tmp_path / 'runs'}",
+    f"--results={tmp_path / 'res'}",
+  ]
   first = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
   assert first.returncode == 0, first.stderr[-3000:]
   results = json.loads((tmp_path / "res" / "t" / "results.json").read_text())
   assert [(c["arm"], c["task"], c["seed"]) for c in results["cells"]] == [
-      ("bf16", "arith", 0), ("ptq", "arith", 0), ("ptq-46", "arith", 0)]
+    ("bf16", "arith", 0),
+    ("ptq", "arith", 0),
+    ("ptq-46", "arith", 0),
+  ]
   ptq46 = results["cells"][2]["summary"]
   assert 0.0 <= ptq46["final_eval_reward"] <= 1.0 and ptq46["eval_precision"] == "fp4"
   for name in ("table.md", "reward_curves.png", "final_reward.png", "k3.png"):

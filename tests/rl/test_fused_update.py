@@ -25,11 +25,16 @@ def test_fused_update_equals_the_separate_pi_old_forward_and_update():
   mask = jnp.ones((batch, length), bool)
   response = jnp.asarray(np.arange(length)[None, :] >= rng.integers(4, 12, (batch, 1)))
   example = trainer_lib.TrainExample(
-      tokens=tokens, positions=positions, mask=mask, response_mask=response,
-      rollout_logp=jnp.asarray(rng.normal(-1.0, 0.3, (batch, length)), jnp.float32),
-      advantages=jnp.asarray(rng.normal(size=batch), jnp.float32))
-  static = dict(quant=call_config(QuantConfig(), compute_dtype="bfloat16"), replay=False,
-                temperature=0.7)
+    tokens=tokens,
+    positions=positions,
+    mask=mask,
+    response_mask=response,
+    rollout_logp=jnp.asarray(rng.normal(-1.0, 0.3, (batch, length)), jnp.float32),
+    advantages=jnp.asarray(rng.normal(size=batch), jnp.float32),
+  )
+  static = dict(
+    quant=call_config(QuantConfig(), compute_dtype="bfloat16"), replay=False, temperature=0.7
+  )
   loss_config = LossConfig(rollout_correction="tis")
   results = []
   for fused in (True, False):
@@ -37,16 +42,19 @@ def test_fused_update_equals_the_separate_pi_old_forward_and_update():
     opt = nnx.Optimizer(policy, trainer_lib._optimizer(1e-3), wrt=nnx.Param)
     if fused:
       loss, _, _, old, entropy, _, sites = trainer_lib._train_step(
-          policy, opt, example, None, None, loss_config=loss_config, fused=True, record=True,
-          **static)
+        policy, opt, example, None, None, loss_config=loss_config, fused=True, record=True, **static
+      )
     else:
-      old, entropy, _, sites = trainer_lib._old_logprobs(policy, example, None, record=True,
-                                                         **static)
-      loss = trainer_lib._train_step(policy, opt, example.replace(old_logp=old), None, None,
-                                     loss_config=loss_config, **static)[0]
+      old, entropy, _, sites = trainer_lib._old_logprobs(
+        policy, example, None, record=True, **static
+      )
+      loss = trainer_lib._train_step(
+        policy, opt, example.replace(old_logp=old), None, None, loss_config=loss_config, **static
+      )[0]
     results.append((loss, old, entropy, sites, nnx.state(policy, nnx.Param), nnx.state(opt)))
   for a, b in zip(*results):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-      np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
-                                 rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(
+        np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-5, atol=1e-6
+      )
   assert jax.tree.leaves(results[0][3])  # the site records are there

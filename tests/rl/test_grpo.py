@@ -15,8 +15,9 @@ NONE = LossConfig(rollout_correction="none")
 def test_group_advantages_with_and_without_std():
   rewards = jnp.asarray([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
   np.testing.assert_allclose(group_advantages(rewards, 4), [1, -1, -1, 1, 0, 0, 0, 0], atol=1e-5)
-  np.testing.assert_allclose(group_advantages(rewards, 4, std_norm=False),
-                             [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+  np.testing.assert_allclose(
+    group_advantages(rewards, 4, std_norm=False), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
+  )
   with pytest.raises(ValueError, match="groups of 3"):
     group_advantages(rewards, 3)
 
@@ -51,8 +52,14 @@ def test_truncated_importance_sampling_and_masking():
   np.testing.assert_array_equal(w, [[0.0, 0.0, 1.0]])
   np.testing.assert_array_equal(corrected, [[True, True, False]])
   # TIS multiplies the token loss: ratio 1, A = 1 -> -w, token-mean over 3 tokens.
-  loss, stats = grpo_loss(old, old, rollout, jnp.asarray([1.0]), jnp.ones((1, 3), bool),
-                          LossConfig(rollout_correction="tis"))
+  loss, stats = grpo_loss(
+    old,
+    old,
+    rollout,
+    jnp.asarray([1.0]),
+    jnp.ones((1, 3), bool),
+    LossConfig(rollout_correction="tis"),
+  )
   assert float(loss) == pytest.approx(-(2.0 + 0.4 + 1.0) / 3, rel=1e-6)
   assert float(stats["rollout_correction_frac"]) == pytest.approx(1 / 3)
 
@@ -79,8 +86,9 @@ def test_kl_to_reference_k3_and_gradient():
 def test_policy_gradient_direction():
   # d loss / d logp = -A * ratio / N inside the clip range (token mean over N = 2 tokens).
   old = jnp.log(jnp.asarray([[0.5, 0.5]]))
-  grad = jax.grad(lambda lp: grpo_loss(lp, old, old, jnp.asarray([2.0]), jnp.ones((1, 2), bool),
-                                       NONE)[0])(old)
+  grad = jax.grad(
+    lambda lp: grpo_loss(lp, old, old, jnp.asarray([2.0]), jnp.ones((1, 2), bool), NONE)[0]
+  )(old)
   np.testing.assert_allclose(grad, [[-1.0, -1.0]], rtol=1e-6)
 
 

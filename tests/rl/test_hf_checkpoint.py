@@ -23,30 +23,43 @@ from trace_jax.rl.trainer import Trainer
 from trace_jax.tasks.chat import CheckpointTokenizer
 
 HF = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
-_spec = importlib.util.spec_from_file_location("make_tokenizer", os.path.join(HF, "make_tokenizer.py"))
+_spec = importlib.util.spec_from_file_location(
+  "make_tokenizer", os.path.join(HF, "make_tokenizer.py")
+)
 make_tokenizer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_tokenizer)
 
 VOCAB = {"qwen3_moe": 96, "mixtral": 96, "olmoe": 96, "qwen3_5_moe": 64, "qwen3_5_moe_text": 64}
 SYSTEM = "answer after #."
-TINY = dict(task="arith", steps=2, prompts_per_step=2, group_size=2, minibatches=1,
-            max_new_tokens=4,
-            eval_every=0, eval_size=0, checkpoint_every=0)
+TINY = dict(
+  task="arith",
+  steps=2,
+  prompts_per_step=2,
+  group_size=2,
+  minibatches=1,
+  max_new_tokens=4,
+  eval_every=0,
+  eval_size=0,
+  checkpoint_every=0,
+)
 
 
 def checkpoint(root, arch: str, vocab_size: int | None = None, **write_options) -> str:
   """A copy of the tiny `arch` fixture (weights, config) with a tokenizer written into it."""
   path = os.path.join(str(root), arch)
-  shutil.copytree(os.path.join(HF, arch), path,
-                  ignore=shutil.ignore_patterns("expected.npz", "tokenizer*"))
+  shutil.copytree(
+    os.path.join(HF, arch), path, ignore=shutil.ignore_patterns("expected.npz", "tokenizer*")
+  )
   make_tokenizer.write(path, vocab_size or VOCAB[arch], **write_options)
   return path
 
 
 def _chatml(prompt: str) -> str:
   """The ChatML prompt, written out by hand."""
-  return (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n"
-          "<|im_start|>assistant\n")
+  return (
+    f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+  )
 
 
 def _params(policy):
@@ -78,11 +91,16 @@ def _run_two_steps(tmp_path, arch, arm, **overrides):
   assert [m["step"] for m in history] == [1, 2]
   for m in history:
     assert np.isfinite(m["loss"]) and np.isfinite(m["mismatch/k3_kl"])
-    assert 0 <= m["rewards/mean"] <= 1 and 1 <= m["completions/mean_length"] <= TINY["max_new_tokens"]
+    assert (
+      0 <= m["rewards/mean"] <= 1 and 1 <= m["completions/mean_length"] <= TINY["max_new_tokens"]
+    )
   if trainer.reference is not None:
     chex.assert_trees_all_equal(_params(trainer.reference), loaded)
-  moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - b))),
-                                       _params(trainer.policy), loaded))
+  moved = jax.tree.leaves(
+    jax.tree.map(
+      lambda a, b: float(np.max(np.abs(np.asarray(a) - b))), _params(trainer.policy), loaded
+    )
+  )
   assert max(moved) > 0  # two updates changed the weights
   return trainer, history
 
@@ -90,7 +108,9 @@ def _run_two_steps(tmp_path, arch, arm, **overrides):
 def test_two_rl_steps_from_a_checkpoint(tmp_path):
   """Representative: Qwen3-MoE, the cheapest arm (bf16), a KL reference (which must stay the
   checkpoint's weights while the policy moves)."""
-  _run_two_steps(tmp_path, "qwen3_moe", "bf16", loss=LossConfig(kl_coef=0.01, rollout_correction="none"))
+  _run_two_steps(
+    tmp_path, "qwen3_moe", "bf16", loss=LossConfig(kl_coef=0.01, rollout_correction="none")
+  )
 
 
 @pytest.mark.slow
@@ -100,21 +120,26 @@ def test_two_rl_steps_every_architecture_and_arm(tmp_path, arch, arm):
   # The Qwen3.5 text fixture's 24-wide shared expert does not split into 16-element blocks:
   # it runs in the method's FP4 scope (experts and KV cache), as `check` tells such a user.
   sites = "experts+kv" if arch == "qwen3_5_moe_text" else "all"
-  trainer, history = _run_two_steps(tmp_path, arch, arm, eval_every=2, eval_size=2,
-                                    fp4_sites=sites)
+  trainer, history = _run_two_steps(tmp_path, arch, arm, eval_every=2, eval_size=2, fp4_sites=sites)
   assert {"eval/reward_fp4", "eval/reward_bf16"} <= set(history[-1])
 
 
 @pytest.mark.slow
 def test_multi_turn_observations_go_in_as_template_turns(tmp_path):
   path = checkpoint(tmp_path, "qwen3_moe")
-  config = RLConfig(arm="trace", hf_checkpoint=path, task="search",
-                    task_options=(("bits", 2), ("max_turns", 3)), observation_role="tool",
-                    **{**TINY, "max_new_tokens": 3})
+  config = RLConfig(
+    arm="trace",
+    hf_checkpoint=path,
+    task="search",
+    task_options=(("bits", 2), ("max_turns", 3)),
+    observation_role="tool",
+    **{**TINY, "max_new_tokens": 3},
+  )
   trainer = Trainer(config, str(tmp_path / "run"), progress=False)
   tok = trainer.tokenizer
   played = episodes.play(
-      trainer.engine, trainer.task, tok, trainer.task.sample(0, 4), jax.random.key(0))
+    trainer.engine, trainer.task, tok, trainer.task.sample(0, 4), jax.random.key(0)
+  )
   tokens, response = np.asarray(played.rollout.tokens), np.asarray(played.rollout.response_mask)
   mask = np.asarray(played.rollout.mask)
   assert played.turns.max() >= 2  # an untrained policy rarely guesses right at once
@@ -124,7 +149,9 @@ def test_multi_turn_observations_go_in_as_template_turns(tmp_path):
     # the environment tokens after the first action are the template's tool turn
     env = [int(t) for t, m, r in zip(tokens[row], mask[row], response[row]) if m and not r]
     text = tok._hf._tok.decode(env, skip_special_tokens=False)
-    assert "<|im_start|>user\n<tool_response>\n" in text and text.endswith("<|im_start|>assistant\n")
+    assert "<|im_start|>user\n<tool_response>\n" in text and text.endswith(
+      "<|im_start|>assistant\n"
+    )
   history = trainer.run()
   assert np.isfinite(history[-1]["loss"])
 
@@ -132,8 +159,9 @@ def test_multi_turn_observations_go_in_as_template_turns(tmp_path):
 @pytest.mark.slow
 def test_forced_warm_start_uses_the_checkpoint_tokenizer(tmp_path):
   path = checkpoint(tmp_path, "qwen3_moe")
-  config = RLConfig(arm="bf16", hf_checkpoint=path, sft_warm_start=True, sft_steps=2,
-                    sft_batch=4, **TINY)
+  config = RLConfig(
+    arm="bf16", hf_checkpoint=path, sft_warm_start=True, sft_steps=2, sft_batch=4, **TINY
+  )
   trainer = Trainer(config, str(tmp_path / "run"), progress=False)
   assert trainer.warmstart["steps"] == 2 and not trainer.warmstart.get("skipped")
   assert np.isfinite(trainer.warmstart["final_nll"])
@@ -157,30 +185,48 @@ def test_errors_before_any_work(tmp_path):
     workdir = tmp_path / "run"
     with pytest.raises(ValueError, match=match):
       Trainer(config, str(workdir), progress=False)
-    assert not os.path.exists(workdir / "warmstart") and not os.path.exists(workdir / "metrics.jsonl")
+    assert not os.path.exists(workdir / "warmstart") and not os.path.exists(
+      workdir / "metrics.jsonl"
+    )
 
   # a tokenizer larger than the checkpoint's embedding (96 ids, 64 rows)
   big = checkpoint(tmp_path / "big", "qwen3_5_moe_text", vocab_size=96)
-  refused(RLConfig(hf_checkpoint=big, **TINY), "tokenizer.json has ids up to 95 but the checkpoint's "
-          "embedding has 64 rows")
+  refused(
+    RLConfig(hf_checkpoint=big, **TINY),
+    "tokenizer.json has ids up to 95 but the checkpoint's embedding has 64 rows",
+  )
   # widths FP4 blocks cannot split (the 24-wide shared expert under fp4_sites="all")
-  refused(RLConfig(hf_checkpoint=checkpoint(tmp_path / "wide", "qwen3_5_moe_text"), **TINY),
-          "shared_expert_dim=24 .* not a multiple of 16; RLConfig.fp4_sites='experts\\+kv'")
+  refused(
+    RLConfig(hf_checkpoint=checkpoint(tmp_path / "wide", "qwen3_5_moe_text"), **TINY),
+    "shared_expert_dim=24 .* not a multiple of 16; RLConfig.fp4_sites='experts\\+kv'",
+  )
   # no chat template, when one is needed (the default prompt format of a checkpoint)
   base = checkpoint(tmp_path / "base", "olmoe", chat_template=None)
   refused(RLConfig(hf_checkpoint=base, **TINY), "no chat template.*--prompt_format=raw")
   # a template that refuses the observation role of a multi-turn task
   strict = make_tokenizer.CHAT_TEMPLATE.replace("message.role == 'tool'", "false")
   picky = checkpoint(tmp_path / "picky", "olmoe", chat_template=strict)
-  refused(RLConfig(hf_checkpoint=picky, observation_role="tool", **{**TINY, "task": "search"}),
-          "refused the conversation: unknown role tool")
+  refused(
+    RLConfig(hf_checkpoint=picky, observation_role="tool", **{**TINY, "task": "search"}),
+    "refused the conversation: unknown role tool",
+  )
 
 
 def test_a_checkpoint_saved_before_the_new_fields_still_resumes():
   config = RLConfig()
-  saved = {k: v for k, v in config.to_dict().items()
-           if k not in ("hf_checkpoint", "sft_warm_start", "prompt_format", "system_prompt",
-                        "observation_role", "chat_template_options")}
+  saved = {
+    k: v
+    for k, v in config.to_dict().items()
+    if k
+    not in (
+      "hf_checkpoint",
+      "sft_warm_start",
+      "prompt_format",
+      "system_prompt",
+      "observation_role",
+      "chat_template_options",
+    )
+  }
   assert config.differences(saved) == []
   assert RLConfig(system_prompt="", prompt_format="raw").differences(saved) == ["prompt_format"]
 
@@ -192,6 +238,7 @@ def test_load_configures_the_policy(tmp_path, remat):
   checkpoint's either way."""
   from trace_jax.rl import policy_source
   from trace_jax.tasks.registry import get_task
+
   task = get_task("arith")
   preset = policy_source.load(RLConfig(preset="tiny", remat=remat, **TINY), task)
   assert preset.policy.cfg.remat is remat and preset.model_cfg == preset.policy.cfg

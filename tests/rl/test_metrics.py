@@ -40,7 +40,7 @@ def test_code_disagreement_counts_elements_of_real_tokens():
   a = fp4.quantize(jnp.asarray(x), global_group="row")
   y = x.copy()
   y[0, 0] += rng.uniform(-0.5, 0.5, 32).astype(np.float32)  # changes codes of token (0, 0)
-  y[1, 2] *= -1.0      # flips every nonzero sign of token (1, 2), which is masked out
+  y[1, 2] *= -1.0  # flips every nonzero sign of token (1, 2), which is masked out
   b = fp4.quantize(jnp.asarray(y), global_group="row")
   mask = np.ones((2, 3), bool)
   mask[1, 2] = False
@@ -88,7 +88,8 @@ def test_fp4_disagreement_bits_scales_codes_and_one_step_share():
   assert 0 < one < differ
   bits = ((a_codes & 1) != (b_codes & 1))[mask].sum() / (7 * 64)
   scales = (np.asarray(a.scales) != np.asarray(b.scales)) | (
-      np.asarray(a.global_scale) != np.asarray(b.global_scale))
+    np.asarray(a.global_scale) != np.asarray(b.global_scale)
+  )
   out = metrics.fp4_disagreement({(3, "moe_in"): a}, {(3, "moe_in"): b}, mask)
   assert out["code_disagree_frac"] == pytest.approx(differ / (7 * 64))
   assert out["one_step_frac"] == pytest.approx(one / differ)
@@ -96,13 +97,21 @@ def test_fp4_disagreement_bits_scales_codes_and_one_step_share():
   assert out["scale_disagree_frac"] == pytest.approx(scales[mask].sum() / (7 * 4))
   assert out["per_layer"][3]["one_step_frac"] == pytest.approx(one / differ)
   # Compact guidance: bits and scales are measurable, codes are not.
-  compact = metrics.fp4_disagreement({(3, "moe_in"): fp4.compact_guidance(a)}, {(3, "moe_in"): b}, mask)
+  compact = metrics.fp4_disagreement(
+    {(3, "moe_in"): fp4.compact_guidance(a)}, {(3, "moe_in"): b}, mask
+  )
   assert compact["mantissa_disagree_frac"] == pytest.approx(bits)
   assert compact["scale_disagree_frac"] == out["scale_disagree_frac"]
   assert compact["code_disagree_frac"] is None and compact["one_step_frac"] is None
-  flat = metrics.disagreement_metrics({(3, "moe_in"): fp4.compact_guidance(a)}, {(3, "moe_in"): b}, mask)
-  assert set(flat) == {"mismatch/mantissa_disagree_frac", "mismatch/mantissa_disagree/layer_3",
-                       "mismatch/scale_disagree_frac", "mismatch/scale_disagree/layer_3"}
+  flat = metrics.disagreement_metrics(
+    {(3, "moe_in"): fp4.compact_guidance(a)}, {(3, "moe_in"): b}, mask
+  )
+  assert set(flat) == {
+    "mismatch/mantissa_disagree_frac",
+    "mismatch/mantissa_disagree/layer_3",
+    "mismatch/scale_disagree_frac",
+    "mismatch/scale_disagree/layer_3",
+  }
 
 
 def test_group_reward_metrics_against_a_loop():
@@ -110,9 +119,9 @@ def test_group_reward_metrics_against_a_loop():
   group_size = int(rng.integers(2, 6))
   rewards = rng.integers(0, 2, size=group_size * 7).astype(float)
   rewards[:group_size] = 1.0  # one all-solved group
-  rewards[group_size:2 * group_size] = 0.0  # one all-failed group
+  rewards[group_size : 2 * group_size] = 0.0  # one all-failed group
   m = metrics.group_reward_metrics(rewards, group_size)
-  groups = [rewards[i:i + group_size] for i in range(0, rewards.size, group_size)]
+  groups = [rewards[i : i + group_size] for i in range(0, rewards.size, group_size)]
   mixed = sum(len(set(g.tolist())) > 1 for g in groups) / len(groups)
   solved = sum(any(g > 0) for g in groups) / len(groups)
   assert m["reward/mixed_group_frac"] == pytest.approx(mixed)

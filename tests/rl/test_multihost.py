@@ -63,8 +63,12 @@ def _free_port() -> int:
 
 def _env(devices: int) -> dict:
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root,
-              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
+  return dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=root,
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
+  )
 
 
 @pytest.mark.parametrize("arm", ["bf16", pytest.param("trace", marks=pytest.mark.slow)])
@@ -74,9 +78,16 @@ def test_two_processes_match_one(tmp_path, arm):
   # process, one device, the same global batch), all started at once.
   runs = [(tmp_path / "multi", tmp_path / f"p{i}.npz", 2, i, port, 2) for i in range(2)]
   runs.append((tmp_path / "single", tmp_path / "single.npz", 1, 0, 0, 1))
-  procs = [subprocess.Popen([sys.executable, "-c", WORKER, *map(str, run[:5]), arm, str(run[5])],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(1)) for run in runs]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", WORKER, *map(str, run[:5]), arm, str(run[5])],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=_env(1),
+    )
+    for run in runs
+  ]
   outputs = [p.communicate(timeout=1800) for p in procs]
   for p, (out, err) in zip(procs, outputs):
     assert p.returncode == 0, err[-4000:]
@@ -95,8 +106,9 @@ def test_two_processes_match_one(tmp_path, arm):
   for key in replicated:
     np.testing.assert_array_equal(p0[key], p1[key], err_msg=key)
   for key in sharded:
-    np.testing.assert_array_equal(np.concatenate([p0[key], p1[key]], axis=_split_axis(p0, key)),
-                                  p0[key[5:]], err_msg=key)
+    np.testing.assert_array_equal(
+      np.concatenate([p0[key], p1[key]], axis=_split_axis(p0, key)), p0[key[5:]], err_msg=key
+    )
   losses = [json.loads(out.split("LOSSES", 1)[1]) for out, _ in outputs]
   assert losses[0] == losses[1]
   np.testing.assert_allclose(losses[0], losses[2], rtol=1e-4, atol=1e-6)

@@ -46,8 +46,13 @@ def test_qwen3_30b_rows_match_hand_derivation(qwen3_rows):
   # scale per row (per KV head for k/v, per chosen expert for moe_mid), one E4M3 byte per
   # 16 elements and one mantissa bit per element; routing int16 (128 experts), all layers.
   compact = lambda rows, width: rows * (4 + width // 16 + width // 8)
-  per_layer = (compact(1, d) + compact(1, 32 * head_dim) + 2 * compact(kv_heads, head_dim)
-               + compact(1, d) + compact(8, ffn))
+  per_layer = (
+    compact(1, d)
+    + compact(1, 32 * head_dim)
+    + 2 * compact(kv_heads, head_dim)
+    + compact(1, d)
+    + compact(8, ffn)
+  )
   per_token = 24 * per_layer + layers * 8 * 2
   assert rows["guidance"] == per_token * tokens  # model=1: split over data only
   # Remat keeps one d_model bf16 vector per token and layer instead of every residual.
@@ -58,14 +63,30 @@ def test_qwen3_30b_rows_match_hand_derivation(qwen3_rows):
 @pytest.mark.slow
 def test_plan_script_prints_the_table():
   """The CLI at full Qwen3.5 size (`pytest -m slow tests/rl/test_plan.py`)."""
-  cmd = [sys.executable, os.path.join(ROOT, "experiments", "plan.py"), "--preset=qwen3_5_35b_a3b",
-         "--mesh=8,8,1", "--batch=64", "--context=1024"]
-  result = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "experiments", "plan.py"),
+    "--preset=qwen3_5_35b_a3b",
+    "--mesh=8,8,1",
+    "--batch=64",
+    "--context=1024",
+  ]
+  result = subprocess.run(
+    cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=ROOT)
+  )
   assert result.returncode == 0, result.stderr[-3000:]
-  for row in ("master weights (f32)", "optimizer state (Adam)", "FP4 rollout weights",
-              "KV cache (bf16)", "KV cache (FP4)", "recurrent state", "guidance",
-              "activations (no remat)", "activations (remat)", "H200 (141 GB)"):
+  for row in (
+    "master weights (f32)",
+    "optimizer state (Adam)",
+    "FP4 rollout weights",
+    "KV cache (bf16)",
+    "KV cache (FP4)",
+    "recurrent state",
+    "guidance",
+    "activations (no remat)",
+    "activations (remat)",
+    "H200 (141 GB)",
+  ):
     assert row in result.stdout, row
 
 

@@ -27,10 +27,12 @@ def test_packed_policy_matches_the_rollout_packing_and_4over6_differs():
   changed = 0
   for k in packed:  # the standard rule is the rollout's packing, bit for bit
     for field in ("packed", "scales", "global_scale"):
-      np.testing.assert_array_equal(np.asarray(getattr(standard[k], field)),
-                                    np.asarray(getattr(rollout[k], field)))
-    np.testing.assert_array_equal(np.asarray(four[k].global_scale),
-                                  np.asarray(rollout[k].global_scale))
+      np.testing.assert_array_equal(
+        np.asarray(getattr(standard[k], field)), np.asarray(getattr(rollout[k], field))
+      )
+    np.testing.assert_array_equal(
+      np.asarray(four[k].global_scale), np.asarray(rollout[k].global_scale)
+    )
     changed += int(np.sum(np.asarray(four[k].scales) != np.asarray(rollout[k].scales)))
     # 4over6 never reconstructs a weight worse than the standard rule
     err4 = np.sum((np.asarray(fp4.dequantize(four[k])) - np.asarray(_master(policy, k))) ** 2)

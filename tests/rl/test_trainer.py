@@ -23,16 +23,32 @@ TIMING = ("rollout_seconds", "train_seconds")
 
 
 def _config(**overrides):
-  base = dict(task="arith", preset="tiny", steps=1, prompts_per_step=2, group_size=4,
-              minibatches=2, max_new_tokens=8,
-              sft_steps=3, sft_batch=8, eval_size=4, eval_every=1, checkpoint_every=1)
+  base = dict(
+    task="arith",
+    preset="tiny",
+    steps=1,
+    prompts_per_step=2,
+    group_size=4,
+    minibatches=2,
+    max_new_tokens=8,
+    sft_steps=3,
+    sft_batch=8,
+    eval_size=4,
+    eval_every=1,
+    checkpoint_every=1,
+  )
   return RLConfig(**{**base, **overrides})
 
 
 # coding and search take 2-3 min each on 2 cores: `pytest -m slow tests/rl/test_trainer.py`.
-@pytest.mark.parametrize("task, options", [
-    ("arith", ()), pytest.param("coding", (), marks=pytest.mark.slow),
-    pytest.param("search", (("bits", 3), ("max_turns", 5)), marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "task, options",
+  [
+    ("arith", ()),
+    pytest.param("coding", (), marks=pytest.mark.slow),
+    pytest.param("search", (("bits", 3), ("max_turns", 5)), marks=pytest.mark.slow),
+  ],
+)
 def test_short_run_on_each_task_kind(tmp_path, monkeypatch, task, options):
   """One step (the resume test runs several), with an evaluation before and after it.
   arith and coding share one prompt width, so the second reuses the first's compilations;
@@ -40,9 +56,15 @@ def test_short_run_on_each_task_kind(tmp_path, monkeypatch, task, options):
   # coding also trains against a KL reference policy (a copy: the policy's buffers are donated).
   loss = LossConfig(rollout_correction="none", kl_coef=0.01 if task == "coding" else 0.0)
   # One update per step (the main job's): the fused update, pi_old's forward its own.
-  config = _config(task=task, task_options=options, max_new_tokens=4 if task == "search" else 8,
-                   prompt_bucket=8 if task == "search" else 32,
-                   sft_steps=3 if task == "arith" else 0, loss=loss, minibatches=1)
+  config = _config(
+    task=task,
+    task_options=options,
+    max_new_tokens=4 if task == "search" else 8,
+    prompt_bucket=8 if task == "search" else 32,
+    sft_steps=3 if task == "arith" else 0,
+    loss=loss,
+    minibatches=1,
+  )
   trainer = Trainer(config, str(tmp_path), progress=False)
   # The buffers each train step receives (earlier jitted calls, e.g. pi_old's forward, hand
   # the policy new arrays, so they are taken at the step's boundary).
@@ -53,6 +75,7 @@ def test_short_run_on_each_task_kind(tmp_path, monkeypatch, task, options):
     assert kwargs["fused"]  # one minibatch: the fused update
     given.append(jax.tree.leaves((nnx.state(policy, nnx.Param), nnx.state(opt))))
     return step(policy, opt, *args, **kwargs)
+
   monkeypatch.setattr(trainer_lib, "_train_step", recording_step)
   reference = None if trainer.reference is None else jax.tree.leaves(nnx.state(trainer.reference))
   history = trainer.run()
@@ -63,10 +86,21 @@ def test_short_run_on_each_task_kind(tmp_path, monkeypatch, task, options):
   assert reference is None or not any(x.is_deleted() for x in reference)
   assert [m["step"] for m in history] == [1]
   for m in history:
-    for key in ("rewards/mean", "mismatch/k3_kl", "mismatch/kl", "is_ratio/mean", "tis/clip_frac",
-                "pg_clipfrac", "entropy", "completions/mean_length", "guidance/bytes_per_token",
-                "guidance/followed_frac", "mismatch/mantissa_disagree_frac",
-                "mismatch/scale_disagree_frac", "mismatch/mantissa_disagree/layer_0"):
+    for key in (
+      "rewards/mean",
+      "mismatch/k3_kl",
+      "mismatch/kl",
+      "is_ratio/mean",
+      "tis/clip_frac",
+      "pg_clipfrac",
+      "entropy",
+      "completions/mean_length",
+      "guidance/bytes_per_token",
+      "guidance/followed_frac",
+      "mismatch/mantissa_disagree_frac",
+      "mismatch/scale_disagree_frac",
+      "mismatch/mantissa_disagree/layer_0",
+    ):
       assert key in m and np.isfinite(m[key]), key
   assert history[-1]["guidance/bytes_per_token"] > 0  # the trace arm captures guidance
   if task == "search":
@@ -74,8 +108,17 @@ def test_short_run_on_each_task_kind(tmp_path, monkeypatch, task, options):
   metrics = read_metrics(str(tmp_path))
   assert "eval/reward_fp4" in metrics[0] and "eval/reward_bf16" in metrics[-1]
   summary = report.summarize(config, metrics, 1.0, trainer.warmstart)
-  for key in ("arm", "task", "steps", "initial_eval_reward", "final_eval_reward", "mean_k3_kl",
-              "guidance_bytes_per_token", "rollout_seconds", "train_seconds"):
+  for key in (
+    "arm",
+    "task",
+    "steps",
+    "initial_eval_reward",
+    "final_eval_reward",
+    "mean_k3_kl",
+    "guidance_bytes_per_token",
+    "rollout_seconds",
+    "train_seconds",
+  ):
     assert summary[key] is not None, key
   # What ran is recorded: on CPU kernels="auto" takes the XLA path, and says why.
   assert all(m["kernels/rollout"] == "xla" for m in history)
@@ -108,11 +151,16 @@ def test_resume_continues_exactly(tmp_path):
 def test_resume_with_another_config_names_the_fields(tmp_path):
   Trainer(_config(steps=1, eval_every=0, prompt_bucket=32), str(tmp_path), progress=False).run()
   with pytest.raises(ValueError, match=r"\['group_size', 'learning_rate'\]"):
-    Trainer(_config(steps=1, eval_every=0, prompt_bucket=32, learning_rate=1e-3, group_size=2),
-            str(tmp_path), progress=False)
+    Trainer(
+      _config(steps=1, eval_every=0, prompt_bucket=32, learning_rate=1e-3, group_size=2),
+      str(tmp_path),
+      progress=False,
+    )
 
 
-@pytest.mark.parametrize("overrides, match", [
+@pytest.mark.parametrize(
+  "overrides, match",
+  [
     (dict(arm="int8"), "arm='int8'.*trace"),
     (dict(task="chess"), "task='chess'.*arith"),
     (dict(preset="huge"), "preset='huge'.*tiny"),
@@ -122,7 +170,8 @@ def test_resume_with_another_config_names_the_fields(tmp_path):
     (dict(fmt="fp8"), "fmt='fp8'.*mxfp4"),
     (dict(lr_warmup_steps=-1), "lr_warmup_steps=-1"),
     (dict(reward_control="random"), "reward_control='random'.*shuffle"),
-])
+  ],
+)
 def test_bad_configs(overrides, match):
   with pytest.raises(ValueError, match=match):
     _config(**overrides)
@@ -157,16 +206,29 @@ MESH_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow  # ~2.5 min; the default suite's tests/model/test_sharding.py covers a mesh
 def test_data_parallel_run_on_eight_devices(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  result = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(tmp_path)], capture_output=True,
-                          text=True, env=env, timeout=900)
+  result = subprocess.run(
+    [sys.executable, "-c", MESH_SCRIPT, str(tmp_path)],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=900,
+  )
   assert result.returncode == 0, result.stderr[-4000:]
   assert "OK" in result.stdout
 
 
 @pytest.mark.slow
 def test_main_job_script(tmp_path):
-  cmd = [sys.executable, os.path.join(ROOT, "experiments", "rl.py"), f"--workdir={tmp_path}",
-         "--steps=4", "--sft_steps=10", "--eval_every=2", "--eval_size=8", "--prompts_per_step=4"]
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "experiments", "rl.py"),
+    f"--workdir={tmp_path}",
+    "--steps=4",
+    "--sft_steps=10",
+    "--eval_every=2",
+    "--eval_size=8",
+    "--prompts_per_step=4",
+  ]
   result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
   assert result.returncode == 0, result.stderr[-3000:]
   summary = json.loads((tmp_path / "summary.json").read_text())
@@ -180,6 +242,7 @@ def test_learning_rate_warmup():
   the full lr once the warmup is over."""
   import jax.numpy as jnp
   from trace_jax.rl import trainer as trainer_lib
+
   lr, warmup = 1e-3, 4
   tx = trainer_lib._optimizer(lr, warmup)
   grads = {"w": jnp.asarray(np.random.default_rng().uniform(0.01, 0.1, 5), jnp.float32)}
@@ -190,15 +253,23 @@ def test_learning_rate_warmup():
     sizes.append(float(jnp.max(jnp.abs(updates["w"]))))
   np.testing.assert_allclose(sizes[0], lr / 10, rtol=1e-3)
   np.testing.assert_allclose(sizes[-1], lr, rtol=1e-3)
-  assert all(a < b for a, b in zip(sizes[:warmup], sizes[1:warmup + 1]))
+  assert all(a < b for a, b in zip(sizes[:warmup], sizes[1 : warmup + 1]))
 
 
 def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path, monkeypatch):
   """reward_control="shuffle": the advantages are those of the step's rewards permuted by
   (seed, step) (recomputed here with numpy), while the logged rewards are the episodes' own."""
   from trace_jax.rl.grpo import group_advantages
-  config = _config(arm="bf16", sft_steps=0, eval_every=0, checkpoint_every=0, minibatches=1,
-                   reward_control="shuffle", seed=3)
+
+  config = _config(
+    arm="bf16",
+    sft_steps=0,
+    eval_every=0,
+    checkpoint_every=0,
+    minibatches=1,
+    reward_control="shuffle",
+    seed=3,
+  )
   trainer = Trainer(config, str(tmp_path), progress=False)
   rewards = {}
   play_episodes = trainer_lib.episodes_lib.play
@@ -209,17 +280,20 @@ def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path,
     played.rewards = (np.random.default_rng().permutation(n) / (n - 1)).astype(np.float32)
     rewards["true"] = played.rewards.copy()
     return played
+
   seen = []
   step = trainer_lib._train_step
 
   def recording_step(policy, opt, example, *args, **kwargs):
     seen.append(np.asarray(example.advantages))
     return step(policy, opt, example, *args, **kwargs)
+
   monkeypatch.setattr(trainer_lib.episodes_lib, "play", play)
   monkeypatch.setattr(trainer_lib, "_train_step", recording_step)
   metrics = trainer.train_step()
   permuted = np.random.default_rng([3, 1]).permutation(rewards["true"])
   assert not np.array_equal(permuted, rewards["true"])
-  np.testing.assert_allclose(seen[0], np.asarray(group_advantages(permuted, config.group_size)),
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    seen[0], np.asarray(group_advantages(permuted, config.group_size)), atol=1e-6
+  )
   assert metrics["rewards/mean"] == pytest.approx(float(np.mean(rewards["true"])))

@@ -17,12 +17,26 @@ pytestmark = pytest.mark.slow
 SLOW_ARMS = ["bf16", "fp4-rollout", "fp4-qat", "trace-full", "ptq"]
 
 
-@pytest.mark.parametrize("arm", ["trace"] + [pytest.param(a, marks=pytest.mark.slow)
-                                             for a in SLOW_ARMS])
+@pytest.mark.parametrize(
+  "arm", ["trace"] + [pytest.param(a, marks=pytest.mark.slow) for a in SLOW_ARMS]
+)
 def test_one_step_per_arm_on_the_hybrid_preset(tmp_path, arm):
-  config = RLConfig(arm=arm, preset="qwen3_5_tiny", task="arith", steps=1, prompts_per_step=2,
-                    group_size=2, minibatches=1, max_new_tokens=4, sft_steps=1, sft_batch=4,
-                    eval_size=2, eval_every=1, checkpoint_every=1, prompt_bucket=32)
+  config = RLConfig(
+    arm=arm,
+    preset="qwen3_5_tiny",
+    task="arith",
+    steps=1,
+    prompts_per_step=2,
+    group_size=2,
+    minibatches=1,
+    max_new_tokens=4,
+    sft_steps=1,
+    sft_batch=4,
+    eval_size=2,
+    eval_every=1,
+    checkpoint_every=1,
+    prompt_bucket=32,
+  )
   trainer = Trainer(config, str(tmp_path), progress=False)
   assert trainer.policy.cfg.linear_layers == (0, 1, 2)
   history = trainer.run()
@@ -31,7 +45,12 @@ def test_one_step_per_arm_on_the_hybrid_preset(tmp_path, arm):
   for key in ("rewards/mean", "pg_clipfrac", "entropy", "completions/mean_length"):
     assert key in metrics and np.isfinite(metrics[key]), key
   if arm.startswith("trace"):  # guided arms: guidance captured and followed
-    for key in ("mismatch/k3_kl", "mismatch/logp_abs_diff", "is_ratio/mean",
-                "guidance/bytes_per_token", "guidance/followed_frac"):
+    for key in (
+      "mismatch/k3_kl",
+      "mismatch/logp_abs_diff",
+      "is_ratio/mean",
+      "guidance/bytes_per_token",
+      "guidance/followed_frac",
+    ):
       assert key in metrics and np.isfinite(metrics[key]), key
     assert metrics["guidance/bytes_per_token"] > 0

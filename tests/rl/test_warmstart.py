@@ -14,8 +14,13 @@ from trace_jax.training.sft import sft_batch, sft_loss
 
 def test_padding_rows_change_no_loss():
   rng = np.random.default_rng()
-  pairs = [(rng.integers(1, 128, rng.integers(2, 6)).tolist(),
-            rng.integers(1, 128, rng.integers(1, 5)).tolist()) for _ in range(3)]
+  pairs = [
+    (
+      rng.integers(1, 128, rng.integers(2, 6)).tolist(),
+      rng.integers(1, 128, rng.integers(1, 5)).tolist(),
+    )
+    for _ in range(3)
+  ]
   batch = sft_batch(pairs, 12, pad_id=0)
   padded = warmstart.pad_rows(batch, 4)
   assert [a.shape[0] for a in padded] == [4, 4, 4]

@@ -27,7 +27,12 @@ def policy(preset):
 @pytest.fixture(scope="module")
 def f32_greedy(policy, greedy_max_len):
   """bf16 weights, float32 compute, greedy, 8 new tokens, no guidance."""
-  config = R.RolloutConfig(precision="bf16", compute_dtype="float32", guidance="none",
-                           max_len=greedy_max_len, prompt_bucket=8,
-                           sampling=R.SamplingConfig(greedy=True, max_new_tokens=8))
+  config = R.RolloutConfig(
+    precision="bf16",
+    compute_dtype="float32",
+    guidance="none",
+    max_len=greedy_max_len,
+    prompt_bucket=8,
+    sampling=R.SamplingConfig(greedy=True, max_new_tokens=8),
+  )
   return R.RolloutEngine(policy, config)

@@ -28,18 +28,30 @@ def fp4_compact(policy):
   float32 compute: with bf16, XLA may keep excess precision inside a fusion, so the value it
   quantizes is not exactly the bf16 activation it stores (see docs of the mismatch study).
   """
-  config = R.RolloutConfig(precision="fp4", guidance="compact", guided_layers=1, max_len=48,
-                           prompt_bucket=8, compute_dtype="float32",
-                           sampling=R.SamplingConfig(max_new_tokens=10, stop_tokens=STOPS))
+  config = R.RolloutConfig(
+    precision="fp4",
+    guidance="compact",
+    guided_layers=1,
+    max_len=48,
+    prompt_bucket=8,
+    compute_dtype="float32",
+    sampling=R.SamplingConfig(max_new_tokens=10, stop_tokens=STOPS),
+  )
   return R.RolloutEngine(policy, config, capture_inputs=True)
 
 
 @pytest.fixture(scope="module")
 def fp4_full(policy):
   """FP4, float32 compute, full guidance on all layers, activations kept for checking."""
-  config = R.RolloutConfig(precision="fp4", compute_dtype="float32", guidance="full",
-                           guided_layers="all", max_len=48, prompt_bucket=8,
-                           sampling=R.SamplingConfig(max_new_tokens=6, temperature=1.0))
+  config = R.RolloutConfig(
+    precision="fp4",
+    compute_dtype="float32",
+    guidance="full",
+    guided_layers="all",
+    max_len=48,
+    prompt_bucket=8,
+    sampling=R.SamplingConfig(max_new_tokens=6, temperature=1.0),
+  )
   return R.RolloutEngine(policy, config, capture_inputs=True)
 
 
@@ -68,19 +80,28 @@ def test_quantize_params_equal_the_training_path_weights_bit_for_bit(policy):
   assert checked == 14
   # q/k/v and gate/up really share: the shared scale is the smallest of the separate ones.
   attn = packed_flat[("blocks", 0, "attn", "q_proj")].get_value()
-  alone = [M.quantize_weight(masters[("blocks", 0, "attn", n)].get_value(), "nvfp4").global_scale
-           for n in ("q_proj", "k_proj", "v_proj")]
+  alone = [
+    M.quantize_weight(masters[("blocks", 0, "attn", n)].get_value(), "nvfp4").global_scale
+    for n in ("q_proj", "k_proj", "v_proj")
+  ]
   np.testing.assert_array_equal(attn.global_scale, np.minimum.reduce(alone))
   assert len({float(np.asarray(a).item()) for a in alone}) > 1  # separate scales would differ
   # A bf16 rollout casts only the linear weights: router, LM head, norms and embedding stay
   # float32 exactly as in the FP4 rollouts, so the bf16 arm carries no extra mismatch.
   bf16 = R.quantize_params(nnx.state(policy), None)
-  for (path, var), (_, master) in zip(nnx.to_flat_state(bf16), nnx.to_flat_state(nnx.state(policy))):
-    expected = master.get_value().astype(jnp.bfloat16 if M.is_quantized_weight(path) else jnp.float32)
+  for (path, var), (_, master) in zip(
+    nnx.to_flat_state(bf16), nnx.to_flat_state(nnx.state(policy))
+  ):
+    expected = master.get_value().astype(
+      jnp.bfloat16 if M.is_quantized_weight(path) else jnp.float32
+    )
     assert var.get_value().dtype == expected.dtype, path
     np.testing.assert_array_equal(var.get_value(), expected)
   assert {str(p[-1]) for p, v in nnx.to_flat_state(bf16) if v.get_value().dtype == jnp.float32} >= {
-      "router", "lm_head", "embed"}
+    "router",
+    "lm_head",
+    "embed",
+  }
   assert R.params_nbytes(packed) < 0.6 * R.params_nbytes(nnx.state(policy))
 
 
@@ -88,9 +109,11 @@ def test_greedy_generation_equals_stepwise_argmax_of_the_full_forward(policy, f3
   rollout = f32_greedy.generate(PROMPTS, jax.random.key(0))
   # Right-padded to one length (causal: padding after a token cannot change it): one compile.
   forward = nnx.jit(lambda m, t: m(t).logits)
-  for prompt, response, logps in zip(PROMPTS, rollout.responses(),
-                                     np.asarray(rollout.logprobs)[np.asarray(rollout.response_mask)]
-                                     .reshape(len(PROMPTS), -1)):
+  for prompt, response, logps in zip(
+    PROMPTS,
+    rollout.responses(),
+    np.asarray(rollout.logprobs)[np.asarray(rollout.response_mask)].reshape(len(PROMPTS), -1),
+  ):
     assert len(response) == 8
     sequence = list(prompt)
     for token, logp in zip(response, logps):
@@ -109,7 +132,7 @@ def test_masks_positions_and_lengths(f32_greedy):
   np.testing.assert_array_equal(np.asarray(rollout.prompt_mask).sum(-1), [len(p) for p in PROMPTS])
   assert not np.asarray(rollout.env_mask).any()
   for row, seq in enumerate(rollout.sequences()):
-    assert seq[:len(PROMPTS[row])] == PROMPTS[row]
+    assert seq[: len(PROMPTS[row])] == PROMPTS[row]
     mask = np.asarray(rollout.mask[row])
     np.testing.assert_array_equal(np.asarray(rollout.positions[row])[mask], np.arange(lengths[row]))
   assert not (np.asarray(rollout.prompt_mask) & np.asarray(rollout.response_mask)).any()
@@ -124,15 +147,18 @@ def test_fp4_cache_holds_exactly_the_quantized_k_and_v(policy, fp4_full):
       expected = fp4.quantize(activation, global_group="row")
       cached = entries[layer]
       for field in ("packed", "scales", "global_scale"):
-        np.testing.assert_array_equal(np.asarray(getattr(cached, field))[valid],
-                                      np.asarray(getattr(expected, field))[valid])
+        np.testing.assert_array_equal(
+          np.asarray(getattr(cached, field))[valid], np.asarray(getattr(expected, field))[valid]
+        )
   # Layer 0's keys depend on the token alone: they equal the full forward's bit for bit.
   tokens = jnp.asarray(rollout.tokens)
   recording = M.QuantConfig(recording=M.Recording(form="full"))
   aux = nnx.jit(lambda m, t, p, k: m(t, positions=p, mask=k, quant=recording))(
-      policy, tokens, rollout.positions, rollout.mask)
-  np.testing.assert_array_equal(np.asarray(rollout.cache.k[0].packed)[valid],
-                                np.asarray(aux.sites[(0, "k")].packed)[valid])
+    policy, tokens, rollout.positions, rollout.mask
+  )
+  np.testing.assert_array_equal(
+    np.asarray(rollout.cache.k[0].packed)[valid], np.asarray(aux.sites[(0, "k")].packed)[valid]
+  )
 
 
 @pytest.mark.parametrize("mode", ["full", "compact"])
@@ -149,9 +175,14 @@ def test_captured_guidance_is_fp4_of_the_recorded_activations(fp4_full, fp4_comp
     if mode == "compact":
       expected = fp4.compact_guidance(expected)
       assert isinstance(entry, fp4.CompactGuidance)
-    for field in [f for f in ("packed", "mantissa_bits", "scales", "global_scale") if hasattr(entry, f)]:
-      np.testing.assert_array_equal(np.asarray(getattr(entry, field))[valid],
-                                    np.asarray(getattr(expected, field))[valid], err_msg=str(key))
+    for field in [
+      f for f in ("packed", "mantissa_bits", "scales", "global_scale") if hasattr(entry, f)
+    ]:
+      np.testing.assert_array_equal(
+        np.asarray(getattr(entry, field))[valid],
+        np.asarray(getattr(expected, field))[valid],
+        err_msg=str(key),
+      )
   # Routing replay: the experts the full forward picks when told to replay them.
   np.testing.assert_array_equal(guidance.routing, rollout.routing)
   assert guidance.routing.dtype == jnp.int8
@@ -170,9 +201,9 @@ def test_stop_tokens_end_sequences_and_masks_are_right(fp4_compact):
     if reason == "stop":
       assert generated[-1] % 2 == 0 and len(generated) <= 10
       last_slot = np.nonzero(response[row])[0][-1]
-      assert not response[row, last_slot + 1:].any()
-      assert (tokens[row, last_slot + 1:] == config.pad_id).all()
-      assert (np.asarray(rollout.logprobs)[row, last_slot + 1:] == 0).all()
+      assert not response[row, last_slot + 1 :].any()
+      assert (tokens[row, last_slot + 1 :] == config.pad_id).all()
+      assert (np.asarray(rollout.logprobs)[row, last_slot + 1 :] == 0).all()
     else:
       assert len(generated) == 10 and generated[-1] % 2 == 1
 

@@ -37,10 +37,12 @@ def test_rollout_logprobs_equal_the_training_forward_and_continuation_is_exact(p
   observations = [[7, 7, 7], [12], [50, 51]]
   second = f32_greedy.continue_(first, observations, jax.random.key(2))
   logp, _, _ = nnx.jit(lambda m, t, p, mask: training_forward(m, t, p, mask, quant=None))(
-      policy, second.tokens, second.positions, second.mask)
+    policy, second.tokens, second.positions, second.mask
+  )
   response = np.asarray(second.response_mask)
-  np.testing.assert_allclose(np.asarray(logp)[response], np.asarray(second.logprobs)[response],
-                             atol=2e-4)
+  np.testing.assert_allclose(
+    np.asarray(logp)[response], np.asarray(second.logprobs)[response], atol=2e-4
+  )
   concatenated = [p + r + o for p, r, o in zip(PROMPTS, first.responses(), observations)]
   once = f32_greedy.generate(concatenated, jax.random.key(3))
   assert once.responses() == [r[8:] for r in second.responses()]
@@ -64,8 +66,11 @@ def test_fp4_scope_quantizes_exactly_its_sites(policy, sites):
   for key, q in aux.sites.items():  # laid out per token slot, as guidance buffers need
     assert q.global_scale.shape[:2] == (1, 5), (key, q.global_scale.shape)
   params = R.quantize_params(nnx.state(policy), quant)
-  packed = {tuple(str(p) for p in path[-2:]) for path, v in nnx.to_flat_state(params)
-            if isinstance(v.get_value(), fp4.QArray)}
+  packed = {
+    tuple(str(p) for p in path[-2:])
+    for path, v in nnx.to_flat_state(params)
+    if isinstance(v.get_value(), fp4.QArray)
+  }
   linear_attn = {("attn", n) for n in ("in_proj_qkv", "in_proj_z", "out_proj")}
   if sites == "all":
     assert linear_attn <= packed and ("attn", "q_proj") in packed and ("shared", "w_up") in packed
@@ -86,6 +91,7 @@ def test_guidance_bytes_per_token_by_hand(sites, expected):
     all: + attn_in 16 + attn_out 16 + shared_mid 10 per layer: 100 + 2 x 42 = 184;
   plus routing, int8 x k=2 x 4 MoE layers = 8."""
   from trace_jax.rollout.accounting import guidance_bytes_per_token
+
   cfg = M.get_preset("qwen3_5_tiny")
   config = R.RolloutConfig(guidance="compact", guided_layers="last_half")
   assert guidance_bytes_per_token(cfg, config, M.QuantConfig(sites=sites)) == expected

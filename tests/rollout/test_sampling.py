@@ -50,8 +50,12 @@ def test_top_k_and_temperature():
   scaled = np.asarray(logits) / 0.7
   full = scaled - np.log(np.exp(scaled).sum(-1, keepdims=True))
   chosen = np.asarray(tokens)
-  np.testing.assert_allclose(logp, np.take_along_axis(full[None].repeat(1000, 0), chosen[..., None], -1)[..., 0],
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    logp,
+    np.take_along_axis(full[None].repeat(1000, 0), chosen[..., None], -1)[..., 0],
+    rtol=1e-5,
+    atol=1e-5,
+  )
   kept = np.take_along_axis(scaled, top5, -1)
   norm = np.log(np.exp(kept).sum(-1))
   expected = np.take_along_axis(scaled[None].repeat(1000, 0), chosen[..., None], -1)[..., 0] - norm
@@ -65,14 +69,17 @@ def test_greedy_is_argmax_with_temperature_one_logprobs():
   np.testing.assert_allclose(logp, jax.nn.log_softmax(logits)[jnp.arange(2), tokens], rtol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(temperature=0.0), "temperature=0.0"),
     (dict(temperature=-1.0), "temperature=-1.0"),
     (dict(top_p=0.0), "top_p=0.0"),
     (dict(top_p=1.5), "top_p=1.5"),
     (dict(top_k=-1), "top_k=-1"),
     (dict(max_new_tokens=0), "max_new_tokens=0"),
-])
+  ],
+)
 def test_bad_sampling_configs(kwargs, match):
   with pytest.raises(ValueError, match=match):
     R.SamplingConfig(**kwargs)

@@ -18,15 +18,26 @@ from trace_jax.training.forward import training_forward
 @pytest.mark.slow
 def test_engine_capture_round_trip_and_training_path(policy):
   spec = fp4.SparseSpec(delta=0.05, capacity_frac=0.125)
-  base = R.RolloutConfig(max_len=32, prompt_bucket=8, guided_layers="all", kernels="xla",
-                         sampling=R.SamplingConfig(max_new_tokens=6), sparse=spec)
+  base = R.RolloutConfig(
+    max_len=32,
+    prompt_bucket=8,
+    guided_layers="all",
+    kernels="xla",
+    sampling=R.SamplingConfig(max_new_tokens=6),
+    sparse=spec,
+  )
   prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
   sparse = R.RolloutEngine(policy, base.replace(guidance="sparse"), capture_inputs=True).generate(
-      prompts, jax.random.key(4))
+    prompts, jax.random.key(4)
+  )
   # What the rollout quantized at each site (its inputs, bf16) and flagged of it.
   inputs = sparse.site_inputs
-  full = G.Guidance(sites={k: fp4.quantize(x, global_group="row") for k, x in inputs.items()},
-                    routing=None, mode="full", layers=sparse.guidance.layers)
+  full = G.Guidance(
+    sites={k: fp4.quantize(x, global_group="row") for k, x in inputs.items()},
+    routing=None,
+    mode="full",
+    layers=sparse.guidance.layers,
+  )
   derived = full.to_sparse(inputs, spec)
   assert sparse.guidance.mode == "sparse" and set(sparse.guidance.sites) == set(derived.sites)
   mask = np.asarray(sparse.mask)
@@ -55,8 +66,10 @@ def test_engine_capture_round_trip_and_training_path(policy):
   # The training path follows it under jit, with gradients.
   quant = QuantConfig(rounding="guided", guided_layers="all")
   quant = call_config(quant, recording=Recording(form="full"))
-  logp, out = nnx.jit(lambda m, g: training_forward(
-      m, sparse.tokens, sparse.positions, sparse.mask, quant=quant, guidance=g,
-      routing_replay=True))(policy, sparse.guidance)
+  logp, out = nnx.jit(
+    lambda m, g: training_forward(
+      m, sparse.tokens, sparse.positions, sparse.mask, quant=quant, guidance=g, routing_replay=True
+    )
+  )(policy, sparse.guidance)
   chex.assert_tree_all_finite(logp)
   assert set(out.fallbacks) == set(sparse.guidance.sites)

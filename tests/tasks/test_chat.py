@@ -8,10 +8,17 @@ import shutil
 
 import pytest
 
-from trace_jax.tasks.chat import ChatTemplate, ChatTemplateError, CheckpointTokenizer, read_chat_template
+from trace_jax.tasks.chat import (
+  ChatTemplate,
+  ChatTemplateError,
+  CheckpointTokenizer,
+  read_chat_template,
+)
 
 HF = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
-_spec = importlib.util.spec_from_file_location("make_tokenizer", os.path.join(HF, "make_tokenizer.py"))
+_spec = importlib.util.spec_from_file_location(
+  "make_tokenizer", os.path.join(HF, "make_tokenizer.py")
+)
 make_tokenizer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_tokenizer)
 
@@ -42,15 +49,21 @@ LLAMA_LIKE = """
 
 def test_template_renders_the_hand_written_string():
   template = ChatTemplate(LLAMA_LIKE, {"bos_token": "<s>", "eos_token": "</s>"})
-  messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-              {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]
+  messages = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "and 3+3?"},
+  ]
   # (also what transformers 5.24's render_jinja_template gives: an expression line keeps its
   # newline, a block tag's is trimmed)
   assert template.render(messages) == (
-      "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\n2+2? [/INST]\n 4 </s><s>[INST] and 3+3? [/INST]\n")
+    "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\n2+2? [/INST]\n 4 </s><s>[INST] and 3+3? [/INST]\n"
+  )
   # tojson keeps non-ASCII text as is (as Hugging Face's filter does)
   assert template.render(messages[1:2], meta={"name": "café"}) == (
-      '<s>[INST] 2+2? [/INST]\n{"name": "café"}')
+    '<s>[INST] 2+2? [/INST]\n{"name": "café"}'
+  )
   with pytest.raises(ChatTemplateError, match="roles must alternate"):
     template.render([{"role": "assistant", "content": "x"}])
   with pytest.raises(ChatTemplateError, match="does not compile"):
@@ -67,18 +80,23 @@ def checkpoint(tmp_path_factory):
 
 def test_prompt_and_observations_render_as_written(checkpoint):
   tok = CheckpointTokenizer(checkpoint, system_prompt="answer after #.")
-  assert tok.prompt_text("7+8=") == ("<|im_start|>system\nanswer after #.<|im_end|>\n"
-                                     "<|im_start|>user\n7+8=<|im_end|>\n<|im_start|>assistant\n")
+  assert tok.prompt_text("7+8=") == (
+    "<|im_start|>system\nanswer after #.<|im_end|>\n"
+    "<|im_start|>user\n7+8=<|im_end|>\n<|im_start|>assistant\n"
+  )
   # the policy closed its turn with <|im_end|> (a stop token): what follows it
   assert tok.observation_text("<") == "\n<|im_start|>user\n<<|im_end|>\n<|im_start|>assistant\n"
   # stopped by length: the template's end of turn is written first
   assert tok.observation_text("<", turn_closed=False) == (
-      "<|im_end|>\n<|im_start|>user\n<<|im_end|>\n<|im_start|>assistant\n")
+    "<|im_end|>\n<|im_start|>user\n<<|im_end|>\n<|im_start|>assistant\n"
+  )
   tool = CheckpointTokenizer(checkpoint, observation_role="tool")
   assert tool.prompt_text("find n in 0-7") == (
-      "<|im_start|>user\nfind n in 0-7<|im_end|>\n<|im_start|>assistant\n")
-  assert tool.observation_text(">") == ("\n<|im_start|>user\n<tool_response>\n>\n"
-                                        "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    "<|im_start|>user\nfind n in 0-7<|im_end|>\n<|im_start|>assistant\n"
+  )
+  assert tool.observation_text(">") == (
+    "\n<|im_start|>user\n<tool_response>\n>\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+  )
   # special ids from tokenizer_config.json / generation_config.json, not guessed
   ids = {t: tok._hf._tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>", "<|im_start|>")}
   assert tok.eos_id == ids["<|im_end|>"] and tok.pad_id == ids["<|endoftext|>"]
@@ -105,14 +123,60 @@ def test_encode_decode_round_trip_on_random_text(checkpoint):
 def test_the_committed_fixture_matches_transformers():
   """Ids of transformers 5.24's apply_chat_template(tokenize=True) on tests/fixtures/hf/
   qwen3_moe (recorded with /work/venv-hf), for a prompt and a tool observation."""
-  tok = CheckpointTokenizer(os.path.join(HF, "qwen3_moe"), system_prompt="answer after #.",
-                            observation_role="tool")
-  prompt = [1, 90, 61, 87, 62, 59, 95, 84, 93, 80, 2, 4, 1, 94, 4, 22, 10, 23, 28, 2, 4, 1, 32,
-            89, 88, 85, 92]
+  tok = CheckpointTokenizer(
+    os.path.join(HF, "qwen3_moe"), system_prompt="answer after #.", observation_role="tool"
+  )
+  prompt = [
+    1,
+    90,
+    61,
+    87,
+    62,
+    59,
+    95,
+    84,
+    93,
+    80,
+    2,
+    4,
+    1,
+    94,
+    4,
+    22,
+    10,
+    23,
+    28,
+    2,
+    4,
+    1,
+    32,
+    89,
+    88,
+    85,
+    92,
+  ]
   assert tok.prompt_ids("7+8=") == prompt
   # + assistant "Z" (unknown: <unk> 3) + <|im_end|> + the tool turn and generation prompt
   assert prompt + [3, 2] + tok.observation_ids("<") == prompt + [
-      3, 2, 4, 1, 94, 60, 76, 60, 60, 81, 2, 4, 1, 32, 89, 88, 85, 92]
+    3,
+    2,
+    4,
+    1,
+    94,
+    60,
+    76,
+    60,
+    60,
+    81,
+    2,
+    4,
+    1,
+    32,
+    89,
+    88,
+    85,
+    92,
+  ]
 
 
 def test_template_sources(tmp_path, checkpoint):
@@ -122,7 +186,10 @@ def test_template_sources(tmp_path, checkpoint):
   config_path = os.path.join(path, "tokenizer_config.json")
   config = json.load(open(config_path))
   # a list of named templates: the "default" one
-  config["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+  config["chat_template"] = [
+    {"name": "tool_use", "template": "T"},
+    {"name": "default", "template": "D"},
+  ]
   json.dump(config, open(config_path, "w"))
   assert read_chat_template(path) == "D"
   # chat_template.jinja (how newer transformers save it) comes first

@@ -24,8 +24,14 @@ def _random_program(rng, depth=0):
     return f"({sa}<{sb}?{sa}:{sb})", lambda x: fa(x) if fa(x) < fb(x) else fb(x)
   if op == "neg":
     return f"-({sa})", lambda x: -fa(x)
-  py = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
-        "/": lambda a, b: a // b, "%": lambda a, b: a % b, "<": lambda a, b: int(a < b)}[op]
+  py = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+    "/": lambda a, b: a // b,
+    "%": lambda a, b: a % b,
+    "<": lambda a, b: int(a < b),
+  }[op]
   return f"({sa}{op}{sb})", lambda x: py(fa(x), fb(x))
 
 
@@ -55,25 +61,27 @@ def test_precedence_and_operators():
 
 
 HOSTILE = [
-    "__import__('os').system('rm -rf /')",
-    "open('/etc/passwd').read()",
-    "exec('import socket')",
-    "x" * 10_000,
-    "(" * 5_000 + "x" + ")" * 5_000,
-    "-" * 5_000 + "x",
-    "9" * 200 + "*" + "9" * 200,
-    "99999999999*99999999999*99999999999",
-    "x/0", "x%0", "1/(x-x)",
-    "min(" * 200 + "x" + ",1)" * 200,
-    "x**x**x**x",
-    "lambda: 1",
-    "\x00\x01\x02",
-    "é+1",
-    "x?x:",
-    "",
-    "   ",
-    None,
-    12345,
+  "__import__('os').system('rm -rf /')",
+  "open('/etc/passwd').read()",
+  "exec('import socket')",
+  "x" * 10_000,
+  "(" * 5_000 + "x" + ")" * 5_000,
+  "-" * 5_000 + "x",
+  "9" * 200 + "*" + "9" * 200,
+  "99999999999*99999999999*99999999999",
+  "x/0",
+  "x%0",
+  "1/(x-x)",
+  "min(" * 200 + "x" + ",1)" * 200,
+  "x**x**x**x",
+  "lambda: 1",
+  "\x00\x01\x02",
+  "é+1",
+  "x?x:",
+  "",
+  "   ",
+  None,
+  12345,
 ]
 
 

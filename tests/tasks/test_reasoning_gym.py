@@ -17,7 +17,9 @@ def test_solver_scores_one_and_wrong_less():
 def test_partial_credit_is_dropped_unless_asked():
   task = get_task("rg:basic_arithmetic")
   item = task.sample(1, 1)[0]
-  padded = f"#{item.target['answer']} 123"  # contains the oracle: reasoning-gym gives partial credit
+  padded = (
+    f"#{item.target['answer']} 123"  # contains the oracle: reasoning-gym gives partial credit
+  )
   assert task.score(item, padded) == 0.0
   lenient = get_task("rg:basic_arithmetic", partial_credit=True)
   assert 0.0 < lenient.score(item, padded) < 1.0

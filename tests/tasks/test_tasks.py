@@ -5,9 +5,14 @@ import pytest
 
 from trace_jax.tasks import get_task, registered
 
-SINGLE_TURN = [("arith", {}), ("arith", {"terms": 4, "max_operand": 50, "ops": "+-*"}),
-               ("chain", {}),
-               ("coding", {"level": 1}), ("coding", {"level": 2}), ("coding", {"level": 3})]
+SINGLE_TURN = [
+  ("arith", {}),
+  ("arith", {"terms": 4, "max_operand": 50, "ops": "+-*"}),
+  ("chain", {}),
+  ("coding", {"level": 1}),
+  ("coding", {"level": 2}),
+  ("coding", {"level": 3}),
+]
 
 
 @pytest.mark.parametrize("name, options", SINGLE_TURN)
@@ -17,8 +22,11 @@ def test_solver_scores_one_and_wrong_answers_less(name, options):
   for item in items:
     assert task.score(item, item.demonstration) == 1.0
     assert task.score(item, "") == 0.0
-  wrong = {"arith": lambda i: f"#{i.target + 1}", "chain": lambda i: f"#{i.target + 1}",
-           "coding": lambda i: i.demonstration + "+1"}[name]
+  wrong = {
+    "arith": lambda i: f"#{i.target + 1}",
+    "chain": lambda i: f"#{i.target + 1}",
+    "coding": lambda i: i.demonstration + "+1",
+  }[name]
   assert all(task.score(item, wrong(item)) < 1.0 for item in items)
 
 
@@ -42,8 +50,17 @@ def test_coding_partial_credit_is_the_fraction_of_hidden_tests():
   tests = item.target
   # A piecewise-constant program right on exactly the hidden inputs it names.
   right_on = tests[:2]
-  program = "x==" + str(right_on[0][0]) + "?" + str(right_on[0][1]) + ":(x==" + str(right_on[1][0]) \
-            + "?" + str(right_on[1][1]) + ":-1)"
+  program = (
+    "x=="
+    + str(right_on[0][0])
+    + "?"
+    + str(right_on[0][1])
+    + ":(x=="
+    + str(right_on[1][0])
+    + "?"
+    + str(right_on[1][1])
+    + ":-1)"
+  )
   expected = sum(1 for x, y in tests if (y == -1 or (x, y) in right_on)) / 6
   assert task.score(item, program) == pytest.approx(expected)
 
@@ -72,13 +89,15 @@ def test_search_environment():
   assert task.score(item, "1 2 3") < 1.0 or item.target in (1, 2, 3)
   shaped = get_task("search", shaping=True)
   assert shaped.score(item, " ".join(item.demonstration)) == pytest.approx(
-      1 - 0.05 * (len(item.demonstration) - 1))
+    1 - 0.05 * (len(item.demonstration) - 1)
+  )
 
 
 def test_arith_held_out_problems_are_never_drawn_for_training():
   """With eval_share, "eval" draws only from a fixed share of the problems (by the prompt's
   CRC-32, recomputed here), "train" never from it; together they cover the whole space."""
   import zlib
+
   task = get_task("arith", terms=3, max_operand=3, ops="+", eval_share=0.25)
   train = {i.prompt for seed in range(40) for i in task.sample(seed, 32)}
   held = {i.prompt for seed in range(40) for i in task.sample(seed, 32, split="eval")}
@@ -126,12 +145,15 @@ def test_unknown_split_is_refused(name):
     get_task(name).sample(0, 2, split="test")
 
 
-@pytest.mark.parametrize("name, options, match", [
+@pytest.mark.parametrize(
+  "name, options, match",
+  [
     ("arith", {"terms": 1}, "terms=1"),
     ("arith", {"eval_share": 1.0}, "eval_share=1.0"),
     ("coding", {"level": 4}, "level=4"),
     ("search", {"bits": 6, "max_turns": 3}, "max_turns=3"),
-])
+  ],
+)
 def test_bad_task_options(name, options, match):
   with pytest.raises(ValueError, match=match):
     get_task(name, **options)

@@ -21,6 +21,7 @@ def test_char_tokenizer_round_trip_and_specials():
 def test_tokenizer_json_loads(tmp_path):
   tokenizers = pytest.importorskip("tokenizers", reason="the hf extra is not installed")
   from tokenizers import models, pre_tokenizers
+
   vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "find": 3, "n": 4, "in": 5, "[UNK]": 6}
   tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
   tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -2,9 +2,9 @@
 
 from trace_jax.export.calibration import calibrate_input_scales, input_scale_distance
 from trace_jax.export.compressed_tensors import (
-    ExportConfig,
-    export_compressed_tensors,
-    quantization_config,
-    tensor_listing,
+  ExportConfig,
+  export_compressed_tensors,
+  quantization_config,
+  tensor_listing,
 )
 from trace_jax.export.names import ARCH_NAMES, ArchNames, hf_config

@@ -21,7 +21,6 @@ differ from the per-token ones the policy was trained against.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -34,15 +33,19 @@ from trace_jax.rollout.params import quantize_params
 _RANGE = 448.0 * 6.0
 
 
-def _rollout_forward(policy: Transformer, quant: QuantConfig, tokens, mask, positions, dtype,
-                     recording: Recording):
+def _rollout_forward(
+  policy: Transformer, quant: QuantConfig, tokens, mask, positions, dtype, recording: Recording
+):
   """The rollout path's forward (packed weights) in `dtype`, recording what `recording` says."""
   graphdef, state = nnx.split(policy)
   packed = quantize_params(state, quant)
   positions = None if positions is None else jnp.asarray(positions)
   return nnx.merge(graphdef, packed)(
-      jnp.asarray(tokens), mask=jnp.asarray(mask), positions=positions,
-      quant=quant.replace(recording=recording, compute_dtype=dtype))
+    jnp.asarray(tokens),
+    mask=jnp.asarray(mask),
+    positions=positions,
+    quant=quant.replace(recording=recording, compute_dtype=dtype),
+  )
 
 
 def _valid_rows(mask: np.ndarray, site_shape: tuple[int, ...]) -> np.ndarray:
@@ -51,8 +54,9 @@ def _valid_rows(mask: np.ndarray, site_shape: tuple[int, ...]) -> np.ndarray:
   return np.broadcast_to(mask.reshape(mask.shape + (1,) * (extra + 1)), site_shape[:-1] + (1,))
 
 
-def calibrate_input_scales(policy: Transformer, quant: QuantConfig, tokens, mask=None, *,
-                           positions=None, dtype=jnp.bfloat16) -> dict[tuple[int, str], float]:
+def calibrate_input_scales(
+  policy: Transformer, quant: QuantConfig, tokens, mask=None, *, positions=None, dtype=jnp.bfloat16
+) -> dict[tuple[int, str], float]:
   """(layer, site) -> static NVFP4 input global scale (448 * 6 / amax over tokens).
 
   Args:
@@ -68,8 +72,10 @@ def calibrate_input_scales(policy: Transformer, quant: QuantConfig, tokens, mask
   tokens = np.asarray(tokens)
   mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
   if tokens.ndim != 2 or mask.shape != tokens.shape or not mask.any():
-    raise ValueError(f"tokens must be [B, T] with a matching mask holding a valid token; got "
-                     f"tokens {tokens.shape}, mask {mask.shape}")
+    raise ValueError(
+      f"tokens must be [B, T] with a matching mask holding a valid token; got "
+      f"tokens {tokens.shape}, mask {mask.shape}"
+    )
   out = _rollout_forward(policy, quant, tokens, mask, positions, dtype, Recording(form="full"))
   scales = {}
   for key, q in out.sites.items():
@@ -84,9 +90,16 @@ def calibrate_input_scales(policy: Transformer, quant: QuantConfig, tokens, mask
   return scales
 
 
-def input_scale_distance(policy: Transformer, quant: QuantConfig,
-                         scales: dict[tuple[int, str], float], tokens, mask=None, *,
-                         positions=None, dtype=jnp.bfloat16) -> dict[str, float]:
+def input_scale_distance(
+  policy: Transformer,
+  quant: QuantConfig,
+  scales: dict[tuple[int, str], float],
+  tokens,
+  mask=None,
+  *,
+  positions=None,
+  dtype=jnp.bfloat16,
+) -> dict[str, float]:
   """How far static-scale FP4 activations are from the per-token ones, on `tokens`.
 
   Per site input x (recorded on the rollout forward), with x_t the per-token NVFP4
@@ -103,8 +116,18 @@ def input_scale_distance(policy: Transformer, quant: QuantConfig,
   tokens = np.asarray(tokens)
   mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
   out = _rollout_forward(policy, quant, tokens, mask, positions, dtype, Recording(inputs=True))
-  sums = dict(diff=0.0, token=0.0, x=0.0, err_token=0.0, err_static=0.0, differ=0, code_differ=0,
-              elements=0, saturated=0, rows=0)
+  sums = dict(
+    diff=0.0,
+    token=0.0,
+    x=0.0,
+    err_token=0.0,
+    err_static=0.0,
+    differ=0,
+    code_differ=0,
+    elements=0,
+    saturated=0,
+    rows=0,
+  )
   for key, x in out.site_inputs.items():
     if key not in scales:
       continue
@@ -118,8 +141,8 @@ def input_scale_distance(policy: Transformer, quant: QuantConfig,
     sums["code_differ"] += int(np.sum(codes_differ & valid))
     x, per_token, static = (np.where(valid, np.asarray(a), 0.0) for a in (x, per_token, static))
     sums["diff"] += float(np.sum((static - per_token) ** 2))
-    sums["token"] += float(np.sum(per_token ** 2))
-    sums["x"] += float(np.sum(x ** 2))
+    sums["token"] += float(np.sum(per_token**2))
+    sums["x"] += float(np.sum(x**2))
     sums["err_token"] += float(np.sum((per_token - x) ** 2))
     sums["err_static"] += float(np.sum((static - x) ** 2))
     sums["differ"] += int(np.sum((static != per_token) & valid))
@@ -129,12 +152,14 @@ def input_scale_distance(policy: Transformer, quant: QuantConfig,
     sums["saturated"] += int(np.sum((amax > _RANGE / scales[key] * (1 + 1e-6)) & valid))
     sums["rows"] += int(np.sum(valid))
   if not sums["elements"]:
-    raise ValueError("no calibrated site was found in the forward (are the scales for this policy?)")
+    raise ValueError(
+      "no calibrated site was found in the forward (are the scales for this policy?)"
+    )
   return {
-      "rel_l2": float(np.sqrt(sums["diff"] / sums["token"])),
-      "value_diff_frac": sums["differ"] / sums["elements"],
-      "code_diff_frac": sums["code_differ"] / sums["elements"],
-      "err_token": float(np.sqrt(sums["err_token"] / sums["x"])),
-      "err_static": float(np.sqrt(sums["err_static"] / sums["x"])),
-      "saturated_frac": sums["saturated"] / sums["rows"],
+    "rel_l2": float(np.sqrt(sums["diff"] / sums["token"])),
+    "value_diff_frac": sums["differ"] / sums["elements"],
+    "code_diff_frac": sums["code_differ"] / sums["elements"],
+    "err_token": float(np.sqrt(sums["err_token"] / sums["x"])),
+    "err_static": float(np.sqrt(sums["err_static"] / sums["x"])),
+    "saturated_frac": sums["saturated"] / sums["rows"],
   }

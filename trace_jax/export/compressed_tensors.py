@@ -52,22 +52,44 @@ from trace_jax.utils.io import write_atomic, write_json
 FORMATS = ("nvfp4", "mxfp4")
 ACTIVATIONS = ("none", "nvfp4", "mxfp4")
 UNQUANTIZED_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                "generation_config.json", "chat_template.jinja", "chat_template.json",
-                "vocab.json", "merges.txt", "tokenizer.model")
+COPIED_FILES = (
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "generation_config.json",
+  "chat_template.jinja",
+  "chat_template.json",
+  "vocab.json",
+  "merges.txt",
+  "tokenizer.model",
+)
 # The activation site whose tensor each quantized linear multiplies (DESIGN.md section 2).
-INPUT_SITES = {("attn", "q_proj"): "attn_in", ("attn", "k_proj"): "attn_in",
-               ("attn", "v_proj"): "attn_in", ("attn", "o_proj"): "attn_out",
-               ("moe", "w_gate"): "moe_in", ("moe", "w_up"): "moe_in", ("moe", "w_down"): "moe_mid",
-               ("shared", "w_gate"): "moe_in", ("shared", "w_up"): "moe_in",
-               ("shared", "w_down"): "shared_mid",
-               ("mlp", "w_gate"): "mlp_in", ("mlp", "w_up"): "mlp_in", ("mlp", "w_down"): "mlp_mid",
-               # Gated DeltaNet (Qwen3.5): the token mixer's in/out projections
-               ("attn", "in_proj_qkv"): "attn_in", ("attn", "in_proj_z"): "attn_in",
-               ("attn", "out_proj"): "attn_out"}
-_SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16",
-                       np.dtype(np.uint8): "U8", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
-                       np.dtype(np.float16): "F16"}
+INPUT_SITES = {
+  ("attn", "q_proj"): "attn_in",
+  ("attn", "k_proj"): "attn_in",
+  ("attn", "v_proj"): "attn_in",
+  ("attn", "o_proj"): "attn_out",
+  ("moe", "w_gate"): "moe_in",
+  ("moe", "w_up"): "moe_in",
+  ("moe", "w_down"): "moe_mid",
+  ("shared", "w_gate"): "moe_in",
+  ("shared", "w_up"): "moe_in",
+  ("shared", "w_down"): "shared_mid",
+  ("mlp", "w_gate"): "mlp_in",
+  ("mlp", "w_up"): "mlp_in",
+  ("mlp", "w_down"): "mlp_mid",
+  # Gated DeltaNet (Qwen3.5): the token mixer's in/out projections
+  ("attn", "in_proj_qkv"): "attn_in",
+  ("attn", "in_proj_z"): "attn_in",
+  ("attn", "out_proj"): "attn_out",
+}
+_SAFETENSORS_DTYPES = {
+  np.dtype(np.float32): "F32",
+  np.dtype(ml_dtypes.bfloat16): "BF16",
+  np.dtype(np.uint8): "U8",
+  np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+  np.dtype(np.float16): "F16",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,14 +105,19 @@ class ExportConfig:
     if self.fmt not in FORMATS:
       raise ValueError(f"ExportConfig.fmt={self.fmt!r} is not allowed; use one of {FORMATS}")
     if self.activations not in ACTIVATIONS:
-      raise ValueError(f"ExportConfig.activations={self.activations!r} is not allowed; use one "
-                       f"of {ACTIVATIONS}")
+      raise ValueError(
+        f"ExportConfig.activations={self.activations!r} is not allowed; use one of {ACTIVATIONS}"
+      )
     if self.activations not in ("none", self.fmt):
-      raise ValueError(f"ExportConfig.activations={self.activations!r} with fmt={self.fmt!r}: "
-                       "W4A4 activations use the weights' format")
+      raise ValueError(
+        f"ExportConfig.activations={self.activations!r} with fmt={self.fmt!r}: "
+        "W4A4 activations use the weights' format"
+      )
     if self.unquantized_dtype not in UNQUANTIZED_DTYPES:
-      raise ValueError(f"ExportConfig.unquantized_dtype={self.unquantized_dtype!r} is not "
-                       f"allowed; use one of {sorted(UNQUANTIZED_DTYPES)}")
+      raise ValueError(
+        f"ExportConfig.unquantized_dtype={self.unquantized_dtype!r} is not "
+        f"allowed; use one of {sorted(UNQUANTIZED_DTYPES)}"
+      )
     if self.max_shard_bytes <= 0:
       raise ValueError(f"ExportConfig.max_shard_bytes={self.max_shard_bytes} must be > 0")
 
@@ -107,31 +134,50 @@ def format_name(fmt: str) -> str:
 def _scheme(config: ExportConfig) -> dict:
   """One config group of quantization_config (compressed-tensors QuantizationScheme)."""
   if config.fmt == "nvfp4":
-    args = dict(num_bits=4, type="float", symmetric=True, strategy="tensor_group", group_size=16,
-                scale_dtype="torch.float8_e4m3fn", zp_dtype="torch.float8_e4m3fn")
+    args = dict(
+      num_bits=4,
+      type="float",
+      symmetric=True,
+      strategy="tensor_group",
+      group_size=16,
+      scale_dtype="torch.float8_e4m3fn",
+      zp_dtype="torch.float8_e4m3fn",
+    )
   else:
-    args = dict(num_bits=4, type="float", symmetric=True, strategy="group", group_size=32,
-                scale_dtype="torch.uint8", zp_dtype="torch.uint8")
+    args = dict(
+      num_bits=4,
+      type="float",
+      symmetric=True,
+      strategy="group",
+      group_size=32,
+      scale_dtype="torch.uint8",
+      zp_dtype="torch.uint8",
+    )
   weights = dict(args, dynamic=False, observer="minmax")
   inputs = None
   if config.activations == "nvfp4":  # dynamic block scales, static (calibrated) global scale
     inputs = dict(args, dynamic="local", observer="static_minmax")
   elif config.activations == "mxfp4":
     inputs = dict(args, dynamic=True, observer=None)
-  return dict(targets=["Linear"], weights=weights, input_activations=inputs,
-              output_activations=None, format=format_name(config.fmt))
+  return dict(
+    targets=["Linear"],
+    weights=weights,
+    input_activations=inputs,
+    output_activations=None,
+    format=format_name(config.fmt),
+  )
 
 
 def quantization_config(config: ExportConfig, ignore: list[str]) -> dict:
   """The `quantization_config` entry of config.json."""
   return {
-      "quant_method": "compressed-tensors",
-      "format": format_name(config.fmt),
-      "quantization_status": "compressed",
-      "config_groups": {"group_0": _scheme(config)},
-      "ignore": ignore,
-      "kv_cache_scheme": None,
-      "global_compression_ratio": None,
+    "quant_method": "compressed-tensors",
+    "format": format_name(config.fmt),
+    "quantization_status": "compressed",
+    "config_groups": {"group_0": _scheme(config)},
+    "ignore": ignore,
+    "kv_cache_scheme": None,
+    "global_compression_ratio": None,
   }
 
 
@@ -161,9 +207,13 @@ def _input_site(path: tuple) -> str:
   return INPUT_SITES[key]
 
 
-def hf_tensors(policy: Transformer, config: ExportConfig, *, quant: QuantConfig | None = None,
-               input_scales: Mapping[tuple[int, str], float] | None = None
-               ) -> tuple[dict[str, np.ndarray], list[str]]:
+def hf_tensors(
+  policy: Transformer,
+  config: ExportConfig,
+  *,
+  quant: QuantConfig | None = None,
+  input_scales: Mapping[tuple[int, str], float] | None = None,
+) -> tuple[dict[str, np.ndarray], list[str]]:
   """All tensors of the export by HF name, and the ignore list (Linear modules kept in
   high precision).
 
@@ -187,14 +237,17 @@ def hf_tensors(policy: Transformer, config: ExportConfig, *, quant: QuantConfig 
     value = variable.get_value()
     is_packed = isinstance(value, fp4.QArray)
     if is_packed and not bool(jnp.all(jnp.isfinite(value.global_scale))):
-      raise ValueError(f"parameter {'.'.join(map(str, path))} holds NaN or Inf: refusing to "
-                       "export a broken policy")
+      raise ValueError(
+        f"parameter {'.'.join(map(str, path))} holds NaN or Inf: refusing to export a broken policy"
+      )
     if is_packed and config.activations != "none":
       site = _input_site(path)
       if not quant.quantizes(site):
-        raise ValueError(f"activations={config.activations!r}: the linear "
-                         f"{'.'.join(map(str, path))} has FP4 weights but its input site "
-                         f"{site!r} is not quantized by the QuantConfig; export weight-only")
+        raise ValueError(
+          f"activations={config.activations!r}: the linear "
+          f"{'.'.join(map(str, path))} has FP4 weights but its input site "
+          f"{site!r} is not quantized by the QuantConfig; export weight-only"
+        )
     array = None if is_packed else _to_numpy(value)
     for target in names_lib.targets(cfg, path):
       if is_packed:
@@ -202,14 +255,16 @@ def hf_tensors(policy: Transformer, config: ExportConfig, *, quant: QuantConfig 
         if config.static_input_scales:
           layer = int(path[1])
           if input_scales is None or (layer, _input_site(path)) not in input_scales:
-            raise ValueError(f"activations='nvfp4' needs input_scales for (layer {layer}, site "
-                             f"{_input_site(path)!r}); calibrate them (calibrate_input_scales)")
+            raise ValueError(
+              f"activations='nvfp4' needs input_scales for (layer {layer}, site "
+              f"{_input_site(path)!r}); calibrate them (calibrate_input_scales)"
+            )
           fields["input_global_scale"] = np.asarray(
-              [input_scales[(layer, _input_site(path))]], np.float32)
+            [input_scales[(layer, _input_site(path))]], np.float32
+          )
         tensors.update({f"{target.module}.{k}": v for k, v in fields.items()})
       else:
-        tensors[target.name] = np.ascontiguousarray(
-            names_lib.hf_array(array, target).astype(dtype))
+        tensors[target.name] = np.ascontiguousarray(names_lib.hf_array(array, target).astype(dtype))
         if target.linear:
           ignore.append(target.module)
   return tensors, ignore
@@ -223,8 +278,11 @@ def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
     array = tensors[name]
     if array.dtype not in _SAFETENSORS_DTYPES:
       raise ValueError(f"tensor {name!r}: dtype {array.dtype} has no safetensors code")
-    header[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape),
-                    "data_offsets": [offset, offset + array.nbytes]}
+    header[name] = {
+      "dtype": _SAFETENSORS_DTYPES[array.dtype],
+      "shape": list(array.shape),
+      "data_offsets": [offset, offset + array.nbytes],
+    }
     offset += array.nbytes
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes
@@ -249,12 +307,18 @@ def _shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> list[list[str]
   return shards + [current] if current else shards
 
 
-def export_compressed_tensors(policy: Transformer, out_dir: str, *, source: str | None = None,
-                              fmt: str = "nvfp4", activations: str = "none",
-                              quant: QuantConfig | None = None,
-                              input_scales: Mapping[tuple[int, str], float] | None = None,
-                              unquantized_dtype: str = "bfloat16",
-                              max_shard_bytes: int = ExportConfig.max_shard_bytes) -> dict:
+def export_compressed_tensors(
+  policy: Transformer,
+  out_dir: str,
+  *,
+  source: str | None = None,
+  fmt: str = "nvfp4",
+  activations: str = "none",
+  quant: QuantConfig | None = None,
+  input_scales: Mapping[tuple[int, str], float] | None = None,
+  unquantized_dtype: str = "bfloat16",
+  max_shard_bytes: int = ExportConfig.max_shard_bytes,
+) -> dict:
   """Write `policy` as a compressed-tensors FP4 checkpoint directory.
 
   Args:
@@ -274,8 +338,12 @@ def export_compressed_tensors(policy: Transformer, out_dir: str, *, source: str 
   Returns:
     A summary: files, tensor count, bytes, the quantization_config.
   """
-  config = ExportConfig(fmt=fmt, activations=activations, unquantized_dtype=unquantized_dtype,
-                        max_shard_bytes=max_shard_bytes)
+  config = ExportConfig(
+    fmt=fmt,
+    activations=activations,
+    unquantized_dtype=unquantized_dtype,
+    max_shard_bytes=max_shard_bytes,
+  )
   if source is not None and not os.path.exists(os.path.join(source, "config.json")):
     raise ValueError(f"source={source!r} has no config.json")
   if source is not None:
@@ -300,8 +368,10 @@ def export_compressed_tensors(policy: Transformer, out_dir: str, *, source: str 
       weight_map.update({n: name for n in shard})
       files.append(name)
     total = int(sum(a.nbytes for a in tensors.values()))
-    write_json(os.path.join(out_dir, "model.safetensors.index.json"),
-               {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(
+      os.path.join(out_dir, "model.safetensors.index.json"),
+      {"metadata": {"total_size": total}, "weight_map": weight_map},
+    )
   write_json(os.path.join(out_dir, "config.json"), hf)
   copied = []
   if source is not None:
@@ -309,9 +379,14 @@ def export_compressed_tensors(policy: Transformer, out_dir: str, *, source: str 
       if os.path.exists(os.path.join(source, name)):
         shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
         copied.append(name)
-  return {"out_dir": os.path.abspath(out_dir), "files": files, "copied": copied,
-          "tensors": len(tensors), "bytes": int(sum(a.nbytes for a in tensors.values())),
-          "quantization_config": hf["quantization_config"]}
+  return {
+    "out_dir": os.path.abspath(out_dir),
+    "files": files,
+    "copied": copied,
+    "tensors": len(tensors),
+    "bytes": int(sum(a.nbytes for a in tensors.values())),
+    "quantization_config": hf["quantization_config"],
+  }
 
 
 def tensor_listing(out_dir: str) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -54,13 +54,17 @@ def load_fp4(path: str, dtype=jnp.float32) -> Transformer:
       parts = [compressed.module_qarray(tensors, t.module, fmt) for t in targets]
       gs = [np.asarray(q.global_scale) for q in parts]  # [1, 1] each
       packed = fp4.QArray(
-          packed=jnp.asarray(_stack([np.asarray(q.packed) for q in parts], targets)),
-          scales=jnp.asarray(_stack([np.asarray(q.scales) for q in parts], targets)),
-          global_scale=jnp.asarray(np.stack(gs) if targets[0].expert is not None else gs[0]),
-          fmt=fmt, axis=-2)
+        packed=jnp.asarray(_stack([np.asarray(q.packed) for q in parts], targets)),
+        scales=jnp.asarray(_stack([np.asarray(q.scales) for q in parts], targets)),
+        global_scale=jnp.asarray(np.stack(gs) if targets[0].expert is not None else gs[0]),
+        fmt=fmt,
+        axis=-2,
+      )
       if packed.shape != variable.get_value().shape:
-        raise ValueError(f"packed weight for {param_path} has shape {packed.shape}; the "
-                         f"config implies {variable.get_value().shape}")
+        raise ValueError(
+          f"packed weight for {param_path} has shape {packed.shape}; the "
+          f"config implies {variable.get_value().shape}"
+        )
       variable = variable.replace(packed)
     flat.append((param_path, variable))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))

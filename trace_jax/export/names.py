@@ -30,37 +30,55 @@ class ArchNames:
 
 
 ARCH_NAMES = {
-    "qwen3_moe": ArchNames(hf_class="Qwen3MoeForCausalLM", moe="mlp",
-                           experts=("gate_proj", "up_proj", "down_proj"),
-                           num_experts_key="num_experts", moe_ffn_key="moe_intermediate_size",
-                           extra_config=(("decoder_sparse_step", 1), ("use_sliding_window", False),
-                                         ("attention_bias", False))),
-    "mixtral": ArchNames(hf_class="MixtralForCausalLM", moe="block_sparse_moe",
-                         experts=("w1", "w3", "w2"), num_experts_key="num_local_experts",
-                         moe_ffn_key="intermediate_size"),
-    "olmoe": ArchNames(hf_class="OlmoeForCausalLM", moe="mlp",
-                       experts=("gate_proj", "up_proj", "down_proj"),
-                       num_experts_key="num_experts", moe_ffn_key="intermediate_size",
-                       extra_config=(("attention_bias", False),)),
-    # The text model as `Qwen3_5MoeForCausalLM.save_pretrained` writes it: one tensor per
-    # expert, Gated DeltaNet layers under `linear_attn` (see `_qwen3_5_linear`).
-    "qwen3_5_moe": ArchNames(hf_class="Qwen3_5MoeForCausalLM", moe="mlp",
-                             experts=("gate_proj", "up_proj", "down_proj"),
-                             num_experts_key="num_experts", moe_ffn_key="moe_intermediate_size",
-                             extra_config=(("model_type", "qwen3_5_moe_text"),
-                                           ("attention_bias", False))),
+  "qwen3_moe": ArchNames(
+    hf_class="Qwen3MoeForCausalLM",
+    moe="mlp",
+    experts=("gate_proj", "up_proj", "down_proj"),
+    num_experts_key="num_experts",
+    moe_ffn_key="moe_intermediate_size",
+    extra_config=(
+      ("decoder_sparse_step", 1),
+      ("use_sliding_window", False),
+      ("attention_bias", False),
+    ),
+  ),
+  "mixtral": ArchNames(
+    hf_class="MixtralForCausalLM",
+    moe="block_sparse_moe",
+    experts=("w1", "w3", "w2"),
+    num_experts_key="num_local_experts",
+    moe_ffn_key="intermediate_size",
+  ),
+  "olmoe": ArchNames(
+    hf_class="OlmoeForCausalLM",
+    moe="mlp",
+    experts=("gate_proj", "up_proj", "down_proj"),
+    num_experts_key="num_experts",
+    moe_ffn_key="intermediate_size",
+    extra_config=(("attention_bias", False),),
+  ),
+  # The text model as `Qwen3_5MoeForCausalLM.save_pretrained` writes it: one tensor per
+  # expert, Gated DeltaNet layers under `linear_attn` (see `_qwen3_5_linear`).
+  "qwen3_5_moe": ArchNames(
+    hf_class="Qwen3_5MoeForCausalLM",
+    moe="mlp",
+    experts=("gate_proj", "up_proj", "down_proj"),
+    num_experts_key="num_experts",
+    moe_ffn_key="moe_intermediate_size",
+    extra_config=(("model_type", "qwen3_5_moe_text"), ("attention_bias", False)),
+  ),
 }
 # Gated DeltaNet parameters (ours under `attn`) -> (name under `linear_attn`, tensor, kind).
 _QWEN3_5_LINEAR = {
-    ("in_proj_qkv",): ("in_proj_qkv", "weight", "linear"),
-    ("in_proj_z",): ("in_proj_z", "weight", "linear"),
-    ("in_proj_b",): ("in_proj_b", "weight", "linear"),
-    ("in_proj_a",): ("in_proj_a", "weight", "linear"),
-    ("out_proj",): ("out_proj", "weight", "linear"),
-    ("conv_weight",): ("conv1d", "weight", "conv1d"),  # ours [K, C], theirs [C, 1, K]
-    ("norm", "scale"): ("norm", "weight", "plain"),
-    ("A_log",): ("", "A_log", "plain"),  # parameters of linear_attn itself
-    ("dt_bias",): ("", "dt_bias", "plain"),
+  ("in_proj_qkv",): ("in_proj_qkv", "weight", "linear"),
+  ("in_proj_z",): ("in_proj_z", "weight", "linear"),
+  ("in_proj_b",): ("in_proj_b", "weight", "linear"),
+  ("in_proj_a",): ("in_proj_a", "weight", "linear"),
+  ("out_proj",): ("out_proj", "weight", "linear"),
+  ("conv_weight",): ("conv1d", "weight", "conv1d"),  # ours [K, C], theirs [C, 1, K]
+  ("norm", "scale"): ("norm", "weight", "plain"),
+  ("A_log",): ("", "A_log", "plain"),  # parameters of linear_attn itself
+  ("dt_bias",): ("", "dt_bias", "plain"),
 }
 _OURS = ("w_gate", "w_up", "w_down")
 _DENSE = dict(zip(_OURS, ("gate_proj", "up_proj", "down_proj")))
@@ -113,15 +131,22 @@ def targets(cfg: ModelConfig, path: tuple) -> Iterator[Target]:
     raise ValueError(f"no Hugging Face name for parameter {'.'.join(path)}")
   prefix = f"model.layers.{path[1]}"
   rest = path[2:]
-  norms = {("attn_norm", "scale"): "input_layernorm", ("mlp_norm", "scale"): "post_attention_layernorm"}
+  norms = {
+    ("attn_norm", "scale"): "input_layernorm",
+    ("mlp_norm", "scale"): "post_attention_layernorm",
+  }
   if rest in norms:
     yield Target(f"{prefix}.{norms[rest]}", False)
   elif rest[0] == "attn" and cfg.arch == "qwen3_5_moe" and int(path[1]) in cfg.linear_layers:
     if rest[1:] not in _QWEN3_5_LINEAR:
       raise ValueError(f"no Hugging Face name for parameter {'.'.join(path)}")
     module, tensor, kind = _QWEN3_5_LINEAR[rest[1:]]
-    yield Target(f"{prefix}.linear_attn" + (f".{module}" if module else ""), kind == "linear",
-                 tensor=tensor, conv1d=kind == "conv1d")
+    yield Target(
+      f"{prefix}.linear_attn" + (f".{module}" if module else ""),
+      kind == "linear",
+      tensor=tensor,
+      conv1d=kind == "conv1d",
+    )
   elif rest[0] == "attn" and rest[-1] == "scale":  # q_norm / k_norm
     yield Target(f"{prefix}.self_attn.{rest[1]}", False)
   elif rest[0] == "attn":
@@ -160,26 +185,26 @@ def hf_config(cfg: ModelConfig) -> dict:
   """
   names = arch_names(cfg.arch)
   hf = {
-      "architectures": [names.hf_class],
-      "model_type": cfg.arch,
-      "vocab_size": cfg.vocab_size,
-      "hidden_size": cfg.d_model,
-      "num_hidden_layers": cfg.num_layers,
-      "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim,
-      "num_experts_per_tok": cfg.num_experts_per_tok,
-      names.num_experts_key: cfg.num_experts,
-      names.moe_ffn_key: cfg.moe_ffn_dim,
-      "norm_topk_prob": cfg.norm_topk_prob,
-      "rms_norm_eps": cfg.rms_eps,
-      "rope_theta": cfg.rope_theta,
-      "max_position_embeddings": cfg.max_seq_len,
-      "tie_word_embeddings": cfg.tie_embeddings,
-      "router_aux_loss_coef": cfg.router_aux_loss_coef,
-      "hidden_act": "silu",
-      "torch_dtype": "bfloat16",
-      **dict(names.extra_config),
+    "architectures": [names.hf_class],
+    "model_type": cfg.arch,
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.d_model,
+    "num_hidden_layers": cfg.num_layers,
+    "num_attention_heads": cfg.num_heads,
+    "num_key_value_heads": cfg.num_kv_heads,
+    "head_dim": cfg.head_dim,
+    "num_experts_per_tok": cfg.num_experts_per_tok,
+    names.num_experts_key: cfg.num_experts,
+    names.moe_ffn_key: cfg.moe_ffn_dim,
+    "norm_topk_prob": cfg.norm_topk_prob,
+    "rms_norm_eps": cfg.rms_eps,
+    "rope_theta": cfg.rope_theta,
+    "max_position_embeddings": cfg.max_seq_len,
+    "tie_word_embeddings": cfg.tie_embeddings,
+    "router_aux_loss_coef": cfg.router_aux_loss_coef,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    **dict(names.extra_config),
   }
   if cfg.arch == "qwen3_moe":
     hf["intermediate_size"] = cfg.ffn_dim or cfg.moe_ffn_dim
@@ -190,23 +215,31 @@ def hf_config(cfg: ModelConfig) -> dict:
     hf["clip_qkv"] = cfg.clip_qkv
   if cfg.arch == "qwen3_5_moe":
     del hf["rope_theta"]
-    hf.update(layer_types=list(cfg.layer_types),
-              rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
-                               "partial_rotary_factor": cfg.partial_rotary_factor},
-              shared_expert_intermediate_size=cfg.shared_expert_dim,
-              linear_num_key_heads=cfg.linear_num_key_heads,
-              linear_num_value_heads=cfg.linear_num_value_heads,
-              linear_key_head_dim=cfg.linear_key_head_dim,
-              linear_value_head_dim=cfg.linear_value_head_dim,
-              linear_conv_kernel_dim=cfg.linear_conv_kernel)
+    hf.update(
+      layer_types=list(cfg.layer_types),
+      rope_parameters={
+        "rope_type": "default",
+        "rope_theta": cfg.rope_theta,
+        "partial_rotary_factor": cfg.partial_rotary_factor,
+      },
+      shared_expert_intermediate_size=cfg.shared_expert_dim,
+      linear_num_key_heads=cfg.linear_num_key_heads,
+      linear_num_value_heads=cfg.linear_num_value_heads,
+      linear_key_head_dim=cfg.linear_key_head_dim,
+      linear_value_head_dim=cfg.linear_value_head_dim,
+      linear_conv_kernel_dim=cfg.linear_conv_kernel,
+    )
   back = config_from_hf(hf)
   # delta_chunk_size is how we compute the delta rule, not a property of the checkpoint.
   ignored = ("name", "dtype", "dispatch", "init_std", "delta_chunk_size") + (
-      () if cfg.dense_layers else ("ffn_dim",))
+    () if cfg.dense_layers else ("ffn_dim",)
+  )
   fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ignored]
   differ = [f for f in fields if getattr(back, f) != getattr(cfg, f)]
   if differ:
-    raise ValueError(f"the policy's ModelConfig cannot be written as a {cfg.arch} config.json: "
-                     f"fields {differ} would read back as "
-                     f"{[getattr(back, f) for f in differ]}, not {[getattr(cfg, f) for f in differ]}")
+    raise ValueError(
+      f"the policy's ModelConfig cannot be written as a {cfg.arch} config.json: "
+      f"fields {differ} would read back as "
+      f"{[getattr(back, f) for f in differ]}, not {[getattr(cfg, f) for f in differ]}"
+    )
   return hf

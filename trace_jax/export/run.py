@@ -46,9 +46,16 @@ def _rollout_tokens(trainer: Trainer, seed: int, count: int):
   return np.asarray(rollout.tokens), np.asarray(rollout.mask), np.asarray(rollout.positions)
 
 
-def export_run(workdir: str, out_dir: str, *, hf_checkpoint: str | None = None,
-               fmt: str = "nvfp4", activations: str = "none", calibration_prompts: int = 64,
-               seed: int = 12345) -> dict:
+def export_run(
+  workdir: str,
+  out_dir: str,
+  *,
+  hf_checkpoint: str | None = None,
+  fmt: str = "nvfp4",
+  activations: str = "none",
+  calibration_prompts: int = 64,
+  seed: int = 12345,
+) -> dict:
   """Export the run's policy as a compressed-tensors checkpoint; returns a summary.
 
   The FP4 scope is the run's rollout QuantConfig (its format replaced by `fmt`). For NVFP4
@@ -62,13 +69,22 @@ def export_run(workdir: str, out_dir: str, *, hf_checkpoint: str | None = None,
   scales, distance = None, None
   if activations == "nvfp4":
     tokens, mask, positions = _rollout_tokens(trainer, seed, calibration_prompts)
-    scales = calibration.calibrate_input_scales(trainer.policy, quant, tokens, mask,
-                                                positions=positions, dtype=dtype)
+    scales = calibration.calibrate_input_scales(
+      trainer.policy, quant, tokens, mask, positions=positions, dtype=dtype
+    )
     tokens, mask, positions = _rollout_tokens(trainer, seed + 1, calibration_prompts)
-    distance = calibration.input_scale_distance(trainer.policy, quant, scales, tokens, mask,
-                                                positions=positions, dtype=dtype)
-  summary = export_compressed_tensors(trainer.policy, out_dir, source=hf_checkpoint or trainer.config.hf_checkpoint or None, fmt=fmt,
-                                      activations=activations, quant=quant, input_scales=scales)
+    distance = calibration.input_scale_distance(
+      trainer.policy, quant, scales, tokens, mask, positions=positions, dtype=dtype
+    )
+  summary = export_compressed_tensors(
+    trainer.policy,
+    out_dir,
+    source=hf_checkpoint or trainer.config.hf_checkpoint or None,
+    fmt=fmt,
+    activations=activations,
+    quant=quant,
+    input_scales=scales,
+  )
   summary.update(step=trainer.step, arm=trainer.config.arm, preset=trainer.config.preset)
   if distance is not None:
     summary["input_scale_distance"] = distance
@@ -85,5 +101,8 @@ def format_listing(out_dir: str) -> str:
 
 def describe(summary: dict) -> str:
   qc = summary["quantization_config"]
-  return json.dumps({k: summary[k] for k in ("out_dir", "files", "tensors", "bytes", "step")} |
-                    {"format": qc["format"], "ignore": len(qc["ignore"])}, indent=1)
+  return json.dumps(
+    {k: summary[k] for k in ("out_dir", "files", "tensors", "bytes", "step")}
+    | {"format": qc["format"], "ignore": len(qc["ignore"])},
+    indent=1,
+  )

@@ -29,8 +29,10 @@ def fp8_values(x: jax.Array) -> jax.Array:
   """x [..., n] (n a multiple of 32) rounded to MXFP8 E4M3 along its last axis, float32."""
   n = x.shape[-1]
   if n % FP8_BLOCK_SIZE:
-    raise ValueError(f"FP8 (MXFP8) activations need the quantized axis to be a multiple of "
-                     f"{FP8_BLOCK_SIZE}; got {n} (shape {x.shape})")
+    raise ValueError(
+      f"FP8 (MXFP8) activations need the quantized axis to be a multiple of "
+      f"{FP8_BLOCK_SIZE}; got {n} (shape {x.shape})"
+    )
   x32 = x.astype(jnp.float32)
   blocks = x32.reshape(*x.shape[:-1], n // FP8_BLOCK_SIZE, FP8_BLOCK_SIZE)
   amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)

@@ -45,8 +45,10 @@ def _batch_true_divide(args, dims):
   # Operands have one shape (true_divide broadcasts them); vmap may batch either or both:
   # put the batch axis first on both.
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-  front = [jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-           for x, d in zip(args, dims)]
+  front = [
+    jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+    for x, d in zip(args, dims)
+  ]
   return _ieee_div_p.bind(*front), 0
 
 
@@ -74,8 +76,9 @@ def true_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
   `tt.precise_divf` (div.rn.f32), since Triton lowers a plain float division to the
   approximate div.full.f32.
   """
-  numerator, denominator = jnp.broadcast_arrays(jnp.asarray(numerator, jnp.float32),
-                                                jnp.asarray(denominator, jnp.float32))
+  numerator, denominator = jnp.broadcast_arrays(
+    jnp.asarray(numerator, jnp.float32), jnp.asarray(denominator, jnp.float32)
+  )
   return _ieee_div_p.bind(numerator, denominator)
 
 

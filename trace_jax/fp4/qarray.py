@@ -35,8 +35,8 @@ class Format:
 
 
 FORMATS = {
-    "nvfp4": Format("nvfp4", block_size=16, has_global_scale=True),
-    "mxfp4": Format("mxfp4", block_size=32, has_global_scale=False),
+  "nvfp4": Format("nvfp4", block_size=16, has_global_scale=True),
+  "mxfp4": Format("mxfp4", block_size=32, has_global_scale=False),
 }
 
 
@@ -53,9 +53,9 @@ def _axis_shape(shape: tuple[int, ...], axis: int, factor: float) -> tuple[int, 
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["packed", "scales", "global_scale"],
-    meta_fields=["fmt", "axis"],
+  jax.tree_util.register_dataclass,
+  data_fields=["packed", "scales", "global_scale"],
+  meta_fields=["fmt", "axis"],
 )
 @dataclasses.dataclass(frozen=True)
 class QArray:
@@ -92,9 +92,9 @@ class QArray:
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["global_scale", "scales", "mantissa_bits"],
-    meta_fields=["fmt", "axis"],
+  jax.tree_util.register_dataclass,
+  data_fields=["global_scale", "scales", "mantissa_bits"],
+  meta_fields=["fmt", "axis"],
 )
 @dataclasses.dataclass(frozen=True)
 class CompactGuidance:
@@ -149,8 +149,9 @@ def block_scaled_values(q: QArray) -> jax.Array:
   """c * s_b of every element, without the global scale (float32, the dequantized shape):
   what FP4 kernels multiply before they divide by the global scales, after accumulating."""
   fmt = q.format
-  return numerics.e2m1_decode(codes(q)) * _expand_blocks(fmt.decode_scales(q.scales), q.axis,
-                                                         fmt.block_size)
+  return numerics.e2m1_decode(codes(q)) * _expand_blocks(
+    fmt.decode_scales(q.scales), q.axis, fmt.block_size
+  )
 
 
 @jax.jit
@@ -162,9 +163,9 @@ def mantissa_bits(q: QArray) -> jax.Array:
 def compact_guidance(q: QArray) -> CompactGuidance:
   """The compact guidance a rollout records for a quantized activation."""
   return CompactGuidance(
-      global_scale=q.global_scale,
-      scales=q.scales,
-      mantissa_bits=mantissa_bits(q),
-      fmt=q.fmt,
-      axis=q.axis,
+    global_scale=q.global_scale,
+    scales=q.scales,
+    mantissa_bits=mantissa_bits(q),
+    fmt=q.fmt,
+    axis=q.axis,
   )

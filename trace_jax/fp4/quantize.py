@@ -62,16 +62,16 @@ def _group_axes(global_group: GlobalGroup, ndim: int, axis: int) -> tuple[int, .
     if global_group == "row":
       return tuple(a for a in range(ndim) if a != axis)
     raise ValueError(
-        f"global_group={global_group!r} is not allowed; use 'tensor', 'row', or the axes "
-        "(an int or a tuple of ints) that each get their own global scale")
+      f"global_group={global_group!r} is not allowed; use 'tensor', 'row', or the axes "
+      "(an int or a tuple of ints) that each get their own global scale"
+    )
   axes = (global_group,) if isinstance(global_group, (int, np.integer)) else tuple(global_group)
   normalised = []
   for a in axes:
     if not isinstance(a, (int, np.integer)) or not -ndim <= a < ndim:
       raise ValueError(f"global_group axis {a!r} is out of range for a {ndim}-d input")
     if a % ndim == axis:
-      raise ValueError(
-          f"global_group axis {a} is the quantized axis; a global group must span it")
+      raise ValueError(f"global_group axis {a} is the quantized axis; a global group must span it")
     normalised.append(int(a) % ndim)
   return tuple(sorted(set(normalised)))
 
@@ -80,14 +80,17 @@ def _check_guidance(guidance: Any, shape: tuple[int, ...], fmt: str, axis: int) 
   """Raise a ValueError unless `guidance` was recorded for a tensor like this one."""
   if not isinstance(guidance, (QArray, CompactGuidance, SparseGuidance)):
     raise ValueError(
-        "rounding='guided' needs guidance=QArray (full guidance: recorded codes), "
-        "CompactGuidance (scales + mantissa bits) or SparseGuidance (flagged bits and "
-        f"scales); got {type(guidance).__name__}")
+      "rounding='guided' needs guidance=QArray (full guidance: recorded codes), "
+      "CompactGuidance (scales + mantissa bits) or SparseGuidance (flagged bits and "
+      f"scales); got {type(guidance).__name__}"
+    )
   if isinstance(guidance, SparseGuidance):
     if fmt != guidance.fmt or axis != len(shape) - 1 or tuple(guidance.shape) != tuple(shape):
-      raise ValueError(f"sparse guidance was recorded for rows {guidance.shape} in "
-                       f"fmt={guidance.fmt!r} along the last axis; the input has shape {shape}, "
-                       f"fmt={fmt!r}, axis {axis}")
+      raise ValueError(
+        f"sparse guidance was recorded for rows {guidance.shape} in "
+        f"fmt={guidance.fmt!r} along the last axis; the input has shape {shape}, "
+        f"fmt={fmt!r}, axis {axis}"
+      )
     return
   kind = "full" if isinstance(guidance, QArray) else "compact"
   if guidance.fmt != fmt:
@@ -95,17 +98,22 @@ def _check_guidance(guidance: Any, shape: tuple[int, ...], fmt: str, axis: int) 
   ndim = len(shape)
   if guidance.axis % ndim != axis or len(guidance.shape) != ndim:
     raise ValueError(
-        f"{kind} guidance has axis {guidance.axis} for shape {guidance.shape}; the input has "
-        f"axis {axis - ndim} and shape {shape}")
+      f"{kind} guidance has axis {guidance.axis} for shape {guidance.shape}; the input has "
+      f"axis {axis - ndim} and shape {shape}"
+    )
   if tuple(guidance.shape) != tuple(shape):
     raise ValueError(f"{kind} guidance was recorded for shape {guidance.shape}, input is {shape}")
   gs_shape = tuple(guidance.global_scale.shape)
-  bad_gs = len(gs_shape) != ndim or gs_shape[axis] != 1 or any(
-      g not in (1, s) for g, s in zip(gs_shape, shape))
+  bad_gs = (
+    len(gs_shape) != ndim
+    or gs_shape[axis] != 1
+    or any(g not in (1, s) for g, s in zip(gs_shape, shape))
+  )
   if bad_gs:
     raise ValueError(
-        f"{kind} guidance global_scale has shape {gs_shape}; it must have size 1 along the "
-        f"quantized axis and broadcast against {shape}")
+      f"{kind} guidance global_scale has shape {gs_shape}; it must have size 1 along the "
+      f"quantized axis and broadcast against {shape}"
+    )
 
 
 def _validate(x, fmt, axis, rounding, key, guidance, scale_rule="standard") -> tuple[int, Any]:
@@ -115,8 +123,10 @@ def _validate(x, fmt, axis, rounding, key, guidance, scale_rule="standard") -> t
   if scale_rule not in SCALE_RULES:
     raise ValueError(f"scale_rule={scale_rule!r} is not allowed; use one of {SCALE_RULES}")
   if scale_rule != "standard" and (not spec.has_global_scale or rounding != "nearest"):
-    raise ValueError(f"scale_rule={scale_rule!r} chooses NVFP4 block scales under nearest "
-                     f"rounding; got fmt={fmt!r}, rounding={rounding!r}")
+    raise ValueError(
+      f"scale_rule={scale_rule!r} chooses NVFP4 block scales under nearest "
+      f"rounding; got fmt={fmt!r}, rounding={rounding!r}"
+    )
   x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"x must be a floating array to quantize; got dtype {x.dtype}")
@@ -130,8 +140,9 @@ def _validate(x, fmt, axis, rounding, key, guidance, scale_rule="standard") -> t
   n = x.shape[axis]
   if n % spec.block_size:
     raise ValueError(
-        f"{fmt} quantizes blocks of {spec.block_size}: axis {axis} of x has length {n}, "
-        f"not a multiple of {spec.block_size} (shape {x.shape})")
+      f"{fmt} quantizes blocks of {spec.block_size}: axis {axis} of x has length {n}, "
+      f"not a multiple of {spec.block_size} (shape {x.shape})"
+    )
   if rounding == "stochastic" and key is None:
     raise ValueError("rounding='stochastic' needs key= (a jax.random key)")
   if rounding == "guided":
@@ -148,16 +159,16 @@ def _to_last(a: jax.Array, axis: int) -> jax.Array:
 
 
 def quantize_with_fallbacks(
-    x: jax.Array,
-    fmt: str = "nvfp4",
-    *,
-    axis: int = -1,
-    global_group: GlobalGroup = "tensor",
-    rounding: str = "nearest",
-    key: jax.Array | None = None,
-    guidance: Guidance | None = None,
-    global_scale: jax.Array | None = None,
-    scale_rule: str = "standard",
+  x: jax.Array,
+  fmt: str = "nvfp4",
+  *,
+  axis: int = -1,
+  global_group: GlobalGroup = "tensor",
+  rounding: str = "nearest",
+  key: jax.Array | None = None,
+  guidance: Guidance | None = None,
+  global_scale: jax.Array | None = None,
+  scale_rule: str = "standard",
 ) -> tuple[QArray, jax.Array]:
   """`quantize`, also returning a bool mask (input shape) of guidance fallbacks.
 
@@ -166,8 +177,7 @@ def quantize_with_fallbacks(
   the value sits exactly on the grid or saturates, so its only neighbour's lowest bit
   differs from the recorded one (that neighbour is taken). Other modes never fall back.
   """
-  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance,
-                                 scale_rule)
+  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance, scale_rule)
   static_scale = _check_static_scale(global_scale, x, fmt, axis, rounding)
   return _quantize(x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule)
 
@@ -181,10 +191,15 @@ def _check_static_scale(global_scale, x, fmt, axis, rounding):
   if rounding == "guided":
     raise ValueError("global_scale= and rounding='guided' both fix the scales; pass one")
   gs = jnp.asarray(global_scale, jnp.float32)
-  if gs.ndim != x.ndim or gs.shape[axis] != 1 or any(
-      g not in (1, n) for g, n in zip(gs.shape, x.shape)):
-    raise ValueError(f"global_scale has shape {gs.shape}; it needs {x.ndim} axes, size 1 "
-                     f"along the quantized axis {axis}, and to broadcast against {x.shape}")
+  if (
+    gs.ndim != x.ndim
+    or gs.shape[axis] != 1
+    or any(g not in (1, n) for g, n in zip(gs.shape, x.shape))
+  ):
+    raise ValueError(
+      f"global_scale has shape {gs.shape}; it needs {x.ndim} axes, size 1 "
+      f"along the quantized axis {axis}, and to broadcast against {x.shape}"
+    )
   return gs
 
 
@@ -200,8 +215,9 @@ def _resolve(x, fmt, axis, global_group, rounding, key, guidance, scale_rule="st
   return x, axis, group_axes
 
 
-def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None,
-                   scale_rule="standard"):
+def _quantize_last(
+  x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None, scale_rule="standard"
+):
   """The code path all modes share, on validated arguments, with the quantized axis last.
 
   `static_scale` (NVFP4, not guided): a given encode scale gs, broadcast over the groups,
@@ -234,15 +250,15 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding, static_sca
     scale_bits = _to_last(guidance.scales, axis)
   else:
     if spec.has_global_scale and static_scale is not None:
-      global_scale = jnp.broadcast_to(_to_last(static_scale.astype(jnp.float32), axis),
-                                      amax.shape)
+      global_scale = jnp.broadcast_to(_to_last(static_scale.astype(jnp.float32), axis), amax.shape)
       scale_bits = numerics.e4m3_encode(numerics.true_divide(amax_b, 6.0) * global_scale)
     elif spec.has_global_scale:
       # gs = 1 where amax is 0; stay finite where amax is f32-subnormal.
       # True divisions (numerics.true_divide), as the spec divides: a reciprocal
       # multiply would flip exact ties of the block scale and of the codes.
       global_scale = jnp.minimum(
-          numerics.true_divide(448.0 * 6.0, jnp.where(amax > 0, amax, 448.0 * 6.0)), _F32_MAX)
+        numerics.true_divide(448.0 * 6.0, jnp.where(amax > 0, amax, 448.0 * 6.0)), _F32_MAX
+      )
       scale_bits = numerics.e4m3_encode(numerics.true_divide(amax_b, 6.0) * global_scale)
     else:
       global_scale = jnp.ones(finite.shape, jnp.float32)
@@ -279,9 +295,11 @@ def _quantize_last(x, key, guidance, fmt, axis, group_axes, rounding, static_sca
     else:
       recorded = numerics.unpack_codes(_to_last(guidance.packed, axis)).reshape(v.shape) & 7
       fell_back = (recorded != lo_code) & (recorded != hi_code)
-      chosen = jnp.where(recorded == lo_code, lo_units,
-                         jnp.where(recorded == hi_code, hi_units,
-                                   numerics.round_half_even(units)))
+      chosen = jnp.where(
+        recorded == lo_code,
+        lo_units,
+        jnp.where(recorded == hi_code, hi_units, numerics.round_half_even(units)),
+      )
   negative = v < 0
   code = numerics.e2m1_sign(numerics.e2m1_unit_code(exponent, chosen), negative)
   magnitude = numerics.e2m1_unit_value(chosen, spacing)
@@ -309,49 +327,54 @@ def _four_over_six(blocks, amax_b, global_scale, scale_bits):
   """Per block, the standard scale (amax -> 6) or the one mapping amax -> 4, whichever
   reconstructs the block better (the standard one on a tie)."""
   scale4 = numerics.e4m3_encode(numerics.true_divide(amax_b, 4.0) * global_scale)
-  better4 = (_block_sq_error(blocks, scale4, global_scale)
-             < _block_sq_error(blocks, scale_bits, global_scale))
+  better4 = _block_sq_error(blocks, scale4, global_scale) < _block_sq_error(
+    blocks, scale_bits, global_scale
+  )
   return jnp.where(better4, scale4, scale_bits)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 8))
-def _quantize(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None,
-              scale_rule="standard"):
+def _quantize(
+  x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None, scale_rule="standard"
+):
   code, _, scale_bits, global_scale, fell_back = _quantize_last(
-      x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule)
+    x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule
+  )
   flat_shape = (*code.shape[:-2], -1)
   q = QArray(
-      packed=jnp.moveaxis(numerics.pack_codes(code.reshape(flat_shape)), -1, axis),
-      scales=jnp.moveaxis(scale_bits, -1, axis),
-      global_scale=jnp.moveaxis(global_scale, -1, axis),
-      fmt=fmt,
-      axis=axis - x.ndim,
+    packed=jnp.moveaxis(numerics.pack_codes(code.reshape(flat_shape)), -1, axis),
+    scales=jnp.moveaxis(scale_bits, -1, axis),
+    global_scale=jnp.moveaxis(global_scale, -1, axis),
+    fmt=fmt,
+    axis=axis - x.ndim,
   )
   return q, jnp.moveaxis(fell_back.reshape(flat_shape), -1, axis)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 8))
-def _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None,
-                       scale_rule="standard"):
+def _fake_quant_values(
+  x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None, scale_rule="standard"
+):
   """dequantize(quantize(x)) without packing: the same ops as `dequantize`, bit for bit."""
   _, value, scale_bits, global_scale, _ = _quantize_last(
-      x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule)
+    x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule
+  )
   step = numerics.true_divide(get_format(fmt).decode_scales(scale_bits), global_scale)  # s_b / gs
   values = value * step[..., None]
   return jnp.moveaxis(values.reshape(*value.shape[:-2], -1), -1, axis).astype(x.dtype)
 
 
 def quantize(
-    x: jax.Array,
-    fmt: str = "nvfp4",
-    *,
-    axis: int = -1,
-    global_group: GlobalGroup = "tensor",
-    rounding: str = "nearest",
-    key: jax.Array | None = None,
-    guidance: Guidance | None = None,
-    global_scale: jax.Array | None = None,
-    scale_rule: str = "standard",
+  x: jax.Array,
+  fmt: str = "nvfp4",
+  *,
+  axis: int = -1,
+  global_group: GlobalGroup = "tensor",
+  rounding: str = "nearest",
+  key: jax.Array | None = None,
+  guidance: Guidance | None = None,
+  global_scale: jax.Array | None = None,
+  scale_rule: str = "standard",
 ) -> QArray:
   """Quantize `x` to block-scaled FP4 along `axis`.
 
@@ -379,22 +402,30 @@ def quantize(
     A `QArray`.
   """
   q, _ = quantize_with_fallbacks(
-      x, fmt, axis=axis, global_group=global_group, rounding=rounding, key=key,
-      guidance=guidance, global_scale=global_scale, scale_rule=scale_rule)
+    x,
+    fmt,
+    axis=axis,
+    global_group=global_group,
+    rounding=rounding,
+    key=key,
+    guidance=guidance,
+    global_scale=global_scale,
+    scale_rule=scale_rule,
+  )
   return q
 
 
 def fake_quant(
-    x: jax.Array,
-    fmt: str = "nvfp4",
-    *,
-    axis: int = -1,
-    global_group: GlobalGroup = "tensor",
-    rounding: str = "nearest",
-    key: jax.Array | None = None,
-    guidance: Guidance | None = None,
-    global_scale: jax.Array | None = None,
-    scale_rule: str = "standard",
+  x: jax.Array,
+  fmt: str = "nvfp4",
+  *,
+  axis: int = -1,
+  global_group: GlobalGroup = "tensor",
+  rounding: str = "nearest",
+  key: jax.Array | None = None,
+  guidance: Guidance | None = None,
+  global_scale: jax.Array | None = None,
+  scale_rule: str = "standard",
 ) -> jax.Array:
   """dequantize(quantize(x, ...)) in x's dtype, with a straight-through gradient.
 
@@ -403,24 +434,28 @@ def fake_quant(
   pytree arguments (they work under jit, vmap, scan and grad; their cotangents are zero).
   Arguments as for `quantize`.
   """
-  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance,
-                                 scale_rule)
+  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance, scale_rule)
   static_scale = _check_static_scale(global_scale, x, fmt, axis, rounding)
-  return _fake_quant_ste(x, key, guidance, fmt, axis, group_axes, rounding, static_scale,
-                         scale_rule)
+  return _fake_quant_ste(
+    x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 8))
-def _fake_quant_ste(x, key, guidance, fmt, axis, group_axes, rounding, static_scale,
-                    scale_rule="standard"):
-  return _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding, static_scale,
-                            scale_rule)
+def _fake_quant_ste(
+  x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule="standard"
+):
+  return _fake_quant_values(
+    x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule
+  )
 
 
-def _fake_quant_fwd(x, key, guidance, fmt, axis, group_axes, rounding, static_scale,
-                    scale_rule="standard"):
-  values = _fake_quant_values(x, key, guidance, fmt, axis, group_axes, rounding, static_scale,
-                              scale_rule)
+def _fake_quant_fwd(
+  x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule="standard"
+):
+  values = _fake_quant_values(
+    x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule
+  )
   return values, static_scale
 
 
@@ -441,7 +476,8 @@ def _fake_quant_record(x, key, guidance, fmt, axis, group_axes, rounding, form):
   """One pass of `_quantize_last`: the values of `_fake_quant_values` and the record of
   `_quantize` (full) or of `compact_guidance(_quantize(...))` (compact), bit for bit."""
   code, value, scale_bits, global_scale, fell_back = _quantize_last(
-      x, key, guidance, fmt, axis, group_axes, rounding)
+    x, key, guidance, fmt, axis, group_axes, rounding
+  )
   step = numerics.true_divide(get_format(fmt).decode_scales(scale_bits), global_scale)
   values = value * step[..., None]
   values = jnp.moveaxis(values.reshape(*value.shape[:-2], -1), -1, axis).astype(x.dtype)
@@ -449,25 +485,34 @@ def _fake_quant_record(x, key, guidance, fmt, axis, group_axes, rounding, form):
   scales = jnp.moveaxis(scale_bits, -1, axis)
   global_scale = jnp.moveaxis(global_scale, -1, axis)
   if form == "full":
-    record = QArray(packed=jnp.moveaxis(numerics.pack_codes(flat), -1, axis), scales=scales,
-                    global_scale=global_scale, fmt=fmt, axis=axis - x.ndim)
+    record = QArray(
+      packed=jnp.moveaxis(numerics.pack_codes(flat), -1, axis),
+      scales=scales,
+      global_scale=global_scale,
+      fmt=fmt,
+      axis=axis - x.ndim,
+    )
   else:  # the mantissa bit is the code's lowest bit; packed from the codes, never re-derived
-    record = CompactGuidance(global_scale=global_scale, scales=scales,
-                             mantissa_bits=jnp.moveaxis(numerics.pack_bits(flat & 1), -1, axis),
-                             fmt=fmt, axis=axis - x.ndim)
+    record = CompactGuidance(
+      global_scale=global_scale,
+      scales=scales,
+      mantissa_bits=jnp.moveaxis(numerics.pack_bits(flat & 1), -1, axis),
+      fmt=fmt,
+      axis=axis - x.ndim,
+    )
   return values, record, jnp.moveaxis(fell_back.reshape(flat.shape), -1, axis)
 
 
 def fake_quant_record(
-    x: jax.Array,
-    fmt: str = "nvfp4",
-    *,
-    form: str = "full",
-    axis: int = -1,
-    global_group: GlobalGroup = "tensor",
-    rounding: str = "nearest",
-    key: jax.Array | None = None,
-    guidance: Guidance | None = None,
+  x: jax.Array,
+  fmt: str = "nvfp4",
+  *,
+  form: str = "full",
+  axis: int = -1,
+  global_group: GlobalGroup = "tensor",
+  rounding: str = "nearest",
+  key: jax.Array | None = None,
+  guidance: Guidance | None = None,
 ) -> tuple[jax.Array, Guidance, jax.Array]:
   """`fake_quant` and its record from one quantization (what a recording site needs).
 

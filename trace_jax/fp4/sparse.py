@@ -70,11 +70,16 @@ class SparseSpec:
 
   def __post_init__(self):
     object.__setattr__(self, "site_deltas", tuple((str(k), float(v)) for k, v in self.site_deltas))
-    for name, value in (("delta", self.delta), ("scale_delta", self.scale_delta),
-                        *((f"site_deltas[{k!r}]", v) for k, v in self.site_deltas)):
+    for name, value in (
+      ("delta", self.delta),
+      ("scale_delta", self.scale_delta),
+      *((f"site_deltas[{k!r}]", v) for k, v in self.site_deltas),
+    ):
       if not (isinstance(value, (int, float)) and 0.0 <= value <= 0.5):
-        raise ValueError(f"SparseSpec.{name}={value!r} must lie in [0, 0.5] (grid units from "
-                         "the midpoint; 0.5 flags every element)")
+        raise ValueError(
+          f"SparseSpec.{name}={value!r} must lie in [0, 0.5] (grid units from "
+          "the midpoint; 0.5 flags every element)"
+        )
     for name in ("capacity_frac", "block_capacity_frac"):
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and 0.0 < value <= 1.0):
@@ -84,8 +89,9 @@ class SparseSpec:
     """The spec one site records with: its own margin if `site_deltas` names it."""
     if not self.site_deltas:
       return self
-    return dataclasses.replace(self, delta=dict(self.site_deltas).get(site, self.delta),
-                               site_deltas=())
+    return dataclasses.replace(
+      self, delta=dict(self.site_deltas).get(site, self.delta), site_deltas=()
+    )
 
   def capacity(self, n: int) -> int:
     return min(n, max(8, 8 * math.ceil(n * self.capacity_frac / 8)))
@@ -98,10 +104,10 @@ class SparseSpec:
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["index", "mantissa_bits", "count", "block_index", "block_scales",
-                 "block_count"],
-    meta_fields=["fmt", "n"])
+  jax.tree_util.register_dataclass,
+  data_fields=["index", "mantissa_bits", "count", "block_index", "block_scales", "block_count"],
+  meta_fields=["fmt", "n"],
+)
 @dataclasses.dataclass(frozen=True)
 class SparseGuidance:
   """Sparse TRACE guidance of rows [..., n] quantized along their last axis.
@@ -189,11 +195,15 @@ def _check(x, q: QArray) -> None:
   if not isinstance(q, QArray):
     raise ValueError(f"sparse guidance is made from the rollout's QArray; got {type(q).__name__}")
   if q.fmt != "nvfp4":
-    raise ValueError(f"sparse guidance supports fmt='nvfp4' (E4M3 block scales, per-row "
-                     f"global scales); got fmt={q.fmt!r}")
+    raise ValueError(
+      f"sparse guidance supports fmt='nvfp4' (E4M3 block scales, per-row "
+      f"global scales); got fmt={q.fmt!r}"
+    )
   if q.axis != -1 or tuple(q.shape) != tuple(x.shape):
-    raise ValueError(f"sparse guidance needs rows quantized along the last axis, x and the "
-                     f"record alike; got x {x.shape}, record {q.shape} along axis {q.axis}")
+    raise ValueError(
+      f"sparse guidance needs rows quantized along the last axis, x and the "
+      f"record alike; got x {x.shape}, record {q.shape} along axis {q.axis}"
+    )
 
 
 def _compact_positions(flags: jax.Array, capacity: int):
@@ -210,8 +220,11 @@ def _compact_positions(flags: jax.Array, capacity: int):
   slot = jnp.cumsum(flat, axis=-1, dtype=jnp.int32) - 1
   slot = jnp.where(flat & (slot < capacity), slot, capacity)
   positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (rows, n))
-  index = jnp.zeros((rows, capacity + 1), jnp.int32).at[
-      jnp.arange(rows)[:, None], slot].set(positions, mode="drop")[:, :capacity]
+  index = (
+    jnp.zeros((rows, capacity + 1), jnp.int32)
+    .at[jnp.arange(rows)[:, None], slot]
+    .set(positions, mode="drop")[:, :capacity]
+  )
   count = jnp.sum(flat, axis=-1, keepdims=True, dtype=jnp.int32)
   return index.reshape(*lead, capacity).astype(_index_dtype(n)), count.reshape(*lead, 1)
 
@@ -229,9 +242,16 @@ def _sparse_guidance(x, q, spec: SparseSpec):
   block_flags = (e4m3_boundary_distance(ideal) <= spec.scale_delta) & jnp.isfinite(q.global_scale)
   block_index, block_count = _compact_positions(block_flags, spec.block_capacity(nb))
   block_scales = jnp.take_along_axis(q.scales, block_index.astype(jnp.int32), axis=-1)
-  return SparseGuidance(index=index, mantissa_bits=numerics.pack_bits(bits), count=count,
-                        block_index=block_index, block_scales=block_scales,
-                        block_count=block_count, fmt=q.fmt, n=n)
+  return SparseGuidance(
+    index=index,
+    mantissa_bits=numerics.pack_bits(bits),
+    count=count,
+    block_index=block_index,
+    block_scales=block_scales,
+    block_count=block_count,
+    fmt=q.fmt,
+    n=n,
+  )
 
 
 def sparse_guidance(x: jax.Array, q: QArray, spec: SparseSpec = SparseSpec()) -> SparseGuidance:
@@ -259,18 +279,22 @@ def expand(g: SparseGuidance, shape: tuple[int, ...]):
     index = jnp.where(valid, index, width)
     row = jnp.arange(rows)[:, None]
     flags = jnp.zeros((rows, width + 1), bool).at[row, index].set(True)[:, :width]
-    dense = jnp.zeros((rows, width + 1), dtype).at[row, index].set(
-        values.reshape(rows, cap).astype(dtype))[:, :width]
+    dense = (
+      jnp.zeros((rows, width + 1), dtype)
+      .at[row, index]
+      .set(values.reshape(rows, cap).astype(dtype))[:, :width]
+    )
     return flags.reshape(*shape[:-1], width), dense.reshape(*shape[:-1], width)
 
-  bits = numerics.unpack_bits(g.mantissa_bits)[..., :g.capacity]
+  bits = numerics.unpack_bits(g.mantissa_bits)[..., : g.capacity]
   flags, dense_bits = scatter(g.index, g.count, bits, n, jnp.uint8)
   block_flags, block_bits = scatter(g.block_index, g.block_count, g.block_scales, nb, jnp.uint8)
   return flags, dense_bits, block_flags, block_bits
 
 
-def boundary_noise(x_train: jax.Array, x_rollout: jax.Array, q_rollout: QArray,
-                   train_global_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+def boundary_noise(
+  x_train: jax.Array, x_rollout: jax.Array, q_rollout: QArray, train_global_scale: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """What `delta` and `scale_delta` must cover, per element and per block:
   (|t_train - t_rollout| [..., n] of the elements, in units of the rollout value's grid
   spacing; |u_train - u_rollout| [..., nb] of the ideal block scales in units of the
@@ -334,9 +358,9 @@ def encoded_bits(index, count, width: int, keep=None) -> dict[str, int]:
   gap_list = gaps[valid]
   rice = min(int(gap_list.size) * (1 + r) + int(np.sum(gap_list >> r)) for r in range(16))
   return {
-      "bitmap": flat.shape[0] * length,
-      "runlength": int(np.sum(k + 1)) * math.ceil(math.log2(length + 1)),
-      "index_deltas": 4 + rice + int(np.sum(_gamma_bits(k + 1))),
+    "bitmap": flat.shape[0] * length,
+    "runlength": int(np.sum(k + 1)) * math.ceil(math.log2(length + 1)),
+    "index_deltas": 4 + rice + int(np.sum(_gamma_bits(k + 1))),
   }
 
 
@@ -351,8 +375,9 @@ def site_bits(g: SparseGuidance, rows_mask=None) -> dict:
   keep = np.ones(rows, bool)
   if rows_mask is not None:  # [B, S] token mask over rows [B, S, ...]
     rows_mask = np.asarray(rows_mask, bool)
-    keep = np.broadcast_to(rows_mask.reshape(rows_mask.shape + (1,) * (len(rows) - rows_mask.ndim)),
-                           rows)
+    keep = np.broadcast_to(
+      rows_mask.reshape(rows_mask.shape + (1,) * (len(rows) - rows_mask.ndim)), rows
+    )
   nb = g.n // get_format(g.fmt).block_size
   token_keep = None if rows_mask is None else np.asarray(rows_mask, bool)
   elements = encoded_bits(g.index, count, g.n, token_keep)
@@ -363,10 +388,19 @@ def site_bits(g: SparseGuidance, rows_mask=None) -> dict:
   element_form = min(elements, key=elements.get)
   block_form = min(blocks, key=blocks.get)
   total = elements[element_form] + stored + blocks[block_form] + 8 * stored_blocks
-  return {"total": total, "positions": elements[element_form] + blocks[block_form],
-          "bits": stored, "scales": 8 * stored_blocks, "element_encoding": element_form,
-          "block_encoding": block_form, "element_encodings": elements, "block_encodings": blocks,
-          "flagged": int(np.sum(count_k)), "elements": int(keep.sum()) * g.n,
-          "flagged_blocks": int(np.sum(block_k)), "blocks": int(keep.sum()) * nb,
-          "overflow": int(np.sum(np.maximum(count_k - g.capacity, 0))),
-          "block_overflow": int(np.sum(np.maximum(block_k - g.block_capacity, 0)))}
+  return {
+    "total": total,
+    "positions": elements[element_form] + blocks[block_form],
+    "bits": stored,
+    "scales": 8 * stored_blocks,
+    "element_encoding": element_form,
+    "block_encoding": block_form,
+    "element_encodings": elements,
+    "block_encodings": blocks,
+    "flagged": int(np.sum(count_k)),
+    "elements": int(keep.sum()) * g.n,
+    "flagged_blocks": int(np.sum(block_k)),
+    "blocks": int(keep.sum()) * nb,
+    "overflow": int(np.sum(np.maximum(count_k - g.capacity, 0))),
+    "block_overflow": int(np.sum(np.maximum(block_k - g.block_capacity, 0))),
+  }

@@ -23,9 +23,10 @@ from trace_jax.fp4.quantize import _quantize_last
 def _broadcast_blocks(scale: jax.Array, axis: int, repeat: int) -> jax.Array:
   """Repeat each entry of `scale` `repeat` times along `axis` (a broadcast and a reshape)."""
   axis = axis % scale.ndim
-  expanded = jnp.broadcast_to(jnp.expand_dims(scale, axis + 1),
-                              (*scale.shape[:axis + 1], repeat, *scale.shape[axis + 1:]))
-  return expanded.reshape(*scale.shape[:axis], scale.shape[axis] * repeat, *scale.shape[axis + 1:])
+  expanded = jnp.broadcast_to(
+    jnp.expand_dims(scale, axis + 1), (*scale.shape[: axis + 1], repeat, *scale.shape[axis + 1 :])
+  )
+  return expanded.reshape(*scale.shape[:axis], scale.shape[axis] * repeat, *scale.shape[axis + 1 :])
 
 
 def even_odd(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
@@ -40,11 +41,12 @@ def interleave(even: jax.Array, odd: jax.Array, axis: int = -1) -> jax.Array:
   """Inverse of `even_odd`."""
   axis = axis % even.ndim
   pairs = jnp.stack([even, odd], axis=axis + 1)
-  return pairs.reshape(*even.shape[:axis], 2 * even.shape[axis], *even.shape[axis + 1:])
+  return pairs.reshape(*even.shape[:axis], 2 * even.shape[axis], *even.shape[axis + 1 :])
 
 
-def scaled_pairs(packed: jax.Array, scale_bits: jax.Array, fmt: str, axis: int
-                 ) -> tuple[jax.Array, jax.Array]:
+def scaled_pairs(
+  packed: jax.Array, scale_bits: jax.Array, fmt: str, axis: int
+) -> tuple[jax.Array, jax.Array]:
   """The (even, odd) elements of a packed tile times their block scale, float32.
 
   Args:
@@ -66,8 +68,9 @@ def scaled_pairs(packed: jax.Array, scale_bits: jax.Array, fmt: str, axis: int
   return even, odd
 
 
-def quantize_rows(x: jax.Array, fmt: str = "nvfp4"
-                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def quantize_rows(
+  x: jax.Array, fmt: str = "nvfp4"
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Per-row (per-token) nearest quantization of a tile [rows, n], in one pass.
 
   Bit for bit `fp4.quantize(x, fmt, axis=-1, global_group="row")`, plus the compact
@@ -78,7 +81,8 @@ def quantize_rows(x: jax.Array, fmt: str = "nvfp4"
     [rows, 1], mantissa bits uint8 [rows, n/8] (bit 0 of every code, 8 per byte).
   """
   code, _, scale_bits, global_scale, _ = _quantize_last(
-      x, None, None, fmt, x.ndim - 1, tuple(range(x.ndim - 1)), "nearest")
+    x, None, None, fmt, x.ndim - 1, tuple(range(x.ndim - 1)), "nearest"
+  )
   code = code.reshape(*code.shape[:-2], -1)
   return _pack_fields(code & 0xF, 4), scale_bits, global_scale, _pack_fields(code & 1, 1)
 
@@ -96,4 +100,3 @@ def _pack_fields(fields: jax.Array, width: int) -> jax.Array:
   groups = fields.astype(jnp.int32).reshape(*fields.shape[:-1], -1, per_byte)
   shifts = width * jax.lax.broadcasted_iota(jnp.int32, groups.shape, groups.ndim - 1)
   return jnp.sum(groups << shifts, axis=-1).astype(jnp.uint8)
-

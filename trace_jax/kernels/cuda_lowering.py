@@ -78,15 +78,21 @@ def triton_calls(lowered: jax.stages.Lowered) -> list[TritonCall]:
       for block in region.blocks:
         for child in block.operations:
           child = child.operation
-          if (child.name == "stablehlo.custom_call"
-              and ir.StringAttr(child.attributes["call_target_name"]).value == _TRITON_CALL):
+          if (
+            child.name == "stablehlo.custom_call"
+            and ir.StringAttr(child.attributes["call_target_name"]).value == _TRITON_CALL
+          ):
             config = ir.DictAttr(child.attributes["mhlo.backend_config"])
             number = lambda key, c=config: ir.IntegerAttr(c[key]).value  # noqa: E731
-            calls.append(TritonCall(
+            calls.append(
+              TritonCall(
                 name=ir.StringAttr(config["name"]).value,
                 ttir=ir.StringAttr(config["ir"]).value_bytes,
-                num_warps=number("num_warps"), num_stages=number("num_stages"),
-                grid=(number("grid_x"), number("grid_y"), number("grid_z"))))
+                num_warps=number("num_warps"),
+                num_stages=number("num_stages"),
+                grid=(number("grid_x"), number("grid_y"), number("grid_z")),
+              )
+            )
           walk(child)
 
   walk(lowered.compiler_ir("stablehlo").operation)
@@ -125,8 +131,9 @@ print(json.dumps({
 """
 
 
-def compile_triton(call: TritonCall, *, arch: int = 90, python: str | None = None,
-                   timeout: float = 600) -> CompiledKernel:
+def compile_triton(
+  call: TritonCall, *, arch: int = 90, python: str | None = None, timeout: float = 600
+) -> CompiledKernel:
   """Compile one lowered kernel to a cubin for sm_`arch` with the `triton` package, no GPU.
 
   Raises RuntimeError (with Triton's message) where the compiler rejects the kernel, and
@@ -134,21 +141,31 @@ def compile_triton(call: TritonCall, *, arch: int = 90, python: str | None = Non
   """
   python = python or triton_python()
   if python is None:
-    raise FileNotFoundError("no interpreter with the `triton` package: set "
-                            "TRACE_JAX_TRITON_PYTHON (see trace_jax.kernels.cuda_lowering)")
+    raise FileNotFoundError(
+      "no interpreter with the `triton` package: set "
+      "TRACE_JAX_TRITON_PYTHON (see trace_jax.kernels.cuda_lowering)"
+    )
   with tempfile.TemporaryDirectory() as scratch:
     path = os.path.join(scratch, f"{call.name}.ttir")
     with open(path, "w") as f:
       f.write(call.ttir_text())
     result = subprocess.run(
-        [python, "-c", _COMPILE, path, str(call.num_warps), str(call.num_stages), str(arch)],
-        capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "TRITON_DEFAULT_FP_FUSION": "0", "PYTHONPATH": ""})
+      [python, "-c", _COMPILE, path, str(call.num_warps), str(call.num_stages), str(arch)],
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      env={**os.environ, "TRITON_DEFAULT_FP_FUSION": "0", "PYTHONPATH": ""},
+    )
   if result.returncode:
     errors = [line for line in result.stderr.splitlines() if re.search(r"error|Error", line)]
-    raise RuntimeError(f"Triton could not compile {call.name}: "
-                       + ("\n".join(errors[-5:]) or result.stderr[-2000:]))
+    raise RuntimeError(
+      f"Triton could not compile {call.name}: " + ("\n".join(errors[-5:]) or result.stderr[-2000:])
+    )
   report = json.loads(result.stdout.strip().splitlines()[-1])
-  return CompiledKernel(name=call.name, shared_bytes=report["shared"],
-                        registers=report["registers"], spill_bytes=report["spills"],
-                        ptx_divisions=report["divisions"])
+  return CompiledKernel(
+    name=call.name,
+    shared_bytes=report["shared"],
+    registers=report["registers"],
+    spill_bytes=report["spills"],
+    ptx_divisions=report["divisions"],
+  )

@@ -36,14 +36,18 @@ _NEG = -1e30  # the running max before any valid slot (finite: no inf - inf)
 def _check(q, k, v, lengths, valid):
   for name, entry in (("k", k), ("v", v)):
     if not isinstance(entry, fp4.QArray) or entry.packed.ndim != 4 or entry.axis != -1:
-      raise ValueError(f"decode_attention: {name} must be an FP4 cache entry, an fp4.QArray "
-                       f"[B, L, Hkv, Dh] quantized along Dh; got {type(entry).__name__}")
+      raise ValueError(
+        f"decode_attention: {name} must be an FP4 cache entry, an fp4.QArray "
+        f"[B, L, Hkv, Dh] quantized along Dh; got {type(entry).__name__}"
+      )
   b, length, hkv, half = k.packed.shape
   if v.packed.shape != k.packed.shape:
     raise ValueError(f"decode_attention: k and v differ: {k.packed.shape} vs {v.packed.shape}")
   if q.ndim != 3 or q.shape[0] != b or q.shape[2] != 2 * half or q.shape[1] % hkv:
-    raise ValueError(f"decode_attention: q must be [B={b}, H (a multiple of Hkv={hkv}), "
-                     f"Dh={2 * half}]; got {q.shape}")
+    raise ValueError(
+      f"decode_attention: q must be [B={b}, H (a multiple of Hkv={hkv}), "
+      f"Dh={2 * half}]; got {q.shape}"
+    )
   if lengths.shape != (b,):
     raise ValueError(f"decode_attention: lengths must be [B={b}]; got {lengths.shape}")
   if valid is not None and valid.shape != (b, length):
@@ -51,8 +55,27 @@ def _check(q, k, v, lengths, valid):
   return b, length, hkv, 2 * half
 
 
-def _kernel(len_ref, qe_ref, qo_ref, kp_ref, ks_ref, kg_ref, vp_ref, vs_ref, vg_ref, valid_ref,
-            oe_ref, oo_ref, m_ref, l_ref, *, fmt, split, chunk, dtype):
+def _kernel(
+  len_ref,
+  qe_ref,
+  qo_ref,
+  kp_ref,
+  ks_ref,
+  kg_ref,
+  vp_ref,
+  vs_ref,
+  vg_ref,
+  valid_ref,
+  oe_ref,
+  oo_ref,
+  m_ref,
+  l_ref,
+  *,
+  fmt,
+  split,
+  chunk,
+  dtype,
+):
   b, s = pl.program_id(0), pl.program_id(2)
   groups, half = qe_ref.shape
   first = s * split
@@ -65,10 +88,11 @@ def _kernel(len_ref, qe_ref, qo_ref, kp_ref, ks_ref, kg_ref, vp_ref, vs_ref, vg_
     out_even, out_odd, m, l = carry
     slots = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
     k_even, k_odd = tiles.scaled_pairs(kp_ref[slots, :], ks_ref[slots, :], fmt, axis=1)
-    scores = (jax.lax.dot_general(q_even, k_even.astype(dtype), contract_last,
-                                  preferred_element_type=_F32)
-              + jax.lax.dot_general(q_odd, k_odd.astype(dtype), contract_last,
-                                    preferred_element_type=_F32))  # [G, chunk]
+    scores = jax.lax.dot_general(
+      q_even, k_even.astype(dtype), contract_last, preferred_element_type=_F32
+    ) + jax.lax.dot_general(
+      q_odd, k_odd.astype(dtype), contract_last, preferred_element_type=_F32
+    )  # [G, chunk]
     scores = scores / kg_ref[slots, :].reshape(1, chunk) * scale
     position = first + c * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
     keep = (position < len_ref[b]) & (valid_ref[slots].reshape(1, chunk) != 0)
@@ -88,20 +112,34 @@ def _kernel(len_ref, qe_ref, qo_ref, kp_ref, ks_ref, kg_ref, vp_ref, vs_ref, vg_
     out_odd = alpha * out_odd + jnp.dot(pv, v_odd.astype(dtype), preferred_element_type=_F32)
     return out_even, out_odd, m_new, l
 
-  init = (jnp.zeros((groups, half), _F32), jnp.zeros((groups, half), _F32),
-          jnp.full((groups, 1), _NEG, _F32), jnp.zeros((groups, 1), _F32))
+  init = (
+    jnp.zeros((groups, half), _F32),
+    jnp.zeros((groups, half), _F32),
+    jnp.full((groups, 1), _NEG, _F32),
+    jnp.zeros((groups, 1), _F32),
+  )
   out_even, out_odd, m, l = jax.lax.fori_loop(0, chunks, step, init)
   oe_ref[...], oo_ref[...] = out_even, out_odd
   m_ref[...], l_ref[...] = m, l
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "poison", "num_splits", "chunk",
-                                             "num_warps", "num_stages"))
-def decode_attention(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Array,
-                     valid: jax.Array | None = None, *, interpret: bool | None = None,
-                     poison: bool = False, num_splits: int | None = None,
-                     chunk: int | None = None, num_warps: int | None = None,
-                     num_stages: int = 2) -> jax.Array:
+@functools.partial(
+  jax.jit, static_argnames=("interpret", "poison", "num_splits", "chunk", "num_warps", "num_stages")
+)
+def decode_attention(
+  q: jax.Array,
+  k: fp4.QArray,
+  v: fp4.QArray,
+  lengths: jax.Array,
+  valid: jax.Array | None = None,
+  *,
+  interpret: bool | None = None,
+  poison: bool = False,
+  num_splits: int | None = None,
+  chunk: int | None = None,
+  num_warps: int | None = None,
+  num_stages: int = 2,
+) -> jax.Array:
   """One decode step of grouped-query attention over an FP4 KV cache.
 
   Args:
@@ -130,8 +168,9 @@ def decode_attention(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Ar
   chunk = chunk or dispatch.block_size(length // (num_splits or 1), sizes, "L / num_splits")
   num_splits = num_splits or dispatch.block_size(length // chunk, (8, 4, 2, 1), "L / chunk")
   if length % (num_splits * chunk):
-    raise ValueError(f"decode_attention: num_splits={num_splits} x chunk={chunk} must divide "
-                     f"L={length}")
+    raise ValueError(
+      f"decode_attention: num_splits={num_splits} x chunk={chunk} must divide L={length}"
+    )
   split = length // num_splits
   interpret = dispatch.interpret_default(interpret)
   padded = groups if interpret else max(16, groups)  # GPU dots want >= 16 rows
@@ -150,18 +189,39 @@ def decode_attention(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Ar
   stat_shape = jax.ShapeDtypeStruct((b, hkv, num_splits, padded, 1), _F32)
   kernel = functools.partial(_kernel, fmt=k.fmt, split=split, chunk=chunk, dtype=dtype)
   out_even, out_odd, m, l = dispatch.pallas_call(
-      kernel, out_shape=[part_shape, part_shape, stat_shape, stat_shape],
-      grid=(b, hkv, num_splits),
-      in_specs=[pl.BlockSpec((b,), lambda i, j, s: (0,)), head_spec, head_spec,
-                cache_spec(dh // 2), cache_spec(k.scales.shape[-1]), cache_spec(1),
-                cache_spec(dh // 2), cache_spec(v.scales.shape[-1]), cache_spec(1),
-                pl.BlockSpec((None, split), lambda i, j, s: (i, s))],
-      out_specs=[part_spec, part_spec, stat_spec, stat_spec],
-      inputs=(lengths.astype(jnp.int32), *tiles.even_odd(qg),
-              k.packed, k.scales, k.global_scale.astype(_F32),
-              v.packed, v.scales, v.global_scale.astype(_F32), valid),
-      interpret=interpret, poison=poison, name="decode_attention",
-      num_warps=num_warps or (8 if chunk >= 128 else 4), num_stages=num_stages)
+    kernel,
+    out_shape=[part_shape, part_shape, stat_shape, stat_shape],
+    grid=(b, hkv, num_splits),
+    in_specs=[
+      pl.BlockSpec((b,), lambda i, j, s: (0,)),
+      head_spec,
+      head_spec,
+      cache_spec(dh // 2),
+      cache_spec(k.scales.shape[-1]),
+      cache_spec(1),
+      cache_spec(dh // 2),
+      cache_spec(v.scales.shape[-1]),
+      cache_spec(1),
+      pl.BlockSpec((None, split), lambda i, j, s: (i, s)),
+    ],
+    out_specs=[part_spec, part_spec, stat_spec, stat_spec],
+    inputs=(
+      lengths.astype(jnp.int32),
+      *tiles.even_odd(qg),
+      k.packed,
+      k.scales,
+      k.global_scale.astype(_F32),
+      v.packed,
+      v.scales,
+      v.global_scale.astype(_F32),
+      valid,
+    ),
+    interpret=interpret,
+    poison=poison,
+    name="decode_attention",
+    num_warps=num_warps or (8 if chunk >= 128 else 4),
+    num_stages=num_stages,
+  )
   # Combine the splits: rescale each partial to the overall max, then normalise.
   weight = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # [B, Hkv, S, G, 1]
   total = jnp.sum(weight * l, axis=2)  # [B, Hkv, G, 1]
@@ -170,8 +230,9 @@ def decode_attention(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Ar
   return out[:, :, :groups].reshape(b, h, dh).astype(q.dtype)
 
 
-def reference(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Array,
-              valid: jax.Array | None = None) -> jax.Array:
+def reference(
+  q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Array, valid: jax.Array | None = None
+) -> jax.Array:
   """The kernel's math in plain XLA, float32: c * s_b / gs for K and V, a masked softmax;
   0 for a sequence with no valid slot."""
   b, length, hkv, dh = _check(q, k, v, lengths, valid)
@@ -179,8 +240,7 @@ def reference(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Array,
   keys = fp4.block_scaled_values(k) / k.global_scale
   values = fp4.block_scaled_values(v) / v.global_scale
   qg = q.astype(_F32).reshape(b, hkv, h // hkv, dh)
-  scores = jnp.einsum("bkgd,bskd->bkgs", qg, keys,
-                      precision=jax.lax.Precision.HIGHEST) * dh ** -0.5
+  scores = jnp.einsum("bkgd,bskd->bkgs", qg, keys, precision=jax.lax.Precision.HIGHEST) * dh**-0.5
   keep = jnp.arange(length)[None, :] < lengths[:, None]
   if valid is not None:
     keep = keep & valid
@@ -194,4 +254,3 @@ def reference(q: jax.Array, k: fp4.QArray, v: fp4.QArray, lengths: jax.Array,
   probs = probs / jnp.where(total > 0, total, 1.0)
   out = jnp.einsum("bkgs,bskd->bkgd", probs, values, precision=jax.lax.Precision.HIGHEST)
   return out.reshape(b, h, dh).astype(q.dtype)
-

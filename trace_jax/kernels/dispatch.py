@@ -36,7 +36,7 @@ def on_gpu() -> bool:
 
 
 def resolve(kernels: str) -> str:
-  """"auto" | "pallas" | "xla" -> the implementation that runs: "pallas" or "xla".
+  """ "auto" | "pallas" | "xla" -> the implementation that runs: "pallas" or "xla".
 
   "auto" is Pallas on a GPU where the kernels compile (`probe`, once per process), else XLA.
   """
@@ -74,8 +74,11 @@ def probe_failure(interpret: bool | None = None) -> str | None:
       pool.submit(_probe, interpret).result()
   except Exception as error:  # noqa: BLE001 (any failure means: do not use the kernels here)
     reason = f"{type(error).__name__}: {str(error)[:500]}"
-    logging.warning("Pallas FP4 kernels unavailable on backend %s (%s); using the XLA path",
-                    jax.default_backend(), reason)
+    logging.warning(
+      "Pallas FP4 kernels unavailable on backend %s (%s); using the XLA path",
+      jax.default_backend(),
+      reason,
+    )
     return reason
   return None
 
@@ -101,28 +104,39 @@ def _probe(interpret: bool | None) -> None:
   xq = fp4.quantize(x, global_group="row")
   for fmt in ("nvfp4", "mxfp4"):
     got, want = quantize.quantize(xb, fmt, interpret=interpret), quantize.reference(xb, fmt)
-    for name, a, b in zip(("packed", "scales", "global_scale", "mantissa_bits"),
-                          (*_qarray_leaves(got[0]), got[1]), (*_qarray_leaves(want[0]), want[1])):
+    for name, a, b in zip(
+      ("packed", "scales", "global_scale", "mantissa_bits"),
+      (*_qarray_leaves(got[0]), got[1]),
+      (*_qarray_leaves(want[0]), want[1]),
+    ):
       if not bool(jnp.array_equal(a, b, equal_nan=True)):
         raise AssertionError(f"quantize ({fmt}): {name} differ from fp4.quantize")
   checks = {
-      "fp4_matmul W4A16": (fp4_matmul.fp4_matmul(xb, wq, interpret=interpret),
-                           fp4_matmul.reference(xb, wq)),
-      "fp4_matmul W4A4": (fp4_matmul.fp4_matmul(xq, wq, interpret=interpret),
-                          fp4_matmul.reference(xq, wq)),
-      "moe_gmm": (moe_gmm.moe_gmm(xb, we, sizes, out_dtype=jnp.float32, interpret=interpret),
-                  moe_gmm.reference(xb, we, sizes, out_dtype=jnp.float32)),
-      "decode_attention": (decode_attention.decode_attention(q, cache, cache, lengths,
-                                                             interpret=interpret),
-                           decode_attention.reference(q, cache, cache, lengths)),
+    "fp4_matmul W4A16": (
+      fp4_matmul.fp4_matmul(xb, wq, interpret=interpret),
+      fp4_matmul.reference(xb, wq),
+    ),
+    "fp4_matmul W4A4": (
+      fp4_matmul.fp4_matmul(xq, wq, interpret=interpret),
+      fp4_matmul.reference(xq, wq),
+    ),
+    "moe_gmm": (
+      moe_gmm.moe_gmm(xb, we, sizes, out_dtype=jnp.float32, interpret=interpret),
+      moe_gmm.reference(xb, we, sizes, out_dtype=jnp.float32),
+    ),
+    "decode_attention": (
+      decode_attention.decode_attention(q, cache, cache, lengths, interpret=interpret),
+      decode_attention.reference(q, cache, cache, lengths),
+    ),
   }
   for name, (got, want) in checks.items():
     got, want = got.astype(jnp.float32), want.astype(jnp.float32)
     scale = float(jnp.max(jnp.abs(want)))
     if not bool(jnp.allclose(got, want, rtol=1e-3, atol=1e-3 * scale)):
       error = float(jnp.max(jnp.abs(got - want)))
-      raise AssertionError(f"{name} disagrees with its reference (max error {error:.3g}, "
-                           f"max |value| {scale:.3g})")
+      raise AssertionError(
+        f"{name} disagrees with its reference (max error {error:.3g}, max |value| {scale:.3g})"
+      )
 
 
 def _qarray_leaves(q):
@@ -174,24 +188,45 @@ def triton_params(num_warps: int, num_stages: int, what: str) -> pl_triton.Compi
   return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def pallas_call(kernel, *, out_shape, grid, in_specs, out_specs, inputs, interpret: bool,
-                num_warps: int, num_stages: int, poison: bool = False, name: str):
+def pallas_call(
+  kernel,
+  *,
+  out_shape,
+  grid,
+  in_specs,
+  out_specs,
+  inputs,
+  interpret: bool,
+  num_warps: int,
+  num_stages: int,
+  poison: bool = False,
+  name: str,
+):
   """`pl.pallas_call` on the Triton backend (`num_warps`, `num_stages`; ignored in
   interpret mode), with one extra: `poison=True` fills the outputs before the kernel runs
   (NaN, or 0xFF bytes; aliased, so the kernel writes into them) so that any element the
   kernel fails to write shows in the result. Tests use it; it costs a fill."""
   out_shape, out_specs = tuple(out_shape), tuple(out_specs)
   params = triton_params(num_warps, num_stages, name)
-  call = functools.partial(pl.pallas_call, out_shape=out_shape, grid=grid,
-                           out_specs=out_specs, interpret=interpret, name=name,
-                           compiler_params=None if interpret else params)
+  call = functools.partial(
+    pl.pallas_call,
+    out_shape=out_shape,
+    grid=grid,
+    out_specs=out_specs,
+    interpret=interpret,
+    name=name,
+    compiler_params=None if interpret else params,
+  )
   if not poison:
     return call(kernel, in_specs=list(in_specs))(*inputs)
   n_in, n_out = len(inputs), len(out_shape)
   buffers = [poisoned(s.shape, s.dtype) for s in out_shape]
 
   def with_buffers(*refs):  # the aliased input refs are the output refs; skip them
-    kernel(*refs[:n_in], *refs[n_in + n_out:])
+    kernel(*refs[:n_in], *refs[n_in + n_out :])
 
-  return call(with_buffers, in_specs=[*in_specs, *out_specs],
-              input_output_aliases={n_in + i: i for i in range(n_out)})(*inputs, *buffers)
+  return call(
+    with_buffers,
+    in_specs=[*in_specs, *out_specs],
+    input_output_aliases={n_in + i: i for i in range(n_out)},
+  )(*inputs, *buffers)

@@ -35,21 +35,25 @@ _F32 = jnp.float32
 
 def _check(x, w: fp4.QArray) -> tuple[int, int, int]:
   if not isinstance(w, fp4.QArray) or w.packed.ndim != 2 or w.axis != -2:
-    raise ValueError("fp4_matmul: w must be a 2-D fp4.QArray [K, N] quantized along K "
-                     f"(axis=-2); got {type(w).__name__} with "
-                     f"{getattr(w, 'packed', w).shape} and axis={getattr(w, 'axis', None)}")
+    raise ValueError(
+      "fp4_matmul: w must be a 2-D fp4.QArray [K, N] quantized along K "
+      f"(axis=-2); got {type(w).__name__} with "
+      f"{getattr(w, 'packed', w).shape} and axis={getattr(w, 'axis', None)}"
+    )
   k, n = w.packed.shape[0] * 2, w.packed.shape[1]
   x_k = x.packed.shape[-1] * 2 if isinstance(x, fp4.QArray) else x.shape[-1]
   if x_k != k:
     raise ValueError(f"fp4_matmul: x has K={x_k} but w has K={k}")
   if isinstance(x, fp4.QArray) and x.axis != -1:
-    raise ValueError(f"fp4_matmul: a quantized x must be quantized along its last axis; "
-                     f"got axis={x.axis}")
+    raise ValueError(
+      f"fp4_matmul: a quantized x must be quantized along its last axis; got axis={x.axis}"
+    )
   return x_k, k, n
 
 
-def accumulate(load_x, w_packed_ref, w_scales_ref, *, fmt, block_k, steps, shape, dtype,
-               index=(), first=0):
+def accumulate(
+  load_x, w_packed_ref, w_scales_ref, *, fmt, block_k, steps, shape, dtype, index=(), first=0
+):
   """The K loop of one output tile, shared with `moe_gmm`: sum over K of x @ (c * s_b).
 
   Args:
@@ -65,8 +69,9 @@ def accumulate(load_x, w_packed_ref, w_scales_ref, *, fmt, block_k, steps, shape
   def step(i, acc):
     rows = pl.ds(pl.multiple_of(i * half, half), half)
     scales = pl.ds(i * (block_k // w_block), block_k // w_block)
-    w_even, w_odd = tiles.scaled_pairs(w_packed_ref[(*index, rows, every)],
-                                       w_scales_ref[(*index, scales, every)], fmt, axis=0)
+    w_even, w_odd = tiles.scaled_pairs(
+      w_packed_ref[(*index, rows, every)], w_scales_ref[(*index, scales, every)], fmt, axis=0
+    )
     x_even, x_odd = load_x(i, rows)
     acc += jnp.dot(x_even.astype(dtype), w_even.astype(dtype), preferred_element_type=_F32)
     acc += jnp.dot(x_odd.astype(dtype), w_odd.astype(dtype), preferred_element_type=_F32)
@@ -88,8 +93,17 @@ def _kernel(*refs, fmt, x_fmt, block_k, steps, dtype, scaled):
     scales = pl.ds(i * (block_k // x_block), block_k // x_block)
     return tiles.scaled_pairs(xp_ref[:, rows], xs_ref[:, scales], x_fmt, axis=1)
 
-  acc = accumulate(load_x, p_ref, s_ref, fmt=fmt, block_k=block_k, steps=steps,
-                   shape=o_ref.shape, dtype=dtype, first=pl.program_id(2) * steps)
+  acc = accumulate(
+    load_x,
+    p_ref,
+    s_ref,
+    fmt=fmt,
+    block_k=block_k,
+    steps=steps,
+    shape=o_ref.shape,
+    dtype=dtype,
+    first=pl.program_id(2) * steps,
+  )
   if scaled:  # one split: the whole sum is here
     scale = g_ref[...] if x_fmt is None else xg_ref[...] * g_ref[...]
     o_ref[...] = (acc / scale).astype(o_ref.dtype)
@@ -117,8 +131,13 @@ def tiling(m: int, n: int, k: int) -> dict[str, int]:
   decode = m <= 64
   block_n = dispatch.block_size(n, (64, 32, 16) if decode else (128, 64, 32, 16), "N")
   block_k = dispatch.block_size(k, (256, 128, 64, 32), "K")
-  return dict(block_n=block_n, block_k=block_k, num_warps=8, num_stages=3,
-              k_splits=split_k(m, n // block_n, k // block_k))
+  return dict(
+    block_n=block_n,
+    block_k=block_k,
+    num_warps=8,
+    num_stages=3,
+    k_splits=split_k(m, n // block_n, k // block_k),
+  )
 
 
 def split_k(m: int, column_tiles: int, steps: int) -> int:
@@ -127,16 +146,37 @@ def split_k(m: int, column_tiles: int, steps: int) -> int:
   programs = -(-m // dispatch.row_tiling(m)[0]) * column_tiles
   if m > 64:
     return 1
-  return next((d for d in range(1, steps + 1)
-               if steps % d == 0 and programs * d >= TARGET_PROGRAMS), steps)
+  return next(
+    (d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= TARGET_PROGRAMS), steps
+  )
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "poison", "block_n",
-                                             "block_k", "k_splits", "num_warps", "num_stages"))
-def fp4_matmul(x, w: fp4.QArray, *, out_dtype=jnp.float32, interpret: bool | None = None,
-               poison: bool = False, block_n: int | None = None, block_k: int | None = None,
-               k_splits: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None):
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "out_dtype",
+    "interpret",
+    "poison",
+    "block_n",
+    "block_k",
+    "k_splits",
+    "num_warps",
+    "num_stages",
+  ),
+)
+def fp4_matmul(
+  x,
+  w: fp4.QArray,
+  *,
+  out_dtype=jnp.float32,
+  interpret: bool | None = None,
+  poison: bool = False,
+  block_n: int | None = None,
+  block_k: int | None = None,
+  k_splits: int | None = None,
+  num_warps: int | None = None,
+  num_stages: int | None = None,
+):
   """x [..., K] (array, or per-token `fp4.QArray`) @ FP4 w [K, N] -> [..., N] `out_dtype`.
 
   Args:
@@ -161,8 +201,9 @@ def fp4_matmul(x, w: fp4.QArray, *, out_dtype=jnp.float32, interpret: bool | Non
     raise ValueError(f"fp4_matmul: block_k={block_k} must divide K={k} and be a multiple of 32")
   k_splits = k_splits or split_k(m, n // block_n, k // block_k)
   if k_splits < 1 or (k // block_k) % k_splits:
-    raise ValueError(f"fp4_matmul: k_splits={k_splits} must divide the {k // block_k} "
-                     f"block_k steps of K={k}")
+    raise ValueError(
+      f"fp4_matmul: k_splits={k_splits} must divide the {k // block_k} block_k steps of K={k}"
+    )
   block_m, rows = dispatch.row_tiling(m)
   gs_w = jnp.broadcast_to(w.global_scale.astype(_F32).reshape(1, -1), (1, n))  # per tensor
   if quantized_x:
@@ -170,9 +211,11 @@ def fp4_matmul(x, w: fp4.QArray, *, out_dtype=jnp.float32, interpret: bool | Non
     xs = dispatch.pad_rows(x.scales.reshape(m, -1), rows)
     xg = dispatch.pad_rows(x.global_scale.astype(_F32).reshape(m, 1), rows, 1.0)
     x_inputs = (xp, xs, xg)
-    x_specs = [pl.BlockSpec((block_m, k // 2), lambda i, j, s: (i, 0)),
-               pl.BlockSpec((block_m, xs.shape[1]), lambda i, j, s: (i, 0)),
-               pl.BlockSpec((block_m, 1), lambda i, j, s: (i, 0))]
+    x_specs = [
+      pl.BlockSpec((block_m, k // 2), lambda i, j, s: (i, 0)),
+      pl.BlockSpec((block_m, xs.shape[1]), lambda i, j, s: (i, 0)),
+      pl.BlockSpec((block_m, 1), lambda i, j, s: (i, 0)),
+    ]
     # c * s_b is exact in bf16 for both formats (<= 6 significant bits; an E8M0 scale is a
     # power of two inside bf16's exponent range, as float32's), so the dots run in bf16 on
     # the tensor cores; float32 operands would take Triton's FMA path, which spills.
@@ -182,12 +225,20 @@ def fp4_matmul(x, w: fp4.QArray, *, out_dtype=jnp.float32, interpret: bool | Non
     x_specs = [pl.BlockSpec((block_m, k // 2), lambda i, j, s: (i, 0))] * 2
     dtype = x.dtype
   scaled = k_splits == 1
-  kernel = functools.partial(_kernel, fmt=w.fmt, x_fmt=x.fmt if quantized_x else None,
-                             block_k=block_k, steps=k // block_k // k_splits, dtype=dtype,
-                             scaled=scaled)
-  w_specs = [pl.BlockSpec((k // 2, block_n), lambda i, j, s: (0, j)),
-             pl.BlockSpec((w.scales.shape[0], block_n), lambda i, j, s: (0, j)),
-             pl.BlockSpec((1, block_n), lambda i, j, s: (0, j))]
+  kernel = functools.partial(
+    _kernel,
+    fmt=w.fmt,
+    x_fmt=x.fmt if quantized_x else None,
+    block_k=block_k,
+    steps=k // block_k // k_splits,
+    dtype=dtype,
+    scaled=scaled,
+  )
+  w_specs = [
+    pl.BlockSpec((k // 2, block_n), lambda i, j, s: (0, j)),
+    pl.BlockSpec((w.scales.shape[0], block_n), lambda i, j, s: (0, j)),
+    pl.BlockSpec((1, block_n), lambda i, j, s: (0, j)),
+  ]
   if scaled:
     out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
     out_spec = pl.BlockSpec((block_m, block_n), lambda i, j, s: (i, j))
@@ -195,12 +246,18 @@ def fp4_matmul(x, w: fp4.QArray, *, out_dtype=jnp.float32, interpret: bool | Non
     out_shape = jax.ShapeDtypeStruct((k_splits, rows, n), _F32)
     out_spec = pl.BlockSpec((None, block_m, block_n), lambda i, j, s: (s, i, j))
   y = dispatch.pallas_call(
-      kernel, out_shape=[out_shape], grid=(rows // block_m, n // block_n, k_splits),
-      in_specs=[*x_specs, *w_specs], out_specs=[out_spec],
-      inputs=(*x_inputs, w.packed, w.scales, gs_w),
-      interpret=dispatch.interpret_default(interpret), poison=poison, name="fp4_matmul",
-      num_warps=num_warps or defaults["num_warps"],
-      num_stages=num_stages or defaults["num_stages"])[0]
+    kernel,
+    out_shape=[out_shape],
+    grid=(rows // block_m, n // block_n, k_splits),
+    in_specs=[*x_specs, *w_specs],
+    out_specs=[out_spec],
+    inputs=(*x_inputs, w.packed, w.scales, gs_w),
+    interpret=dispatch.interpret_default(interpret),
+    poison=poison,
+    name="fp4_matmul",
+    num_warps=num_warps or defaults["num_warps"],
+    num_stages=num_stages or defaults["num_stages"],
+  )[0]
   if not scaled:
     scale = gs_w if not quantized_x else x_inputs[2] * gs_w  # [1 or rows, n]
     y = (jnp.sum(y, axis=0) / scale).astype(out_dtype)
@@ -214,7 +271,11 @@ def reference(x, w: fp4.QArray, *, out_dtype=jnp.float32):
     xv, gs_x = fp4.block_scaled_values(x), x.global_scale.astype(_F32)
   else:
     xv, gs_x = x.astype(_F32), jnp.ones((), _F32)
-  y = jnp.einsum("...k,kn->...n", xv, fp4.block_scaled_values(w),
-                 precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32)
+  y = jnp.einsum(
+    "...k,kn->...n",
+    xv,
+    fp4.block_scaled_values(w),
+    precision=jax.lax.Precision.HIGHEST,
+    preferred_element_type=_F32,
+  )
   return (y / (gs_x * w.global_scale.astype(_F32))).astype(out_dtype)
-

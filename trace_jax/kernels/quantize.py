@@ -33,8 +33,9 @@ from trace_jax.kernels import dispatch
 def _check(x: jax.Array, fmt: str) -> int:
   block = fp4.get_format(fmt).block_size
   if x.ndim < 1 or x.shape[-1] % max(block, 8):
-    raise ValueError(f"quantize: the last axis of x ({x.shape}) must be a multiple of "
-                     f"{max(block, 8)} for {fmt}")
+    raise ValueError(
+      f"quantize: the last axis of x ({x.shape}) must be a multiple of {max(block, 8)} for {fmt}"
+    )
   return block
 
 
@@ -55,11 +56,19 @@ def tiling(k: int) -> dict[str, int]:
   return dict(block_m=block_m, num_warps=8 if block_m * k >= 4096 else 4, num_stages=1)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "interpret", "poison", "block_m",
-                                             "num_warps", "num_stages"))
-def quantize(x: jax.Array, fmt: str = "nvfp4", *, interpret: bool | None = None,
-             poison: bool = False, block_m: int | None = None, num_warps: int | None = None,
-             num_stages: int | None = None) -> tuple[fp4.QArray, jax.Array]:
+@functools.partial(
+  jax.jit, static_argnames=("fmt", "interpret", "poison", "block_m", "num_warps", "num_stages")
+)
+def quantize(
+  x: jax.Array,
+  fmt: str = "nvfp4",
+  *,
+  interpret: bool | None = None,
+  poison: bool = False,
+  block_m: int | None = None,
+  num_warps: int | None = None,
+  num_stages: int | None = None,
+) -> tuple[fp4.QArray, jax.Array]:
   """x [..., K] -> (QArray per row along the last axis, mantissa bits uint8 [..., K/8]).
 
   `interpret`, `poison`: as in `fp4_matmul`; block_m: rows per program, a power of two;
@@ -79,17 +88,29 @@ def quantize(x: jax.Array, fmt: str = "nvfp4", *, interpret: bool | None = None,
   widths = (width // 2, width // block, 1, width // 8)
   dtypes = (jnp.uint8, jnp.uint8, jnp.float32, jnp.uint8)
   packed, scales, global_scale, bits = dispatch.pallas_call(
-      functools.partial(_kernel, fmt=fmt),
-      out_shape=[jax.ShapeDtypeStruct((rows, w), d) for w, d in zip(widths, dtypes)],
-      grid=(rows // block_m,), in_specs=[pl.BlockSpec((block_m, width), lambda i: (i, 0))],
-      out_specs=[pl.BlockSpec((block_m, w), lambda i: (i, 0)) for w in widths],
-      inputs=(x2,), interpret=interpret, poison=poison, name="fp4_quantize",
-      num_warps=num_warps or defaults["num_warps"],
-      num_stages=num_stages or defaults["num_stages"])
+    functools.partial(_kernel, fmt=fmt),
+    out_shape=[jax.ShapeDtypeStruct((rows, w), d) for w, d in zip(widths, dtypes)],
+    grid=(rows // block_m,),
+    in_specs=[pl.BlockSpec((block_m, width), lambda i: (i, 0))],
+    out_specs=[pl.BlockSpec((block_m, w), lambda i: (i, 0)) for w in widths],
+    inputs=(x2,),
+    interpret=interpret,
+    poison=poison,
+    name="fp4_quantize",
+    num_warps=num_warps or defaults["num_warps"],
+    num_stages=num_stages or defaults["num_stages"],
+  )
+
   def unpad(a, keep):
     return a[:m, :keep].reshape(*lead, keep)
-  q = fp4.QArray(packed=unpad(packed, k // 2), scales=unpad(scales, k // block),
-                 global_scale=unpad(global_scale, 1), fmt=fmt, axis=-1)
+
+  q = fp4.QArray(
+    packed=unpad(packed, k // 2),
+    scales=unpad(scales, k // block),
+    global_scale=unpad(global_scale, 1),
+    fmt=fmt,
+    axis=-1,
+  )
   return q, unpad(bits, k // 8)
 
 

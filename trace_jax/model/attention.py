@@ -44,8 +44,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
   hkv = k.shape[2]
   q = q.reshape(b, t, hkv, h // hkv, dh)
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision,
-                      preferred_element_type=jnp.float32) * (dh ** -0.5)
+  scores = jnp.einsum(
+    "btkgd,bskd->bkgts", q, k, precision=precision, preferred_element_type=jnp.float32
+  ) * (dh**-0.5)
   scores = jnp.where(mask[:, None, None], scores, _MASKED)
   probs = jax.nn.softmax(scores, axis=-1)
   # A masked slot gets probability 0, but 0 * NaN is NaN: a stale cache slot (or a later
@@ -53,8 +54,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
   # product, then mark NaN exactly the queries that give such a slot positive weight.
   finite = jnp.all(jnp.isfinite(v), axis=-1)  # [B, S, Hkv]
   v = jnp.where(finite[..., None], v, jnp.zeros((), v.dtype))
-  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, precision=precision,
-                   preferred_element_type=jnp.float32)
+  out = jnp.einsum(
+    "bkgts,bskd->btkgd",
+    probs.astype(v.dtype),
+    v,
+    precision=precision,
+    preferred_element_type=jnp.float32,
+  )
   seen = jnp.where(mask[:, None, None], probs, 0.0)
   poisoned = jnp.einsum("bkgts,bsk->btkg", seen, (~finite).astype(jnp.float32)) > 0
   out = jnp.where(poisoned[..., None], jnp.nan, out)
@@ -91,8 +97,9 @@ class Attention(nnx.Module):
     cos, sin, mask, index = inputs.cos, inputs.sin, inputs.attn_mask, inputs.start
     xq = sow_site(self, sq, x, layer=layer, site=ATTN_IN)
     # One global scale for q, k and v (served as one fused qkv_proj).
-    q, k, v = sq.matmuls(xq, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)],
-                         "attention")
+    q, k, v = sq.matmuls(
+      xq, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)], "attention"
+    )
     gate = None
     if self.output_gate:  # per head [query | gate]
       q, gate = jnp.split(q.reshape(b, t, h, 2 * dh), 2, axis=-1)
@@ -110,10 +117,13 @@ class Attention(nnx.Module):
     if cache is None:
       k, v = sow_site(self, sq, k, layer=layer, site=K), sow_site(self, sq, v, layer=layer, site=V)
     else:  # store the packed FP4 entries; attend to exactly their values
-      stored = (sow_cache_entry(self, sq, k, layer=layer, site=K),
-                sow_cache_entry(self, sq, v, layer=layer, site=V))
-      new_entries = tuple(kv_cache.write_slots(entry, new, index)
-                          for entry, new in zip(cache, stored))
+      stored = (
+        sow_cache_entry(self, sq, k, layer=layer, site=K),
+        sow_cache_entry(self, sq, v, layer=layer, site=V),
+      )
+      new_entries = tuple(
+        kv_cache.write_slots(entry, new, index) for entry, new in zip(cache, stored)
+      )
       k, v = new_entries
     if t == 1 and sq.kernels == "pallas" and isinstance(k, fp4.QArray):
       # A decode step: attend over the packed cache without dequantizing it.

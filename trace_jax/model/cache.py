@@ -23,8 +23,11 @@ from trace_jax.model.config import ModelConfig
 from trace_jax.model.quant import QuantConfig
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["k", "v", "valid", "index", "conv", "recurrent"], meta_fields=[])
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["k", "v", "valid", "index", "conv", "recurrent"],
+  meta_fields=[],
+)
 @dataclasses.dataclass(frozen=True)
 class KVCache:
   """Per-layer K and V, [B, L, Hkv, Dh] arrays or `fp4.QArray`s of that shape.
@@ -68,8 +71,13 @@ class KVCache:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves) / self.valid.shape[0]
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,
-               quant: QuantConfig | None = None, dtype=None) -> KVCache:
+def init_cache(
+  cfg: ModelConfig,
+  batch: int,
+  max_len: int | None = None,
+  quant: QuantConfig | None = None,
+  dtype=None,
+) -> KVCache:
   """An empty cache; FP4 when `quant` quantizes the k and v sites, else `dtype` (default
   the compute dtype)."""
   max_len = max_len or cfg.max_seq_len
@@ -82,40 +90,54 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int | None = None,
     if quant is not None and quant.quantizes(site):
       block = fp4.get_format(quant.fmt).block_size
       if cfg.head_dim % block:
-        raise ValueError(f"an {quant.fmt} KV cache needs head_dim divisible by {block}; "
-                         f"head_dim={cfg.head_dim}")
+        raise ValueError(
+          f"an {quant.fmt} KV cache needs head_dim divisible by {block}; head_dim={cfg.head_dim}"
+        )
       return fp4.QArray(
-          packed=jnp.zeros((*shape[:-1], cfg.head_dim // 2), jnp.uint8),
-          scales=jnp.zeros((*shape[:-1], cfg.head_dim // block), jnp.uint8),
-          global_scale=jnp.ones((*shape[:-1], 1), jnp.float32),
-          fmt=quant.fmt, axis=-1)
+        packed=jnp.zeros((*shape[:-1], cfg.head_dim // 2), jnp.uint8),
+        scales=jnp.zeros((*shape[:-1], cfg.head_dim // block), jnp.uint8),
+        global_scale=jnp.ones((*shape[:-1], 1), jnp.float32),
+        fmt=quant.fmt,
+        axis=-1,
+      )
     return jnp.zeros(shape, dtype)
 
   linear = cfg.linear_layers
   conv = recurrent = ()
   if linear:
     conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
-        cfg.linear_num_value_heads * cfg.linear_value_head_dim)
-    conv = tuple(jnp.zeros((batch, cfg.linear_conv_kernel - 1, conv_dim), dtype)
-                 if i in linear else None for i in range(cfg.num_layers))
-    recurrent = tuple(jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                 cfg.linear_value_head_dim), jnp.float32)
-                      if i in linear else None for i in range(cfg.num_layers))
+      cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    )
+    conv = tuple(
+      jnp.zeros((batch, cfg.linear_conv_kernel - 1, conv_dim), dtype) if i in linear else None
+      for i in range(cfg.num_layers)
+    )
+    recurrent = tuple(
+      jnp.zeros(
+        (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+        jnp.float32,
+      )
+      if i in linear
+      else None
+      for i in range(cfg.num_layers)
+    )
   return KVCache(
-      k=tuple(None if i in linear else entry("k") for i in range(cfg.num_layers)),
-      v=tuple(None if i in linear else entry("v") for i in range(cfg.num_layers)),
-      valid=jnp.zeros((batch, max_len), bool),
-      index=jnp.zeros((), jnp.int32),
-      conv=conv,
-      recurrent=recurrent,
+    k=tuple(None if i in linear else entry("k") for i in range(cfg.num_layers)),
+    v=tuple(None if i in linear else entry("v") for i in range(cfg.num_layers)),
+    valid=jnp.zeros((batch, max_len), bool),
+    index=jnp.zeros((), jnp.int32),
+    conv=conv,
+    recurrent=recurrent,
   )
 
 
 def write_slots(entry, new, index: jax.Array):
   """Write `new` ([B, T, ...] array or QArray) into slots [index, index + T) of `entry`."""
   return jax.tree.map(
-      lambda old, n: jax.lax.dynamic_update_slice_in_dim(old, n.astype(old.dtype), index, axis=1),
-      entry, new)
+    lambda old, n: jax.lax.dynamic_update_slice_in_dim(old, n.astype(old.dtype), index, axis=1),
+    entry,
+    new,
+  )
 
 
 def read(entry, dtype) -> jax.Array:

@@ -21,7 +21,7 @@ _FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
 
 
 def quantized_format(hf: dict) -> str | None:
-  """"nvfp4" / "mxfp4" for a compressed-tensors FP4 config.json, None for a plain one.
+  """ "nvfp4" / "mxfp4" for a compressed-tensors FP4 config.json, None for a plain one.
 
   Raises:
     ValueError: a quantization_config this loader cannot read (another method or format).
@@ -31,13 +31,17 @@ def quantized_format(hf: dict) -> str | None:
     return None
   method = qc.get("quant_method")
   if method != "compressed-tensors":
-    raise ValueError(f"quantization_config.quant_method={method!r} is not supported; only "
-                     "'compressed-tensors' (NVFP4 / MXFP4 pack-quantized)")
+    raise ValueError(
+      f"quantization_config.quant_method={method!r} is not supported; only "
+      "'compressed-tensors' (NVFP4 / MXFP4 pack-quantized)"
+    )
   formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
   formats.discard(None)
   if len(formats) != 1 or next(iter(formats)) not in _FORMATS:
-    raise ValueError(f"compressed-tensors format {sorted(formats)} is not supported; allowed: "
-                     f"{sorted(_FORMATS)} (one per checkpoint)")
+    raise ValueError(
+      f"compressed-tensors format {sorted(formats)} is not supported; allowed: "
+      f"{sorted(_FORMATS)} (one per checkpoint)"
+    )
   return _FORMATS[formats.pop()]
 
 
@@ -47,12 +51,15 @@ def module_qarray(tensors, module: str, fmt: str) -> fp4.QArray:
   packed = np.asarray(tensors[f"{module}.weight_packed"])
   scales = np.asarray(tensors[f"{module}.weight_scale"])
   if packed.dtype != np.uint8 or packed.ndim != 2:
-    raise ValueError(f"{module}.weight_packed must be uint8 [out, in/2]; got {packed.dtype} "
-                     f"{packed.shape}")
+    raise ValueError(
+      f"{module}.weight_packed must be uint8 [out, in/2]; got {packed.dtype} {packed.shape}"
+    )
   block = fp4.get_format(fmt).block_size
   if scales.shape != (packed.shape[0], packed.shape[1] * 2 // block):
-    raise ValueError(f"{module}.weight_scale has shape {scales.shape}; weight_packed "
-                     f"{packed.shape} implies {(packed.shape[0], packed.shape[1] * 2 // block)}")
+    raise ValueError(
+      f"{module}.weight_scale has shape {scales.shape}; weight_packed "
+      f"{packed.shape} implies {(packed.shape[0], packed.shape[1] * 2 // block)}"
+    )
   if fmt == "nvfp4":
     gs = np.asarray(tensors[f"{module}.weight_global_scale"], np.float32)
     if gs.size != 1:
@@ -60,8 +67,13 @@ def module_qarray(tensors, module: str, fmt: str) -> fp4.QArray:
     global_scale = gs.reshape(1, 1)
   else:
     global_scale = np.ones((1, 1), np.float32)
-  return fp4.QArray(packed=jnp.asarray(packed), scales=jnp.asarray(scales.view(np.uint8)),
-                    global_scale=jnp.asarray(global_scale), fmt=fmt, axis=-1)
+  return fp4.QArray(
+    packed=jnp.asarray(packed),
+    scales=jnp.asarray(scales.view(np.uint8)),
+    global_scale=jnp.asarray(global_scale),
+    fmt=fmt,
+    axis=-1,
+  )
 
 
 def decompress(hf: dict, tensors: dict) -> dict:
@@ -72,13 +84,20 @@ def decompress(hf: dict, tensors: dict) -> dict:
     return tensors
   modules = sorted(n[: -len(".weight_packed")] for n in tensors if n.endswith(".weight_packed"))
   if not modules:
-    raise ValueError("config.json has a compressed-tensors quantization_config but the "
-                     "checkpoint holds no *.weight_packed tensors")
-  unknown = sorted(n for n in tensors if n.rsplit(".", 1)[-1].startswith(("weight_", "input_"))
-                   and n.rsplit(".", 1)[-1] not in FIELDS)
+    raise ValueError(
+      "config.json has a compressed-tensors quantization_config but the "
+      "checkpoint holds no *.weight_packed tensors"
+    )
+  unknown = sorted(
+    n
+    for n in tensors
+    if n.rsplit(".", 1)[-1].startswith(("weight_", "input_")) and n.rsplit(".", 1)[-1] not in FIELDS
+  )
   if unknown:
-    raise ValueError(f"compressed-tensors fields this loader does not read (asymmetric or "
-                     f"another scheme?): {unknown[:8]}")
+    raise ValueError(
+      f"compressed-tensors fields this loader does not read (asymmetric or "
+      f"another scheme?): {unknown[:8]}"
+    )
   out = dict(tensors)
   for module in modules:
     out[f"{module}.weight"] = np.asarray(fp4.dequantize(module_qarray(tensors, module, fmt)))

@@ -91,8 +91,9 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
   system = jnp.einsum("...id,...jd->...ij", k_beta, k, precision=_HIGHEST) * decay
   system = jnp.where(jnp.tril(lower, -1), system, 0.0) + jnp.eye(chunk_size, dtype=k.dtype)
   rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
-  solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True,
-                                           unit_diagonal=True)
+  solved = jax.lax.linalg.triangular_solve(
+    system, rhs, left_side=True, lower=True, unit_diagonal=True
+  )
   new_values, k_cumdecay = solved[..., :dv], solved[..., dv:]
   intra = jnp.einsum("...id,...jd->...ij", q, k, precision=_HIGHEST) * decay
   q_decayed = q * jnp.exp(cum)[..., None]
@@ -102,13 +103,16 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk_size: int):
   def step(s, inputs):
     u, w, qd, kd, attn, cd = inputs  # [B, H, C, .], ..., [B, H, C, C], [B, H]
     v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s, precision=_HIGHEST)
-    out = (jnp.einsum("bhck,bhkv->bhcv", qd, s, precision=_HIGHEST)
-           + jnp.einsum("bhij,bhjv->bhiv", attn, v_new, precision=_HIGHEST))
+    out = jnp.einsum("bhck,bhkv->bhcv", qd, s, precision=_HIGHEST) + jnp.einsum(
+      "bhij,bhjv->bhiv", attn, v_new, precision=_HIGHEST
+    )
     s = s * cd[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kd, v_new, precision=_HIGHEST)
     return s, out
 
-  per_chunk = [jnp.moveaxis(a, 2, 0) for a in (new_values, k_cumdecay, q_decayed, k_decayed,
-                                                intra, chunk_decay)]
+  per_chunk = [
+    jnp.moveaxis(a, 2, 0)
+    for a in (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay)
+  ]
   state, out = jax.lax.scan(step, state, per_chunk)  # out [N, B, H, C, Dv]
   out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk_size, dv)
   return jnp.moveaxis(out, 1, 2)[:, :t], state
@@ -133,7 +137,7 @@ def causal_conv(x: jax.Array, weight: jax.Array, state: jax.Array, valid: jax.Ar
   full_valid = jnp.concatenate([jnp.ones(state.shape[:2], bool), valid], axis=1)
   order = jnp.argsort(~full_valid, axis=1, stable=True)  # valid slots first, in order
   packed = jnp.take_along_axis(full, order[..., None], axis=1)
-  rank = jnp.cumsum(full_valid, axis=1, dtype=jnp.int32)[:, width - 1:] - 1  # [B, T]
+  rank = jnp.cumsum(full_valid, axis=1, dtype=jnp.int32)[:, width - 1 :] - 1  # [B, T]
   out = jnp.zeros(x.shape, jnp.float32)
   for j in range(width):  # j tokens back
     taps = jnp.take_along_axis(packed, jnp.maximum(rank - j, 0)[..., None], axis=1)
@@ -159,9 +163,12 @@ class GatedDeltaNet(nnx.Module):
     self.in_proj_z = normal_param(rngs, (d, hv * dv), cfg.init_std)
     self.in_proj_b = normal_param(rngs, (d, hv), cfg.init_std)
     self.in_proj_a = normal_param(rngs, (d, hv), cfg.init_std)
-    self.conv_weight = normal_param(rngs, (cfg.linear_conv_kernel, self.conv_dim),
-                                    cfg.linear_conv_kernel ** -0.5)
-    self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0)))
+    self.conv_weight = normal_param(
+      rngs, (cfg.linear_conv_kernel, self.conv_dim), cfg.linear_conv_kernel**-0.5
+    )
+    self.A_log = nnx.Param(
+      jnp.log(jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0))
+    )
     self.dt_bias = nnx.Param(jnp.ones((hv,), jnp.float32))
     self.norm = RMSNorm(dv, cfg.rms_eps)  # plain w (not 1 + w), as Hugging Face's gated norm
     self.out_proj = normal_param(rngs, (hv * dv, d), cfg.init_std)
@@ -171,8 +178,10 @@ class GatedDeltaNet(nnx.Module):
     """(conv state [B, K-1, conv_dim] in `dtype`, recurrent state [B, Hv, Dk, Dv] float32)."""
     hk, hv, dk, dv = self.dims
     width = self.conv_weight.get_value().shape[0]
-    return (jnp.zeros((batch, width - 1, self.conv_dim), dtype),
-            jnp.zeros((batch, hv, dk, dv), jnp.float32))
+    return (
+      jnp.zeros((batch, width - 1, self.conv_dim), dtype),
+      jnp.zeros((batch, hv, dk, dv), jnp.float32),
+    )
 
   def __call__(self, x, inputs: LayerInputs, *, layer: int, sq: SiteQuantizer, state=None):
     """x [B, T, d] (normed), `inputs.valid` bool [B, T]; state (conv, recurrent) to continue
@@ -188,16 +197,18 @@ class GatedDeltaNet(nnx.Module):
     qkv = sq.matmul(xq, self.in_proj_qkv.get_value(), "attention")
     z = sq.matmul(xq, self.in_proj_z.get_value(), "attention")
     # Decay and write strength from high-precision projections of the unquantized input.
-    a = jnp.einsum("btd,dh->bth", x.astype(jnp.float32), self.in_proj_a.get_value(),
-                   precision=_HIGHEST)
-    beta_logit = jnp.einsum("btd,dh->bth", x.astype(jnp.float32), self.in_proj_b.get_value(),
-                            precision=_HIGHEST)
+    a = jnp.einsum(
+      "btd,dh->bth", x.astype(jnp.float32), self.in_proj_a.get_value(), precision=_HIGHEST
+    )
+    beta_logit = jnp.einsum(
+      "btd,dh->bth", x.astype(jnp.float32), self.in_proj_b.get_value(), precision=_HIGHEST
+    )
     conv_state, recurrent = state if state is not None else self.init_state(b, x.dtype)
     qkv, new_conv = causal_conv(qkv, self.conv_weight.get_value(), conv_state, valid)
     qkv = jax.nn.silu(qkv).astype(jnp.float32)
     q, k, v = jnp.split(qkv, [hk * dk, 2 * hk * dk], axis=-1)
     q, k = (_l2norm(a_.reshape(b, t, hk, dk)) for a_ in (q, k))
-    q = q * dk ** -0.5
+    q = q * dk**-0.5
     q, k = (jnp.repeat(a_, hv // hk, axis=2) for a_ in (q, k))  # value head h -> key head h // r
     v = v.reshape(b, t, hv, dv)
     g = -jnp.exp(self.A_log.get_value()) * jax.nn.softplus(a + self.dt_bias.get_value())

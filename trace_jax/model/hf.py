@@ -27,14 +27,24 @@ from trace_jax.model.transformer import Transformer
 from trace_jax.utils.io import read_json_object
 
 SUPPORTED = {
-    "qwen3_moe": ("Qwen3MoeForCausalLM",),
-    "mixtral": ("MixtralForCausalLM",),
-    "olmoe": ("OlmoeForCausalLM",),
-    "qwen3_5_moe": hf_qwen3_5.ARCHITECTURES,
+  "qwen3_moe": ("Qwen3MoeForCausalLM",),
+  "mixtral": ("MixtralForCausalLM",),
+  "olmoe": ("OlmoeForCausalLM",),
+  "qwen3_5_moe": hf_qwen3_5.ARCHITECTURES,
 }
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-           "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn}
+_DTYPES = {
+  "F64": np.float64,
+  "F32": np.float32,
+  "F16": np.float16,
+  "BF16": ml_dtypes.bfloat16,
+  "I64": np.int64,
+  "I32": np.int32,
+  "I16": np.int16,
+  "I8": np.int8,
+  "U8": np.uint8,
+  "BOOL": np.bool_,
+  "F8_E4M3": ml_dtypes.float8_e4m3fn,
+}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -44,7 +54,9 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
   Raises:
     ValueError: naming the file (and the tensor) when it is not a whole safetensors file.
   """
-  raw = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
+  raw = (
+    np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
+  )
   header, base = _safetensors_header(path, raw)
   tensors = {}
   for name, info in header.items():
@@ -52,7 +64,9 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
       continue
     _check_tensor_entry(path, name, info, len(raw) - base)
     start, end = info["data_offsets"]
-    tensors[name] = raw[base + start: base + end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    tensors[name] = (
+      raw[base + start : base + end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    )
   return tensors
 
 
@@ -62,10 +76,12 @@ def _safetensors_header(path: str, raw) -> tuple[dict, int]:
     raise ValueError(f"{path}: not a safetensors file ({len(raw)} bytes; truncated?)")
   header_len = int(np.frombuffer(raw[:8].tobytes(), "<u8")[0])
   if header_len > len(raw) - 8:
-    raise ValueError(f"{path}: the header claims {header_len} bytes but the file has "
-                     f"{len(raw)} (truncated, or not a safetensors file)")
+    raise ValueError(
+      f"{path}: the header claims {header_len} bytes but the file has "
+      f"{len(raw)} (truncated, or not a safetensors file)"
+    )
   try:
-    header = json.loads(raw[8:8 + header_len].tobytes())
+    header = json.loads(raw[8 : 8 + header_len].tobytes())
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
     raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from e
   if not isinstance(header, dict):
@@ -82,9 +98,11 @@ def _check_tensor_entry(path: str, name: str, info, data_bytes: int) -> None:
   start, end = info["data_offsets"]
   expected = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_DTYPES[info["dtype"]]).itemsize
   if not 0 <= start <= end <= data_bytes or end - start != expected:
-    raise ValueError(f"{path}: tensor {name!r} ({info['dtype']} {info['shape']}, {expected} bytes) "
-                     f"has data offsets [{start}, {end}) but the file holds {data_bytes} data "
-                     f"bytes (truncated or damaged file)")
+    raise ValueError(
+      f"{path}: tensor {name!r} ({info['dtype']} {info['shape']}, {expected} bytes) "
+      f"has data offsets [{start}, {end}) but the file holds {data_bytes} data "
+      f"bytes (truncated or damaged file)"
+    )
 
 
 def _read_checkpoint(path: str) -> dict[str, np.ndarray]:
@@ -111,8 +129,10 @@ def _arch(hf: dict) -> str:
     if model_type == arch or any(a in classes for a in archs):
       return arch
   supported = ", ".join(f"{k} ({', '.join(v)})" for k, v in SUPPORTED.items())
-  raise ValueError(f"unsupported architecture model_type={model_type!r} architectures={archs}; "
-                   f"supported: {supported}")
+  raise ValueError(
+    f"unsupported architecture model_type={model_type!r} architectures={archs}; "
+    f"supported: {supported}"
+  )
 
 
 def _rope_theta(hf: dict) -> float:
@@ -128,10 +148,10 @@ def _rope_theta(hf: dict) -> float:
 # config.json options whose other values this implementation does not compute: refused by
 # name rather than loaded and run as something else.
 _SUPPORTED_OPTIONS = {
-    "hidden_act": ("silu", "swish"),  # the SwiGLU experts
-    "attention_bias": (False, None),
-    "mlp_bias": (False, None),
-    "partial_rotary_factor": (1, 1.0, None),  # full RoPE (Qwen3-MoE, Mixtral, OLMoE)
+  "hidden_act": ("silu", "swish"),  # the SwiGLU experts
+  "attention_bias": (False, None),
+  "mlp_bias": (False, None),
+  "partial_rotary_factor": (1, 1.0, None),  # full RoPE (Qwen3-MoE, Mixtral, OLMoE)
 }
 _FULL_ROPE_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
 
@@ -141,15 +161,19 @@ def _check_supported(hf: dict, arch: str) -> None:
     if option == "partial_rotary_factor" and arch not in _FULL_ROPE_ARCHS:
       continue
     if option in hf and hf[option] not in allowed:
-      raise ValueError(f"{option}={hf[option]!r} is not supported; supported: "
-                       f"{[a for a in allowed if a is not None]}")
+      raise ValueError(
+        f"{option}={hf[option]!r} is not supported; supported: "
+        f"{[a for a in allowed if a is not None]}"
+      )
 
 
 def config_from_hf(hf: dict, dtype=jnp.float32) -> ModelConfig:
   """A ModelConfig from a Hugging Face config.json dict (either spelling of each field)."""
   arch = _arch(hf)
   if arch == "qwen3_5_moe":
-    return hf_qwen3_5.config_from_hf(hf, "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32")
+    return hf_qwen3_5.config_from_hf(
+      hf, "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32"
+    )
   _check_supported(hf, arch)
   num_layers = hf["num_hidden_layers"]
   num_experts = hf.get("num_experts", hf.get("num_local_experts"))
@@ -164,23 +188,23 @@ def config_from_hf(hf: dict, dtype=jnp.float32) -> ModelConfig:
       raise ValueError("Qwen3-MoE with use_sliding_window=true is not supported")
   moe_ffn = hf["moe_intermediate_size"] if arch == "qwen3_moe" else hf["intermediate_size"]
   return ModelConfig(
-      **decoder_fields_from_hf(hf, arch),
-      arch=arch,
-      num_experts=num_experts,
-      num_experts_per_tok=hf["num_experts_per_tok"],
-      moe_ffn_dim=moe_ffn,
-      ffn_dim=hf.get("intermediate_size", 0) if dense_layers else 0,
-      dense_layers=dense_layers,
-      norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-      qk_norm={"qwen3_moe": "head", "olmoe": "full", "mixtral": "none"}[arch],
-      clip_qkv=hf.get("clip_qkv"),
-      rope_theta=_rope_theta(hf),
-      rms_eps=hf.get("rms_norm_eps", 1e-6),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      sliding_window=hf.get("sliding_window") if arch == "mixtral" else None,
-      max_seq_len=hf.get("max_position_embeddings", 2048),
-      router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
-      dtype="bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32",
+    **decoder_fields_from_hf(hf, arch),
+    arch=arch,
+    num_experts=num_experts,
+    num_experts_per_tok=hf["num_experts_per_tok"],
+    moe_ffn_dim=moe_ffn,
+    ffn_dim=hf.get("intermediate_size", 0) if dense_layers else 0,
+    dense_layers=dense_layers,
+    norm_topk_prob=True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+    qk_norm={"qwen3_moe": "head", "olmoe": "full", "mixtral": "none"}[arch],
+    clip_qkv=hf.get("clip_qkv"),
+    rope_theta=_rope_theta(hf),
+    rms_eps=hf.get("rms_norm_eps", 1e-6),
+    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    sliding_window=hf.get("sliding_window") if arch == "mixtral" else None,
+    max_seq_len=hf.get("max_position_embeddings", 2048),
+    router_aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+    dtype="bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32",
   )
 
 
@@ -200,8 +224,8 @@ def _tensor_map(cfg: ModelConfig, tensors) -> dict[tuple, Callable[[], np.ndarra
     return next((n for n in names if n in tensors), names[0])
 
   spec: dict[tuple, Callable[[], np.ndarray]] = {
-      ("embed",): lambda: get("model.embed_tokens.weight"),
-      ("final_norm", "scale"): lambda: get("model.norm.weight"),
+    ("embed",): lambda: get("model.embed_tokens.weight"),
+    ("final_norm", "scale"): lambda: get("model.norm.weight"),
   }
   if not cfg.tie_embeddings:
     spec[("lm_head",)] = lambda: _transpose(get("lm_head.weight"))
@@ -214,10 +238,14 @@ def _tensor_map(cfg: ModelConfig, tensors) -> dict[tuple, Callable[[], np.ndarra
       spec.update(hf_qwen3_5.layer_tensor_map(cfg, i, get))
     else:
       for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        spec[block + ("attn", proj)] = lambda p=p, proj=proj: _transpose(get(f"{p}.self_attn.{proj}.weight"))
+        spec[block + ("attn", proj)] = lambda p=p, proj=proj: _transpose(
+          get(f"{p}.self_attn.{proj}.weight")
+        )
       if cfg.qk_norm != "none":
         for norm in ("q_norm", "k_norm"):
-          spec[block + ("attn", norm, "scale")] = lambda p=p, n=norm: get(f"{p}.self_attn.{n}.weight")
+          spec[block + ("attn", norm, "scale")] = lambda p=p, n=norm: get(
+            f"{p}.self_attn.{n}.weight"
+          )
     if i in cfg.dense_layers:
       for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
         spec[block + ("mlp", ours)] = lambda p=p, t=theirs: _transpose(get(f"{p}.mlp.{t}.weight"))
@@ -225,7 +253,11 @@ def _tensor_map(cfg: ModelConfig, tensors) -> dict[tuple, Callable[[], np.ndarra
     moe = first_present(f"{p}.mlp.gate.weight", f"{p}.block_sparse_moe.gate.weight")
     prefix = moe[: -len(".gate.weight")]
     spec[block + ("moe", "router")] = lambda n=moe: _transpose(get(n))
-    names = {"w_gate": ("gate_proj", "w1"), "w_up": ("up_proj", "w3"), "w_down": ("down_proj", "w2")}
+    names = {
+      "w_gate": ("gate_proj", "w1"),
+      "w_up": ("up_proj", "w3"),
+      "w_down": ("down_proj", "w2"),
+    }
     fused = f"{prefix}.experts.gate_up_proj" in tensors
 
     def experts(ours, prefix=prefix, fused=fused):
@@ -241,8 +273,9 @@ def _tensor_map(cfg: ModelConfig, tensors) -> dict[tuple, Callable[[], np.ndarra
       for e in range(cfg.num_experts):
         name = first_present(*(f"{prefix}.experts.{e}.{n}.weight" for n in names[ours]))
         if tuple(get(name).shape) != expected:
-          raise ValueError(f"tensor {name!r} has shape {tuple(get(name).shape)}; the config "
-                           f"implies {expected}")
+          raise ValueError(
+            f"tensor {name!r} has shape {tuple(get(name).shape)}; the config implies {expected}"
+          )
         stacked.append(_transpose(get(name)))
       return np.stack(stacked)
 
@@ -317,8 +350,9 @@ def from_hf(path: str, dtype=jnp.float32, **overrides) -> Transformer:
       name = ".".join(str(p) for p in param_path)
       raise ValueError(f"tensor for {name} has shape {array.shape}; the config implies {expected}")
     variable.set_value(jnp.asarray(array, dtype))
-  unused = sorted(n for n in set(tensors) - _used_names(cfg, tensors)
-                  if not n.endswith(_IGNORED_SUFFIXES))
+  unused = sorted(
+    n for n in set(tensors) - _used_names(cfg, tensors) if not n.endswith(_IGNORED_SUFFIXES)
+  )
   if unused:
     raise ValueError(f"checkpoint tensors that nothing loads (wrong architecture?): {unused[:8]}")
   return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -19,7 +19,6 @@ Traps (all from transformers' Qwen3_5MoeTextConfig and modeling code):
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable
 
 import numpy as np
@@ -35,7 +34,8 @@ _DEFAULT_PARTIAL_ROTARY = 0.25
 
 def is_qwen3_5(hf: dict) -> bool:
   return hf.get("model_type") in MODEL_TYPES or any(
-      a in ARCHITECTURES for a in hf.get("architectures") or [])
+    a in ARCHITECTURES for a in hf.get("architectures") or []
+  )
 
 
 def text_config(hf: dict) -> dict:
@@ -48,42 +48,45 @@ def config_from_hf(hf: dict, dtype_name: str) -> ModelConfig:
   text = text_config(hf)
   rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
   if rope.get("rope_type", "default") != "default":
-    raise ValueError(f"rope_type={rope.get('rope_type')!r} (rope scaling) is not supported; "
-                     "only 'default'")
+    raise ValueError(
+      f"rope_type={rope.get('rope_type')!r} (rope scaling) is not supported; only 'default'"
+    )
   theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
-  partial = rope.get("partial_rotary_factor",
-                     text.get("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY))
+  partial = rope.get(
+    "partial_rotary_factor", text.get("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY)
+  )
   num_layers = text["num_hidden_layers"]
   layer_types = text.get("layer_types")
   if layer_types is None:
     layer_types = hybrid_layer_types(num_layers, text.get("full_attention_interval", 4))
   tie = text.get("tie_word_embeddings", hf.get("tie_word_embeddings", False))
   return ModelConfig(
-      **decoder_fields_from_hf({**text, "_name_or_path": hf.get("_name_or_path", "qwen3_5_moe")},
-                               "qwen3_5_moe"),
-      arch="qwen3_5_moe",
-      num_experts=text["num_experts"],
-      num_experts_per_tok=text["num_experts_per_tok"],
-      moe_ffn_dim=text["moe_intermediate_size"],
-      shared_expert_dim=text.get("shared_expert_intermediate_size", 0),
-      shared_expert_gate=bool(text.get("shared_expert_intermediate_size", 0)),
-      norm_topk_prob=True,  # Qwen3_5MoeTopKRouter always renormalises the top-k
-      qk_norm="head",
-      rope_theta=float(theta),
-      rms_eps=text.get("rms_norm_eps", 1e-6),
-      tie_embeddings=bool(tie),
-      max_seq_len=text.get("max_position_embeddings", 2048),
-      router_aux_loss_coef=text.get("router_aux_loss_coef", 0.001),
-      dtype=dtype_name,
-      layer_types=tuple(layer_types),
-      attn_output_gate=True,
-      partial_rotary_factor=float(partial),
-      zero_centered_norm=True,
-      linear_num_key_heads=text.get("linear_num_key_heads", 16),
-      linear_num_value_heads=text.get("linear_num_value_heads", 32),
-      linear_key_head_dim=text.get("linear_key_head_dim", 128),
-      linear_value_head_dim=text.get("linear_value_head_dim", 128),
-      linear_conv_kernel=text.get("linear_conv_kernel_dim", 4),
+    **decoder_fields_from_hf(
+      {**text, "_name_or_path": hf.get("_name_or_path", "qwen3_5_moe")}, "qwen3_5_moe"
+    ),
+    arch="qwen3_5_moe",
+    num_experts=text["num_experts"],
+    num_experts_per_tok=text["num_experts_per_tok"],
+    moe_ffn_dim=text["moe_intermediate_size"],
+    shared_expert_dim=text.get("shared_expert_intermediate_size", 0),
+    shared_expert_gate=bool(text.get("shared_expert_intermediate_size", 0)),
+    norm_topk_prob=True,  # Qwen3_5MoeTopKRouter always renormalises the top-k
+    qk_norm="head",
+    rope_theta=float(theta),
+    rms_eps=text.get("rms_norm_eps", 1e-6),
+    tie_embeddings=bool(tie),
+    max_seq_len=text.get("max_position_embeddings", 2048),
+    router_aux_loss_coef=text.get("router_aux_loss_coef", 0.001),
+    dtype=dtype_name,
+    layer_types=tuple(layer_types),
+    attn_output_gate=True,
+    partial_rotary_factor=float(partial),
+    zero_centered_norm=True,
+    linear_num_key_heads=text.get("linear_num_key_heads", 16),
+    linear_num_value_heads=text.get("linear_num_value_heads", 32),
+    linear_key_head_dim=text.get("linear_key_head_dim", 128),
+    linear_value_head_dim=text.get("linear_value_head_dim", 128),
+    linear_conv_kernel=text.get("linear_conv_kernel_dim", 4),
   )
 
 
@@ -100,11 +103,13 @@ def text_tensors(tensors: dict) -> tuple[dict, dict[str, int]]:
       skipped[prefix] = skipped.get(prefix, 0) + 1
       continue
     if name.startswith(_PUBLISHED_PREFIX):
-      name = "model." + name[len(_PUBLISHED_PREFIX):]
+      name = "model." + name[len(_PUBLISHED_PREFIX) :]
     out[name] = array
   if skipped:
-    logging.warning("Qwen3.5 checkpoint: skipped tensors a text policy does not use: %s",
-                    ", ".join(f"{n} {p}*" for p, n in sorted(skipped.items())))
+    logging.warning(
+      "Qwen3.5 checkpoint: skipped tensors a text policy does not use: %s",
+      ", ".join(f"{n} {p}*" for p, n in sorted(skipped.items())),
+    )
   return out, skipped
 
 
@@ -134,5 +139,7 @@ def layer_tensor_map(cfg: ModelConfig, layer: int, get) -> dict[tuple, Callable[
   shared = f"{p}.mlp.shared_expert"
   for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
     spec[block + ("moe", "shared", ours)] = lambda n=f"{shared}.{theirs}.weight": _transpose(get(n))
-  spec[block + ("moe", "shared_gate")] = lambda: _transpose(get(f"{p}.mlp.shared_expert_gate.weight"))
+  spec[block + ("moe", "shared_gate")] = lambda: _transpose(
+    get(f"{p}.mlp.shared_expert_gate.weight")
+  )
   return spec

@@ -76,16 +76,18 @@ def _precision(dtype):
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   """x [..., in] @ w [in, out] with float32 accumulation, returned in x's dtype."""
-  y = jnp.einsum("...i,io->...o", x, w, precision=_precision(x.dtype),
-                 preferred_element_type=jnp.float32)
+  y = jnp.einsum(
+    "...i,io->...o", x, w, precision=_precision(x.dtype), preferred_element_type=jnp.float32
+  )
   return y.astype(x.dtype)
 
 
 def ragged_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
   """Rows of lhs [R, in] sorted by group @ w [groups, in, out] (`jax.lax.ragged_dot`),
   float32 accumulation, returned in lhs's dtype."""
-  return jax.lax.ragged_dot(lhs, w, group_sizes, precision=_precision(lhs.dtype),
-                            preferred_element_type=jnp.float32).astype(lhs.dtype)
+  return jax.lax.ragged_dot(
+    lhs, w, group_sizes, precision=_precision(lhs.dtype), preferred_element_type=jnp.float32
+  ).astype(lhs.dtype)
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -26,8 +26,9 @@ MOE_IN = declare_site("moe_in", present=_MOE, scopes=("experts+kv",))
 # Input of each routed expert's down projection, per (token, chosen expert) row.
 MOE_MID = declare_site("moe_mid", present=_MOE, scopes=("experts+kv",), routed=True)
 # Input of the shared expert's down projection, per token.
-SHARED_MID = declare_site("shared_mid",
-                          present=lambda cfg, layer: _MOE(cfg, layer) and bool(cfg.shared_expert_dim))
+SHARED_MID = declare_site(
+  "shared_mid", present=lambda cfg, layer: _MOE(cfg, layer) and bool(cfg.shared_expert_dim)
+)
 # A dense feed-forward layer's input and the input of its down projection.
 MLP_IN = declare_site("mlp_in", present=_DENSE)
 MLP_MID = declare_site("mlp_mid", present=_DENSE)
@@ -102,10 +103,14 @@ class MoE(nnx.Module):
     self.w_gate = normal_param(rngs, (e, d, f), cfg.init_std)
     self.w_up = normal_param(rngs, (e, d, f), cfg.init_std)
     self.w_down = normal_param(rngs, (e, f, d), cfg.init_std)
-    self.shared = (MLP(d, cfg.shared_expert_dim, cfg.init_std, rngs=rngs)
-                   if cfg.shared_expert_dim else None)
-    self.shared_gate = (normal_param(rngs, (d, 1), cfg.init_std)
-                        if cfg.shared_expert_dim and cfg.shared_expert_gate else None)
+    self.shared = (
+      MLP(d, cfg.shared_expert_dim, cfg.init_std, rngs=rngs) if cfg.shared_expert_dim else None
+    )
+    self.shared_gate = (
+      normal_param(rngs, (d, 1), cfg.init_std)
+      if cfg.shared_expert_dim and cfg.shared_expert_gate
+      else None
+    )
     self.top_k = cfg.num_experts_per_tok
     self.norm_topk = cfg.norm_topk_prob
     self.dispatch = cfg.dispatch
@@ -118,11 +123,16 @@ class MoE(nnx.Module):
     b, t, d = x.shape
     n, k = b * t, self.top_k
     # The router stays in float32: a flipped expert is a large, discrete mismatch.
-    logits = jnp.einsum("nd,de->ne", x.reshape(n, d).astype(jnp.float32), self.router.get_value(),
-                        precision=jax.lax.Precision.HIGHEST)
+    logits = jnp.einsum(
+      "nd,de->ne",
+      x.reshape(n, d).astype(jnp.float32),
+      self.router.get_value(),
+      precision=jax.lax.Precision.HIGHEST,
+    )
     probs = jax.nn.softmax(logits, axis=-1)
-    experts, weights = route(probs, k, self.norm_topk,
-                             None if routing is None else routing.reshape(n, k))
+    experts, weights = route(
+      probs, k, self.norm_topk, None if routing is None else routing.reshape(n, k)
+    )
     xq = sow_site(self, sq, x, layer=layer, site=MOE_IN).reshape(n, d)
     dispatch = self._grouped if self.dispatch == "grouped" else self._dense
     y = dispatch(xq, experts, layer=layer, sq=sq, tokens_shape=(b, t))
@@ -132,17 +142,20 @@ class MoE(nnx.Module):
       # "all"); under "experts+kv" it sees the high-precision input.
       shared_in = xq if sq.active(SHARED_MID.name) else x.reshape(n, d)
       # [B, T, d] in, so the shared_mid site (and its guidance) is laid out per token slot.
-      shared = self.shared(shared_in.reshape(b, t, d), layer=layer, sq=sq,
-                           mid_site=SHARED_MID).reshape(n, d)
+      shared = self.shared(
+        shared_in.reshape(b, t, d), layer=layer, sq=sq, mid_site=SHARED_MID
+      ).reshape(n, d)
       if self.shared_gate is not None:
         gate = jax.nn.sigmoid(matmul(shared_in, self.shared_gate.get_value().astype(xq.dtype)))
         shared = gate * shared
       out = out + shared
     flat_valid = valid.reshape(n)
     load = jnp.sum(jax.nn.one_hot(experts, probs.shape[-1]).sum(1) * flat_valid[:, None], 0)
-    stats = RouterStats(experts=experts.reshape(b, t, k),
-                        lb_loss=load_balancing_loss(probs, experts, flat_valid),
-                        load=load / jnp.maximum(jnp.sum(load), 1.0))
+    stats = RouterStats(
+      experts=experts.reshape(b, t, k),
+      lb_loss=load_balancing_loss(probs, experts, flat_valid),
+      load=load / jnp.maximum(jnp.sum(load), 1.0),
+    )
     return out.reshape(b, t, d), stats
 
   def _weights(self):
@@ -176,13 +189,16 @@ class MoE(nnx.Module):
     n, k = experts.shape
     if sq.guidance:
       raise ValueError("dispatch='dense' is a reference path without guidance; use 'grouped'")
-    (w_gate, w_up), w_down = (sq.weight_group((w_gate, w_up), "experts"),
-                              sq.weight(w_down, "experts"))
+    (w_gate, w_up), w_down = (
+      sq.weight_group((w_gate, w_up), "experts"),
+      sq.weight(w_down, "experts"),
+    )
     precision = jax.lax.Precision.HIGHEST if xq.dtype == jnp.float32 else None
 
     def einsum(spec, a, b):
-      return jnp.einsum(spec, a, b, precision=precision,
-                        preferred_element_type=jnp.float32).astype(a.dtype)
+      return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32).astype(
+        a.dtype
+      )
 
     h = swiglu(einsum("nd,edf->enf", xq, w_gate), einsum("nd,edf->enf", xq, w_up))  # [E, N, f]
     if sq.records(layer) and sq.active(MOE_MID.name):  # record the chosen rows, (token, slot) order

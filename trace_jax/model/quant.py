@@ -58,14 +58,21 @@ import numpy as np
 
 from trace_jax import fp4, kernels as kernels_lib
 from trace_jax.model import layers
-from trace_jax.model.sites import (SITE_SCOPES, SiteKey, SiteRecord, derived as _derived,
-                                   registered_sites, site_spec)
+from trace_jax.model.sites import (
+  SITE_SCOPES,
+  SiteKey,
+  SiteRecord,
+  derived as _derived,
+  registered_sites,
+  site_spec,
+)
 
 
 def __getattr__(name: str):
   """ACTIVATION_SITES, SCOPE_SITES, KV_SITES and ROUTED_SITES, derived from the site
   declarations (`trace_jax.model.sites`)."""
   return _derived(name)
+
 
 PRECISIONS = ("fp4", "bf16")
 # Groups of linear weights, by the module that owns them; a scope quantizes whole groups.
@@ -80,9 +87,10 @@ ACTIVATION_FORMATS = ("fp4", "fp8")
 GuidedLayers = Union[str, int, Sequence[int]]
 
 
-def resolve_layers(guided_layers: GuidedLayers, num_layers: int, *, field: str = "guided_layers"
-                   ) -> tuple[int, ...]:
-  """"last_half" (the deeper half), "all", "none", a count from the top, or explicit ids."""
+def resolve_layers(
+  guided_layers: GuidedLayers, num_layers: int, *, field: str = "guided_layers"
+) -> tuple[int, ...]:
+  """ "last_half" (the deeper half), "all", "none", a count from the top, or explicit ids."""
   if isinstance(guided_layers, str):
     if guided_layers == "last_half":
       return tuple(range(num_layers - num_layers // 2, num_layers))
@@ -90,14 +98,17 @@ def resolve_layers(guided_layers: GuidedLayers, num_layers: int, *, field: str =
       return tuple(range(num_layers))
     if guided_layers == "none":
       return ()
-    raise ValueError(f"{field}={guided_layers!r} is not allowed; use one of "
-                     f"{GUIDED_LAYER_NAMES}, a count, or a list of layer ids")
+    raise ValueError(
+      f"{field}={guided_layers!r} is not allowed; use one of "
+      f"{GUIDED_LAYER_NAMES}, a count, or a list of layer ids"
+    )
   if isinstance(guided_layers, bool):
     raise ValueError(f"{field}={guided_layers!r} is not allowed; use a name, a count or a list")
   if isinstance(guided_layers, int):
     if not 0 <= guided_layers <= num_layers:
-      raise ValueError(f"{field}={guided_layers} must lie in [0, {num_layers}] (a count of "
-                       "layers from the top)")
+      raise ValueError(
+        f"{field}={guided_layers} must lie in [0, {num_layers}] (a count of layers from the top)"
+      )
     return tuple(range(num_layers - guided_layers, num_layers))
   layers = tuple(int(i) for i in guided_layers)
   bad = [i for i in layers if not 0 <= i < num_layers]
@@ -130,7 +141,9 @@ class Recording:
   rollout writes them into its buffers as they are and nothing is unpacked or repacked.
   """
 
-  form: str = "none"  # the records' form: "none", "compact" (fp4.CompactGuidance) or "full" (QArray)
+  form: str = (
+    "none"  # the records' form: "none", "compact" (fp4.CompactGuidance) or "full" (QArray)
+  )
   layers: tuple[int, ...] | None = None  # recorded layers; None: every layer
   inputs: bool = False  # also keep each recorded site's input, before quantization
   sparse: fp4.SparseSpec = fp4.SparseSpec()  # form "sparse": margins and buffer capacity
@@ -171,32 +184,42 @@ class QuantConfig:
 
   def __post_init__(self):
     if self.activations not in ACTIVATION_FORMATS:
-      raise ValueError(f"QuantConfig.activations={self.activations!r} is not allowed; use one "
-                       f"of {ACTIVATION_FORMATS}")
+      raise ValueError(
+        f"QuantConfig.activations={self.activations!r} is not allowed; use one "
+        f"of {ACTIVATION_FORMATS}"
+      )
     if self.precision not in PRECISIONS:
-      raise ValueError(f"QuantConfig.precision={self.precision!r} is not allowed; use one of {PRECISIONS}")
+      raise ValueError(
+        f"QuantConfig.precision={self.precision!r} is not allowed; use one of {PRECISIONS}"
+      )
     fp4.get_format(self.fmt)
     if self.rounding not in fp4.ROUNDING_MODES:
-      raise ValueError(f"QuantConfig.rounding={self.rounding!r} is not allowed; use one of "
-                       f"{fp4.ROUNDING_MODES}")
+      raise ValueError(
+        f"QuantConfig.rounding={self.rounding!r} is not allowed; use one of {fp4.ROUNDING_MODES}"
+      )
     if isinstance(self.sites, str):
       if self.sites not in SITE_SCOPES:
-        raise ValueError(f"QuantConfig.sites={self.sites!r} is not allowed; use one of "
-                         f"{SITE_SCOPES} or a tuple of sites from {_derived('ACTIVATION_SITES')}")
+        raise ValueError(
+          f"QuantConfig.sites={self.sites!r} is not allowed; use one of "
+          f"{SITE_SCOPES} or a tuple of sites from {_derived('ACTIVATION_SITES')}"
+        )
     else:
       object.__setattr__(self, "sites", tuple(self.sites))
       known = _derived("ACTIVATION_SITES")
       unknown = [s for s in self.sites if s not in known]
       if unknown:
-        raise ValueError(f"QuantConfig.sites has unknown sites {unknown}; allowed: "
-                         f"{known}, or a scope from {SITE_SCOPES}")
+        raise ValueError(
+          f"QuantConfig.sites has unknown sites {unknown}; allowed: "
+          f"{known}, or a scope from {SITE_SCOPES}"
+        )
     if not isinstance(self.guided_layers, (str, int)):
       object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
     _check_layers_spec(self.guided_layers)
     kernels_lib.check_mode(self.kernels, "QuantConfig.kernels")
     if not isinstance(self.recording, Recording):
-      raise ValueError(f"QuantConfig.recording must be a Recording, got "
-                       f"{type(self.recording).__name__}")
+      raise ValueError(
+        f"QuantConfig.recording must be a Recording, got {type(self.recording).__name__}"
+      )
     if self.compute_dtype is not None:
       try:
         name = jnp.dtype(self.compute_dtype).name
@@ -253,10 +276,23 @@ def call_config(quant: QuantConfig | None, **changes) -> QuantConfig:
 # shared-expert gate) stays in high precision.
 # Gated DeltaNet's in/out projections (in_proj_qkv, in_proj_z, out_proj) belong to the
 # "attention" group (the token mixer); its decay/beta projections stay high precision.
-QUANTIZED_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "w_gate", "w_up", "w_down",
-                               "in_proj_qkv", "in_proj_z", "out_proj"})
-_ATTENTION_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
-                                "out_proj"})
+QUANTIZED_WEIGHTS = frozenset(
+  {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "w_gate",
+    "w_up",
+    "w_down",
+    "in_proj_qkv",
+    "in_proj_z",
+    "out_proj",
+  }
+)
+_ATTENTION_WEIGHTS = frozenset(
+  {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"}
+)
 
 
 def weight_group(path: tuple) -> str | None:
@@ -294,9 +330,14 @@ def layer_sites(cfg, quant: QuantConfig | None) -> dict[int, tuple[str, ...]]:
   if quant is None or not quant.enabled:
     return {layer: () for layer in range(cfg.num_layers)}
   sites = registered_sites()
-  return {layer: tuple(s.name for s in sites if s.present(cfg, layer) and quant.quantizes(s.name)
-                       and not quant.in_fp8(s.name))
-          for layer in range(cfg.num_layers)}
+  return {
+    layer: tuple(
+      s.name
+      for s in sites
+      if s.present(cfg, layer) and quant.quantizes(s.name) and not quant.in_fp8(s.name)
+    )
+    for layer in range(cfg.num_layers)
+  }
 
 
 def weight_layout(ndim: int) -> tuple[int, Any]:
@@ -331,15 +372,18 @@ def _joint(ws: Sequence[jax.Array], quantize_fn):
   widths = [w.shape[-1] for w in ws]
   shapes = {w.shape[:-1] for w in ws}
   if len(shapes) != 1:
-    raise ValueError(f"weights sharing a global scale must agree on all but the output axis; "
-                     f"got shapes {[w.shape for w in ws]}")
+    raise ValueError(
+      f"weights sharing a global scale must agree on all but the output axis; "
+      f"got shapes {[w.shape for w in ws]}"
+    )
   joint = quantize_fn(jnp.concatenate(ws, axis=-1))
   bounds = np.cumsum(widths)[:-1].tolist()
   return joint, bounds
 
 
-def quantize_weight_group(ws: Sequence[jax.Array], fmt: str, *, scale_rule: str = "standard"
-                          ) -> tuple[fp4.QArray, ...]:
+def quantize_weight_group(
+  ws: Sequence[jax.Array], fmt: str, *, scale_rule: str = "standard"
+) -> tuple[fp4.QArray, ...]:
   """Packed weights of siblings that share one global scale (per matrix, per expert).
 
   Each returned QArray holds its own copy of the shared global scale, so it dequantizes on
@@ -349,18 +393,21 @@ def quantize_weight_group(ws: Sequence[jax.Array], fmt: str, *, scale_rule: str 
     return (quantize_weight(ws[0], fmt, scale_rule=scale_rule),)
   q, bounds = _joint(ws, lambda w: quantize_weight(w, fmt, scale_rule=scale_rule))
   return tuple(
-      fp4.QArray(packed=packed, scales=scales, global_scale=q.global_scale, fmt=q.fmt,
-                 axis=q.axis)
-      for packed, scales in zip(jnp.split(q.packed, bounds, axis=-1),
-                                jnp.split(q.scales, bounds, axis=-1)))
+    fp4.QArray(packed=packed, scales=scales, global_scale=q.global_scale, fmt=q.fmt, axis=q.axis)
+    for packed, scales in zip(
+      jnp.split(q.packed, bounds, axis=-1), jnp.split(q.scales, bounds, axis=-1)
+    )
+  )
 
 
 def fake_quant_weight_group(ws: Sequence[jax.Array], fmt: str) -> tuple[jax.Array, ...]:
   """The training path's weights of `quantize_weight_group`: the same values bit for bit
   (fake quantization of the concatenation), with a straight-through gradient."""
+
   def fake(w):
     axis, group = weight_layout(w.ndim)
     return fp4.fake_quant(w, fmt, axis=axis, global_group=group)
+
   if len(ws) == 1:
     return (fake(ws[0]),)
   values, bounds = _joint(ws, fake)
@@ -376,9 +423,15 @@ def shared_scale_groups(names: Sequence[str]) -> list[tuple[str, ...]]:
   return groups + [(n,) for n in names if n not in grouped]
 
 
-def quantize_site(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: str,
-                  kernels: str, sparse: fp4.SparseSpec | None = None
-                  ) -> tuple[jax.Array, Any, jax.Array | None]:
+def quantize_site(
+  x: jax.Array,
+  fmt: str,
+  *,
+  rounding: Mapping[str, Any],
+  form: str,
+  kernels: str,
+  sparse: fp4.SparseSpec | None = None,
+) -> tuple[jax.Array, Any, jax.Array | None]:
   """One activation site, per token (row): quantize once, return (values, record, fallback).
 
   A pure function. `rounding`: {} (nearest) or the rounding kwargs of `fp4.quantize`
@@ -401,18 +454,27 @@ def quantize_site(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: 
     if form == "full":
       record = q
     elif form == "compact":
-      record = fp4.CompactGuidance(global_scale=q.global_scale, scales=q.scales,
-                                   mantissa_bits=bits, fmt=q.fmt, axis=q.axis)
+      record = fp4.CompactGuidance(
+        global_scale=q.global_scale, scales=q.scales, mantissa_bits=bits, fmt=q.fmt, axis=q.axis
+      )
     return fp4.dequantize(q, x.dtype), record, None
   if form == "none":
     return fp4.fake_quant(x, fmt, global_group="row", **rounding), None, None
-  values, record, fell_back = fp4.fake_quant_record(x, fmt, form=form, global_group="row",
-                                                    **rounding)
+  values, record, fell_back = fp4.fake_quant_record(
+    x, fmt, form=form, global_group="row", **rounding
+  )
   return values, record, fell_back if rounding.get("rounding") == "guided" else None
 
 
-def cache_entry(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: str,
-                kernels: str, sparse: fp4.SparseSpec | None = None) -> tuple[fp4.QArray, Any]:
+def cache_entry(
+  x: jax.Array,
+  fmt: str,
+  *,
+  rounding: Mapping[str, Any],
+  form: str,
+  kernels: str,
+  sparse: fp4.SparseSpec | None = None,
+) -> tuple[fp4.QArray, Any]:
   """A K or V cache site: (the packed entry the cache stores, its record in `form`)."""
   if form == "sparse":
     x = jax.lax.optimization_barrier(x)  # as in `quantize_site`
@@ -426,9 +488,13 @@ def cache_entry(x: jax.Array, fmt: str, *, rounding: Mapping[str, Any], form: st
   if form == "full":
     record = q
   elif form == "compact":
-    record = (fp4.compact_guidance(q) if bits is None else fp4.CompactGuidance(
-        global_scale=q.global_scale, scales=q.scales, mantissa_bits=bits, fmt=q.fmt,
-        axis=q.axis))
+    record = (
+      fp4.compact_guidance(q)
+      if bits is None
+      else fp4.CompactGuidance(
+        global_scale=q.global_scale, scales=q.scales, mantissa_bits=bits, fmt=q.fmt, axis=q.axis
+      )
+    )
   return q, record
 
 
@@ -449,8 +515,15 @@ class SiteQuantizer:
     key: PRNG key for quant.rounding == "stochastic".
   """
 
-  def __init__(self, quant: QuantConfig | None, num_layers: int, dtype, *,
-               guidance: Mapping[SiteKey, Any] | None = None, key: jax.Array | None = None):
+  def __init__(
+    self,
+    quant: QuantConfig | None,
+    num_layers: int,
+    dtype,
+    *,
+    guidance: Mapping[SiteKey, Any] | None = None,
+    key: jax.Array | None = None,
+  ):
     self.recording = self.recording_of(quant)
     self.kernels = kernels_lib.resolve(quant.kernels if quant is not None else "xla")
     self.quant = quant if quant is not None and quant.enabled else None
@@ -461,8 +534,10 @@ class SiteQuantizer:
     if self.quant is not None and self.quant.rounding != "nearest":
       self.guided = set(self.quant.guided_layer_ids(num_layers))
       if self.quant.rounding == "stochastic" and key is None:
-        raise ValueError("QuantConfig.rounding='stochastic' needs a key: pass "
-                         "guidance=Guidance.of_key(key) to the forward")
+        raise ValueError(
+          "QuantConfig.rounding='stochastic' needs a key: pass "
+          "guidance=Guidance.of_key(key) to the forward"
+        )
     if self.guidance and (self.quant is None or self.quant.rounding != "guided"):
       raise ValueError("guidance was given but QuantConfig.rounding is not 'guided'")
 
@@ -485,12 +560,15 @@ class SiteQuantizer:
       site_key = jax.random.fold_in(jax.random.fold_in(self.key, layer), zlib.crc32(site.encode()))
       return dict(rounding="stochastic", key=site_key)
     if (layer, site) not in self.guidance:
-      raise ValueError(f"rounding='guided' at layer {layer} site {site!r}, but the guidance "
-                       f"has no entry for it (it has {sorted(self.guidance)[:8]}...)")
+      raise ValueError(
+        f"rounding='guided' at layer {layer} site {site!r}, but the guidance "
+        f"has no entry for it (it has {sorted(self.guidance)[:8]}...)"
+      )
     return dict(rounding="guided", guidance=self.guidance[(layer, site)])
 
-  def site(self, x: jax.Array, layer: int, site: str, *, record: bool = True
-           ) -> tuple[jax.Array, SiteRecord | None]:
+  def site(
+    self, x: jax.Array, layer: int, site: str, *, record: bool = True
+  ) -> tuple[jax.Array, SiteRecord | None]:
     """Fake-quantize activation `x` [..., n] per row at (layer, site), quantizing once.
 
     Returns (values, SiteRecord or None); identity (and no record) where the scope leaves
@@ -502,25 +580,37 @@ class SiteQuantizer:
       return fp4.fake_quant_fp8(x), None
     keep = record and self.records(layer)
     form = self.recording.form if keep else "none"
-    values, rec, fell_back = quantize_site(x, self.quant.fmt, rounding=self._rounding(layer, site),
-                                           form=form, kernels=self.kernels,
-                                           sparse=self.recording.sparse.for_site(site))
+    values, rec, fell_back = quantize_site(
+      x,
+      self.quant.fmt,
+      rounding=self._rounding(layer, site),
+      form=form,
+      kernels=self.kernels,
+      sparse=self.recording.sparse.for_site(site),
+    )
     if not keep:
       return values, None
-    return values, SiteRecord(record=rec, fallback=fell_back,
-                              input=x if self.recording.inputs else None)
+    return values, SiteRecord(
+      record=rec, fallback=fell_back, input=x if self.recording.inputs else None
+    )
 
   def __call__(self, x: jax.Array, layer: int, site: str) -> jax.Array:
     """The values of `site` alone (nothing recorded)."""
     return self.site(x, layer, site, record=False)[0]
 
-  def cache_entry(self, x: jax.Array, layer: int, site: str
-                  ) -> tuple[fp4.QArray, SiteRecord | None]:
+  def cache_entry(
+    self, x: jax.Array, layer: int, site: str
+  ) -> tuple[fp4.QArray, SiteRecord | None]:
     """The packed FP4 entry of a K/V cache site, and its record."""
     keep = self.records(layer)
-    q, rec = cache_entry(x, self.quant.fmt, rounding=self._rounding(layer, site),
-                         form=self.recording.form if keep else "none", kernels=self.kernels,
-                         sparse=self.recording.sparse.for_site(site))
+    q, rec = cache_entry(
+      x,
+      self.quant.fmt,
+      rounding=self._rounding(layer, site),
+      form=self.recording.form if keep else "none",
+      kernels=self.kernels,
+      sparse=self.recording.sparse.for_site(site),
+    )
     if not keep:
       return q, None
     return q, SiteRecord(record=rec, input=x if self.recording.inputs else None)
@@ -564,10 +654,12 @@ class SiteQuantizer:
       return tuple(self.matmul(x, w, group) for w in ws)
     return tuple(layers.matmul(x, w) for w in self.weight_group(ws, group))
 
-  def ragged_dots(self, lhs: jax.Array, ws: Sequence[Any], group_sizes: jax.Array
-                  ) -> tuple[jax.Array, ...]:
+  def ragged_dots(
+    self, lhs: jax.Array, ws: Sequence[Any], group_sizes: jax.Array
+  ) -> tuple[jax.Array, ...]:
     """`ragged_dot` of one input with sibling expert weights that share global scales."""
     if all(self._pallas(w) for w in ws):
       return tuple(self.ragged_dot(lhs, w, group_sizes) for w in ws)
-    return tuple(layers.ragged_matmul(lhs, w, group_sizes)
-                 for w in self.weight_group(ws, "experts"))
+    return tuple(
+      layers.ragged_matmul(lhs, w, group_sizes) for w in self.weight_group(ws, "experts")
+    )

@@ -45,32 +45,37 @@ MESH_AXES = ("data", "expert", "model")
 # (parameter name, rank) -> the mesh axis of each dimension. Weights are [in, out];
 # stacked routed experts [E, in, out]. FSDP ("data") takes the d_model side.
 PARAM_RULES: dict[tuple[str, int], tuple] = {
-    ("embed", 2): ("model", "data"),  # [V, d]: vocabulary over model
-    ("lm_head", 2): ("data", "model"),  # [d, V]
-    ("q_proj", 2): ("data", "model"),  # [d, H * Dh (x2 with an output gate)]
-    ("k_proj", 2): ("data", "model"),  # [d, Hkv * Dh]
-    ("v_proj", 2): ("data", "model"),
-    ("o_proj", 2): ("model", "data"),  # [H * Dh, d]
-    ("router", 2): ("data", None),  # [d, E]
-    ("shared_gate", 2): (None, None),  # [d, 1]
-    ("w_gate", 2): ("data", "model"),  # dense MLP / shared expert [d, F]
-    ("w_up", 2): ("data", "model"),
-    ("w_down", 2): ("model", "data"),  # [F, d]
-    ("w_gate", 3): ("expert", "data", "model"),  # routed experts [E, d, F]
-    ("w_up", 3): ("expert", "data", "model"),
-    ("w_down", 3): ("expert", "model", "data"),  # [E, F, d]
-    # Gated DeltaNet: in_proj_qkv's columns are [q | k | v] (the conv runs over all of
-    # them), so only its rows are split; z and out_proj are per value head.
-    ("in_proj_qkv", 2): ("data", None),  # [d, 2 Hk Dk + Hv Dv]
-    ("in_proj_z", 2): ("data", "model"),  # [d, Hv * Dv]
-    ("in_proj_a", 2): ("data", None),  # [d, Hv]
-    ("in_proj_b", 2): ("data", None),
-    ("out_proj", 2): ("model", "data"),  # [Hv * Dv, d]
-    ("conv_weight", 2): (None, None),  # [K, conv_dim]
+  ("embed", 2): ("model", "data"),  # [V, d]: vocabulary over model
+  ("lm_head", 2): ("data", "model"),  # [d, V]
+  ("q_proj", 2): ("data", "model"),  # [d, H * Dh (x2 with an output gate)]
+  ("k_proj", 2): ("data", "model"),  # [d, Hkv * Dh]
+  ("v_proj", 2): ("data", "model"),
+  ("o_proj", 2): ("model", "data"),  # [H * Dh, d]
+  ("router", 2): ("data", None),  # [d, E]
+  ("shared_gate", 2): (None, None),  # [d, 1]
+  ("w_gate", 2): ("data", "model"),  # dense MLP / shared expert [d, F]
+  ("w_up", 2): ("data", "model"),
+  ("w_down", 2): ("model", "data"),  # [F, d]
+  ("w_gate", 3): ("expert", "data", "model"),  # routed experts [E, d, F]
+  ("w_up", 3): ("expert", "data", "model"),
+  ("w_down", 3): ("expert", "model", "data"),  # [E, F, d]
+  # Gated DeltaNet: in_proj_qkv's columns are [q | k | v] (the conv runs over all of
+  # them), so only its rows are split; z and out_proj are per value head.
+  ("in_proj_qkv", 2): ("data", None),  # [d, 2 Hk Dk + Hv Dv]
+  ("in_proj_z", 2): ("data", "model"),  # [d, Hv * Dv]
+  ("in_proj_a", 2): ("data", None),  # [d, Hv]
+  ("in_proj_b", 2): ("data", None),
+  ("out_proj", 2): ("model", "data"),  # [Hv * Dv, d]
+  ("conv_weight", 2): (None, None),  # [K, conv_dim]
 }
-_HEAD_SPLIT = {"q_proj": "num_heads", "o_proj": "num_heads", "k_proj": "num_kv_heads",
-               "v_proj": "num_kv_heads", "in_proj_z": "linear_num_value_heads",
-               "out_proj": "linear_num_value_heads"}
+_HEAD_SPLIT = {
+  "q_proj": "num_heads",
+  "o_proj": "num_heads",
+  "k_proj": "num_kv_heads",
+  "v_proj": "num_kv_heads",
+  "in_proj_z": "linear_num_value_heads",
+  "out_proj": "linear_num_value_heads",
+}
 
 
 def make_mesh(data: int = 1, expert: int = 1, model: int = 1, devices=None) -> Mesh:
@@ -79,8 +84,10 @@ def make_mesh(data: int = 1, expert: int = 1, model: int = 1, devices=None) -> M
   devices = jax.devices() if devices is None else devices
   need = data * expert * model
   if need > len(devices) or min(data, expert, model) < 1:
-    raise ValueError(f"mesh data={data} x expert={expert} x model={model} needs {need} devices; "
-                     f"{len(devices)} available")
+    raise ValueError(
+      f"mesh data={data} x expert={expert} x model={model} needs {need} devices; "
+      f"{len(devices)} available"
+    )
   grid = np.asarray(devices[:need]).reshape(data, expert, model)
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
@@ -104,9 +111,11 @@ def _checked(spec: tuple, shape, mesh, what: str) -> P:
       continue
     n = _axis_size(mesh, axis)
     if size % n:
-      raise ValueError(f"{what}: dimension {dim} of shape {tuple(shape)} has size {size}, which "
-                       f"mesh axis {axis!r} of size {n} does not divide (mesh "
-                       f"{dict(mesh.shape)}); pick a mesh whose {axis!r} size divides {size}")
+      raise ValueError(
+        f"{what}: dimension {dim} of shape {tuple(shape)} has size {size}, which "
+        f"mesh axis {axis!r} of size {n} does not divide (mesh "
+        f"{dict(mesh.shape)}); pick a mesh whose {axis!r} size divides {size}"
+      )
     out.append(axis)
   return P(*out)
 
@@ -157,8 +166,7 @@ def place(tree, shardings):
   a sharding spanning processes slice by slice, each process transferring its own."""
 
   def put(x, sharding):
-    if (isinstance(x, jax.Array) and x.is_fully_addressable
-        and not sharding.is_fully_addressable):
+    if isinstance(x, jax.Array) and x.is_fully_addressable and not sharding.is_fully_addressable:
       host = np.asarray(x)
       return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
     return jax.device_put(x, sharding)
@@ -175,9 +183,13 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
 
 def _param_rules_by_path(model: nnx.Module, mesh: Mesh) -> dict[tuple, tuple[tuple, tuple]]:
   cfg = getattr(model, "cfg", None)
-  return {tuple(str(p) for p in path): (tuple(v.get_value().shape),
-                                          param_rule(path, v.get_value().shape, cfg, mesh))
-          for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  return {
+    tuple(str(p) for p in path): (
+      tuple(v.get_value().shape),
+      param_rule(path, v.get_value().shape, cfg, mesh),
+    )
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+  }
 
 
 def optimizer_shardings(opt: nnx.Optimizer, model: nnx.Module, mesh: Mesh):
@@ -219,7 +231,8 @@ def rollout_param_shardings(params: nnx.State, mesh: Mesh, cfg=None):
     what = f"rollout parameter {_path_str(path)}"
     if isinstance(value, fp4.QArray):
       sharding = jax.tree.map(
-          lambda leaf: NamedSharding(mesh, _checked(rule, leaf.shape, mesh, what)), value)
+        lambda leaf: NamedSharding(mesh, _checked(rule, leaf.shape, mesh, what)), value
+      )
     else:
       sharding = NamedSharding(mesh, _checked(rule, value.shape, mesh, what))
     out.append((path, variable.replace(sharding)))
@@ -255,9 +268,14 @@ def cache_specs(cache, mesh: Mesh):
 
   batch = lambda leaf: _checked(("data",), leaf.shape, mesh, "cache")
   return dataclasses.replace(
-      cache, k=jax.tree.map(kv, cache.k), v=jax.tree.map(kv, cache.v),
-      valid=batch(cache.valid), index=P(), conv=jax.tree.map(batch, cache.conv),
-      recurrent=jax.tree.map(recurrent, cache.recurrent))
+    cache,
+    k=jax.tree.map(kv, cache.k),
+    v=jax.tree.map(kv, cache.v),
+    valid=batch(cache.valid),
+    index=P(),
+    conv=jax.tree.map(batch, cache.conv),
+    recurrent=jax.tree.map(recurrent, cache.recurrent),
+  )
 
 
 def constrain_cache(cache, mesh: Mesh | None):
@@ -265,8 +283,9 @@ def constrain_cache(cache, mesh: Mesh | None):
   if mesh is None:
     return cache
   specs = cache_specs(cache, mesh)
-  return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)),
-                      cache, specs)
+  return jax.tree.map(
+    lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)), cache, specs
+  )
 
 
 def constrain_batch(tree: Any, mesh: Mesh | None, axis: int = 0):
@@ -275,14 +294,21 @@ def constrain_batch(tree: Any, mesh: Mesh | None, axis: int = 0):
   if mesh is None or tree is None:
     return tree
   return jax.tree.map(
-      lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim, axis)), tree)
+    lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim, axis)), tree
+  )
 
 
 # Guidance sites whose activation the forward splits over "model", and the dimension that
 # carries the split in the site's records: K/V [B, S, Hkv, ...] by KV head; the inputs of
 # o_proj / out_proj and of every down projection [B, S, (k,) F-blocks] along the width.
-GUIDANCE_MODEL_DIM = {"k": 2, "v": 2, "attn_out": -1, "mlp_mid": -1, "moe_mid": -1,
-                      "shared_mid": -1}
+GUIDANCE_MODEL_DIM = {
+  "k": 2,
+  "v": 2,
+  "attn_out": -1,
+  "mlp_mid": -1,
+  "moe_mid": -1,
+  "shared_mid": -1,
+}
 
 
 def guidance_site_specs(sites: dict, mesh: Mesh) -> dict:
@@ -302,8 +328,9 @@ def guidance_site_specs(sites: dict, mesh: Mesh) -> dict:
         axes[dim] = "model"
     return _checked(tuple(axes), leaf.shape, mesh, f"guidance site {site}")
 
-  return {key: jax.tree.map(functools.partial(spec, key[1]), record)
-          for key, record in sites.items()}
+  return {
+    key: jax.tree.map(functools.partial(spec, key[1]), record) for key, record in sites.items()
+  }
 
 
 def guidance_specs(guidance, mesh: Mesh):
@@ -312,8 +339,9 @@ def guidance_specs(guidance, mesh: Mesh):
   routing = None
   if guidance.routing is not None:
     routing = _checked((None, "data"), guidance.routing.shape, mesh, "guidance routing")
-  return dataclasses.replace(guidance, sites=guidance_site_specs(guidance.sites, mesh),
-                             routing=routing)
+  return dataclasses.replace(
+    guidance, sites=guidance_site_specs(guidance.sites, mesh), routing=routing
+  )
 
 
 def constrain_guidance_sites(sites: dict, mesh: Mesh | None) -> dict:
@@ -321,8 +349,9 @@ def constrain_guidance_sites(sites: dict, mesh: Mesh | None) -> dict:
   if mesh is None or not sites:
     return sites
   specs = guidance_site_specs(sites, mesh)
-  return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)),
-                      sites, specs)
+  return jax.tree.map(
+    lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)), sites, specs
+  )
 
 
 def device_bytes(tree) -> int:

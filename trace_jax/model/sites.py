@@ -51,12 +51,21 @@ class Site:
 _REGISTRY: dict[str, Site] = {}
 # The modules that declare sites: importing them completes the registry (they import this
 # module, so the registry is read lazily, never at this module's import).
-_DECLARING_MODULES = ("trace_jax.model.attention", "trace_jax.model.deltanet",
-                      "trace_jax.model.moe")
+_DECLARING_MODULES = (
+  "trace_jax.model.attention",
+  "trace_jax.model.deltanet",
+  "trace_jax.model.moe",
+)
 
 
-def declare_site(name: str, *, present: Callable[[Any, int], bool] = lambda cfg, layer: True,
-                 scopes: Sequence[str] = (), cache: bool = False, routed: bool = False) -> Site:
+def declare_site(
+  name: str,
+  *,
+  present: Callable[[Any, int], bool] = lambda cfg, layer: True,
+  scopes: Sequence[str] = (),
+  cache: bool = False,
+  routed: bool = False,
+) -> Site:
   """Register an activation site (once, at the import of the module that quantizes it).
 
   Args:
@@ -161,9 +170,7 @@ def collect_site_records(sown) -> dict[SiteKey, SiteRecord]:
   out = {}
   for path, variable in nnx.to_flat_state(sown):
     value = variable.get_value() if hasattr(variable, "get_value") else variable
-    for item in (value if isinstance(value, tuple) else (value,)):
+    for item in value if isinstance(value, tuple) else (value,):
       if isinstance(item, SiteRecord):
         out[(int(path[1]), str(path[-1]))] = item
   return out
-
-

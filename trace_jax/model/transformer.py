@@ -45,7 +45,9 @@ class ModelOutput:
   cache: KVCache | None = None  # the updated cache, when the call had one
   sites: dict = struct.field(default_factory=dict)  # {(layer, site): record} (recording.form)
   fallbacks: dict = struct.field(default_factory=dict)  # {(layer, site): bool} guided sites
-  site_inputs: dict = struct.field(default_factory=dict)  # {(layer, site): input} (recording.inputs)
+  site_inputs: dict = struct.field(
+    default_factory=dict
+  )  # {(layer, site): input} (recording.inputs)
 
 
 class Block(nnx.Module):
@@ -67,11 +69,9 @@ class Block(nnx.Module):
     """x [B, T, d]; cache: this layer's (k, v) entries or (conv, recurrent) state; routing
     int [B, T, k] to replay. Returns (x, updated cache entries or None, RouterStats or None)."""
     if self.linear:  # cache: (conv, recurrent) state; entries: the updated state
-      attn_out, entries = self.attn(self.attn_norm(x), inputs, layer=self.layer, sq=sq,
-                                    state=cache)
+      attn_out, entries = self.attn(self.attn_norm(x), inputs, layer=self.layer, sq=sq, state=cache)
     else:
-      attn_out, entries = self.attn(self.attn_norm(x), inputs, layer=self.layer, sq=sq,
-                                    cache=cache)
+      attn_out, entries = self.attn(self.attn_norm(x), inputs, layer=self.layer, sq=sq, cache=cache)
     x = x + attn_out
     h = self.mlp_norm(x)
     if self.moe is not None:
@@ -108,8 +108,10 @@ def check_token_ids(tokens, vocab_size: int, what: str = "tokens") -> None:
   bad = (ids < 0) | (ids >= vocab_size)
   if bad.any():
     first = tuple(int(i) for i in np.argwhere(bad)[0])
-    raise ValueError(f"{what} hold token ids {np.unique(ids[bad])[:5].tolist()} outside the "
-                     f"vocabulary [0, {vocab_size}) (first at index {first})")
+    raise ValueError(
+      f"{what} hold token ids {np.unique(ids[bad])[:5].tolist()} outside the "
+      f"vocabulary [0, {vocab_size}) (first at index {first})"
+    )
 
 
 def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -140,18 +142,21 @@ class Transformer(nnx.Module):
     self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
     self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.rms_eps, cfg.zero_centered_norm)
-    self.lm_head = (None if cfg.tie_embeddings
-                    else normal_param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std))
+    self.lm_head = (
+      None
+      if cfg.tie_embeddings
+      else normal_param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
+    )
 
   def __call__(
-      self,
-      tokens: jax.Array,
-      *,
-      positions: jax.Array | None = None,
-      mask: jax.Array | None = None,
-      cache: KVCache | None = None,
-      quant: QuantConfig | None = None,
-      guidance: Guidance | None = None,
+    self,
+    tokens: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    cache: KVCache | None = None,
+    quant: QuantConfig | None = None,
+    guidance: Guidance | None = None,
   ) -> ModelOutput:
     """Forward over tokens [B, T].
 
@@ -184,20 +189,25 @@ class Transformer(nnx.Module):
     if not recording.enabled:
       return self._forward(tokens, positions, mask, cache, quant, guidance)
     out, sown = nnx.capture(Transformer._forward, nnx.Intermediate)(
-        self, tokens, positions, mask, cache, quant, guidance)
+      self, tokens, positions, mask, cache, quant, guidance
+    )
     records = collect_site_records(sown)
     if recording.form != "none":
       out = out.replace(
-          sites={k: r.record for k, r in records.items() if r.record is not None},
-          fallbacks={k: r.fallback for k, r in records.items() if r.fallback is not None})
+        sites={k: r.record for k, r in records.items() if r.record is not None},
+        fallbacks={k: r.fallback for k, r in records.items() if r.fallback is not None},
+      )
     if recording.inputs:
       out = out.replace(site_inputs={k: r.input for k, r in records.items() if r.input is not None})
     return out
 
   def _forward(self, tokens, positions, mask, cache, quant, guidance) -> ModelOutput:
     cfg = self.cfg
-    dtype = (cfg.compute_dtype if quant is None or quant.compute_dtype is None
-             else jnp.dtype(quant.compute_dtype))
+    dtype = (
+      cfg.compute_dtype
+      if quant is None or quant.compute_dtype is None
+      else jnp.dtype(quant.compute_dtype)
+    )
     b, t = tokens.shape
     if mask is None:
       mask = jnp.ones((b, t), bool)
@@ -206,15 +216,22 @@ class Transformer(nnx.Module):
     if positions is None:
       positions = jnp.broadcast_to(slots, (b, t))
     if guidance is not None and not isinstance(guidance, Guidance):
-      raise ValueError(f"guidance must be a trace_jax.guidance.Guidance, got "
-                       f"{type(guidance).__name__}")
+      raise ValueError(
+        f"guidance must be a trace_jax.guidance.Guidance, got {type(guidance).__name__}"
+      )
     routing = None if guidance is None else guidance.routing
     if routing is not None and routing.shape[:3] != (cfg.num_moe_layers, b, t):
-      raise ValueError(f"routing has shape {routing.shape}; expected "
-                       f"({cfg.num_moe_layers}, {b}, {t}, {cfg.num_experts_per_tok})")
-    sq = SiteQuantizer(quant, cfg.num_layers, dtype,
-                       guidance=None if guidance is None else guidance.sites,
-                       key=None if guidance is None else guidance.key)
+      raise ValueError(
+        f"routing has shape {routing.shape}; expected "
+        f"({cfg.num_moe_layers}, {b}, {t}, {cfg.num_experts_per_tok})"
+      )
+    sq = SiteQuantizer(
+      quant,
+      cfg.num_layers,
+      dtype,
+      guidance=None if guidance is None else guidance.sites,
+      key=None if guidance is None else guidance.key,
+    )
     cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
     if cache is None:
       attn_mask = attention_mask(mask, jnp.broadcast_to(slots, (b, t)), slots, cfg.sliding_window)
@@ -222,8 +239,9 @@ class Transformer(nnx.Module):
     else:
       valid_cache = jax.lax.dynamic_update_slice_in_dim(cache.valid, mask, start, axis=1)
       key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
-      attn_mask = attention_mask(valid_cache, jnp.broadcast_to(slots, (b, t)), key_slots,
-                                 cfg.sliding_window)
+      attn_mask = attention_mask(
+        valid_cache, jnp.broadcast_to(slots, (b, t)), key_slots, cfg.sliding_window
+      )
     inputs = LayerInputs(cos=cos, sin=sin, attn_mask=attn_mask, valid=mask, start=start)
 
     x = embed_tokens(self.embed.get_value(), tokens).astype(dtype)
@@ -241,7 +259,9 @@ class Transformer(nnx.Module):
         else:
           x, entries, stats = block(x, inputs, sq=sq, routing=layer_routing)
       else:
-        layer_cache = (cache.conv[i], cache.recurrent[i]) if block.linear else (cache.k[i], cache.v[i])
+        layer_cache = (
+          (cache.conv[i], cache.recurrent[i]) if block.linear else (cache.k[i], cache.v[i])
+        )
         x, entries, stats = block(x, inputs, sq=sq, cache=layer_cache, routing=layer_routing)
       if entries is not None:
         kv, states = ((None, None), entries) if block.linear else (entries, (None, None))
@@ -267,8 +287,14 @@ class Transformer(nnx.Module):
     new_cache = None
     if cache is not None:
       hybrid = bool(cfg.linear_layers)
-      new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid_cache, index=start + t,
-                          conv=tuple(new_conv) if hybrid else (),
-                          recurrent=tuple(new_recurrent) if hybrid else ())
-    return ModelOutput(logits=logits, routing=routing_out, lb_loss=lb_loss,
-                       router_load=router_load, cache=new_cache)
+      new_cache = KVCache(
+        k=tuple(new_k),
+        v=tuple(new_v),
+        valid=valid_cache,
+        index=start + t,
+        conv=tuple(new_conv) if hybrid else (),
+        recurrent=tuple(new_recurrent) if hybrid else (),
+      )
+    return ModelOutput(
+      logits=logits, routing=routing_out, lb_loss=lb_loss, router_load=router_load, cache=new_cache
+    )

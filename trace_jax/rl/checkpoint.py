@@ -155,11 +155,15 @@ class Checkpoints:
   def _open(self) -> None:
     self._remove_stale_temporaries()
     self.manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=self.max_to_keep, create=True,
-            # `save` waits for the write anyway; synchronous saves fail inside `save`,
-            # not in background threads that outlive it.
-            enable_async_checkpointing=False))
+      self.directory,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=self.max_to_keep,
+        create=True,
+        # `save` waits for the write anyway; synchronous saves fail inside `save`,
+        # not in background threads that outlive it.
+        enable_async_checkpointing=False,
+      ),
+    )
 
   def _remove_stale_temporaries(self) -> None:
     """Delete the temporary directories of saves that never finished (a killed run).
@@ -171,8 +175,9 @@ class Checkpoints:
       return
     for name in os.listdir(self.directory):
       if ".orbax-checkpoint-tmp" in name:
-        log.warning("removing %s, left by a save that never finished",
-                    os.path.join(self.directory, name))
+        log.warning(
+          "removing %s, left by a save that never finished", os.path.join(self.directory, name)
+        )
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def latest_step(self) -> int | None:
@@ -195,8 +200,10 @@ class Checkpoints:
     running = set(threading.enumerate())
     try:
       with _quiet_orbax():
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(pure),
-                                                         meta=ocp.args.JsonSave(meta)))
+        self.manager.save(
+          step,
+          args=ocp.args.Composite(state=ocp.args.StandardSave(pure), meta=ocp.args.JsonSave(meta)),
+        )
         self.manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - any failure of the save is reported the same way
       with _quiet_orbax():  # its other writer threads fail (and log) after the first error
@@ -205,10 +212,16 @@ class Checkpoints:
       self._open()
       usable = [s for s in self.all_steps() if s != step]
       cause = "no space left on device" if _is_disk_full(e) else _short(e)
-      after = (f"the previous checkpoints (steps {usable}) are intact; a rerun resumes from "
-               f"step {usable[0]}" if usable else "there is no earlier checkpoint")
-      raise CheckpointError(f"could not save checkpoint step {step} in {self.directory}: "
-                            f"{cause}; {after}. Free space (or fix the cause) and rerun.") from e
+      after = (
+        f"the previous checkpoints (steps {usable}) are intact; a rerun resumes from "
+        f"step {usable[0]}"
+        if usable
+        else "there is no earlier checkpoint"
+      )
+      raise CheckpointError(
+        f"could not save checkpoint step {step} in {self.directory}: "
+        f"{cause}; {after}. Free space (or fix the cause) and rerun."
+      ) from e
 
   def _remove_partial(self, step: int) -> None:
     """Delete what a failed save of `step` left (its temporary or half-renamed directory)."""
@@ -231,8 +244,9 @@ class Checkpoints:
     """
     pure = {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in like.items()}
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, pure)
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract)))["state"]
+    restored = self.manager.restore(
+      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+    )["state"]
     self._verify(step, restored)
     out = {}
     for k, v in like.items():
@@ -250,8 +264,10 @@ class Checkpoints:
     if saved is not None:  # (None: written before checksums existed; finiteness is all)
       differ = sorted(k for k in set(saved) | set(checksums) if saved.get(k) != checksums.get(k))
       if differ:
-        raise CheckpointError(f"step {step}: {len(differ)} arrays differ from the checksums "
-                              f"saved with them (damaged files), e.g. {differ[:2]}")
+        raise CheckpointError(
+          f"step {step}: {len(differ)} arrays differ from the checksums "
+          f"saved with them (damaged files), e.g. {differ[:2]}"
+        )
     if nonfinite:
       raise CheckpointError(f"step {step} holds NaN or Inf in {nonfinite[:3]}")
 
@@ -274,8 +290,12 @@ class Checkpoints:
       except Exception as e:  # noqa: BLE001 - a damaged checkpoint fails in many ways
         reason = _short(e)
         self.skipped.append((step, reason))
-        log.warning("checkpoint step %d in %s does not restore (%s); trying an older one",
-                    step, self.directory, reason)
+        log.warning(
+          "checkpoint step %d in %s does not restore (%s); trying an older one",
+          step,
+          self.directory,
+          reason,
+        )
         continue
       for bad, _ in self.skipped:
         self._set_aside(bad)
@@ -284,8 +304,10 @@ class Checkpoints:
       return step, restored, meta
     if steps:
       reasons = "; ".join(f"step {s}: {r}" for s, r in self.skipped)
-      raise CheckpointError(f"no checkpoint in {self.directory} restores ({reasons}). Move that "
-                            f"directory away to start over, or use another --workdir.")
+      raise CheckpointError(
+        f"no checkpoint in {self.directory} restores ({reasons}). Move that "
+        f"directory away to start over, or use another --workdir."
+      )
     return None
 
   def _set_aside(self, step: int) -> None:

@@ -47,8 +47,9 @@ def _jsonish(value):
   return json.loads(json.dumps(value))
 
 
-def finished_summary(results_dir: str, task: str, seed: int, arm: str, config: dict,
-                     defaults: dict | None = None) -> dict | None:
+def finished_summary(
+  results_dir: str, task: str, seed: int, arm: str, config: dict, defaults: dict | None = None
+) -> dict | None:
   """The cell's summary if it finished with this config; None if it has not finished.
 
   A field the saved config lacks counts as equal when the new value is its entry in
@@ -71,15 +72,22 @@ def finished_summary(results_dir: str, task: str, seed: int, arm: str, config: d
       saved[key] = value
   if saved != mine:
     differing = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-    raise ValueError(f"{path} finished with another config (fields {differing}); use another "
-                     f"--name or delete that cell")
+    raise ValueError(
+      f"{path} finished with another config (fields {differing}); use another "
+      f"--name or delete that cell"
+    )
   return summary
 
 
-def run_cells(results_dir: str, plan: Sequence[tuple[str, int, str]],
-              config_of: Callable[[str, int, str], dict],
-              runner: Callable[[str, int, str], dict], *, progress: bool = True,
-              defaults: dict | None = None) -> list[dict]:
+def run_cells(
+  results_dir: str,
+  plan: Sequence[tuple[str, int, str]],
+  config_of: Callable[[str, int, str], dict],
+  runner: Callable[[str, int, str], dict],
+  *,
+  progress: bool = True,
+  defaults: dict | None = None,
+) -> list[dict]:
   """Run every (task, seed, arm) of `plan` not finished yet, in order; returns all cells.
 
   Args:
@@ -99,8 +107,9 @@ def run_cells(results_dir: str, plan: Sequence[tuple[str, int, str]],
       summary = dict(runner(task, seed, arm), cell_config=_jsonish(config))
       write_json(os.path.join(cell_dir(results_dir, task, seed, arm), "summary.json"), summary)
     elif progress:
-      print(f"[{i + 1}/{len(plan)}] {arm} on {task}, seed {seed}: finished before, kept",
-            flush=True)
+      print(
+        f"[{i + 1}/{len(plan)}] {arm} on {task}, seed {seed}: finished before, kept", flush=True
+      )
     cells.append({"arm": arm, "task": task, "seed": seed, "summary": summary})
   return cells
 
@@ -169,21 +178,28 @@ def table_rows(cells) -> list[dict]:
       if not mine:
         continue
       k3 = [_value(c, "mean_k3_kl") for c in mine if _value(c, "mean_k3_kl") is not None]
-      rows.append({
-          "task": task, "arm": arm, "seeds": len(mine),
+      rows.append(
+        {
+          "task": task,
+          "arm": arm,
+          "seeds": len(mine),
           "eval_precision": mine[0]["summary"].get("eval_precision"),
           "initial": arm_interval(cells, task, arm, "initial_eval_reward"),
           "final": arm_interval(cells, task, arm),
-          "gain": interval(_value(c, METRIC) - _value(c, "initial_eval_reward") for c in mine
-                           if _value(c, METRIC) is not None
-                           and _value(c, "initial_eval_reward") is not None),
+          "gain": interval(
+            _value(c, METRIC) - _value(c, "initial_eval_reward")
+            for c in mine
+            if _value(c, METRIC) is not None and _value(c, "initial_eval_reward") is not None
+          ),
           "vs_bf16": None if arm == "bf16" else paired_difference(cells, task, arm, "bf16"),
-          "vs_fp4_qat": None if arm == "fp4-qat" else paired_difference(cells, task, arm,
-                                                                         "fp4-qat"),
+          "vs_fp4_qat": None
+          if arm == "fp4-qat"
+          else paired_difference(cells, task, arm, "fp4-qat"),
           "train_reward": arm_interval(cells, task, arm, "mean_train_reward"),
           "k3": float(np.exp(np.mean(np.log(np.maximum(k3, 1e-30))))) if k3 else None,
           "seconds": float(np.mean([_value(c, "wall_seconds") or 0.0 for c in mine])),
-      })
+        }
+      )
   return rows
 
 
@@ -192,17 +208,40 @@ def markdown(cells, confidence: float = 0.95) -> str:
   rows = []
   for r in table_rows(cells):
     signed = lambda iv: None if iv is None else dict(iv, signed=True)
-    rows.append((r["task"], r["arm"], r["seeds"], r["eval_precision"], _fmt(r["initial"]),
-                 _fmt(r["final"]), _fmt(signed(r["gain"])),
-                 "-" if r["vs_bf16"] is None else _fmt(signed(r["vs_bf16"])),
-                 "-" if r["vs_fp4_qat"] is None else _fmt(signed(r["vs_fp4_qat"])),
-                 _fmt(r["train_reward"]), "-" if r["k3"] is None else f"{r['k3']:.2e}",
-                 f"{r['seconds']:.0f}"))
+    rows.append(
+      (
+        r["task"],
+        r["arm"],
+        r["seeds"],
+        r["eval_precision"],
+        _fmt(r["initial"]),
+        _fmt(r["final"]),
+        _fmt(signed(r["gain"])),
+        "-" if r["vs_bf16"] is None else _fmt(signed(r["vs_bf16"])),
+        "-" if r["vs_fp4_qat"] is None else _fmt(signed(r["vs_fp4_qat"])),
+        _fmt(r["train_reward"]),
+        "-" if r["k3"] is None else f"{r['k3']:.2e}",
+        f"{r['seconds']:.0f}",
+      )
+    )
   pct = f"{100 * confidence:.0f}%"
   return markdown_table(
-      ["task", "arm", "seeds", "eval in", "initial eval", f"final eval (mean [{pct} CI])",
-       "gain (final - initial)", "vs bf16 (paired)", "vs fp4-qat (paired)", "mean train reward",
-       "k3 KL (geo. mean)", "s per cell"], rows)
+    [
+      "task",
+      "arm",
+      "seeds",
+      "eval in",
+      "initial eval",
+      f"final eval (mean [{pct} CI])",
+      "gain (final - initial)",
+      "vs bf16 (paired)",
+      "vs fp4-qat (paired)",
+      "mean train reward",
+      "k3 KL (geo. mean)",
+      "s per cell",
+    ],
+    rows,
+  )
 
 
 def curve_band(cells, task, arm, key="curve_train", window=5):
@@ -216,7 +255,7 @@ def curve_band(cells, task, arm, key="curve_train", window=5):
   if key == "curve_train" and length >= window:  # smooth the sampled reward per seed
     kernel = np.ones(window) / window
     values = np.asarray([np.convolve(v, kernel, mode="valid") for v in values])
-    steps = steps[window - 1:]
+    steps = steps[window - 1 :]
   return steps, values.mean(0), values.min(0), values.max(0)
 
 
@@ -237,8 +276,12 @@ def plot(cells, out_dir: str, title: str = "") -> list[str]:
 
   fig, axes = plt.subplots(2, len(tasks), figsize=(6 * len(tasks), 7), squeeze=False)
   for j, task in enumerate(tasks):
-    for row, (key, label) in enumerate((("curve_train", "train reward (sampled, mean of 5)"),
-                                        ("curve_eval", "greedy eval reward (deploy precision)"))):
+    for row, (key, label) in enumerate(
+      (
+        ("curve_train", "train reward (sampled, mean of 5)"),
+        ("curve_eval", "greedy eval reward (deploy precision)"),
+      )
+    ):
       ax = axes[row, j]
       for arm in arms:
         band = curve_band(cells, task, arm, key)
@@ -260,8 +303,9 @@ def plot(cells, out_dir: str, title: str = "") -> list[str]:
         continue
       seeds = [_value(c, METRIC) for c in cells if c["task"] == task and c["arm"] == arm]
       ax.scatter([i] * len(seeds), seeds, color=colors.get(arm), alpha=0.5, s=12)
-      err = None if not math.isfinite(iv["lo"]) else [[iv["mean"] - iv["lo"]],
-                                                      [iv["hi"] - iv["mean"]]]
+      err = (
+        None if not math.isfinite(iv["lo"]) else [[iv["mean"] - iv["lo"]], [iv["hi"] - iv["mean"]]]
+      )
       ax.errorbar([i], [iv["mean"]], yerr=err, fmt="o", color=colors.get(arm), capsize=4)
     ax.set_xticks(range(len(arms)), arms, rotation=30)
     ax.set(ylabel="final greedy eval reward", title=f"{task}: mean, 95% CI, seeds as dots")

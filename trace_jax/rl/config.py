@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 from trace_jax.model.config import PRESETS, get_preset
 from trace_jax import fp4
@@ -48,28 +47,38 @@ class Arm:
   deploy: str = "fp4"  # "bf16" or "fp4"
 
   def __post_init__(self):
-    for field, allowed in (("rollout_precision", PRECISIONS), ("train", TRAIN_PATHS),
-                           ("guidance", GUIDANCE_MODES), ("correction", CORRECTIONS),
-                           ("deploy", PRECISIONS)):
+    for field, allowed in (
+      ("rollout_precision", PRECISIONS),
+      ("train", TRAIN_PATHS),
+      ("guidance", GUIDANCE_MODES),
+      ("correction", CORRECTIONS),
+      ("deploy", PRECISIONS),
+    ):
       if getattr(self, field) not in allowed:
-        raise ValueError(f"Arm.{field}={getattr(self, field)!r} is not allowed; use one of "
-                         f"{allowed}")
+        raise ValueError(
+          f"Arm.{field}={getattr(self, field)!r} is not allowed; use one of {allowed}"
+        )
     if not isinstance(self.guided_layers, (str, int)):
       object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
     QuantConfig(guided_layers=self.guided_layers)  # validates the layer spec
     guided = self.guided_layers != "none"
     if self.train == "guided" and (self.guidance == "none" or not guided):
-      raise ValueError(f"Arm {self.name!r}: train='guided' needs guidance ('compact', 'full' or "
-                       f"'sparse') "
-                       f"and guided layers; got guidance={self.guidance!r}, "
-                       f"guided_layers={self.guided_layers!r}")
+      raise ValueError(
+        f"Arm {self.name!r}: train='guided' needs guidance ('compact', 'full' or "
+        f"'sparse') "
+        f"and guided layers; got guidance={self.guidance!r}, "
+        f"guided_layers={self.guided_layers!r}"
+      )
     if self.train != "guided" and (self.guidance != "none" or guided):
-      raise ValueError(f"Arm {self.name!r}: guidance={self.guidance!r} / guided_layers="
-                       f"{self.guided_layers!r} are only read by train='guided' (train="
-                       f"{self.train!r})")
+      raise ValueError(
+        f"Arm {self.name!r}: guidance={self.guidance!r} / guided_layers="
+        f"{self.guided_layers!r} are only read by train='guided' (train="
+        f"{self.train!r})"
+      )
     if self.guidance != "none" and self.rollout_precision != "fp4":
-      raise ValueError(f"Arm {self.name!r}: guidance records FP4 rounding; it needs "
-                       f"rollout_precision='fp4'")
+      raise ValueError(
+        f"Arm {self.name!r}: guidance records FP4 rounding; it needs rollout_precision='fp4'"
+      )
 
   @property
   def train_quant(self) -> QuantConfig | None:
@@ -81,21 +90,42 @@ class Arm:
     return QuantConfig(rounding="guided", guided_layers=self.guided_layers)
 
 
-ARMS = {arm.name: arm for arm in (
+ARMS = {
+  arm.name: arm
+  for arm in (
     Arm(name="bf16", rollout_precision="bf16", train="bf16", deploy="bf16"),
     Arm(name="fp4-rollout", rollout_precision="fp4", train="bf16", correction="tis"),
     Arm(name="fp4-qat", rollout_precision="fp4", train="qat"),
-    Arm(name="trace", rollout_precision="fp4", train="guided", guidance="compact",
-        guided_layers="last_half", routing_replay=True),
-    Arm(name="trace-full", rollout_precision="fp4", train="guided", guidance="full",
-        guided_layers="all", routing_replay=True),
+    Arm(
+      name="trace",
+      rollout_precision="fp4",
+      train="guided",
+      guidance="compact",
+      guided_layers="last_half",
+      routing_replay=True,
+    ),
+    Arm(
+      name="trace-full",
+      rollout_precision="fp4",
+      train="guided",
+      guidance="full",
+      guided_layers="all",
+      routing_replay=True,
+    ),
     # Beyond the method: sparse guidance (only elements / scales near a rounding boundary)
     # is cheap enough to cover every layer, so upstream layers stop feeding noise downstream.
-    Arm(name="trace-sparse", rollout_precision="fp4", train="guided", guidance="sparse",
-        guided_layers="all", routing_replay=True),
+    Arm(
+      name="trace-sparse",
+      rollout_precision="fp4",
+      train="guided",
+      guidance="sparse",
+      guided_layers="all",
+      routing_replay=True,
+    ),
     # PTQ: trained exactly like bf16; its headline is the FP4 evaluation of that policy.
     Arm(name="ptq", rollout_precision="bf16", train="bf16"),
-)}
+  )
+}
 
 
 def get_arm(name: str) -> Arm:
@@ -157,34 +187,53 @@ class RLConfig:
   def __post_init__(self):
     get_arm(self.arm)
     if self.fp4_sites not in SITE_SCOPES:
-      raise ValueError(f"RLConfig.fp4_sites={self.fp4_sites!r} is not allowed; use one of "
-                       f"{SITE_SCOPES}")
+      raise ValueError(
+        f"RLConfig.fp4_sites={self.fp4_sites!r} is not allowed; use one of {SITE_SCOPES}"
+      )
     if self.fmt not in fp4.FORMATS:
-      raise ValueError(f"RLConfig.fmt={self.fmt!r} is not allowed; use one of {sorted(fp4.FORMATS)}")
+      raise ValueError(
+        f"RLConfig.fmt={self.fmt!r} is not allowed; use one of {sorted(fp4.FORMATS)}"
+      )
     if self.preset not in PRESETS:
       raise ValueError(f"preset={self.preset!r} is not known; presets: {sorted(PRESETS)}")
     if self.activations not in ACTIVATION_FORMATS:
-      raise ValueError(f"RLConfig.activations={self.activations!r} is not allowed; use one of "
-                       f"{ACTIVATION_FORMATS}")
+      raise ValueError(
+        f"RLConfig.activations={self.activations!r} is not allowed; use one of {ACTIVATION_FORMATS}"
+      )
     _check_block_fit(self.preset, self.fmt, self.fp4_sites)
     try:
       self.sparse_spec  # noqa: B018 - validates sparse_delta
     except ValueError as e:
       raise ValueError(f"RLConfig.sparse_delta={self.sparse_delta!r}: {e}") from e
     if self.arm_spec.guidance == "sparse" and self.fmt != "nvfp4":
-      raise ValueError(f"RLConfig.fmt={self.fmt!r}: arm {self.arm!r} (sparse guidance) needs "
-                       "fmt='nvfp4' (E4M3 block scales)")
+      raise ValueError(
+        f"RLConfig.fmt={self.fmt!r}: arm {self.arm!r} (sparse guidance) needs "
+        "fmt='nvfp4' (E4M3 block scales)"
+      )
     if not (self.task in registered() or self.task.startswith("rg:")):
       raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
     object.__setattr__(self, "task_options", tuple(tuple(kv) for kv in self.task_options))
     get_task(self.task, **dict(self.task_options))  # option names and values, before any work
     object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
-    for name in ("steps", "eval_every", "eval_size", "checkpoint_every", "sft_steps",
-                 "prompt_bucket", "lr_warmup_steps"):
+    for name in (
+      "steps",
+      "eval_every",
+      "eval_size",
+      "checkpoint_every",
+      "sft_steps",
+      "prompt_bucket",
+      "lr_warmup_steps",
+    ):
       if getattr(self, name) < 0:
         raise ValueError(f"RLConfig.{name}={getattr(self, name)} must be >= 0")
-    for name in ("prompts_per_step", "group_size", "max_new_tokens", "minibatches", "epochs",
-                 "sft_batch"):
+    for name in (
+      "prompts_per_step",
+      "group_size",
+      "max_new_tokens",
+      "minibatches",
+      "epochs",
+      "sft_batch",
+    ):
       if getattr(self, name) < 1:
         raise ValueError(f"RLConfig.{name}={getattr(self, name)} must be >= 1")
     for name in ("temperature", "learning_rate", "sft_learning_rate", "max_param_abs"):
@@ -192,22 +241,30 @@ class RLConfig:
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ValueError(f"RLConfig.{name}={value!r} must be a finite number > 0")
     if self.reward_control not in REWARD_CONTROLS:
-      raise ValueError(f"RLConfig.reward_control={self.reward_control!r} is not allowed; use one "
-                       f"of {REWARD_CONTROLS}")
+      raise ValueError(
+        f"RLConfig.reward_control={self.reward_control!r} is not allowed; use one "
+        f"of {REWARD_CONTROLS}"
+      )
     if self.correction not in ("auto",) + CORRECTIONS:
       raise ValueError(f"RLConfig.correction={self.correction!r}; use auto, tis, mask or none")
     if self.loss.rollout_correction != "none":
-      raise ValueError(f"RLConfig.loss.rollout_correction={self.loss.rollout_correction!r}: "
-                       f"the rollout correction has one knob, RLConfig.correction (auto, tis, "
-                       f"mask or none); leave the LossConfig's at 'none'")
+      raise ValueError(
+        f"RLConfig.loss.rollout_correction={self.loss.rollout_correction!r}: "
+        f"the rollout correction has one knob, RLConfig.correction (auto, tis, "
+        f"mask or none); leave the LossConfig's at 'none'"
+      )
     if self.batch % self.minibatches:
-      raise ValueError(f"RLConfig: batch {self.batch} (prompts_per_step x group_size) does not "
-                       f"split into {self.minibatches} minibatches")
+      raise ValueError(
+        f"RLConfig: batch {self.batch} (prompts_per_step x group_size) does not "
+        f"split into {self.minibatches} minibatches"
+      )
     if len(self.mesh) != 3 or min(self.mesh) < 1:
       raise ValueError(f"RLConfig.mesh={self.mesh} must be (data, expert, model) sizes >= 1")
     if self.batch % self.mesh[0] or (self.batch // self.minibatches) % self.mesh[0]:
-      raise ValueError(f"RLConfig: batch {self.batch} and its minibatches must divide over "
-                       f"{self.mesh[0]} data-parallel devices")
+      raise ValueError(
+        f"RLConfig: batch {self.batch} and its minibatches must divide over "
+        f"{self.mesh[0]} data-parallel devices"
+      )
     if self.compute_dtype not in ("bfloat16", "float32"):
       raise ValueError(f"RLConfig.compute_dtype={self.compute_dtype!r}; use bfloat16 or float32")
     self._check_checkpoint_fields()
@@ -225,16 +282,22 @@ class RLConfig:
       raise ValueError(f"RLConfig.sft_warm_start={self.sft_warm_start!r}; use None, True or False")
     chat = self.prompt_format == "chat" or (self.prompt_format == "auto" and self.hf_checkpoint)
     if not self.hf_checkpoint and self.prompt_format == "chat":
-      raise ValueError("RLConfig.prompt_format='chat' needs hf_checkpoint (the built-in "
-                       "character tokenizer has no chat template)")
+      raise ValueError(
+        "RLConfig.prompt_format='chat' needs hf_checkpoint (the built-in "
+        "character tokenizer has no chat template)"
+      )
     if self.system_prompt and not chat:
-      raise ValueError(f"RLConfig.system_prompt={self.system_prompt!r} needs a chat template "
-                       "(hf_checkpoint with prompt_format auto or chat)")
-    object.__setattr__(self, "chat_template_options",
-                       tuple(tuple(kv) for kv in self.chat_template_options))
+      raise ValueError(
+        f"RLConfig.system_prompt={self.system_prompt!r} needs a chat template "
+        "(hf_checkpoint with prompt_format auto or chat)"
+      )
+    object.__setattr__(
+      self, "chat_template_options", tuple(tuple(kv) for kv in self.chat_template_options)
+    )
     if any(len(kv) != 2 or not isinstance(kv[0], str) for kv in self.chat_template_options):
-      raise ValueError(f"RLConfig.chat_template_options={self.chat_template_options!r} must be "
-                       "(name, value) pairs")
+      raise ValueError(
+        f"RLConfig.chat_template_options={self.chat_template_options!r} must be (name, value) pairs"
+      )
 
   @property
   def batch(self) -> int:
@@ -248,8 +311,11 @@ class RLConfig:
   def train_quant(self) -> QuantConfig | None:
     """The arm's training-path QuantConfig in this run's FP4 scope and format."""
     quant = self.arm_spec.train_quant
-    return None if quant is None else quant.replace(sites=self.fp4_sites, fmt=self.fmt,
-                                                    activations=self.activations)
+    return (
+      None
+      if quant is None
+      else quant.replace(sites=self.fp4_sites, fmt=self.fmt, activations=self.activations)
+    )
 
   @property
   def sparse_spec(self) -> fp4.SparseSpec:
@@ -272,13 +338,15 @@ class RLConfig:
     """Fields whose values differ from a saved config dict (JSON round-tripped)."""
     mine = _jsonish(self.to_dict())
     # A field added after the checkpoint was saved counts as its default there.
-    defaults = {f.name: f.default for f in dataclasses.fields(self)
-                if f.default is not dataclasses.MISSING}
+    defaults = {
+      f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING
+    }
     theirs = _jsonish({**{k: v for k, v in defaults.items() if k not in other}, **other})
     if isinstance(theirs.get("loss"), dict):  # saved before `correction` was the one knob
       theirs["loss"] = {**theirs["loss"], "rollout_correction": "none"}
-    return sorted(k for k in set(mine) | set(theirs)
-                  if k not in ignore and mine.get(k) != theirs.get(k))
+    return sorted(
+      k for k in set(mine) | set(theirs) if k not in ignore and mine.get(k) != theirs.get(k)
+    )
 
 
 def _check_block_fit(preset: str, fmt: str, sites: str) -> None:
@@ -289,12 +357,17 @@ def _check_block_fit(preset: str, fmt: str, sites: str) -> None:
   misfits = {f: w for f, w in get_preset(preset).quantized_widths(sites).items() if w % block}
   if not misfits:
     return
-  fits = [name for name in PRESETS
-          if not any(w % block for w in get_preset(name).quantized_widths(sites).values())]
+  fits = [
+    name
+    for name in PRESETS
+    if not any(w % block for w in get_preset(name).quantized_widths(sites).values())
+  ]
   fields = ", ".join(f"{f}={w}" for f, w in misfits.items())
-  raise ValueError(f"RLConfig.fmt={fmt!r} quantizes in blocks of {block}, but preset={preset!r} "
-                   f"has {fields} (not a multiple of {block}); use a preset that fits, one of "
-                   f"{fits}, or fmt='nvfp4'")
+  raise ValueError(
+    f"RLConfig.fmt={fmt!r} quantizes in blocks of {block}, but preset={preset!r} "
+    f"has {fields} (not a multiple of {block}); use a preset that fits, one of "
+    f"{fits}, or fmt='nvfp4'"
+  )
 
 
 def _jsonish(value):

@@ -28,8 +28,9 @@ def observation_ids(tokenizer: Tokenizer, text: str, turn_closed: bool = True) -
   return ids
 
 
-def demonstration_pairs(task: Task, tokenizer: Tokenizer, seed: int, n: int
-                        ) -> list[tuple[list[int], list[int]]]:
+def demonstration_pairs(
+  task: Task, tokenizer: Tokenizer, seed: int, n: int
+) -> list[tuple[list[int], list[int]]]:
   """(prompt ids, completion ids) of n solver demonstrations, for SFT.
 
   Single-turn: the completion is the demonstration + <eos>. Multi-turn: the solver's episode
@@ -41,8 +42,9 @@ def demonstration_pairs(task: Task, tokenizer: Tokenizer, seed: int, n: int
   for item in task.sample(seed, n):
     prompt = prompt_ids(tokenizer, item)
     if not task.multi_turn:
-      pairs.append((prompt, tokenizer.encode(item.demonstration, errors="replace")
-                     + [tokenizer.eos_id]))
+      pairs.append(
+        (prompt, tokenizer.encode(item.demonstration, errors="replace") + [tokenizer.eos_id])
+      )
       continue
     completion, state = [], task.reset(item)
     for action in item.demonstration:

@@ -27,8 +27,9 @@ class Episodes:
   turns: np.ndarray  # int32 [B], actions taken
 
 
-def max_len_for(task: Task, prompt_len: int, max_new_tokens: int, bucket: int,
-                observation_len: int = 8) -> int:
+def max_len_for(
+  task: Task, prompt_len: int, max_new_tokens: int, bucket: int, observation_len: int = 8
+) -> int:
   """Cache slots an episode can need: the padded prompt, then per turn the action and
   the padded observation (`observation_len` tokens at most: more with a chat template)."""
   rounded = lambda n: round_up(n, bucket)
@@ -36,8 +37,9 @@ def max_len_for(task: Task, prompt_len: int, max_new_tokens: int, bucket: int,
   return rounded(prompt_len) + task.max_turns * per_turn
 
 
-def play(engine: RolloutEngine, task: Task, tokenizer: Tokenizer, items: Sequence[Item],
-         key: jax.Array) -> Episodes:
+def play(
+  engine: RolloutEngine, task: Task, tokenizer: Tokenizer, items: Sequence[Item], key: jax.Array
+) -> Episodes:
   """Roll out `items` (one sequence each) to the end of their episodes and score them."""
   prompts = [data.prompt_ids(tokenizer, item) for item in items]
   rollout = engine.generate(prompts, jax.random.fold_in(key, 0))
@@ -70,8 +72,11 @@ def play(engine: RolloutEngine, task: Task, tokenizer: Tokenizer, items: Sequenc
         done[i], rewards[i] = True, step.reward
         observations.append([])
       else:
-        observations.append(data.observation_ids(tokenizer, step.observation,
-                                                 turn_closed=bool(finish[i] == FINISH_STOP)))
+        observations.append(
+          data.observation_ids(
+            tokenizer, step.observation, turn_closed=bool(finish[i] == FINISH_STOP)
+          )
+        )
     if done.all() or turn == task.max_turns - 1:
       break
     rollout = engine.continue_(rollout, observations, jax.random.fold_in(key, turn + 1))

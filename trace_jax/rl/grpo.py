@@ -1,15 +1,15 @@
 """GRPO-family policy loss (DESIGN.md section 4).
 
-  1. Group-normalised advantages: A_i = (r_i - mean(r_group)) / (std(r_group) + eps), or
-     without the std division (Dr. GRPO), one per sequence, shared by its tokens.
-  2. PPO-style clipped ratio rho = pi / pi_old with separate low / high clip (DAPO
-     clip-higher): token loss max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)).
-  3. Rollout correction on w = pi_old / pi_rollout (the training-inference mismatch TRACE
-     removes): token-level truncated importance sampling, min(w, C), multiplying the token
-     loss; or masking tokens with w outside [1/C, C]; or none.
-  4. Optional KL to a reference policy (k3 estimator), weighted by kl_coef.
-  5. Aggregation: "token" (mean over all response tokens of the batch) or "sequence" (mean
-     over sequences of each sequence's token mean).
+1. Group-normalised advantages: A_i = (r_i - mean(r_group)) / (std(r_group) + eps), or
+   without the std division (Dr. GRPO), one per sequence, shared by its tokens.
+2. PPO-style clipped ratio rho = pi / pi_old with separate low / high clip (DAPO
+   clip-higher): token loss max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)).
+3. Rollout correction on w = pi_old / pi_rollout (the training-inference mismatch TRACE
+   removes): token-level truncated importance sampling, min(w, C), multiplying the token
+   loss; or masking tokens with w outside [1/C, C]; or none.
+4. Optional KL to a reference policy (k3 estimator), weighted by kl_coef.
+5. Aggregation: "token" (mean over all response tokens of the batch) or "sequence" (mean
+   over sequences of each sequence's token mean).
 """
 
 from __future__ import annotations
@@ -42,19 +42,25 @@ class LossConfig:
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
         raise ValueError(f"LossConfig.{name}={value!r} must be a finite number >= 0")
     if self.clip_low >= 1:  # the ratio floor 1 - clip_low must stay positive
-      raise ValueError(f"LossConfig.clip_low={self.clip_low} must lie in [0, 1): the ratio floor "
-                       f"is 1 - clip_low")
+      raise ValueError(
+        f"LossConfig.clip_low={self.clip_low} must lie in [0, 1): the ratio floor is 1 - clip_low"
+      )
     if self.aggregation not in AGGREGATIONS:
-      raise ValueError(f"LossConfig.aggregation={self.aggregation!r} is not allowed; use one of {AGGREGATIONS}")
+      raise ValueError(
+        f"LossConfig.aggregation={self.aggregation!r} is not allowed; use one of {AGGREGATIONS}"
+      )
     if self.rollout_correction not in CORRECTIONS:
-      raise ValueError(f"LossConfig.rollout_correction={self.rollout_correction!r} is not allowed; "
-                       f"use one of {CORRECTIONS}")
+      raise ValueError(
+        f"LossConfig.rollout_correction={self.rollout_correction!r} is not allowed; "
+        f"use one of {CORRECTIONS}"
+      )
     if self.tis_threshold <= 1:
       raise ValueError(f"LossConfig.tis_threshold={self.tis_threshold} must be > 1")
 
 
-def group_advantages(rewards: jax.Array, group_size: int, *, std_norm: bool = True,
-                     eps: float = 1e-6) -> jax.Array:
+def group_advantages(
+  rewards: jax.Array, group_size: int, *, std_norm: bool = True, eps: float = 1e-6
+) -> jax.Array:
   """Per-sequence advantages; rewards [N] come in groups of `group_size` consecutive entries."""
   if rewards.shape[0] % group_size:
     raise ValueError(f"{rewards.shape[0]} rewards do not split into groups of {group_size}")
@@ -87,8 +93,9 @@ def aggregate(token_values, mask, how: str):
   return jnp.sum(per_sequence * has_tokens) / jnp.maximum(jnp.sum(has_tokens), 1.0)
 
 
-def grpo_loss(logp, old_logp, rollout_logp, advantages, response_mask, config: LossConfig,
-              ref_logp=None):
+def grpo_loss(
+  logp, old_logp, rollout_logp, advantages, response_mask, config: LossConfig, ref_logp=None
+):
   """The policy loss and its statistics.
 
   Args:
@@ -108,8 +115,9 @@ def grpo_loss(logp, old_logp, rollout_logp, advantages, response_mask, config: L
   unclipped = -adv * ratio
   clipped = -adv * jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
   pg = jnp.maximum(unclipped, clipped)
-  weights, corrected = correction_weights(old_logp, rollout_logp, config.rollout_correction,
-                                          config.tis_threshold)
+  weights, corrected = correction_weights(
+    old_logp, rollout_logp, config.rollout_correction, config.tis_threshold
+  )
   token_loss = weights * pg
   kl = jnp.zeros_like(logp)
   if config.kl_coef > 0:
@@ -120,9 +128,9 @@ def grpo_loss(logp, old_logp, rollout_logp, advantages, response_mask, config: L
     token_loss = token_loss + config.kl_coef * kl
   loss = aggregate(token_loss, mask, config.aggregation)
   stats = {
-      "pg_clipfrac": aggregate((clipped > unclipped).astype(jnp.float32), mask, "token"),
-      "pg_loss": aggregate(weights * pg, mask, config.aggregation),
-      "kl_ref": aggregate(kl, mask, "token"),
-      "rollout_correction_frac": aggregate(corrected.astype(jnp.float32), mask, "token"),
+    "pg_clipfrac": aggregate((clipped > unclipped).astype(jnp.float32), mask, "token"),
+    "pg_loss": aggregate(weights * pg, mask, config.aggregation),
+    "kl_ref": aggregate(kl, mask, "token"),
+    "rollout_correction_frac": aggregate(corrected.astype(jnp.float32), mask, "token"),
   }
   return loss, stats

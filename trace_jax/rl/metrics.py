@@ -26,8 +26,13 @@ import numpy as np
 from trace_jax import fp4
 
 
-def mismatch_metrics(rollout_logp: jax.Array, train_logp: jax.Array, response_mask: jax.Array,
-                     *, tis_threshold: float = 2.0) -> dict[str, float]:
+def mismatch_metrics(
+  rollout_logp: jax.Array,
+  train_logp: jax.Array,
+  response_mask: jax.Array,
+  *,
+  tis_threshold: float = 2.0,
+) -> dict[str, float]:
   """The mismatch metrics above, as Python floats. Arrays are [B, S]."""
   w = response_mask.astype(jnp.float32)
   n = jnp.maximum(jnp.sum(w), 1.0)
@@ -38,15 +43,15 @@ def mismatch_metrics(rollout_logp: jax.Array, train_logp: jax.Array, response_ma
   prob_diff = jnp.abs(jnp.exp(rollout_logp) - jnp.exp(train_logp))
   masked = response_mask.astype(bool)
   values = {
-      "mismatch/kl": mean(diff),
-      "mismatch/k3_kl": mean(ratio - 1.0 - log_ratio),
-      "mismatch/logp_abs_diff": mean(jnp.abs(diff)),
-      "mismatch/prob_diff_mean": mean(prob_diff),
-      "mismatch/prob_diff_max": jnp.max(jnp.where(masked, prob_diff, 0.0)),
-      "is_ratio/mean": mean(ratio),
-      "is_ratio/max": jnp.max(jnp.where(masked, ratio, -jnp.inf)),
-      "is_ratio/min": jnp.min(jnp.where(masked, ratio, jnp.inf)),
-      "tis/clip_frac": mean((ratio > tis_threshold).astype(jnp.float32)),
+    "mismatch/kl": mean(diff),
+    "mismatch/k3_kl": mean(ratio - 1.0 - log_ratio),
+    "mismatch/logp_abs_diff": mean(jnp.abs(diff)),
+    "mismatch/prob_diff_mean": mean(prob_diff),
+    "mismatch/prob_diff_max": jnp.max(jnp.where(masked, prob_diff, 0.0)),
+    "is_ratio/mean": mean(ratio),
+    "is_ratio/max": jnp.max(jnp.where(masked, ratio, -jnp.inf)),
+    "is_ratio/min": jnp.min(jnp.where(masked, ratio, jnp.inf)),
+    "tis/clip_frac": mean((ratio > tis_threshold).astype(jnp.float32)),
   }
   return {k: float(v) for k, v in jax.device_get(values).items()}
 
@@ -83,11 +88,13 @@ def code_disagreement(rollout_sites: Mapping, train_sites: Mapping, mask) -> dic
 
   keys = list(differ_by_key)
   return {
-      "code_disagree_frac": frac(keys),
-      "per_layer": {layer: frac([k for k in keys if k[0] == layer])
-                    for layer in sorted({k[0] for k in keys})},
-      "per_site": {site: frac([k for k in keys if k[1] == site])
-                   for site in sorted({k[1] for k in keys})},
+    "code_disagree_frac": frac(keys),
+    "per_layer": {
+      layer: frac([k for k in keys if k[0] == layer]) for layer in sorted({k[0] for k in keys})
+    },
+    "per_site": {
+      site: frac([k for k in keys if k[1] == site]) for site in sorted({k[1] for k in keys})
+    },
   }
 
 
@@ -143,12 +150,16 @@ def fp4_disagreement(rollout_sites: Mapping, train_sites: Mapping, mask) -> dict
     c = counts.setdefault(key[0], [0] * 7)
     t_codes = np.asarray(fp4.codes(t))
     weights = _element_weights(mask, t_codes.shape)
-    r_bits = np.asarray(fp4.codes(r)) & 1 if isinstance(r, fp4.QArray) else \
-        np.asarray(fp4.numerics.unpack_bits(r.mantissa_bits, r.axis))
+    r_bits = (
+      np.asarray(fp4.codes(r)) & 1
+      if isinstance(r, fp4.QArray)
+      else np.asarray(fp4.numerics.unpack_bits(r.mantissa_bits, r.axis))
+    )
     c[0] += int(np.sum((r_bits != (t_codes & 1)) & weights))
     c[1] += int(np.sum(weights))
-    same_scale = (np.asarray(r.scales) == np.asarray(t.scales)) & \
-        (np.asarray(r.global_scale) == np.asarray(t.global_scale))
+    same_scale = (np.asarray(r.scales) == np.asarray(t.scales)) & (
+      np.asarray(r.global_scale) == np.asarray(t.global_scale)
+    )
     scale_weights = _element_weights(mask, same_scale.shape)
     c[2] += int(np.sum(~same_scale & scale_weights))
     c[3] += int(np.sum(scale_weights))
@@ -162,8 +173,12 @@ def fp4_disagreement(rollout_sites: Mapping, train_sites: Mapping, mask) -> dict
 
   def summary(c):
     frac = lambda a, b: a / b if b else None  # noqa: E731
-    return {"mantissa_disagree_frac": frac(c[0], c[1]), "scale_disagree_frac": frac(c[2], c[3]),
-            "code_disagree_frac": frac(c[4], c[5]), "one_step_frac": frac(c[6], c[4])}
+    return {
+      "mantissa_disagree_frac": frac(c[0], c[1]),
+      "scale_disagree_frac": frac(c[2], c[3]),
+      "code_disagree_frac": frac(c[4], c[5]),
+      "one_step_frac": frac(c[6], c[4]),
+    }
 
   total = [sum(c[i] for c in counts.values()) for i in range(7)]
   return {**summary(total), "per_layer": {layer: summary(c) for layer, c in sorted(counts.items())}}
@@ -202,6 +217,8 @@ def group_reward_metrics(rewards, group_size: int) -> dict[str, float]:
     raise ValueError(f"rewards of shape {rewards.shape} do not split into groups of {group_size}")
   groups = rewards.reshape(-1, group_size)
   spread = groups.max(axis=1) - groups.min(axis=1)
-  return {"reward/mixed_group_frac": float(np.mean(spread > 0)),
-          "reward/solved_group_frac": float(np.mean(groups.max(axis=1) > 0)),
-          "reward/unsolved_group_frac": float(np.mean(groups.max(axis=1) <= 0))}
+  return {
+    "reward/mixed_group_frac": float(np.mean(spread > 0)),
+    "reward/solved_group_frac": float(np.mean(groups.max(axis=1) > 0)),
+    "reward/unsolved_group_frac": float(np.mean(groups.max(axis=1) <= 0)),
+  }

@@ -36,7 +36,6 @@ import math
 import jax
 import jax.extend.core as jax_core
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
@@ -60,9 +59,7 @@ def abstract_mesh(data: int, expert: int, model: int) -> AbstractMesh:
   for name, size in zip(sharding.MESH_AXES, (data, expert, model)):
     if not isinstance(size, int) or size < 1:
       raise ValueError(f"mesh {name}={size!r} must be an int >= 1")
-  return AbstractMesh((data, expert, model), sharding.MESH_AXES,
-                      axis_types=(AxisType.Auto,) * 3)
-
+  return AbstractMesh((data, expert, model), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def _per_device(tree, specs, mesh) -> int:
@@ -80,8 +77,9 @@ def _per_device(tree, specs, mesh) -> int:
 
 
 def _specs(state_shardings):
-  return jax.tree.map(lambda s: s.spec, state_shardings,
-                      is_leaf=lambda x: isinstance(x, NamedSharding))
+  return jax.tree.map(
+    lambda s: s.spec, state_shardings, is_leaf=lambda x: isinstance(x, NamedSharding)
+  )
 
 
 def _dependent_residual_bytes(fn, args, dependent_argnums) -> int:
@@ -95,13 +93,13 @@ def _dependent_residual_bytes(fn, args, dependent_argnums) -> int:
   dependent, start = set(), 0
   for i, leaves in enumerate(flat_args):
     if i in dependent_argnums:
-      dependent.update(jaxpr.invars[start:start + len(leaves)])
+      dependent.update(jaxpr.invars[start : start + len(leaves)])
     start += len(leaves)
   for eqn in jaxpr.eqns:
     if any(not isinstance(v, jax_core.Literal) and v in dependent for v in eqn.invars):
       dependent.update(eqn.outvars)
   total, seen = 0, set()
-  for var in jaxpr.outvars[len(jaxpr.outvars) - num_res:]:
+  for var in jaxpr.outvars[len(jaxpr.outvars) - num_res :]:
     if isinstance(var, jax_core.Literal) or var in seen or var not in dependent:
       continue
     seen.add(var)
@@ -134,8 +132,9 @@ class PlanConfig:
       raise ValueError(f"PlanConfig.batch={self.batch} must divide over data={self.mesh[0]}")
     micro = self.micro_batch or self.mesh[0]
     if micro % self.mesh[0]:
-      raise ValueError(f"PlanConfig.micro_batch={self.micro_batch} must divide over "
-                       f"data={self.mesh[0]}")
+      raise ValueError(
+        f"PlanConfig.micro_batch={self.micro_batch} must divide over data={self.mesh[0]}"
+      )
     if self.guidance not in ("none", "compact", "full"):
       raise ValueError(f"PlanConfig.guidance={self.guidance!r}; use none, compact or full")
     QuantConfig(fmt=self.fmt, sites=self.fp4_sites)
@@ -156,15 +155,18 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
   rows["gradients (f32)"] = rows["master weights (f32)"]
   opt = nnx.eval_shape(lambda: nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param))
   rows["optimizer state (Adam)"] = _per_device(
-      nnx.state(opt), _specs(sharding.optimizer_shardings(opt, model, mesh)), mesh)
+    nnx.state(opt), _specs(sharding.optimizer_shardings(opt, model, mesh)), mesh
+  )
 
   rollout_params = jax.eval_shape(lambda s: quantize_params(s, quant), nnx.state(model))
   rows["FP4 rollout weights"] = _per_device(
-      rollout_params, _specs(sharding.rollout_param_shardings(rollout_params, mesh, cfg)), mesh)
+    rollout_params, _specs(sharding.rollout_param_shardings(rollout_params, mesh, cfg)), mesh
+  )
 
   def cache_bytes(q, part):
-    cache = jax.eval_shape(lambda: init_cache(cfg, config.batch, config.context, q,
-                                              dtype=jnp.bfloat16))
+    cache = jax.eval_shape(
+      lambda: init_cache(cfg, config.batch, config.context, q, dtype=jnp.bfloat16)
+    )
     specs = sharding.cache_specs(cache, mesh)
     pick = (lambda c: (c.k, c.v)) if part == "kv" else (lambda c: (c.conv, c.recurrent))
     return _per_device(pick(cache), pick(specs), mesh)
@@ -180,8 +182,12 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
   rows["activations (no remat)"] = no_remat
   rows["activations (remat)"] = remat
 
-  resident = rows["master weights (f32)"] + rows["optimizer state (Adam)"] + rows[
-      "FP4 rollout weights"] + rows["guidance"]
+  resident = (
+    rows["master weights (f32)"]
+    + rows["optimizer state (Adam)"]
+    + rows["FP4 rollout weights"]
+    + rows["guidance"]
+  )
   rows["rollout peak (FP4 KV)"] = resident + rows["KV cache (FP4)"] + rows["recurrent state"]
   rows["train peak (no remat)"] = resident + rows["gradients (f32)"] + no_remat
   rows["train peak (remat)"] = resident + rows["gradients (f32)"] + remat
@@ -196,17 +202,18 @@ def abstract_guidance(cfg: ModelConfig, config: PlanConfig, quant: QuantConfig):
 
   def capture():
     out = Transformer(cfg, rngs=nnx.Rngs(0))(
-        jnp.zeros((1, 1), jnp.int32), quant=call_config(quant, recording=Recording(form="full")))
+      jnp.zeros((1, 1), jnp.int32), quant=call_config(quant, recording=Recording(form="full"))
+    )
     sites = guidance_lib.from_records(out.sites, config.guidance, layers)
     routing = out.routing.astype(guidance_lib.routing_dtype(cfg.num_experts))
-    return guidance_lib.Guidance(sites=sites, routing=routing, mode=config.guidance,
-                                 layers=layers)
+    return guidance_lib.Guidance(sites=sites, routing=routing, mode=config.guidance, layers=layers)
 
   one = jax.eval_shape(capture)
   b, s = config.batch, config.context
   sites = jax.tree.map(lambda x: jax.ShapeDtypeStruct((b, s) + x.shape[2:], x.dtype), one.sites)
-  routing = jax.ShapeDtypeStruct(one.routing.shape[:1] + (b, s) + one.routing.shape[3:],
-                                 one.routing.dtype)
+  routing = jax.ShapeDtypeStruct(
+    one.routing.shape[:1] + (b, s) + one.routing.shape[3:], one.routing.dtype
+  )
   return dataclasses.replace(one, sites=sites, routing=routing)
 
 
@@ -221,8 +228,9 @@ def guidance_bytes(cfg: ModelConfig, config: PlanConfig, mesh, quant: QuantConfi
   return _per_device(guidance, specs, mesh)
 
 
-def activation_bytes(cfg: ModelConfig, quant: QuantConfig, batch: int, context: int
-                     ) -> tuple[float, float]:
+def activation_bytes(
+  cfg: ModelConfig, quant: QuantConfig, batch: int, context: int
+) -> tuple[float, float]:
   """(without remat, with per-layer remat) residual bytes of a training forward of
   [batch, context] tokens on one device (QAT with `quant`, bf16 activations)."""
   b, t = batch, context
@@ -241,8 +249,9 @@ def activation_bytes(cfg: ModelConfig, quant: QuantConfig, batch: int, context: 
       cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
       mask = attention_mask(valid, positions, jnp.arange(t, dtype=jnp.int32), cfg.sliding_window)
       sq = SiteQuantizer(quant, cfg.num_layers, jnp.bfloat16)
-      inputs = LayerInputs(cos=cos, sin=sin, attn_mask=mask, valid=valid,
-                           start=jnp.zeros((), jnp.int32))
+      inputs = LayerInputs(
+        cos=cos, sin=sin, attn_mask=mask, valid=valid, start=jnp.zeros((), jnp.int32)
+      )
       out, _, stats = nnx.merge(graphdef, state)(x, inputs, sq=sq)
       return out, None if stats is None else stats.lb_loss
 
@@ -252,8 +261,11 @@ def activation_bytes(cfg: ModelConfig, quant: QuantConfig, batch: int, context: 
     kind = (layer in cfg.linear_layers, layer in cfg.dense_layers)
     counts[kind] = counts.get(kind, 0) + 1
 
-  head = nnx.eval_shape(lambda: Transformer(cfg.replace(num_layers=1, layer_types=(),
-                                                        dense_layers=()), rngs=nnx.Rngs(0)))
+  head = nnx.eval_shape(
+    lambda: Transformer(
+      cfg.replace(num_layers=1, layer_types=(), dense_layers=()), rngs=nnx.Rngs(0)
+    )
+  )
   tokens = jax.ShapeDtypeStruct((b, t), jnp.int32)
 
   def head_fn(head_state, x, tokens):
@@ -274,10 +286,14 @@ def activation_bytes(cfg: ModelConfig, quant: QuantConfig, batch: int, context: 
 def format_table(name: str, config: PlanConfig, rows: dict[str, float]) -> str:
   """A markdown table of `plan` rows in GB per device, with the verdict against the device."""
   limit = config.device_bytes
-  lines = [f"{name} on mesh (data, expert, model) = {config.mesh}, batch {config.batch}, "
-           f"context {config.context}, micro-batch {config.micro_batch or config.mesh[0]}, "
-           f"{config.fmt} ({config.fp4_sites}), guidance {config.guidance}",
-           "", "| per device | GB |", "| --- | ---: |"]
+  lines = [
+    f"{name} on mesh (data, expert, model) = {config.mesh}, batch {config.batch}, "
+    f"context {config.context}, micro-batch {config.micro_batch or config.mesh[0]}, "
+    f"{config.fmt} ({config.fp4_sites}), guidance {config.guidance}",
+    "",
+    "| per device | GB |",
+    "| --- | ---: |",
+  ]
   for key, value in rows.items():
     lines.append(f"| {key} | {value / GB:,.2f} |")
   verdicts = []

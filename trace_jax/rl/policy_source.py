@@ -57,7 +57,7 @@ class PolicySource:
 
 
 def prompt_format(config) -> str:
-  """"chat" or "raw": `RLConfig.prompt_format`, with "auto" = chat for a checkpoint."""
+  """ "chat" or "raw": `RLConfig.prompt_format`, with "auto" = chat for a checkpoint."""
   if config.prompt_format != "auto":
     return config.prompt_format
   return "chat" if config.hf_checkpoint else "raw"
@@ -77,14 +77,19 @@ def check_checkpoint_files(directory: str) -> str:
   path = os.path.abspath(directory)
   if not os.path.isdir(path):
     raise ValueError(f"hf_checkpoint={directory!r} is not a directory")
-  missing = [name for name in ("config.json", "tokenizer.json")
-             if not os.path.exists(os.path.join(path, name))]
+  missing = [
+    name
+    for name in ("config.json", "tokenizer.json")
+    if not os.path.exists(os.path.join(path, name))
+  ]
   if not any(name.endswith(".safetensors") for name in os.listdir(path)):
     missing.append("*.safetensors")
   if missing:
-    raise ValueError(f"hf_checkpoint={directory!r} lacks {', '.join(missing)} (a checkpoint "
-                     "directory holds config.json, *.safetensors, tokenizer.json, "
-                     "tokenizer_config.json and generation_config.json)")
+    raise ValueError(
+      f"hf_checkpoint={directory!r} lacks {', '.join(missing)} (a checkpoint "
+      "directory holds config.json, *.safetensors, tokenizer.json, "
+      "tokenizer_config.json and generation_config.json)"
+    )
   return path
 
 
@@ -108,13 +113,18 @@ def check(config, task: Task) -> tuple[Tokenizer, ModelConfig]:
   path = check_checkpoint_files(config.hf_checkpoint)
   model_cfg = _checkpoint_config(path)
   tokenizer = CheckpointTokenizer(
-      path, prompt_format=prompt_format(config), system_prompt=config.system_prompt,
-      observation_role=config.observation_role,
-      template_options=dict(config.chat_template_options))
+    path,
+    prompt_format=prompt_format(config),
+    system_prompt=config.system_prompt,
+    observation_role=config.observation_role,
+    template_options=dict(config.chat_template_options),
+  )
   if tokenizer.vocab_size > model_cfg.vocab_size:
-    raise ValueError(f"{path}: tokenizer.json has ids up to {tokenizer.vocab_size - 1} but the "
-                     f"checkpoint's embedding has {model_cfg.vocab_size} rows (config.json "
-                     "vocab_size): the tokenizer belongs to another model")
+    raise ValueError(
+      f"{path}: tokenizer.json has ids up to {tokenizer.vocab_size - 1} but the "
+      f"checkpoint's embedding has {model_cfg.vocab_size} rows (config.json "
+      "vocab_size): the tokenizer belongs to another model"
+    )
   _check_block_fit(path, model_cfg, config.fmt, config.fp4_sites)
   # The task's conversation must render (a template may refuse a role) before any work.
   tokenizer.prompt_ids(task.sample(0, 1)[0].prompt)
@@ -132,12 +142,17 @@ def _check_block_fit(path: str, model_cfg: ModelConfig, fmt: str, sites: str) ->
   if not misfits:
     return
   scoped = {f: w for f, w in model_cfg.quantized_widths("experts+kv").items() if w % block}
-  hint = ("; RLConfig.fp4_sites='experts+kv' (the method's scope) fits it" if sites == "all"
-          and not scoped else "")
-  raise ValueError(f"hf_checkpoint={path!r}: RLConfig.fmt={fmt!r} quantizes in blocks of "
-                   f"{block}, but the checkpoint has "
-                   f"{', '.join(f'{f}={w}' for f, w in misfits.items())} (FP4 scope "
-                   f"fp4_sites={sites!r}), not a multiple of {block}{hint}")
+  hint = (
+    "; RLConfig.fp4_sites='experts+kv' (the method's scope) fits it"
+    if sites == "all" and not scoped
+    else ""
+  )
+  raise ValueError(
+    f"hf_checkpoint={path!r}: RLConfig.fmt={fmt!r} quantizes in blocks of "
+    f"{block}, but the checkpoint has "
+    f"{', '.join(f'{f}={w}' for f, w in misfits.items())} (FP4 scope "
+    f"fp4_sites={sites!r}), not a multiple of {block}{hint}"
+  )
 
 
 def runtime_fields(config) -> dict:
@@ -159,12 +174,23 @@ def load(config, task: Task) -> PolicySource:
     policy = Transformer(model_cfg, rngs=nnx.Rngs(config.seed))
     observation_len = OBSERVATION_TOKENS
   stop_tokens = tuple(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
-  return PolicySource(tokenizer=tokenizer, model_cfg=model_cfg, policy=policy,
-                      pretrained=bool(config.hf_checkpoint), stop_tokens=stop_tokens,
-                      observation_len=observation_len)
+  return PolicySource(
+    tokenizer=tokenizer,
+    model_cfg=model_cfg,
+    policy=policy,
+    pretrained=bool(config.hf_checkpoint),
+    stop_tokens=stop_tokens,
+    observation_len=observation_len,
+  )
 
 
 def skipped_warm_start(task: Task) -> dict:
   """The warm-start record of a run that starts from the pretrained weights as they are."""
-  return {"task": task.name, "steps": 0, "first_nll": None, "final_nll": None,
-          "loaded": False, "skipped": "pretrained checkpoint (--sft_warm_start to force one)"}
+  return {
+    "task": task.name,
+    "steps": 0,
+    "first_nll": None,
+    "final_nll": None,
+    "loaded": False,
+    "skipped": "pretrained checkpoint (--sft_warm_start to force one)",
+  }

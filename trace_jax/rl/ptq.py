@@ -36,11 +36,14 @@ def packed_policy(policy, quant: QuantConfig, *, scale_rule: str):
   packed = {}
   for parent, names in siblings.items():
     for group in shared_scale_groups(names):
-      qs = quantize_weight_group([by_path[parent + (n,)].get_value() for n in group], quant.fmt,
-                                 scale_rule=scale_rule)
+      qs = quantize_weight_group(
+        [by_path[parent + (n,)].get_value() for n in group], quant.fmt, scale_rule=scale_rule
+      )
       packed.update({parent + (n,): q for n, q in zip(group, qs)})
-  out = [(path, variable.replace(packed[tuple(path)]) if tuple(path) in packed else variable)
-         for path, variable in flat]
+  out = [
+    (path, variable.replace(packed[tuple(path)]) if tuple(path) in packed else variable)
+    for path, variable in flat
+  ]
   return nnx.merge(graphdef, nnx.from_flat_state(out))
 
 
@@ -51,6 +54,7 @@ def ptq_eval_reward(trainer, scale_rule: str) -> float:
   config = trainer.eval_engines["fp4"].config
   policy = packed_policy(trainer.policy, config.quant, scale_rule=scale_rule)
   engine = engine_cls(policy, config, mesh=trainer.mesh)
-  played = episodes_lib.play(engine, trainer.task, trainer.tokenizer, trainer.eval_items,
-                             jax.random.key(0))
+  played = episodes_lib.play(
+    engine, trainer.task, trainer.tokenizer, trainer.eval_items, jax.random.key(0)
+  )
   return float(np.mean(played.rewards))

@@ -15,21 +15,28 @@ from trace_jax.utils import markdown_table, write_json  # noqa: E402
 
 
 def eval_curve(metrics: list[dict], precision: str):
-  rows = [(m["step"], m[f"eval/reward_{precision}"]) for m in metrics
-          if f"eval/reward_{precision}" in m]
+  rows = [
+    (m["step"], m[f"eval/reward_{precision}"]) for m in metrics if f"eval/reward_{precision}" in m
+  ]
   return [r[0] for r in rows], [r[1] for r in rows]
 
 
-def summarize(config: RLConfig, metrics: list[dict], wall_seconds: float,
-              warmstart: dict | None = None) -> dict:
+def summarize(
+  config: RLConfig, metrics: list[dict], wall_seconds: float, warmstart: dict | None = None
+) -> dict:
   """The summary.json contract: arm, task, steps, initial/final eval reward (in the arm's
   deployment precision: bf16 for the bf16 arm, FP4 otherwise), mean k3 KL, guidance bytes
   per token, rollout and train seconds, the rollout kernels that ran; plus both
   precisions' evals."""
   train = [m for m in metrics if "rewards/mean" in m]
   deploy = config.arm_spec.deploy
-  summary = {"arm": config.arm, "task": config.task, "preset": config.preset, "seed": config.seed,
-             "steps": max([m["step"] for m in train], default=0)}
+  summary = {
+    "arm": config.arm,
+    "task": config.task,
+    "preset": config.preset,
+    "seed": config.seed,
+    "steps": max([m["step"] for m in train], default=0),
+  }
   for precision in ("fp4", "bf16"):
     steps, rewards = eval_curve(metrics, precision)
     summary[f"initial_eval_reward_{precision}"] = rewards[0] if rewards else None
@@ -38,7 +45,8 @@ def summarize(config: RLConfig, metrics: list[dict], wall_seconds: float,
   summary["initial_eval_reward"] = summary[f"initial_eval_reward_{deploy}"]
   summary["final_eval_reward"] = summary[f"final_eval_reward_{deploy}"]
   mean = lambda key: float(np.mean([m[key] for m in train if key in m])) if train else None
-  summary.update({
+  summary.update(
+    {
       "mean_k3_kl": mean("mismatch/k3_kl"),
       "mean_logp_abs_diff": mean("mismatch/logp_abs_diff"),
       "mean_train_reward": mean("rewards/mean"),
@@ -51,7 +59,8 @@ def summarize(config: RLConfig, metrics: list[dict], wall_seconds: float,
       "kernels": train[-1].get("kernels/rollout") if train else None,
       "kernels_fallback_reason": train[-1].get("kernels/fallback_reason") if train else None,
       "config": config.to_dict(),
-  })
+    }
+  )
   return summary
 
 
@@ -67,11 +76,16 @@ def plot(metrics: list[dict], workdir: str, title: str) -> list[str]:
     ax.plot(steps, rewards, alpha=0.3, label="train reward (sampled)")
     window = min(10, len(rewards))
     smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
-    ax.plot(steps[window - 1:], smooth, label=f"train reward, mean of {window}")
+    ax.plot(steps[window - 1 :], smooth, label=f"train reward, mean of {window}")
     mixed = np.asarray([m.get("reward/mixed_group_frac", np.nan) for m in train])
     if np.isfinite(mixed).any():  # groups that carry an advantage (not all-equal rewards)
-      ax.plot(steps[window - 1:], np.convolve(mixed, np.ones(window) / window, mode="valid"),
-              ls="--", color="grey", label=f"groups with mixed rewards, mean of {window}")
+      ax.plot(
+        steps[window - 1 :],
+        np.convolve(mixed, np.ones(window) / window, mode="valid"),
+        ls="--",
+        color="grey",
+        label=f"groups with mixed rewards, mean of {window}",
+      )
   for precision, marker in (("fp4", "o"), ("bf16", "s")):
     steps, rewards = eval_curve(metrics, precision)
     if steps:
@@ -87,8 +101,11 @@ def plot(metrics: list[dict], workdir: str, title: str) -> list[str]:
   if train:
     steps = [m["step"] for m in train]
     ax.semilogy(steps, [max(m["mismatch/k3_kl"], 1e-12) for m in train], label="mismatch/k3_kl")
-    ax.semilogy(steps, [max(m["mismatch/logp_abs_diff"], 1e-12) for m in train],
-                label="mismatch/logp_abs_diff")
+    ax.semilogy(
+      steps,
+      [max(m["mismatch/logp_abs_diff"], 1e-12) for m in train],
+      label="mismatch/logp_abs_diff",
+    )
   ax.set(xlabel="step", title=f"{title}: rollout vs training path")
   ax.legend()
   paths.append(os.path.join(workdir, "mismatch.png"))
@@ -103,12 +120,29 @@ def final_table(metrics: list[dict]) -> str:
   for m in metrics:
     if "eval/reward_fp4" in m or "eval/reward_bf16" in m:
       fmt = lambda k, f="{:.3f}": f.format(m[k]) if k in m else "-"
-      rows.append((m["step"], fmt("eval/reward_fp4"), fmt("eval/reward_bf16"),
-                   fmt("rewards/mean"), fmt("reward/mixed_group_frac", "{:.2f}"),
-                   fmt("mismatch/k3_kl", "{:.2e}"),
-                   fmt("mismatch/mantissa_disagree_frac", "{:.4f}")))
-  return markdown_table(["step", "eval fp4", "eval bf16", "train reward", "mixed groups", "k3_kl",
-                         "mantissa-bit disagree"], rows)
+      rows.append(
+        (
+          m["step"],
+          fmt("eval/reward_fp4"),
+          fmt("eval/reward_bf16"),
+          fmt("rewards/mean"),
+          fmt("reward/mixed_group_frac", "{:.2f}"),
+          fmt("mismatch/k3_kl", "{:.2e}"),
+          fmt("mismatch/mantissa_disagree_frac", "{:.4f}"),
+        )
+      )
+  return markdown_table(
+    [
+      "step",
+      "eval fp4",
+      "eval bf16",
+      "train reward",
+      "mixed groups",
+      "k3_kl",
+      "mantissa-bit disagree",
+    ],
+    rows,
+  )
 
 
 def write_summary(workdir: str, summary: dict) -> None:

@@ -54,8 +54,9 @@ def _quantile(values: list, q: float) -> float | None:
   return float(np.quantile(pooled, q)) if pooled.size else None
 
 
-def calibrate(rollout_sites, rollout_inputs, train_sites, train_inputs, mask,
-              quantile: float) -> dict:
+def calibrate(
+  rollout_sites, rollout_inputs, train_sites, train_inputs, mask, quantile: float
+) -> dict:
   """The margins that cover `quantile` of the measured |t_train - t_rollout|.
 
   Args:
@@ -74,8 +75,9 @@ def calibrate(rollout_sites, rollout_inputs, train_sites, train_inputs, mask,
   gs_differs = gs_rows = 0
   for key in sorted(set(rollout_sites) & set(train_inputs) & set(rollout_inputs)):
     q_r = rollout_sites[key]
-    element, block = sparse_lib.boundary_noise(train_inputs[key], rollout_inputs[key], q_r,
-                                               train_sites[key].global_scale)
+    element, block = sparse_lib.boundary_noise(
+      train_inputs[key], rollout_inputs[key], q_r, train_sites[key].global_scale
+    )
     element, block = np.asarray(element), np.asarray(block)
     rows = mask.reshape(mask.shape + (1,) * (element.ndim - 1 - mask.ndim))
     rows = np.broadcast_to(rows, element.shape[:-1])
@@ -87,18 +89,24 @@ def calibrate(rollout_sites, rollout_inputs, train_sites, train_inputs, mask,
     gs_differs += int(differs.sum())
     gs_rows += int(differs.size)
     per_site[f"{key[0]}/{key[1]}"] = {
-        "quantiles": {str(p): _quantile([e], p) for p in QUANTILES},
-        "delta": _quantile([e], quantile),
-        "scale_delta": _quantile([b], quantile),
-        "mean": float(e.mean()) if e.size else None,
-        "above_0.5_frac": float(np.mean(e > 0.5)) if e.size else None}
-  return {"quantile": quantile, "delta": _quantile(pooled, quantile),
-          "scale_delta": _quantile(pooled_blocks, quantile),
-          "quantiles": {str(p): {"delta": _quantile(pooled, p),
-                                 "scale_delta": _quantile(pooled_blocks, p)}
-                        for p in QUANTILES},
-          "global_scale_differs_frac": gs_differs / max(gs_rows, 1),
-          "elements": int(sum(p.size for p in pooled)), "per_site": per_site}
+      "quantiles": {str(p): _quantile([e], p) for p in QUANTILES},
+      "delta": _quantile([e], quantile),
+      "scale_delta": _quantile([b], quantile),
+      "mean": float(e.mean()) if e.size else None,
+      "above_0.5_frac": float(np.mean(e > 0.5)) if e.size else None,
+    }
+  return {
+    "quantile": quantile,
+    "delta": _quantile(pooled, quantile),
+    "scale_delta": _quantile(pooled_blocks, quantile),
+    "quantiles": {
+      str(p): {"delta": _quantile(pooled, p), "scale_delta": _quantile(pooled_blocks, p)}
+      for p in QUANTILES
+    },
+    "global_scale_differs_frac": gs_differs / max(gs_rows, 1),
+    "elements": int(sum(p.size for p in pooled)),
+    "per_site": per_site,
+  }
 
 
 def densities(guidance: guidance_lib.Guidance, mask) -> dict:
@@ -109,17 +117,22 @@ def densities(guidance: guidance_lib.Guidance, mask) -> dict:
   kinds: dict = {}
   for (_, site), s in stats.items():
     for name in (site, "all"):
-      k = kinds.setdefault(name, dict(element_bits=0, block_bits=0, elements=0, blocks=0,
-                                      flagged=0, flagged_blocks=0))
+      k = kinds.setdefault(
+        name, dict(element_bits=0, block_bits=0, elements=0, blocks=0, flagged=0, flagged_blocks=0)
+      )
       k["element_bits"] += s["element_encodings"][s["element_encoding"]] + s["bits"]
       k["block_bits"] += s["block_encodings"][s["block_encoding"]] + s["scales"]
       for field in ("elements", "blocks", "flagged", "flagged_blocks"):
         k[field] += s[field]
-  return {name: {"element_bits": k["element_bits"] / max(k["elements"], 1),
-                 "block_bits": k["block_bits"] / max(k["blocks"], 1),
-                 "density": k["flagged"] / max(k["elements"], 1),
-                 "block_density": k["flagged_blocks"] / max(k["blocks"], 1)}
-          for name, k in kinds.items()}
+  return {
+    name: {
+      "element_bits": k["element_bits"] / max(k["elements"], 1),
+      "block_bits": k["block_bits"] / max(k["blocks"], 1),
+      "density": k["flagged"] / max(k["elements"], 1),
+      "block_density": k["flagged_blocks"] / max(k["blocks"], 1),
+    }
+    for name, k in kinds.items()
+  }
 
 
 def site_geometry(cfg, quant: QuantConfig) -> dict:
@@ -128,16 +141,26 @@ def site_geometry(cfg, quant: QuantConfig) -> dict:
 
   def capture():
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    out = model(jnp.zeros((1, 1), jnp.int32),
-                quant=call_config(quant, recording=Recording(form="compact")))
+    out = model(
+      jnp.zeros((1, 1), jnp.int32), quant=call_config(quant, recording=Recording(form="compact"))
+    )
     return out.sites, out.routing.astype(guidance_lib.routing_dtype(cfg.num_experts))
 
   sites, routing = jax.eval_shape(capture)
-  out = {key: {"elements": int(np.prod(g.mantissa_bits.shape[2:])) * 8,
-               "blocks": int(np.prod(g.scales.shape[2:])),
-               "rows": int(np.prod(g.global_scale.shape[2:]))} for key, g in sites.items()}
-  return {"sites": out, "routing": int(np.prod(routing.shape[3:])) * routing.shape[0]
-          * np.dtype(routing.dtype).itemsize}
+  out = {
+    key: {
+      "elements": int(np.prod(g.mantissa_bits.shape[2:])) * 8,
+      "blocks": int(np.prod(g.scales.shape[2:])),
+      "rows": int(np.prod(g.global_scale.shape[2:])),
+    }
+    for key, g in sites.items()
+  }
+  return {
+    "sites": out,
+    "routing": int(np.prod(routing.shape[3:]))
+    * routing.shape[0]
+    * np.dtype(routing.dtype).itemsize,
+  }
 
 
 def geometry_bytes(cfg_name: str, scope: str, costs: dict, fmt: str = "nvfp4") -> dict:
@@ -160,8 +183,9 @@ def geometry_bytes(cfg_name: str, scope: str, costs: dict, fmt: str = "nvfp4") -
   return {"compact": compact + routing, "full": full + routing, "sparse": sparse + routing}
 
 
-def sparse_rows(full: guidance_lib.Guidance, inputs, deltas, spec: fp4.SparseSpec, mask,
-                measure, site_specs=None) -> list[dict]:
+def sparse_rows(
+  full: guidance_lib.Guidance, inputs, deltas, spec: fp4.SparseSpec, mask, measure, site_specs=None
+) -> list[dict]:
   """One study row per delta: sparse guidance of every layer derived from the full capture
   and the rollout's inputs (bit for bit what a sparse capture records), measured on the
   training path (`measure(guidance) -> row`), with its bytes, densities and overflow."""
@@ -178,15 +202,20 @@ def sparse_rows(full: guidance_lib.Guidance, inputs, deltas, spec: fp4.SparseSpe
         encodings[form] = encodings.get(form, 0) + bits / 8
     tokens = max(int(np.asarray(mask).sum()), 1)
     row.update(extra)
-    row.update({"delta": float(delta), "scale_delta": spec.scale_delta,
-                "site_deltas": dict(row_spec.site_deltas),
-                "bytes_per_token": guidance.bytes_per_token(mask),
-                "bytes": {k: v / tokens for k, v in guidance.nbytes(mask).items()},
-                "element_position_bytes_per_token": {k: v / tokens for k, v in encodings.items()},
-                "density": stats["guidance/sparse_density"],
-                "block_density": stats["guidance/sparse_block_density"],
-                "overflow": stats["guidance/sparse_overflow"],
-                "block_overflow": stats["guidance/sparse_block_overflow"],
-                "costs": densities(guidance, mask)})
+    row.update(
+      {
+        "delta": float(delta),
+        "scale_delta": spec.scale_delta,
+        "site_deltas": dict(row_spec.site_deltas),
+        "bytes_per_token": guidance.bytes_per_token(mask),
+        "bytes": {k: v / tokens for k, v in guidance.nbytes(mask).items()},
+        "element_position_bytes_per_token": {k: v / tokens for k, v in encodings.items()},
+        "density": stats["guidance/sparse_density"],
+        "block_density": stats["guidance/sparse_block_density"],
+        "overflow": stats["guidance/sparse_overflow"],
+        "block_overflow": stats["guidance/sparse_block_overflow"],
+        "costs": densities(guidance, mask),
+      }
+    )
     rows.append(row)
   return rows

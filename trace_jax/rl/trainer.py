@@ -40,8 +40,13 @@ from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
 from trace_jax.model.quant import Recording, call_config, resolve_layers
-from trace_jax.model.sharding import (batch_sharding, guidance_specs, make_mesh, shard_model,
-                                      shard_optimizer)
+from trace_jax.model.sharding import (
+  batch_sharding,
+  guidance_specs,
+  make_mesh,
+  shard_model,
+  shard_optimizer,
+)
 from trace_jax.rl import data
 from trace_jax.rl import episodes as episodes_lib
 from trace_jax.rl import policy_source
@@ -49,8 +54,12 @@ from trace_jax.rl import warmstart
 from trace_jax.rl.checkpoint import Checkpoints
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.grpo import group_advantages, grpo_loss
-from trace_jax.rl.metrics import (disagreement_metrics, group_reward_metrics, guidance_agreement,
-                                  mismatch_metrics)
+from trace_jax.rl.metrics import (
+  disagreement_metrics,
+  group_reward_metrics,
+  guidance_agreement,
+  mismatch_metrics,
+)
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
@@ -76,15 +85,23 @@ class TrainExample:
 
 
 @functools.partial(nnx.jit, static_argnames=_STATIC + ("record",))
-def _old_logprobs(policy, example: TrainExample, guidance, *, quant, replay, temperature,
-                  record: bool):
+def _old_logprobs(
+  policy, example: TrainExample, guidance, *, quant, replay, temperature, record: bool
+):
   """(log pi_old, entropy, guidance fallbacks, training-path site records): the records
   (full QArrays, for the per-layer disagreement) only when `record`."""
   if record:
     quant = quant.replace(recording=Recording(form="full"))
-  logp, out = training_forward(policy, example.tokens, example.positions, example.mask,
-                               quant=quant, guidance=guidance, routing_replay=replay,
-                               temperature=temperature)
+  logp, out = training_forward(
+    policy,
+    example.tokens,
+    example.positions,
+    example.mask,
+    quant=quant,
+    guidance=guidance,
+    routing_replay=replay,
+    temperature=temperature,
+  )
   return logp, token_entropy(out.logits, temperature), out.fallbacks, out.sites
 
 
@@ -92,10 +109,23 @@ def _old_logprobs(policy, example: TrainExample, guidance, *, quant, replay, tem
 # step holds one copy of parameters and Adam moments, not two. Whatever shares those buffers
 # is stale after a step: the rollout engines re-sync when next used, and the KL reference is a
 # copy of its own (`Trainer.__init__`).
-@functools.partial(nnx.jit, static_argnames=_STATIC + ("loss_config", "fused", "record"),
-                   donate_argnums=(0, 1))
-def _train_step(policy, opt, example: TrainExample, guidance, ref_logp, *, quant, replay,
-                temperature, loss_config, fused: bool = False, record: bool = False):
+@functools.partial(
+  nnx.jit, static_argnames=_STATIC + ("loss_config", "fused", "record"), donate_argnums=(0, 1)
+)
+def _train_step(
+  policy,
+  opt,
+  example: TrainExample,
+  guidance,
+  ref_logp,
+  *,
+  quant,
+  replay,
+  temperature,
+  loss_config,
+  fused: bool = False,
+  record: bool = False,
+):
   """One GRPO update on `example` (a minibatch): (loss, stats, gradient norm).
 
   fused: the step's only update (one minibatch, one epoch). pi_old is then the policy this
@@ -107,16 +137,34 @@ def _train_step(policy, opt, example: TrainExample, guidance, ref_logp, *, quant
     quant = quant.replace(recording=Recording(form="full"))
 
   def loss_fn(policy):
-    logp, out = training_forward(policy, example.tokens, example.positions, example.mask,
-                                 quant=quant, guidance=guidance, routing_replay=replay,
-                                 temperature=temperature)
+    logp, out = training_forward(
+      policy,
+      example.tokens,
+      example.positions,
+      example.mask,
+      quant=quant,
+      guidance=guidance,
+      routing_replay=replay,
+      temperature=temperature,
+    )
     old_logp = jax.lax.stop_gradient(logp) if fused else example.old_logp
-    loss, stats = grpo_loss(logp, old_logp, example.rollout_logp, example.advantages,
-                            example.response_mask, loss_config, ref_logp)
+    loss, stats = grpo_loss(
+      logp,
+      old_logp,
+      example.rollout_logp,
+      example.advantages,
+      example.response_mask,
+      loss_config,
+      ref_logp,
+    )
     scored = ()
     if fused:
-      scored = (old_logp, token_entropy(jax.lax.stop_gradient(out.logits), temperature),
-                out.fallbacks, out.sites)
+      scored = (
+        old_logp,
+        token_entropy(jax.lax.stop_gradient(out.logits), temperature),
+        out.fallbacks,
+        out.sites,
+      )
     return loss + policy.cfg.router_aux_loss_coef * out.lb_loss, (stats, scored)
 
   (loss, (stats, scored)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
@@ -211,18 +259,28 @@ class Trainer:
       shard_model(self.policy, self.mesh)
     if policy_source.warm_start(config):
       self.warmstart = warmstart.load_or_train(
-          self.policy, self.workdir, self.task, self.tokenizer, steps=config.sft_steps,
-          batch=config.sft_batch, seed=config.seed, learning_rate=config.sft_learning_rate,
-          progress=progress, mesh=self.mesh)
+        self.policy,
+        self.workdir,
+        self.task,
+        self.tokenizer,
+        steps=config.sft_steps,
+        batch=config.sft_batch,
+        seed=config.seed,
+        learning_rate=config.sft_learning_rate,
+        progress=progress,
+        mesh=self.mesh,
+      )
     else:
       self.warmstart = policy_source.skipped_warm_start(self.task)
     self.reference = None
     if config.loss.kl_coef > 0:  # a frozen copy of the warm start (its own buffers: the
       graphdef, state = nnx.split(self.policy)  # train step donates the policy's)
       self.reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
-    self.opt = nnx.Optimizer(self.policy, _optimizer(
-        config.learning_rate, config.lr_warmup_steps * config.minibatches * config.epochs),
-        wrt=nnx.Param)
+    self.opt = nnx.Optimizer(
+      self.policy,
+      _optimizer(config.learning_rate, config.lr_warmup_steps * config.minibatches * config.epochs),
+      wrt=nnx.Param,
+    )
     if self.mesh is not None:  # Adam's moments FSDP-sharded like their parameters
       shard_optimizer(self.opt, self.policy, self.mesh)
     self.step = 0
@@ -230,14 +288,29 @@ class Trainer:
 
     prompt_len = max(len(p) for p in self._prompt_ids(self.task.sample(0, 64)))
     bucket = config.prompt_bucket or (8 if self.task.multi_turn else 16)
-    max_len = episodes_lib.max_len_for(self.task, prompt_len, config.max_new_tokens, bucket,
-                                       observation_len=self.source.observation_len)
-    sampling = SamplingConfig(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-                              stop_tokens=self.source.stop_tokens)
-    base = RolloutConfig(max_len=max_len, prompt_bucket=bucket, sampling=sampling,
-                         compute_dtype=config.compute_dtype, pad_id=self.tokenizer.pad_id,
-                         fmt=config.fmt, fp4_sites=config.fp4_sites,
-                         activations=config.activations, sparse=config.sparse_spec)
+    max_len = episodes_lib.max_len_for(
+      self.task,
+      prompt_len,
+      config.max_new_tokens,
+      bucket,
+      observation_len=self.source.observation_len,
+    )
+    sampling = SamplingConfig(
+      temperature=config.temperature,
+      max_new_tokens=config.max_new_tokens,
+      stop_tokens=self.source.stop_tokens,
+    )
+    base = RolloutConfig(
+      max_len=max_len,
+      prompt_bucket=bucket,
+      sampling=sampling,
+      compute_dtype=config.compute_dtype,
+      pad_id=self.tokenizer.pad_id,
+      fmt=config.fmt,
+      fp4_sites=config.fp4_sites,
+      activations=config.activations,
+      sparse=config.sparse_spec,
+    )
     # Every arm whose two paths both run FP4 captures (at least compact) guidance on every
     # layer, so the paths' per-layer disagreement is measured each step; the trainer uses
     # only the arm's own guided layers of it.
@@ -247,30 +320,44 @@ class Trainer:
     capture = self.arm.guidance
     if self.measured and capture == "none":
       capture = "compact"
-    self._engine = RolloutEngine(self.policy, base.replace(
-        precision=self.arm.rollout_precision, guidance=capture,
+    self._engine = RolloutEngine(
+      self.policy,
+      base.replace(
+        precision=self.arm.rollout_precision,
+        guidance=capture,
         guided_layers="all" if self.measured else self.arm.guided_layers,
-        record_routing=self.arm.routing_replay), mesh=self.mesh)
+        record_routing=self.arm.routing_replay,
+      ),
+      mesh=self.mesh,
+    )
     self.guided_layers = resolve_layers(self.arm.guided_layers, self.model_cfg.num_layers)
     self._greedy = base.replace(
-        sampling=SamplingConfig(greedy=True, max_new_tokens=config.max_new_tokens,
-                                stop_tokens=self.source.stop_tokens),
-        guidance="none", record_routing=False)
+      sampling=SamplingConfig(
+        greedy=True, max_new_tokens=config.max_new_tokens, stop_tokens=self.source.stop_tokens
+      ),
+      guidance="none",
+      record_routing=False,
+    )
     # Weight sync bookkeeping: the step whose weights the policy holds, and per engine (and
     # per rollout precision) the step whose weights it holds; engines start synced.
     self._weights_step = self.step
     self._engine_step = {id(self._engine): self.step}
     self._made_weights = {}
-    self.eval_items = self.task.sample(data.eval_seed(config.seed), config.eval_size,
-                                       split="eval")  # held out, where the task holds any
+    self.eval_items = self.task.sample(
+      data.eval_seed(config.seed), config.eval_size, split="eval"
+    )  # held out, where the task holds any
     self._truncate_metrics(self.step)
 
   @functools.cached_property
   def eval_engines(self) -> dict[str, RolloutEngine]:
     """The greedy evaluation engines, FP4 and bf16, made when first used (a run with
     eval_every=0 never pays their weight packing)."""
-    engines = {precision: RolloutEngine(self.policy, self._greedy.replace(precision=precision),
-                                        mesh=self.mesh) for precision in ("fp4", "bf16")}
+    engines = {
+      precision: RolloutEngine(
+        self.policy, self._greedy.replace(precision=precision), mesh=self.mesh
+      )
+      for precision in ("fp4", "bf16")
+    }
     for engine in engines.values():  # synced with the weights the policy holds now
       self._engine_step[id(engine)] = self._weights_step
     return engines
@@ -297,8 +384,10 @@ class Trainer:
         continue
       differing = self.config.differences(saved)
       if differing:
-        raise ValueError(f"{self.workdir} holds a checkpoint of a different config; fields that "
-                         f"differ: {differing} (use another --workdir)")
+        raise ValueError(
+          f"{self.workdir} holds a checkpoint of a different config; fields that "
+          f"differ: {differing} (use another --workdir)"
+        )
       return
 
   def _restore_latest(self) -> None:
@@ -313,8 +402,11 @@ class Trainer:
     self.step = int(meta["step"])
 
   def save(self) -> None:
-    meta = {"step": self.step, "config": self.config.to_dict(),
-            "seed_key": [int(x) for x in jax.random.key_data(self._key(self.step))]}
+    meta = {
+      "step": self.step,
+      "config": self.config.to_dict(),
+      "seed_key": [int(x) for x in jax.random.key_data(self._key(self.step))],
+    }
     self.checkpoints.save(self.step, self._state(), meta)
 
   def _truncate_metrics(self, step: int) -> None:
@@ -337,8 +429,11 @@ class Trainer:
   def _static(self) -> dict:
     """The jitted steps' static arguments: the training path's one QuantConfig (the arm's
     quantization, None for bf16, in the run's compute dtype), replay, temperature."""
-    return dict(quant=call_config(self.config.train_quant, compute_dtype=self.config.compute_dtype),
-                replay=self.arm.routing_replay, temperature=self.config.temperature)
+    return dict(
+      quant=call_config(self.config.train_quant, compute_dtype=self.config.compute_dtype),
+      replay=self.arm.routing_replay,
+      temperature=self.config.temperature,
+    )
 
   def _shard(self, tree, axis: int = 0):
     """Split the batch axis of every array over the mesh's "data" axis."""
@@ -346,15 +441,17 @@ class Trainer:
       return tree
     # From host values: each process transfers its own rows (multi-host too).
     return jax.tree.map(
-        lambda a: global_array(host_array(a), batch_sharding(self.mesh, a.ndim, axis)), tree)
+      lambda a: global_array(host_array(a), batch_sharding(self.mesh, a.ndim, axis)), tree
+    )
 
   def _shard_guidance(self, guidance):
     """Place guidance by `guidance_specs` (the rollout's layout, the planner's bytes)."""
     if self.mesh is None or guidance is None:
       return guidance
     specs = guidance_specs(guidance, self.mesh)
-    return jax.tree.map(lambda a, s: global_array(host_array(a), NamedSharding(self.mesh, s)),
-                        guidance, specs)
+    return jax.tree.map(
+      lambda a, s: global_array(host_array(a), NamedSharding(self.mesh, s)), guidance, specs
+    )
 
   def train_step(self) -> dict:
     """One RL step: collect -> score -> update -> log; returns its metrics."""
@@ -377,16 +474,23 @@ class Trainer:
     config = self.config
     problems = self.task.sample(1_000_003 * config.seed + step, config.prompts_per_step)
     items = [item for item in problems for _ in range(config.group_size)]
-    played = episodes_lib.play(self.engine, self.task, self.tokenizer, items,
-                               self._key(step))
+    played = episodes_lib.play(self.engine, self.task, self.tokenizer, items, self._key(step))
     slots = round_up(played.rollout.used_slots, 16)
     rollout = played.rollout.trim(min(slots, played.rollout.tokens.shape[1]))
     guidance = None
     if rollout.guidance is not None and (self.arm.guidance != "none" or self.arm.routing_replay):
       guidance = self._shard_guidance(rollout.guidance.select_layers(self.guided_layers))
-    example = TrainExample(**self._shard({
-        "tokens": rollout.tokens, "positions": rollout.positions, "mask": rollout.mask,
-        "response_mask": rollout.response_mask, "rollout_logp": rollout.logprobs}))
+    example = TrainExample(
+      **self._shard(
+        {
+          "tokens": rollout.tokens,
+          "positions": rollout.positions,
+          "mask": rollout.mask,
+          "response_mask": rollout.response_mask,
+          "rollout_logp": rollout.logprobs,
+        }
+      )
+    )
     return _Collected(played=played, rollout=rollout, example=example, guidance=guidance)
 
   def _score(self, step: int, c: "_Collected") -> "_Scored":
@@ -397,15 +501,25 @@ class Trainer:
     old_logp = entropy = fallbacks = train_sites = None  # the fused update gives them
     if not self.fused:
       old_logp, entropy, fallbacks, train_sites = _old_logprobs(
-          self.policy, c.example, c.guidance, record=self.measured, **static)
+        self.policy, c.example, c.guidance, record=self.measured, **static
+      )
     ref_logp = None
     if self.reference is not None:
       ref_logp = _old_logprobs(self.reference, c.example, c.guidance, record=False, **static)[0]
-    advantages = group_advantages(jnp.asarray(self.advantage_rewards(step, c.played.rewards)),
-                                  config.group_size, std_norm=config.loss.std_norm)
+    advantages = group_advantages(
+      jnp.asarray(self.advantage_rewards(step, c.played.rewards)),
+      config.group_size,
+      std_norm=config.loss.std_norm,
+    )
     example = c.example.replace(old_logp=old_logp, advantages=self._shard(advantages))
-    return _Scored(example=example, guidance=c.guidance, ref_logp=ref_logp, entropy=entropy,
-                   fallbacks=fallbacks, train_sites=train_sites)
+    return _Scored(
+      example=example,
+      guidance=c.guidance,
+      ref_logp=ref_logp,
+      entropy=entropy,
+      fallbacks=fallbacks,
+      train_sites=train_sites,
+    )
 
   def advantage_rewards(self, step: int, rewards: np.ndarray) -> np.ndarray:
     """The rewards the advantages are computed from: the episodes' own, or with
@@ -422,10 +536,23 @@ class Trainer:
     config, static = self.config, self._static()
     if self.fused:  # one update: pi_old's forward is the update's own
       loss, stats, norm, old_logp, entropy, fallbacks, sites = _train_step(
-          self.policy, self.opt, s.example, s.guidance, s.ref_logp,
-          loss_config=config.loss_config, fused=True, record=self.measured, **static)
-      s = dataclasses.replace(s, example=s.example.replace(old_logp=old_logp), entropy=entropy,
-                              fallbacks=fallbacks, train_sites=sites)
+        self.policy,
+        self.opt,
+        s.example,
+        s.guidance,
+        s.ref_logp,
+        loss_config=config.loss_config,
+        fused=True,
+        record=self.measured,
+        **static,
+      )
+      s = dataclasses.replace(
+        s,
+        example=s.example.replace(old_logp=old_logp),
+        entropy=entropy,
+        fallbacks=fallbacks,
+        train_sites=sites,
+      )
       return self._finish_update(step, [(loss, stats, norm)]) + (s,)
     guidance = s.guidance
     updates = []  # (loss, stats, grad norm) per minibatch, left on device until all ran
@@ -438,14 +565,24 @@ class Trainer:
           mini = jax.tree.map(lambda a: a[rows], s.example)
           mini_guidance = None if guidance is None else guidance.take(rows)
           mini_ref = None if s.ref_logp is None else s.ref_logp[rows]
-        updates.append(_train_step(self.policy, self.opt, mini, mini_guidance, mini_ref,
-                                   loss_config=config.loss_config, **static))
+        updates.append(
+          _train_step(
+            self.policy,
+            self.opt,
+            mini,
+            mini_guidance,
+            mini_ref,
+            loss_config=config.loss_config,
+            **static,
+          )
+        )
     return self._finish_update(step, updates) + (s,)
 
   def _finish_update(self, step: int, updates: list) -> tuple:
     """(losses, stats, grad norms) of a step's updates, checked for divergence."""
     (losses, stats_list, norms), (finite, max_abs) = jax.device_get(
-        (tuple(zip(*updates)), _param_health(self.policy)))
+      (tuple(zip(*updates)), _param_health(self.policy))
+    )
     self._check_update(step, losses, norms, bool(finite), float(max_abs))
     if self.mesh is not None:  # XLA may pick other layouts for the outputs: keep the rules'
       shard_model(self.policy, self.mesh)  # (a no-op for every array already placed so)
@@ -457,23 +594,33 @@ class Trainer:
     """The step's metrics line (DESIGN.md section 4 names)."""
     config, played, rollout = self.config, c.played, c.rollout
     response_mask = host_array(rollout.response_mask)
-    metrics = {"step": step, "rewards/mean": float(np.mean(played.rewards)),
-               "rewards/std": float(np.std(played.rewards)), "loss": float(np.mean(losses)),
-               "grad_norm": float(np.mean(norms)),
-               **{name: float(np.mean([x[name] for x in stats_list])) for name in stats_list[0]},
-               "entropy": float(np.sum(host_array(s.entropy) * response_mask)
-                                / max(response_mask.sum(), 1)),
-               "completions/mean_length": float(response_mask.sum(1).mean()),
-               "episodes/mean_turns": float(played.turns.mean()),
-               # per real token (sparse guidance is measured on its data)
-               "guidance/bytes_per_token": 0.0 if c.guidance is None or self.arm.guidance == "none"
-               else float(c.guidance.bytes_per_token(host_array(rollout.mask))),
-               "kernels/rollout": self._engine.kernels}  # "pallas" or "xla": what ran
+    metrics = {
+      "step": step,
+      "rewards/mean": float(np.mean(played.rewards)),
+      "rewards/std": float(np.std(played.rewards)),
+      "loss": float(np.mean(losses)),
+      "grad_norm": float(np.mean(norms)),
+      **{name: float(np.mean([x[name] for x in stats_list])) for name in stats_list[0]},
+      "entropy": float(np.sum(host_array(s.entropy) * response_mask) / max(response_mask.sum(), 1)),
+      "completions/mean_length": float(response_mask.sum(1).mean()),
+      "episodes/mean_turns": float(played.turns.mean()),
+      # per real token (sparse guidance is measured on its data)
+      "guidance/bytes_per_token": 0.0
+      if c.guidance is None or self.arm.guidance == "none"
+      else float(c.guidance.bytes_per_token(host_array(rollout.mask))),
+      "kernels/rollout": self._engine.kernels,
+    }  # "pallas" or "xla": what ran
     if self._engine.kernels_fallback:
       metrics["kernels/fallback_reason"] = self._engine.kernels_fallback
     metrics.update(group_reward_metrics(played.rewards, config.group_size))
-    metrics.update(mismatch_metrics(rollout.logprobs, s.example.old_logp, rollout.response_mask,
-                                    tis_threshold=config.loss.tis_threshold))
+    metrics.update(
+      mismatch_metrics(
+        rollout.logprobs,
+        s.example.old_logp,
+        rollout.response_mask,
+        tis_threshold=config.loss.tis_threshold,
+      )
+    )
     mask = host_array(rollout.mask)
     fallbacks, train_sites = jax.tree.map(host_array, (s.fallbacks, s.train_sites))
     metrics.update(guidance_agreement(fallbacks, mask))
@@ -482,8 +629,9 @@ class Trainer:
       metrics.update({k: v for k, v in stats.items() if k != "per_site"})
     # Bits and scales always; codes if full (a sparse capture holds neither everywhere).
     if self.measured and rollout.guidance is not None and rollout.guidance.mode != "sparse":
-      metrics.update(disagreement_metrics(jax.tree.map(host_array, rollout.guidance.sites),
-                                          train_sites, mask))
+      metrics.update(
+        disagreement_metrics(jax.tree.map(host_array, rollout.guidance.sites), train_sites, mask)
+      )
     return metrics
 
   def _synced(self, engine: RolloutEngine) -> RolloutEngine:
@@ -516,12 +664,17 @@ class Trainer:
     if not problems:
       return
     saved = self.checkpoints.latest_step()
-    keep = (f"the latest checkpoint, step {saved} in {self.checkpoints.directory}, is the last "
-            f"good one and a rerun resumes from it" if saved is not None
-            else "no checkpoint was saved before it")
-    raise DivergenceError(f"step {step} diverged: {'; '.join(problems)}. Nothing of step {step} "
-                          f"was saved; {keep}. Lower --learning_rate (now "
-                          f"{self.config.learning_rate:g}) and rerun.")
+    keep = (
+      f"the latest checkpoint, step {saved} in {self.checkpoints.directory}, is the last "
+      f"good one and a rerun resumes from it"
+      if saved is not None
+      else "no checkpoint was saved before it"
+    )
+    raise DivergenceError(
+      f"step {step} diverged: {'; '.join(problems)}. Nothing of step {step} "
+      f"was saved; {keep}. Lower --learning_rate (now "
+      f"{self.config.learning_rate:g}) and rerun."
+    )
 
   # --- evaluation ---------------------------------------------------------------------------
 
@@ -532,7 +685,9 @@ class Trainer:
       return out
     key = jax.random.key(0)
     for precision, engine in self.eval_engines.items():
-      played = episodes_lib.play(self._synced(engine), self.task, self.tokenizer, self.eval_items, key)
+      played = episodes_lib.play(
+        self._synced(engine), self.task, self.tokenizer, self.eval_items, key
+      )
       out[f"eval/reward_{precision}"] = float(np.mean(played.rewards))
     return out
 
@@ -550,18 +705,25 @@ class Trainer:
     with context:
       if self.step == 0 and config.eval_every:
         self.log({"step": 0, **self.evaluate()})
-      bar = tqdm(range(self.step, config.steps), desc=f"rl {config.arm}", disable=not self.progress,
-                 initial=self.step, total=config.steps)
+      bar = tqdm(
+        range(self.step, config.steps),
+        desc=f"rl {config.arm}",
+        disable=not self.progress,
+        initial=self.step,
+        total=config.steps,
+      )
       for _ in bar:
         metrics = self.train_step()
         if config.eval_every and (self.step % config.eval_every == 0 or self.step == config.steps):
           metrics.update(self.evaluate())
         self.log(metrics)
         history.append(metrics)
-        bar.set_postfix(reward=f"{metrics['rewards/mean']:.2f}",
-                        k3=f"{metrics['mismatch/k3_kl']:.1e}")
-        if config.checkpoint_every and (self.step % config.checkpoint_every == 0
-                                        or self.step == config.steps):
+        bar.set_postfix(
+          reward=f"{metrics['rewards/mean']:.2f}", k3=f"{metrics['mismatch/k3_kl']:.1e}"
+        )
+        if config.checkpoint_every and (
+          self.step % config.checkpoint_every == 0 or self.step == config.steps
+        ):
           self.save()
     return history
 

@@ -50,8 +50,18 @@ def pad_rows(batch: tuple, multiple: int) -> tuple:
   return tuple(arrays)
 
 
-def run_sft(policy, task: Task, tokenizer: Tokenizer, *, steps: int, batch: int, seed: int,
-            learning_rate: float, progress: bool = True, mesh=None) -> list[float]:
+def run_sft(
+  policy,
+  task: Task,
+  tokenizer: Tokenizer,
+  *,
+  steps: int,
+  batch: int,
+  seed: int,
+  learning_rate: float,
+  progress: bool = True,
+  mesh=None,
+) -> list[float]:
   """SFT `policy` in place on fresh demonstrations every step; returns the NLL per step.
   Every process draws the same demonstrations (from `seed` and the step) and, on a mesh,
   feeds its own rows of them (`place_sft_batch`)."""
@@ -65,9 +75,19 @@ def run_sft(policy, task: Task, tokenizer: Tokenizer, *, steps: int, batch: int,
   return train_sft(policy, batches, steps=steps, learning_rate=learning_rate, progress=progress)
 
 
-def load_or_train(policy, workdir: str, task: Task, tokenizer: Tokenizer, *, steps: int,
-                  batch: int, seed: int, learning_rate: float, progress: bool = True,
-                  mesh=None) -> dict:
+def load_or_train(
+  policy,
+  workdir: str,
+  task: Task,
+  tokenizer: Tokenizer,
+  *,
+  steps: int,
+  batch: int,
+  seed: int,
+  learning_rate: float,
+  progress: bool = True,
+  mesh=None,
+) -> dict:
   """Restore `<workdir>/warmstart` into `policy`, or run SFT (batch rows over the mesh's
   "data" axis, `place_sft_batch`) and save it there. Returns the warm start's record
   (steps, NLLs, whether it was loaded)."""
@@ -82,17 +102,32 @@ def load_or_train(policy, workdir: str, task: Task, tokenizer: Tokenizer, *, ste
       restored = checkpointer.restore(os.path.join(path, "params"), nnx.to_pure_dict(state))
     except Exception as e:  # noqa: BLE001 - JSON, orbax and TensorStore errors name no file
       first = (str(e).strip().splitlines() or [""])[0][:200]
-      raise ValueError(f"the warm start in {path} is damaged ({type(e).__name__}: {first}); "
-                       f"delete that directory to redo the warm start") from e
+      raise ValueError(
+        f"the warm start in {path} is damaged ({type(e).__name__}: {first}); "
+        f"delete that directory to redo the warm start"
+      ) from e
     nnx.replace_by_pure_dict(state, restored)
     nnx.update(policy, state)
     return {**record, "loaded": True}
-  losses = run_sft(policy, task, tokenizer, steps=steps, batch=batch, seed=seed,
-                   learning_rate=learning_rate, progress=progress, mesh=mesh)
+  losses = run_sft(
+    policy,
+    task,
+    tokenizer,
+    steps=steps,
+    batch=batch,
+    seed=seed,
+    learning_rate=learning_rate,
+    progress=progress,
+    mesh=mesh,
+  )
   os.makedirs(path, exist_ok=True)
   checkpointer.save(os.path.join(path, "params"), nnx.to_pure_dict(nnx.state(policy)), force=True)
   checkpointer.wait_until_finished()
-  record = {"task": task.name, "steps": steps, "first_nll": losses[0] if losses else None,
-            "final_nll": float(np.mean(losses[-10:])) if losses else None}
+  record = {
+    "task": task.name,
+    "steps": steps,
+    "first_nll": losses[0] if losses else None,
+    "final_nll": float(np.mean(losses[-10:])) if losses else None,
+  }
   write_json(record_path, record)  # written last: its presence means the warm start is whole
   return {**record, "loaded": False}

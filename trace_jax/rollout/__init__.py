@@ -2,13 +2,13 @@
 
 from trace_jax.rollout.config import SamplingConfig, RolloutConfig
 from trace_jax.rollout.engine import (
-    FINISH_LENGTH,
-    FINISH_NAMES,
-    FINISH_RUNNING,
-    FINISH_STOP,
-    Rollout,
-    RolloutEngine,
-    generate,
+  FINISH_LENGTH,
+  FINISH_NAMES,
+  FINISH_RUNNING,
+  FINISH_STOP,
+  Rollout,
+  RolloutEngine,
+  generate,
 )
 from trace_jax.rollout.params import params_nbytes, quantize_params
 from trace_jax.rollout.sampling import filter_logits, sample

@@ -13,8 +13,9 @@ from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
 
 
-def guidance_bytes_per_token(cfg: ModelConfig, config: RolloutConfig,
-                             quant: QuantConfig | None = None) -> float:
+def guidance_bytes_per_token(
+  cfg: ModelConfig, config: RolloutConfig, quant: QuantConfig | None = None
+) -> float:
   """Every byte the guidance of one token carries (scales, bits or codes, routing), computed
   with `jax.eval_shape` of a one-token forward: works for the published geometries too.
   `quant` overrides the rollout's QuantConfig, e.g. QuantConfig(sites="experts+kv") for the
@@ -24,11 +25,17 @@ def guidance_bytes_per_token(cfg: ModelConfig, config: RolloutConfig,
 
   def capture():
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    out = model(jnp.zeros((1, 1), jnp.int32),
-                quant=call_config(quant, recording=Recording(form=config.guidance, layers=layers)))
+    out = model(
+      jnp.zeros((1, 1), jnp.int32),
+      quant=call_config(quant, recording=Recording(form=config.guidance, layers=layers)),
+    )
     sites = out.sites  # the guided layers' records, in the guidance's form
     routing = out.routing.astype(guidance_lib.routing_dtype(cfg.num_experts))
-    return guidance_lib.Guidance(sites=sites, routing=routing if config.record_routing else None,
-                                 mode=config.guidance, layers=layers)
+    return guidance_lib.Guidance(
+      sites=sites,
+      routing=routing if config.record_routing else None,
+      mode=config.guidance,
+      layers=layers,
+    )
 
   return jax.eval_shape(capture).bytes_per_token()

@@ -8,8 +8,7 @@ from typing import Sequence, Union
 from trace_jax import fp4
 from trace_jax.guidance import GUIDANCE_MODES
 from trace_jax.kernels import KERNEL_MODES
-from trace_jax.model.quant import (ACTIVATION_FORMATS, SITE_SCOPES, QuantConfig,
-                                    _check_layers_spec)
+from trace_jax.model.quant import ACTIVATION_FORMATS, SITE_SCOPES, QuantConfig, _check_layers_spec
 
 PRECISIONS = ("bf16", "fp4")
 COMPUTE_DTYPES = ("bfloat16", "float32")
@@ -41,13 +40,28 @@ class SamplingConfig:
 
   def __post_init__(self):
     where = "SamplingConfig"
-    _require(self.temperature > 0, where, "temperature", self.temperature,
-             "must be > 0 (use greedy=True for argmax)")
-    _require(isinstance(self.top_k, int) and self.top_k >= 0, where, "top_k", self.top_k,
-             "must be an int >= 0")
+    _require(
+      self.temperature > 0,
+      where,
+      "temperature",
+      self.temperature,
+      "must be > 0 (use greedy=True for argmax)",
+    )
+    _require(
+      isinstance(self.top_k, int) and self.top_k >= 0,
+      where,
+      "top_k",
+      self.top_k,
+      "must be an int >= 0",
+    )
     _require(0 < self.top_p <= 1, where, "top_p", self.top_p, "must lie in (0, 1]")
-    _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0, where,
-             "max_new_tokens", self.max_new_tokens, "must be an int > 0")
+    _require(
+      isinstance(self.max_new_tokens, int) and self.max_new_tokens > 0,
+      where,
+      "max_new_tokens",
+      self.max_new_tokens,
+      "must be an int > 0",
+    )
     object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 
 
@@ -75,27 +89,56 @@ class RolloutConfig:
 
   def __post_init__(self):
     where = "RolloutConfig"
-    _require(self.precision in PRECISIONS, where, "precision", self.precision,
-             f"use one of {PRECISIONS}")
+    _require(
+      self.precision in PRECISIONS, where, "precision", self.precision, f"use one of {PRECISIONS}"
+    )
     fp4.get_format(self.fmt)
-    _require(self.compute_dtype in COMPUTE_DTYPES, where, "compute_dtype", self.compute_dtype,
-             f"use one of {COMPUTE_DTYPES}")
+    _require(
+      self.compute_dtype in COMPUTE_DTYPES,
+      where,
+      "compute_dtype",
+      self.compute_dtype,
+      f"use one of {COMPUTE_DTYPES}",
+    )
     _require(self.max_len > 0, where, "max_len", self.max_len, "must be > 0")
-    _require(self.fp4_sites in SITE_SCOPES, where, "fp4_sites", self.fp4_sites,
-             f"use one of {SITE_SCOPES}")
-    _require(self.activations in ACTIVATION_FORMATS, where, "activations", self.activations,
-             f"use one of {ACTIVATION_FORMATS}")
-    _require(self.guidance in GUIDANCE_MODES, where, "guidance", self.guidance,
-             f"use one of {GUIDANCE_MODES}")
-    _require(self.precision == "fp4" or self.guidance == "none", where, "guidance",
-             self.guidance, "a bf16 rollout has no FP4 rounding to record; use 'none'")
-    _require(isinstance(self.sparse, fp4.SparseSpec), where, "sparse", self.sparse,
-             "use an fp4.SparseSpec")
-    _require(self.guidance != "sparse" or self.fmt == "nvfp4", where, "guidance", self.guidance,
-             f"sparse guidance needs fmt='nvfp4' (E4M3 block scales); fmt={self.fmt!r}")
+    _require(
+      self.fp4_sites in SITE_SCOPES, where, "fp4_sites", self.fp4_sites, f"use one of {SITE_SCOPES}"
+    )
+    _require(
+      self.activations in ACTIVATION_FORMATS,
+      where,
+      "activations",
+      self.activations,
+      f"use one of {ACTIVATION_FORMATS}",
+    )
+    _require(
+      self.guidance in GUIDANCE_MODES,
+      where,
+      "guidance",
+      self.guidance,
+      f"use one of {GUIDANCE_MODES}",
+    )
+    _require(
+      self.precision == "fp4" or self.guidance == "none",
+      where,
+      "guidance",
+      self.guidance,
+      "a bf16 rollout has no FP4 rounding to record; use 'none'",
+    )
+    _require(
+      isinstance(self.sparse, fp4.SparseSpec), where, "sparse", self.sparse, "use an fp4.SparseSpec"
+    )
+    _require(
+      self.guidance != "sparse" or self.fmt == "nvfp4",
+      where,
+      "guidance",
+      self.guidance,
+      f"sparse guidance needs fmt='nvfp4' (E4M3 block scales); fmt={self.fmt!r}",
+    )
     _require(self.prompt_bucket > 0, where, "prompt_bucket", self.prompt_bucket, "must be > 0")
-    _require(self.kernels in KERNEL_MODES, where, "kernels", self.kernels,
-             f"use one of {KERNEL_MODES}")
+    _require(
+      self.kernels in KERNEL_MODES, where, "kernels", self.kernels, f"use one of {KERNEL_MODES}"
+    )
     if not isinstance(self.guided_layers, (str, int)):
       object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
     _check_layers_spec(self.guided_layers)
@@ -105,8 +148,9 @@ class RolloutConfig:
     """The model QuantConfig of this rollout (rollouts always round to nearest)."""
     if self.precision != "fp4":
       return None
-    return QuantConfig(precision="fp4", fmt=self.fmt, sites=self.fp4_sites,
-                       activations=self.activations)
+    return QuantConfig(
+      precision="fp4", fmt=self.fmt, sites=self.fp4_sites, activations=self.activations
+    )
 
   def replace(self, **changes) -> "RolloutConfig":
     return dataclasses.replace(self, **changes)

@@ -44,10 +44,23 @@ FINISH_NAMES = ("running", "stop", "length")
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["tokens", "positions", "prompt_mask", "response_mask", "env_mask", "logprobs",
-                 "sampling_logprobs", "finish", "guidance", "routing", "cache", "site_inputs"],
-    meta_fields=[])
+  jax.tree_util.register_dataclass,
+  data_fields=[
+    "tokens",
+    "positions",
+    "prompt_mask",
+    "response_mask",
+    "env_mask",
+    "logprobs",
+    "sampling_logprobs",
+    "finish",
+    "guidance",
+    "routing",
+    "cache",
+    "site_inputs",
+  ],
+  meta_fields=[],
+)
 @dataclasses.dataclass(frozen=True)
 class Rollout:
   """A batch of trajectories.
@@ -117,13 +130,24 @@ class Rollout:
     """The first `slots` slots (all real tokens must lie there), without the cache."""
     per_slot = lambda a: None if a is None else a[:, :slots]
     return dataclasses.replace(
-        self, cache=None,
-        **{f: per_slot(getattr(self, f)) for f in ("tokens", "positions", "prompt_mask",
-                                                    "response_mask", "env_mask", "logprobs",
-                                                    "sampling_logprobs")},
-        guidance=None if self.guidance is None else self.guidance.trim(slots),
-        routing=None if self.routing is None else self.routing[:, :, :slots],
-        site_inputs=None if self.site_inputs is None else jax.tree.map(per_slot, self.site_inputs))
+      self,
+      cache=None,
+      **{
+        f: per_slot(getattr(self, f))
+        for f in (
+          "tokens",
+          "positions",
+          "prompt_mask",
+          "response_mask",
+          "env_mask",
+          "logprobs",
+          "sampling_logprobs",
+        )
+      },
+      guidance=None if self.guidance is None else self.guidance.trim(slots),
+      routing=None if self.routing is None else self.routing[:, :, :slots],
+      site_inputs=None if self.site_inputs is None else jax.tree.map(per_slot, self.site_inputs),
+    )
 
   @property
   def used_slots(self) -> int:
@@ -142,8 +166,10 @@ class Rollout:
 def _write(buffer, new, slot, axis=1):
   """Write `new` (pytree of [.., T, ..] arrays) into `buffer` at slots [slot, slot + T)."""
   return jax.tree.map(
-      lambda b, n: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), slot, axis=axis),
-      buffer, new)
+    lambda b, n: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), slot, axis=axis),
+    buffer,
+    new,
+  )
 
 
 def _empty_like(tree, slots: int, axis: int = 1):
@@ -160,11 +186,13 @@ def _empty_like(tree, slots: int, axis: int = 1):
 def _empty_records(sites, slots: int):
   """Guidance buffers for {(layer, site): record}: zeros, but global scales one, so the
   guidance of an empty slot decodes to 0, never to NaN."""
+
   def empty(record):
     record = _empty_like(record, slots)
     if isinstance(record, fp4.SparseGuidance):  # counts 0: an empty slot flags nothing
       return record
     return dataclasses.replace(record, global_scale=jnp.ones_like(record.global_scale))
+
   return {key: empty(record) for key, record in sites.items()}
 
 
@@ -186,16 +214,24 @@ class _Statics:
   @property
   def recording(self) -> Recording:
     """The guided layers' sites, recorded in the guidance's own form (and inputs)."""
-    return Recording(form=self.config.guidance, layers=self.guided_layers,
-                     inputs=self.capture_inputs, sparse=self.config.sparse)
+    return Recording(
+      form=self.config.guidance,
+      layers=self.guided_layers,
+      inputs=self.capture_inputs,
+      sparse=self.config.sparse,
+    )
 
   @property
   def quant(self) -> QuantConfig:
     """The model call's one config: the rollout's quantization (none for bf16), its kernels,
     what it records, its compute dtype."""
     config = self.config
-    return call_config(config.quant, kernels=config.kernels, recording=self.recording,
-                       compute_dtype=config.compute_dtype)
+    return call_config(
+      config.quant,
+      kernels=config.kernels,
+      recording=self.recording,
+      compute_dtype=config.compute_dtype,
+    )
 
 
 def _captured(out, st: _Statics):
@@ -221,15 +257,16 @@ def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Stati
   out = _forward(graphdef, params, chunk, positions, chunk_mask, r.cache, st)
   sites, routing, inputs = _captured(out, st)
   updates = dict(
-      tokens=_write(r.tokens, jnp.where(chunk_mask, chunk, st.config.pad_id), slot),
-      positions=_write(r.positions, positions, slot),
-      cache=out.cache,
+    tokens=_write(r.tokens, jnp.where(chunk_mask, chunk, st.config.pad_id), slot),
+    positions=_write(r.positions, positions, slot),
+    cache=out.cache,
   )
   updates[_MASKS[kind]] = _write(getattr(r, _MASKS[kind]), chunk_mask, slot)
   if r.guidance is not None and sites:
     written = _write(r.guidance.sites, sites, slot)  # kept on the rule's layout (the planner's)
     updates["guidance"] = dataclasses.replace(
-        r.guidance, sites=sharding_lib.constrain_guidance_sites(written, st.mesh))
+      r.guidance, sites=sharding_lib.constrain_guidance_sites(written, st.mesh)
+    )
   if routing is not None:
     updates["routing"] = _write(r.routing, routing, slot, axis=2)
   if inputs is not None:
@@ -254,10 +291,11 @@ def _decode(graphdef, params, r: Rollout, logits, done, key, st: _Statics) -> Ro
     stopped = active & jnp.isin(token, stop_tokens)
     slot = r.cache.index
     r = dataclasses.replace(
-        r,
-        logprobs=_write(r.logprobs, jnp.where(active, logp, 0.0)[:, None], slot),
-        sampling_logprobs=_write(r.sampling_logprobs,
-                                 jnp.where(active, sampling_logp, 0.0)[:, None], slot),
+      r,
+      logprobs=_write(r.logprobs, jnp.where(active, logp, 0.0)[:, None], slot),
+      sampling_logprobs=_write(
+        r.sampling_logprobs, jnp.where(active, sampling_logp, 0.0)[:, None], slot
+      ),
     )
     # Feed the token (also the last one: the cache and guidance must hold every token).
     r, logits = _feed(graphdef, params, r, token[:, None], active[:, None], "response", st)
@@ -279,26 +317,37 @@ def _empty_rollout(graphdef, params, batch: int, st: _Statics) -> Rollout:
   cache = sharding_lib.constrain_cache(cache, st.mesh)
   one = jnp.zeros((batch, 1), jnp.int32)
   sites, routing, inputs = jax.eval_shape(
-      lambda p, c: _captured(_forward(graphdef, p, one, one, one > -1, c, st), st),
-      params, cache)
+    lambda p, c: _captured(_forward(graphdef, p, one, one, one > -1, c, st), st), params, cache
+  )
   guidance = None
   if config.guidance != "none" or routing is not None:
     guidance = guidance_lib.Guidance(
-        sites=_empty_records(sites, slots), routing=None, mode=config.guidance,
-        layers=st.guided_layers if config.guidance != "none" else ())
+      sites=_empty_records(sites, slots),
+      routing=None,
+      mode=config.guidance,
+      layers=st.guided_layers if config.guidance != "none" else (),
+    )
   zeros = lambda dtype: sharding_lib.constrain_batch(jnp.zeros((batch, slots), dtype), st.mesh)
   if guidance is not None:
     guidance = dataclasses.replace(
-        guidance, sites=sharding_lib.constrain_guidance_sites(guidance.sites, st.mesh))
+      guidance, sites=sharding_lib.constrain_guidance_sites(guidance.sites, st.mesh)
+    )
   if routing is not None:
     routing = sharding_lib.constrain_batch(_empty_like(routing, slots, axis=2), st.mesh, axis=1)
   return Rollout(
-      tokens=jnp.full((batch, slots), config.pad_id, jnp.int32), positions=zeros(jnp.int32),
-      prompt_mask=zeros(bool), response_mask=zeros(bool), env_mask=zeros(bool),
-      logprobs=zeros(jnp.float32), sampling_logprobs=zeros(jnp.float32),
-      finish=jnp.zeros((batch,), jnp.int32), guidance=guidance,
-      routing=routing,
-      cache=cache, site_inputs=None if inputs is None else _empty_like(inputs, slots))
+    tokens=jnp.full((batch, slots), config.pad_id, jnp.int32),
+    positions=zeros(jnp.int32),
+    prompt_mask=zeros(bool),
+    response_mask=zeros(bool),
+    env_mask=zeros(bool),
+    logprobs=zeros(jnp.float32),
+    sampling_logprobs=zeros(jnp.float32),
+    finish=jnp.zeros((batch,), jnp.int32),
+    guidance=guidance,
+    routing=routing,
+    cache=cache,
+    site_inputs=None if inputs is None else _empty_like(inputs, slots),
+  )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -312,10 +361,10 @@ def _generate(graphdef, params, prompt, prompt_mask, key, st: _Statics) -> Rollo
 # The cache is donated: a continuation writes into it in place instead of copying it (at
 # long context the cache is most of a rollout's memory). `r` comes without it.
 @functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=3)
-def _continue(graphdef, params, r: Rollout, cache, chunk, chunk_mask, key,
-              st: _Statics) -> Rollout:
-  r, logits = _feed(graphdef, params, dataclasses.replace(r, cache=cache), chunk, chunk_mask,
-                    "env", st)
+def _continue(graphdef, params, r: Rollout, cache, chunk, chunk_mask, key, st: _Statics) -> Rollout:
+  r, logits = _feed(
+    graphdef, params, dataclasses.replace(r, cache=cache), chunk, chunk_mask, "env", st
+  )
   done = ~jnp.any(chunk_mask, axis=-1)  # no observation: the episode has ended
   return _finalise(_decode(graphdef, params, r, logits, done, key, st))
 
@@ -339,8 +388,8 @@ def _pad_left(sequences: Sequence[Sequence[int]], bucket: int, pad_id: int, what
   mask = np.zeros((len(sequences), width), bool)
   for i, seq in enumerate(sequences):
     if len(seq):
-      tokens[i, width - len(seq):] = np.asarray(seq, np.int32)
-      mask[i, width - len(seq):] = True
+      tokens[i, width - len(seq) :] = np.asarray(seq, np.int32)
+      mask[i, width - len(seq) :] = True
   return jnp.asarray(tokens), jnp.asarray(mask)
 
 
@@ -366,16 +415,21 @@ class RolloutEngine:
     mesh: a device mesh whose "data" axis splits the batch (data-parallel rollouts).
   """
 
-  def __init__(self, policy: Transformer, config: RolloutConfig, *, capture_inputs: bool = False,
-               mesh=None):
+  def __init__(
+    self, policy: Transformer, config: RolloutConfig, *, capture_inputs: bool = False, mesh=None
+  ):
     self.config = config
     self.mesh = mesh
     self.cfg = policy.cfg
     # "pallas" or "xla": resolved here, outside any trace ("auto" probes the kernels once),
     # and why "auto" took XLA (None otherwise): runs record both (rl metrics, summary.json).
     self.kernels, self.kernels_fallback = kernels_lib.resolve_with_reason(config.kernels)
-    logging.info("rollout kernels: %s (kernels=%r%s)", self.kernels, config.kernels,
-                 f"; {self.kernels_fallback}" if self.kernels_fallback else "")
+    logging.info(
+      "rollout kernels: %s (kernels=%r%s)",
+      self.kernels,
+      config.kernels,
+      f"; {self.kernels_fallback}" if self.kernels_fallback else "",
+    )
     cfg = policy.cfg
     guided = resolve_layers(config.guided_layers, cfg.num_layers, field="guided_layers")
     bad_stops = [t for t in config.sampling.stop_tokens if not 0 <= t < cfg.vocab_size]
@@ -383,9 +437,13 @@ class RolloutEngine:
       raise ValueError(f"stop_tokens {bad_stops} lie outside the vocabulary [0, {cfg.vocab_size})")
     if not 0 <= config.pad_id < cfg.vocab_size:
       raise ValueError(f"pad_id={config.pad_id} lies outside the vocabulary [0, {cfg.vocab_size})")
-    self.statics = _Statics(config=config, guided_layers=guided if config.guidance != "none" else (),
-                            routing_dtype=guidance_lib.routing_dtype(cfg.num_experts),
-                            capture_inputs=capture_inputs, mesh=mesh)
+    self.statics = _Statics(
+      config=config,
+      guided_layers=guided if config.guidance != "none" else (),
+      routing_dtype=guidance_lib.routing_dtype(cfg.num_experts),
+      capture_inputs=capture_inputs,
+      mesh=mesh,
+    )
     self.graphdef = None
     self.params = None
     self.sync(policy)
@@ -394,8 +452,9 @@ class RolloutEngine:
     """Weight sync: re-make the rollout's (packed FP4 or bf16) weights from the policy."""
     graphdef, state = nnx.split(policy)
     self.graphdef = graphdef
-    self.params = quantize_params_jit(state, self.config.quant,
-                                      dtype=jnp.dtype(self.config.compute_dtype))
+    self.params = quantize_params_jit(
+      state, self.config.quant, dtype=jnp.dtype(self.config.compute_dtype)
+    )
     if self.mesh is not None:  # experts / model slices, whole on each data replica
       self.params = sharding_lib.shard_rollout_params(self.params, self.mesh, self.cfg)
 
@@ -405,10 +464,12 @@ class RolloutEngine:
     tokens, mask = _pad_left(prompts, self.config.prompt_bucket, self.config.pad_id, "prompts")
     need = tokens.shape[1] + self.config.sampling.max_new_tokens
     if need > self.config.max_len:
-      raise ValueError(f"the longest prompt ({max(len(p) for p in prompts)} tokens, padded to "
-                       f"{tokens.shape[1]}) plus max_new_tokens="
-                       f"{self.config.sampling.max_new_tokens} needs {need} slots; "
-                       f"max_len={self.config.max_len}")
+      raise ValueError(
+        f"the longest prompt ({max(len(p) for p in prompts)} tokens, padded to "
+        f"{tokens.shape[1]}) plus max_new_tokens="
+        f"{self.config.sampling.max_new_tokens} needs {need} slots; "
+        f"max_len={self.config.max_len}"
+      )
     tokens, mask = self._place(tokens), self._place(mask)
     return _generate(self.graphdef, self.params, tokens, mask, key, self.statics)
 
@@ -418,8 +479,9 @@ class RolloutEngine:
     # Each process transfers only the rows its devices hold (multi-host: its own shard).
     return global_array(np.asarray(array), batch_sharding(self.mesh, array.ndim))
 
-  def continue_(self, rollout: Rollout, observations: Sequence[Sequence[int]],
-                key: jax.Array) -> Rollout:
+  def continue_(
+    self, rollout: Rollout, observations: Sequence[Sequence[int]], key: jax.Array
+  ) -> Rollout:
     """Append each sequence's observation tokens (an empty list ends its episode) and
     keep decoding from the same cache: a multi-turn episode is one growing sequence.
 
@@ -430,25 +492,40 @@ class RolloutEngine:
     if rollout.cache is None:
       raise ValueError("this rollout has no cache (moved to host?); continue the device one")
     if any(leaf.is_deleted() for leaf in jax.tree.leaves(rollout.cache)):
-      raise ValueError("this rollout's cache was donated to an earlier continue_; continue "
-                       "the rollout that call returned")
+      raise ValueError(
+        "this rollout's cache was donated to an earlier continue_; continue "
+        "the rollout that call returned"
+      )
     if len(observations) != rollout.tokens.shape[0]:
-      raise ValueError(f"observations for {len(observations)} sequences; the rollout has "
-                       f"{rollout.tokens.shape[0]}")
+      raise ValueError(
+        f"observations for {len(observations)} sequences; the rollout has {rollout.tokens.shape[0]}"
+      )
     _check_tokens(observations, self.cfg.vocab_size, "observations", allow_empty=True)
-    chunk, mask = _pad_left(observations, self.config.prompt_bucket, self.config.pad_id,
-                            "observations")
+    chunk, mask = _pad_left(
+      observations, self.config.prompt_bucket, self.config.pad_id, "observations"
+    )
     need = int(rollout.cache.index) + chunk.shape[1] + self.config.sampling.max_new_tokens
     if need > self.config.max_len:
-      raise ValueError(f"continuing needs {need} slots (used {int(rollout.cache.index)}, "
-                       f"observations padded to {chunk.shape[1]}, max_new_tokens="
-                       f"{self.config.sampling.max_new_tokens}); max_len={self.config.max_len}")
+      raise ValueError(
+        f"continuing needs {need} slots (used {int(rollout.cache.index)}, "
+        f"observations padded to {chunk.shape[1]}, max_new_tokens="
+        f"{self.config.sampling.max_new_tokens}); max_len={self.config.max_len}"
+      )
     chunk, mask = self._place(chunk), self._place(mask)
-    return _continue(self.graphdef, self.params, rollout.without_cache(), rollout.cache, chunk,
-                     mask, key, self.statics)
+    return _continue(
+      self.graphdef,
+      self.params,
+      rollout.without_cache(),
+      rollout.cache,
+      chunk,
+      mask,
+      key,
+      self.statics,
+    )
 
 
-def generate(policy: Transformer, prompts: Sequence[Sequence[int]], *, config: RolloutConfig,
-             key: jax.Array) -> Rollout:
+def generate(
+  policy: Transformer, prompts: Sequence[Sequence[int]], *, config: RolloutConfig, key: jax.Array
+) -> Rollout:
   """One-off: weight sync and generation (use a RolloutEngine to reuse the synced weights)."""
   return RolloutEngine(policy, config).generate(prompts, key)

@@ -7,12 +7,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax import fp4
-from trace_jax.model.quant import (QuantConfig, is_quantized_weight, quantize_weight_group,
-                                  shared_scale_groups)
+from trace_jax.model.quant import (
+  QuantConfig,
+  is_quantized_weight,
+  quantize_weight_group,
+  shared_scale_groups,
+)
 
 
-def quantize_params(params: nnx.State, quant: QuantConfig | None, *,
-                    dtype=jnp.bfloat16) -> nnx.State:
+def quantize_params(
+  params: nnx.State, quant: QuantConfig | None, *, dtype=jnp.bfloat16
+) -> nnx.State:
   """The rollout's parameters, made once per weight sync.
 
   With an FP4 `quant`, every linear weight in its scope (`quant.sites`) becomes a packed `fp4.QArray` (per
@@ -43,7 +48,8 @@ def quantize_params(params: nnx.State, quant: QuantConfig | None, *,
     for parent, names in siblings.items():
       for group in shared_scale_groups(names):
         packed = quantize_weight_group(
-            [state[parent + (name,)].get_value() for name in group], quant.fmt)
+          [state[parent + (name,)].get_value() for name in group], quant.fmt
+        )
         values.update({parent + (name,): q for name, q in zip(group, packed)})
   out = []
   for path, variable in flat:

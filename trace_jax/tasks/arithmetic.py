@@ -30,8 +30,9 @@ class Arithmetic(Task):
   name = "arith"
   kind = "reasoning"
 
-  def __init__(self, terms: int = 2, max_operand: int = 9, ops: str = "+-",
-               eval_share: float = 0.0):
+  def __init__(
+    self, terms: int = 2, max_operand: int = 9, ops: str = "+-", eval_share: float = 0.0
+  ):
     if not isinstance(terms, int) or terms < 2:
       raise ValueError(f"arith: terms={terms!r} must be an int >= 2")
     if not isinstance(max_operand, int) or max_operand < 1:
@@ -55,9 +56,11 @@ class Arithmetic(Task):
     while len(items) < n:
       draws += 1
       if draws > 1_000 * (n + 10):  # eval_share=0.25 needs ~4 draws per item
-        raise ValueError(f"arith: split={split!r} has no problems: eval_share={self.eval_share} "
-                         f"of these {self.terms}-term problems puts none there; use a larger "
-                         f"problem space or another eval_share")
+        raise ValueError(
+          f"arith: split={split!r} has no problems: eval_share={self.eval_share} "
+          f"of these {self.terms}-term problems puts none there; use a larger "
+          f"problem space or another eval_share"
+        )
       values = [rng.randint(0, self.max_operand) for _ in range(self.terms)]
       ops = [rng.choice(self.ops) for _ in range(self.terms - 1)]
       prompt = str(values[0]) + "".join(f"{o}{v}" for o, v in zip(ops, values[1:])) + "="
@@ -68,8 +71,14 @@ class Arithmetic(Task):
         new = acc + v if op == "+" else acc - v if op == "-" else acc * v
         steps.append(f"{acc}{op}{v}={new}")
         acc = new
-      items.append(Item(prompt=prompt, target=acc, demonstration=";".join(steps) + f";#{acc}",
-                        meta={"terms": self.terms}))
+      items.append(
+        Item(
+          prompt=prompt,
+          target=acc,
+          demonstration=";".join(steps) + f";#{acc}",
+          meta={"terms": self.terms},
+        )
+      )
     return items
 
   def score(self, item: Item, completion: str) -> float:
@@ -93,6 +102,7 @@ class ArithmeticChain(Arithmetic):
 
   name = "chain"
 
-  def __init__(self, terms: int = 4, max_operand: int = 5, ops: str = "+",
-               eval_share: float = 0.25):
+  def __init__(
+    self, terms: int = 4, max_operand: int = 5, ops: str = "+", eval_share: float = 0.25
+  ):
     super().__init__(terms=terms, max_operand=max_operand, ops=ops, eval_share=eval_share)

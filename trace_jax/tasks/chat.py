@@ -69,8 +69,9 @@ def read_chat_template(directory: str) -> str | None:
     if isinstance(template, list):
       named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
       if "default" not in named:
-        raise ValueError(f"{path}: chat_template lists templates {sorted(named)} but no "
-                         "'default' one")
+        raise ValueError(
+          f"{path}: chat_template lists templates {sorted(named)} but no 'default' one"
+        )
       template = named["default"]
     if template is not None:
       if not isinstance(template, str):
@@ -105,11 +106,13 @@ class ChatTemplate:
       raise ChatTemplateError(f"the chat template refused the conversation: {message}")
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-      return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                        sort_keys=sort_keys)
+      return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+      )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
@@ -121,8 +124,9 @@ class ChatTemplate:
     self.source = source
     self.special_tokens = dict(special_tokens or {})
 
-  def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False,
-             **options: Any) -> str:
+  def render(
+    self, messages: Sequence[dict], *, add_generation_prompt: bool = False, **options: Any
+  ) -> str:
     """The template's text for `messages` ({"role", "content"} dicts).
 
     Args:
@@ -132,8 +136,9 @@ class ChatTemplate:
     """
     variables = {**self.special_tokens, "tools": None, "documents": None, **options}
     try:
-      return self._template.render(messages=list(messages),
-                                   add_generation_prompt=add_generation_prompt, **variables)
+      return self._template.render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
+      )
     except ChatTemplateError:
       raise
     except self._errors as e:
@@ -153,26 +158,41 @@ class CheckpointTokenizer:
     stop_ids: what ends a rollout turn: generation_config.json's eos_token_id(s) and eos_id.
   """
 
-  def __init__(self, directory: str, *, prompt_format: str = "chat", system_prompt: str = "",
-               observation_role: str = "user", template_options: dict | None = None):
+  def __init__(
+    self,
+    directory: str,
+    *,
+    prompt_format: str = "chat",
+    system_prompt: str = "",
+    observation_role: str = "user",
+    template_options: dict | None = None,
+  ):
     directory = os.path.abspath(directory)
     if prompt_format not in PROMPT_FORMATS:
-      raise ValueError(f"prompt_format={prompt_format!r} is not allowed; use one of {PROMPT_FORMATS}")
+      raise ValueError(
+        f"prompt_format={prompt_format!r} is not allowed; use one of {PROMPT_FORMATS}"
+      )
     if observation_role not in OBSERVATION_ROLES:
-      raise ValueError(f"observation_role={observation_role!r} is not allowed; use one of "
-                       f"{OBSERVATION_ROLES}")
+      raise ValueError(
+        f"observation_role={observation_role!r} is not allowed; use one of {OBSERVATION_ROLES}"
+      )
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.exists(path):
-      raise ValueError(f"{directory} has no tokenizer.json (the checkpoint's tokenizer is needed; "
-                       "copy it from the model's repository)")
+      raise ValueError(
+        f"{directory} has no tokenizer.json (the checkpoint's tokenizer is needed; "
+        "copy it from the model's repository)"
+      )
     config_path = os.path.join(directory, "tokenizer_config.json")
     config = _read_json(config_path)
     generation = _read_json(os.path.join(directory, "generation_config.json"))
-    names = {key: _token_text(config.get(key))
-             for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    names = {
+      key: _token_text(config.get(key))
+      for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+    }
     try:
-      self._hf = HFTokenizer(path, bos=names["bos_token"], eos=names["eos_token"],
-                             pad=names["pad_token"])
+      self._hf = HFTokenizer(
+        path, bos=names["bos_token"], eos=names["eos_token"], pad=names["pad_token"]
+      )
     except ValueError as e:
       raise ValueError(f"{e} (special tokens named in {config_path})") from e
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own types
@@ -193,9 +213,11 @@ class CheckpointTokenizer:
     self.template = None
     if prompt_format == "chat":
       if source is None:
-        raise ValueError(f"{directory} has no chat template (tokenizer_config.json "
-                         "'chat_template', chat_template.jinja or chat_template.json); a base "
-                         "model takes --prompt_format=raw")
+        raise ValueError(
+          f"{directory} has no chat template (tokenizer_config.json "
+          "'chat_template', chat_template.jinja or chat_template.json); a base "
+          "model takes --prompt_format=raw"
+        )
       self.template = ChatTemplate(source, {k: v for k, v in names.items() if v is not None})
       end = self._end_of_turn()
       if end is not None:
@@ -204,13 +226,16 @@ class CheckpointTokenizer:
       raise ValueError("system_prompt needs prompt_format='chat' (a raw prompt has no system turn)")
     stops = generation.get("eos_token_id")
     stops = [] if stops is None else stops if isinstance(stops, list) else [stops]
-    self.stop_ids = tuple(dict.fromkeys([self.eos_id] + [self._check_id(s, "eos_token_id")
-                                                         for s in stops]))
+    self.stop_ids = tuple(
+      dict.fromkeys([self.eos_id] + [self._check_id(s, "eos_token_id") for s in stops])
+    )
 
   def _check_id(self, value, field: str) -> int:
     if not isinstance(value, int) or not 0 <= value < self.vocab_size:
-      raise ValueError(f"{self.directory}/generation_config.json: {field}={value!r} is not an id "
-                       f"of tokenizer.json (0 to {self.vocab_size - 1})")
+      raise ValueError(
+        f"{self.directory}/generation_config.json: {field}={value!r} is not an id "
+        f"of tokenizer.json (0 to {self.vocab_size - 1})"
+      )
     return value
 
   # --- text <-> ids ---------------------------------------------------------------------------
@@ -234,8 +259,9 @@ class CheckpointTokenizer:
     """What the policy reads first: the rendered conversation up to the assistant's turn."""
     if self.template is None:
       return prompt
-    return self.template.render(self._messages(prompt), add_generation_prompt=True,
-                                **self.template_options)
+    return self.template.render(
+      self._messages(prompt), add_generation_prompt=True, **self.template_options
+    )
 
   def prompt_ids(self, prompt: str) -> list[int]:
     if self.template is None:
@@ -244,12 +270,16 @@ class CheckpointTokenizer:
 
   def _render_observation(self, observation: str) -> str:
     """The template's text after an assistant message, up to the next assistant turn."""
-    messages = self._messages("q") + [{"role": "assistant", "content": _SENTINEL},
-                                      {"role": self.observation_role, "content": observation}]
+    messages = self._messages("q") + [
+      {"role": "assistant", "content": _SENTINEL},
+      {"role": self.observation_role, "content": observation},
+    ]
     text = self.template.render(messages, add_generation_prompt=True, **self.template_options)
     if text.count(_SENTINEL) != 1:
-      raise ChatTemplateError("the chat template does not write an assistant message's content "
-                              "exactly once; cannot place observations after a turn")
+      raise ChatTemplateError(
+        "the chat template does not write an assistant message's content "
+        "exactly once; cannot place observations after a turn"
+      )
     return text.split(_SENTINEL, 1)[1]
 
   def _end_of_turn(self) -> int | None:
@@ -258,8 +288,11 @@ class CheckpointTokenizer:
       after = self._render_observation("x")
     except ChatTemplateError:  # a template without assistant turns: single-turn prompts only
       return None
-    special = [(added.content, tid) for tid, added in
-               self._hf._tok.get_added_tokens_decoder().items() if added.special]
+    special = [
+      (added.content, tid)
+      for tid, added in self._hf._tok.get_added_tokens_decoder().items()
+      if added.special
+    ]
     for token, tid in sorted(special, key=lambda kv: -len(kv[0])):  # the longest match
       if after.startswith(token):
         return tid
@@ -272,7 +305,7 @@ class CheckpointTokenizer:
     text = self._render_observation(observation)
     end = self._hf._tok.id_to_token(self.eos_id)
     if turn_closed and end is not None and text.startswith(end):
-      text = text[len(end):]
+      text = text[len(end) :]
     return text
 
   def observation_ids(self, observation: str, turn_closed: bool = True) -> list[int]:

@@ -171,10 +171,19 @@ def evaluate(tree, x: int) -> int:
     if op in ("/", "%") and b == 0:
       raise ProgramError("division by zero")
     value = {
-        "+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a // b,
-        "%": lambda: a % b, "min": lambda: min(a, b), "max": lambda: max(a, b),
-        "<": lambda: int(a < b), ">": lambda: int(a > b), "<=": lambda: int(a <= b),
-        ">=": lambda: int(a >= b), "==": lambda: int(a == b), "!=": lambda: int(a != b),
+      "+": lambda: a + b,
+      "-": lambda: a - b,
+      "*": lambda: a * b,
+      "/": lambda: a // b,
+      "%": lambda: a % b,
+      "min": lambda: min(a, b),
+      "max": lambda: max(a, b),
+      "<": lambda: int(a < b),
+      ">": lambda: int(a > b),
+      "<=": lambda: int(a <= b),
+      ">=": lambda: int(a >= b),
+      "==": lambda: int(a == b),
+      "!=": lambda: int(a != b),
     }[op]()
   if abs(value) > MAX_VALUE:
     raise ProgramError("value out of range")
@@ -225,8 +234,10 @@ class Coding(Task):
     if level not in (1, 2, 3):
       raise ValueError(f"coding: level={level!r} must be 1, 2 or 3")
     if shown < 1 or hidden < 1 or max_input < shown + hidden - 1:
-      raise ValueError(f"coding: need shown >= 1, hidden >= 1 and max_input >= shown + hidden - 1; "
-                       f"got shown={shown}, hidden={hidden}, max_input={max_input}")
+      raise ValueError(
+        f"coding: need shown >= 1, hidden >= 1 and max_input >= shown + hidden - 1; "
+        f"got shown={shown}, hidden={hidden}, max_input={max_input}"
+      )
     self.level, self.shown, self.hidden, self.max_input = level, shown, hidden, max_input
 
   def sample(self, seed: int, n: int, split: str = "train") -> list[Item]:
@@ -236,10 +247,16 @@ class Coding(Task):
     for _ in range(n):
       source, fn = _family(self.level, rng)
       inputs = rng.sample(range(self.max_input + 1), self.shown + self.hidden)
-      shown, hidden = sorted(inputs[:self.shown]), inputs[self.shown:]
+      shown, hidden = sorted(inputs[: self.shown]), inputs[self.shown :]
       prompt = ";".join(f"f({x})={fn(x)}" for x in shown) + ";f(x)="
-      items.append(Item(prompt=prompt, target=[(x, fn(x)) for x in hidden], demonstration=source,
-                        meta={"level": self.level}))
+      items.append(
+        Item(
+          prompt=prompt,
+          target=[(x, fn(x)) for x in hidden],
+          demonstration=source,
+          meta={"level": self.level},
+        )
+      )
     return items
 
   def score(self, item: Item, completion: str) -> float:

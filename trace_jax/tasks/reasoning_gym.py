@@ -19,13 +19,13 @@ from trace_jax.tasks.base import Item, Task, check_split
 
 # Scorers that evaluate model text (checked in reasoning-gym 0.1.25's sources).
 UNSAFE = {
-    "intermediate_integration": "sympy parse_expr (eval) of the answer",
-    "simple_integration": "sympy parse_expr (eval) of the answer",
-    "polynomial_multiplication": "sympy parse_expr (eval) of the answer",
-    "countdown": "sympy parse_expr (eval) of the answer",
-    "puzzle24": "sympy parse_expr (eval) of the answer",
-    "n_queens": "Python eval of the answer",
-    "codeio": "executes code",
+  "intermediate_integration": "sympy parse_expr (eval) of the answer",
+  "simple_integration": "sympy parse_expr (eval) of the answer",
+  "polynomial_multiplication": "sympy parse_expr (eval) of the answer",
+  "countdown": "sympy parse_expr (eval) of the answer",
+  "puzzle24": "sympy parse_expr (eval) of the answer",
+  "n_queens": "Python eval of the answer",
+  "codeio": "executes code",
 }
 
 
@@ -38,10 +38,12 @@ class ReasoningGymTask(Task):
     try:
       import reasoning_gym
     except ImportError as e:
-      raise ImportError("rg:<name> tasks need reasoning-gym: pip install -e \".[rg]\"") from e
+      raise ImportError('rg:<name> tasks need reasoning-gym: pip install -e ".[rg]"') from e
     if dataset not in reasoning_gym.factory.DATASETS:
-      raise ValueError(f"rg:{dataset} is not a reasoning-gym dataset; available: "
-                       f"{sorted(reasoning_gym.factory.DATASETS)}")
+      raise ValueError(
+        f"rg:{dataset} is not a reasoning-gym dataset; available: "
+        f"{sorted(reasoning_gym.factory.DATASETS)}"
+      )
     self._rg = reasoning_gym
     self.dataset, self.options, self.partial_credit = dataset, options, partial_credit
     self.name = f"rg:{dataset}"
@@ -53,8 +55,15 @@ class ReasoningGymTask(Task):
   def sample(self, seed: int, n: int, split: str = "train") -> list[Item]:
     check_split(self, split)  # the problem space is vast: the splits differ by seed only
     data = self._rg.create_dataset(self.dataset, size=n, seed=seed, **self.options)
-    return [Item(prompt=entry["question"], target=entry, demonstration=f"#{entry['answer']}",
-                 meta={"dataset": self.dataset}) for entry in data]
+    return [
+      Item(
+        prompt=entry["question"],
+        target=entry,
+        demonstration=f"#{entry['answer']}",
+        meta={"dataset": self.dataset},
+      )
+      for entry in data
+    ]
 
   def score(self, item: Item, completion: str) -> float:
     try:

@@ -11,10 +11,10 @@ from trace_jax.tasks.coding import Coding
 from trace_jax.tasks.search import Search
 
 _REGISTRY: dict[str, Callable[..., Task]] = {
-    "arith": Arithmetic,  # reasoning
-    "chain": ArithmeticChain,  # reasoning: arith's 4-term chains, held-out evaluation
-    "coding": Coding,  # coding
-    "search": Search,  # long-horizon, multi-turn
+  "arith": Arithmetic,  # reasoning
+  "chain": ArithmeticChain,  # reasoning: arith's 4-term chains, held-out evaluation
+  "coding": Coding,  # coding
+  "search": Search,  # long-horizon, multi-turn
 }
 
 
@@ -30,6 +30,7 @@ def get_task(name: str, **options) -> Task:
   """A task by name, e.g. get_task("arith", terms=3)."""
   if name.startswith("rg:"):
     from trace_jax.tasks.reasoning_gym import ReasoningGymTask
+
     return ReasoningGymTask(name[3:], **options)
   if name not in _REGISTRY:
     raise ValueError(f"task={name!r} is not registered; registered tasks: {registered()}")
@@ -44,7 +45,10 @@ def _check_option_names(name: str, factory: Callable[..., Task], options: dict) 
     return
   unknown = sorted(set(options) - set(params))
   if unknown:
-    known = ", ".join(f"{k}={p.default!r}" for k, p in params.items()
-                      if p.default is not inspect.Parameter.empty)
-    raise ValueError(f"task {name!r} has no option {', '.join(map(repr, unknown))}; its options "
-                     f"(with defaults): {known or 'none'}")
+    known = ", ".join(
+      f"{k}={p.default!r}" for k, p in params.items() if p.default is not inspect.Parameter.empty
+    )
+    raise ValueError(
+      f"task {name!r} has no option {', '.join(map(repr, unknown))}; its options "
+      f"(with defaults): {known or 'none'}"
+    )

@@ -40,8 +40,10 @@ class Search(Task):
     if not isinstance(bits, int) or not 2 <= bits <= 12:
       raise ValueError(f"search: bits={bits!r} must be an int in [2, 12]")
     if not isinstance(max_turns, int) or max_turns < bits + 1:
-      raise ValueError(f"search: max_turns={max_turns!r} must be >= bits + 1 = {bits + 1} "
-                       "(what binary search may need)")
+      raise ValueError(
+        f"search: max_turns={max_turns!r} must be >= bits + 1 = {bits + 1} "
+        "(what binary search may need)"
+      )
     self.bits, self.max_turns, self.shaping = bits, max_turns, shaping
     self.high = 2**bits - 1
 
@@ -51,8 +53,14 @@ class Search(Task):
     items = []
     for _ in range(n):
       secret = rng.randint(0, self.high)
-      items.append(Item(prompt=f"find n in 0-{self.high}", target=secret,
-                        demonstration=self.solve(secret), meta={"bits": self.bits}))
+      items.append(
+        Item(
+          prompt=f"find n in 0-{self.high}",
+          target=secret,
+          demonstration=self.solve(secret),
+          meta={"bits": self.bits},
+        )
+      )
     return items
 
   def solve(self, secret: int) -> list[str]:

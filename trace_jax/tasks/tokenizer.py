@@ -53,13 +53,15 @@ class CharTokenizer:
 class HFTokenizer:
   """A Hugging Face `tokenizers` tokenizer loaded from a local tokenizer.json."""
 
-  def __init__(self, path: str, *, bos: str | None = None, eos: str | None = None,
-               pad: str | None = None):
+  def __init__(
+    self, path: str, *, bos: str | None = None, eos: str | None = None, pad: str | None = None
+  ):
     try:
       from tokenizers import Tokenizer as _Tokenizer
     except ImportError as e:  # an optional dependency
-      raise ImportError("loading tokenizer.json needs the `tokenizers` package: "
-                        "pip install tokenizers") from e
+      raise ImportError(
+        "loading tokenizer.json needs the `tokenizers` package: pip install tokenizers"
+      ) from e
     self._tok = _Tokenizer.from_file(path)
     self.vocab_size = self._tok.get_vocab_size()
 

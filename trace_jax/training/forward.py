@@ -41,37 +41,56 @@ def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
   return jnp.concatenate([jnp.zeros_like(entropy[:, :1]), entropy], axis=1)
 
 
-def check_guidance(model: Transformer, quant: QuantConfig | None, guidance, tokens_shape,
-                   routing_replay: bool) -> None:
+def check_guidance(
+  model: Transformer, quant: QuantConfig | None, guidance, tokens_shape, routing_replay: bool
+) -> None:
   """Raise a ValueError saying what differs if `guidance` cannot drive this forward."""
   cfg = model.cfg
   guided = quant is not None and quant.enabled and quant.rounding == "guided"
   if (guided or routing_replay) and guidance is None:
-    raise ValueError("QuantConfig.rounding='guided' or routing_replay needs guidance= "
-                     "(Rollout.guidance)")
+    raise ValueError(
+      "QuantConfig.rounding='guided' or routing_replay needs guidance= (Rollout.guidance)"
+    )
   if guidance is None:
     return
   if not isinstance(guidance, guidance_lib.Guidance):
-    raise ValueError(f"guidance must be a trace_jax.guidance.Guidance, got {type(guidance).__name__}")
+    raise ValueError(
+      f"guidance must be a trace_jax.guidance.Guidance, got {type(guidance).__name__}"
+    )
   required = set()
   if guided:
     sites = layer_sites(cfg, quant)
-    required = {(layer, s) for layer in quant.guided_layer_ids(cfg.num_layers) for s in sites[layer]}
+    required = {
+      (layer, s) for layer in quant.guided_layer_ids(cfg.num_layers) for s in sites[layer]
+    }
     # Sites whose rows are (token, chosen expert): their guidance only fits the rollout's experts.
     routed = sorted(key for key in required if quant_lib.site_spec(key[1]).routed)
     if routed and not routing_replay:
       raise ValueError(
-          f"guided rounding at routed-expert sites {routed[:4]} needs routing_replay=True: the "
-          "rollout recorded the mantissa bits / codes of each token's k chosen experts in "
-          "slot order, so without the rollout's experts a slot whose expert changed would get "
-          "another expert's bits. Replay routing, or guide layers without MoE sites")
-  guidance_lib.check_fits(guidance, tokens_shape=tokens_shape, required=required,
-                          num_moe_layers=cfg.num_moe_layers if routing_replay else None)
+        f"guided rounding at routed-expert sites {routed[:4]} needs routing_replay=True: the "
+        "rollout recorded the mantissa bits / codes of each token's k chosen experts in "
+        "slot order, so without the rollout's experts a slot whose expert changed would get "
+        "another expert's bits. Replay routing, or guide layers without MoE sites"
+      )
+  guidance_lib.check_fits(
+    guidance,
+    tokens_shape=tokens_shape,
+    required=required,
+    num_moe_layers=cfg.num_moe_layers if routing_replay else None,
+  )
 
 
-def training_forward(model: Transformer, tokens, positions, mask, *, quant: QuantConfig | None,
-                     guidance: guidance_lib.Guidance | None = None, routing_replay: bool = False,
-                     temperature: float = 1.0) -> tuple[jax.Array, ModelOutput]:
+def training_forward(
+  model: Transformer,
+  tokens,
+  positions,
+  mask,
+  *,
+  quant: QuantConfig | None,
+  guidance: guidance_lib.Guidance | None = None,
+  routing_replay: bool = False,
+  temperature: float = 1.0,
+) -> tuple[jax.Array, ModelOutput]:
   """Training-path log-probabilities of a batch of trajectories.
 
   Args:
@@ -91,7 +110,10 @@ def training_forward(model: Transformer, tokens, positions, mask, *, quant: Quan
   check_guidance(model, quant, guidance, tokens.shape, routing_replay)
   guided = quant is not None and quant.enabled and quant.rounding == "guided"
   if guidance is not None:  # what this forward follows of it: sites if guided, experts if replayed
-    guidance = dataclasses.replace(guidance, sites=guidance.sites if guided else {},
-                                   routing=guidance.routing if routing_replay else None)
+    guidance = dataclasses.replace(
+      guidance,
+      sites=guidance.sites if guided else {},
+      routing=guidance.routing if routing_replay else None,
+    )
   out = model(tokens, positions=positions, mask=mask, quant=quant, guidance=guidance)
   return token_logprobs(out.logits, tokens, temperature), out

@@ -30,9 +30,9 @@ def sft_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], length: int,
     seq = list(prompt) + list(completion)
     if len(seq) > length:
       raise ValueError(f"example {i} has {len(seq)} tokens; the batch length is {length}")
-    tokens[i, :len(seq)] = seq
-    loss_mask[i, len(prompt):len(seq)] = True
-    valid[i, :len(seq)] = True
+    tokens[i, : len(seq)] = seq
+    loss_mask[i, len(prompt) : len(seq)] = True
+    valid[i, : len(seq)] = True
   return jnp.asarray(tokens), jnp.asarray(loss_mask), jnp.asarray(valid)
 
 
@@ -50,22 +50,31 @@ def _optimizer(learning_rate: float, steps: int, warmup: int):
   """One transformation per schedule: optimizers built from the same one share compiled steps
   (the transformation is part of the jitted step's static structure)."""
   warmup = min(warmup, steps // 2)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup,
-                                                max(steps, warmup + 1), learning_rate * 0.1)
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, learning_rate, warmup, max(steps, warmup + 1), learning_rate * 0.1
+  )
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
 
 
 @functools.partial(nnx.jit, static_argnames="quant")
 def _sft_step(model, opt, tokens, loss_mask, valid, *, quant):
-  (_, nll), grads = nnx.value_and_grad(lambda m: sft_loss(m, tokens, loss_mask, valid, quant),
-                                       has_aux=True)(model)
+  (_, nll), grads = nnx.value_and_grad(
+    lambda m: sft_loss(m, tokens, loss_mask, valid, quant), has_aux=True
+  )(model)
   opt.update(model, grads)
   return nll
 
 
-def train_sft(model: Transformer, batches: Callable[[int], tuple], *, steps: int,
-              learning_rate: float = 3e-3, quant: QuantConfig | None = None,
-              progress: bool = True, warmup: int = 20) -> list[float]:
+def train_sft(
+  model: Transformer,
+  batches: Callable[[int], tuple],
+  *,
+  steps: int,
+  learning_rate: float = 3e-3,
+  quant: QuantConfig | None = None,
+  progress: bool = True,
+  warmup: int = 20,
+) -> list[float]:
   """Train `model` in place on `batches(step) -> sft_batch(...)`; returns the NLLs."""
   if steps < 0:
     raise ValueError(f"steps={steps} must be >= 0")

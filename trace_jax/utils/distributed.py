@@ -30,31 +30,45 @@ _ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 _CLUSTER_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")  # process counts JAX detects
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
+def initialize(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+) -> bool:
   """Join the other processes of a multi-host run; returns whether it is one.
 
   Must run before any other JAX call. Raises a ValueError naming what is missing when only
   some of the three flags are given, or when they are inconsistent.
   """
-  given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
-           "process_id": process_id}
+  given = {
+    "coordinator_address": coordinator_address,
+    "num_processes": num_processes,
+    "process_id": process_id,
+  }
   if any(v not in (None, "") for v in given.values()):
     missing = [k for k, v in given.items() if v in (None, "")]
     if missing:
-      raise ValueError(f"multi-host flags need all of --coordinator_address, --num_processes "
-                       f"and --process_id; missing {missing}")
+      raise ValueError(
+        f"multi-host flags need all of --coordinator_address, --num_processes "
+        f"and --process_id; missing {missing}"
+      )
     if int(num_processes) < 1 or not 0 <= int(process_id) < int(num_processes):
-      raise ValueError(f"--process_id={process_id} must lie in [0, --num_processes="
-                       f"{num_processes})")
+      raise ValueError(
+        f"--process_id={process_id} must lie in [0, --num_processes={num_processes})"
+      )
     if int(num_processes) == 1:
       return False
-    kwargs = dict(coordinator_address=coordinator_address, num_processes=int(num_processes),
-                  process_id=int(process_id))
+    kwargs = dict(
+      coordinator_address=coordinator_address,
+      num_processes=int(num_processes),
+      process_id=int(process_id),
+    )
   elif all(os.environ.get(k) for k in _ENV):
-    kwargs = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-                  num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                  process_id=int(os.environ["JAX_PROCESS_ID"]))
+    kwargs = dict(
+      coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+      num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+      process_id=int(os.environ["JAX_PROCESS_ID"]),
+    )
     if kwargs["num_processes"] == 1:
       return False
   elif any(int(os.environ.get(k, "1") or 1) > 1 for k in _CLUSTER_ENV):

@@ -111,9 +111,15 @@ def read_jsonl(path: str) -> list[dict]:
     except json.JSONDecodeError as e:
       torn = position == len(numbered) - 1 and not raw.endswith(b"\n")
       if torn:
-        log.warning("%s: dropped a torn last line %r (line %d), left by an interrupted write",
-                    path, line[:40], number)
+        log.warning(
+          "%s: dropped a torn last line %r (line %d), left by an interrupted write",
+          path,
+          line[:40],
+          number,
+        )
         break
-      raise ValueError(f"{path}, line {number}: not valid JSON ({e.msg}: {line[:60]!r}); the "
-                       f"file is damaged: delete that line (or the file) and rerun") from e
+      raise ValueError(
+        f"{path}, line {number}: not valid JSON ({e.msg}: {line[:60]!r}); the "
+        f"file is damaged: delete that line (or the file) and rerun"
+      ) from e
   return records
