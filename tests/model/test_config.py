@@ -1,5 +1,7 @@
 """Model and quantization configs: validation, presets, published parameter counts."""
 
+import math
+
 import jax
 import pytest
 from flax import nnx
@@ -51,7 +53,7 @@ def test_quant_config_validation_and_guided_layers():
   with pytest.raises(ValueError, match="guided_layers='middle'"):
     M.QuantConfig(guided_layers="middle")
   assert M.resolve_layers("last_half", 40) == tuple(range(20, 40))
-  assert M.resolve_layers("last_half", 3) == (2,)
+  assert M.resolve_layers("last_half", 3) == (1, 2)  # the top ceil(3 / 2)
   assert M.resolve_layers("all", 3) == (0, 1, 2)
   assert M.resolve_layers("none", 3) == ()
   assert M.resolve_layers(2, 5) == (3, 4)
@@ -61,3 +63,18 @@ def test_quant_config_validation_and_guided_layers():
   with pytest.raises(ValueError, match=r"\[0, 5\]"):
     M.resolve_layers(6, 5)
   assert not M.QuantConfig(precision="bf16").enabled
+
+
+def test_last_half_is_the_top_ceil_half_and_never_empty():
+  """The deeper half of n layers is the top ceil(n / 2) (issue 27, 8): a 1-layer model used
+  to guide nothing (range(1, 1)), silently; odd n now guide the middle layer too."""
+  for n in range(0, 42):
+    want = tuple(range(n - math.ceil(n / 2), n))  # counted from the top, rounded up
+    got = M.resolve_layers("last_half", n)
+    assert got == want, n
+    assert len(got) >= 1 or n == 0
+    assert len(got) >= n - len(got)  # at least as many guided as unguided
+  assert M.resolve_layers("last_half", 1) == (0,)
+  assert M.resolve_layers("last_half", 5) == (2, 3, 4)
+  for n in (2, 4, 16, 32, 40, 48):  # even counts (every preset's) are as before: n // 2 up
+    assert M.resolve_layers("last_half", n) == tuple(range(n // 2, n))

@@ -90,10 +90,13 @@ GuidedLayers = Union[str, int, Sequence[int]]
 def resolve_layers(
   guided_layers: GuidedLayers, num_layers: int, *, field: str = "guided_layers"
 ) -> tuple[int, ...]:
-  """ "last_half" (the deeper half), "all", "none", a count from the top, or explicit ids."""
+  """ "last_half" (the deeper half), "all", "none", a count from the top, or explicit ids.
+
+  The deeper half of n layers is the top ceil(n / 2): an odd middle layer is guided, and a
+  model with any layer guides at least one (floor(1 / 2) = 0 would guide nothing)."""
   if isinstance(guided_layers, str):
     if guided_layers == "last_half":
-      return tuple(range(num_layers - num_layers // 2, num_layers))
+      return tuple(range(num_layers // 2, num_layers))
     if guided_layers == "all":
       return tuple(range(num_layers))
     if guided_layers == "none":
