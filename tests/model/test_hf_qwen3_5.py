@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trace_jax.model import hf
+from trace_jax.model import hf, hf_qwen3_5
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
 LAYOUTS = ["qwen3_5_moe_text", "qwen3_5_moe"]
@@ -132,4 +132,29 @@ def test_missing_deltanet_tensor_is_named(tmp_path):
   name = "model.language_model.layers.0.linear_attn.A_log"
   _edit_shard_of(path, name, lambda t: t.pop(name))
   with pytest.raises(ValueError, match="missing tensor 'model.layers.0.linear_attn.A_log'"):
+    hf.from_hf(str(path))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+  "option, value, allowed",
+  [
+    ("hidden_act", "gelu", r"\['silu', 'swish'\]"),
+    ("attention_bias", True, r"\[False\]"),
+    ("mlp_bias", True, r"\[False\]"),
+  ],
+)
+def test_options_it_does_not_compute_are_refused_by_name(tmp_path, layout, option, value, allowed):
+  """As for the other architectures (tests/reliability/test_input_refusals.py): an option
+  this implementation would silently compute otherwise is refused, naming the field, in
+  either layout (the published one nests it under text_config)."""
+  config = json.loads((FIXTURES / layout / "config.json").read_text())
+  hf.config_from_hf(config)  # as written: accepted
+  hf_qwen3_5.text_config(config)[option] = value
+  path = tmp_path / "q"
+  path.mkdir()
+  (path / "config.json").write_text(json.dumps(config))  # refused before any weight is read
+  with pytest.raises(
+    ValueError, match=rf"config.json: {option}={value!r} is not supported; supported: {allowed}"
+  ):
     hf.from_hf(str(path))

@@ -157,6 +157,10 @@ _FULL_ROPE_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
 
 
 def _check_supported(hf: dict, arch: str) -> None:
+  """Refuse a config.json option this implementation would silently compute otherwise
+  (for Qwen3.5, the text config's options: `hf_qwen3_5.text_config`)."""
+  if arch == "qwen3_5_moe":
+    hf = hf_qwen3_5.text_config(hf)
   for option, allowed in _SUPPORTED_OPTIONS.items():
     if option == "partial_rotary_factor" and arch not in _FULL_ROPE_ARCHS:
       continue
@@ -170,11 +174,11 @@ def _check_supported(hf: dict, arch: str) -> None:
 def config_from_hf(hf: dict, dtype=jnp.float32) -> ModelConfig:
   """A ModelConfig from a Hugging Face config.json dict (either spelling of each field)."""
   arch = _arch(hf)
+  _check_supported(hf, arch)
   if arch == "qwen3_5_moe":
     return hf_qwen3_5.config_from_hf(
       hf, "bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32"
     )
-  _check_supported(hf, arch)
   num_layers = hf["num_hidden_layers"]
   num_experts = hf.get("num_experts", hf.get("num_local_experts"))
   if num_experts is None:
