@@ -11,7 +11,13 @@ What can go wrong, and what happens:
   finite) after reading; a checkpoint that does not restore or verify is skipped with a
   warning saying why, and the newest one that does is used. Skipped newer checkpoints are
   moved to `<directory>_unusable/` (never deleted: they may be worth inspecting), so later
-  saves of those step numbers do not collide with them.
+  saves of those step numbers do not collide with them;
+- a power loss just after a save: orbax publishes a step by renaming its temporary
+  directory, and a rename is durable only once its directory is fsynced, which `save` does.
+
+`Checkpoints(directory, read_only=True)` reads a run without writing anything to it (no
+temporary directories removed, nothing set aside, no directory created): what an export of
+a run that may still be running needs.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
+
+from trace_jax.utils.io import fsync_directory
 
 log = logging.getLogger(__name__)
 
@@ -146,13 +154,28 @@ def _join_orbax_threads(running: set, timeout_s: float = 60.0) -> None:
 class Checkpoints:
   """Numbered checkpoints under `<directory>` (made absolute: orbax requires it)."""
 
-  def __init__(self, directory: str, max_to_keep: int = 2):
+  def __init__(self, directory: str, max_to_keep: int = 2, *, read_only: bool = False):
     self.directory = os.path.abspath(directory)
     self.max_to_keep = max_to_keep
+    self.read_only = read_only  # reads only: no cleanup, no set-aside, no save
     self.skipped: list[tuple[int, str]] = []  # (step, why) of checkpoints restore passed over
     self._open()
 
   def _open(self) -> None:
+    if self.read_only:
+      with _quiet_orbax():  # (orbax warns that a read-only manager saves nothing)
+        self.manager = ocp.CheckpointManager(
+          self.directory,
+          options=ocp.CheckpointManagerOptions(
+            read_only=True, create=False, enable_async_checkpointing=False
+          ),
+          # The pytree handler restores a part of the state (`restore(partial=True)`).
+          item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+          },
+        )
+      return
     self._remove_stale_temporaries()
     self.manager = ocp.CheckpointManager(
       self.directory,
@@ -194,6 +217,8 @@ class Checkpoints:
       CheckpointError: the save failed (naming the step, the directory, the cause in one
         line and the checkpoints still usable); nothing partial is left behind.
     """
+    if self.read_only:
+      raise ValueError(f"Checkpoints({self.directory!r}) is read-only; it saves nothing")
     pure = {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in state.items()}
     checksums, _ = fingerprint(pure)
     meta = {**meta, "checksums": checksums}
@@ -205,6 +230,10 @@ class Checkpoints:
           args=ocp.args.Composite(state=ocp.args.StandardSave(pure), meta=ocp.args.JsonSave(meta)),
         )
         self.manager.wait_until_finished()
+      # orbax renamed the step's temporary directory into place: make the rename (and a
+      # first save's new directory) durable.
+      fsync_directory(self.directory)
+      fsync_directory(os.path.dirname(self.directory))
     except Exception as e:  # noqa: BLE001 - any failure of the save is reported the same way
       with _quiet_orbax():  # its other writer threads fail (and log) after the first error
         _join_orbax_threads(running)
@@ -236,7 +265,8 @@ class Checkpoints:
 
   def restore(self, step: int, like: dict[str, Any]) -> dict[str, Any]:
     """Restore and verify step `step` into the structure of `like` (nnx.States are updated
-    in place and returned).
+    in place and returned). A read-only `Checkpoints` restores just the entries `like`
+    names (e.g. {"policy": ...} without the optimizer), verified against their checksums.
 
     Raises:
       CheckpointError: the arrays do not match the checksums saved with them, or hold NaN.
@@ -244,10 +274,19 @@ class Checkpoints:
     """
     pure = {k: nnx.to_pure_dict(v) if isinstance(v, nnx.State) else v for k, v in like.items()}
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, pure)
-    restored = self.manager.restore(
-      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-    )["state"]
-    self._verify(step, restored)
+    if self.read_only:
+      args = ocp.args.PyTreeRestore(
+        abstract,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        partial_restore=True,
+      )
+      restored = self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+      restored = jax.tree.map(jnp.asarray, restored)
+    else:
+      restored = self.manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+      )["state"]
+    self._verify(step, restored, partial=self.read_only)
     out = {}
     for k, v in like.items():
       if isinstance(v, nnx.State):
@@ -257,9 +296,11 @@ class Checkpoints:
         out[k] = restored[k]
     return out
 
-  def _verify(self, step: int, restored: dict) -> None:
+  def _verify(self, step: int, restored: dict, partial: bool = False) -> None:
     saved = self.read_meta(step).get("checksums")
     checksums, nonfinite = fingerprint(restored)
+    if saved is not None and partial:  # only the entries restored
+      saved = {k: v for k, v in saved.items() if any(k.startswith(f"[{r!r}]") for r in restored)}
     # Damage first: a flipped bit can also make a NaN, and "damaged files" is the diagnosis.
     if saved is not None:  # (None: written before checksums existed; finiteness is all)
       differ = sorted(k for k in set(saved) | set(checksums) if saved.get(k) != checksums.get(k))
@@ -297,10 +338,11 @@ class Checkpoints:
           reason,
         )
         continue
-      for bad, _ in self.skipped:
-        self._set_aside(bad)
-      if self.skipped:
-        self._open()
+      if not self.read_only:
+        for bad, _ in self.skipped:
+          self._set_aside(bad)
+        if self.skipped:
+          self._open()
       return step, restored, meta
     if steps:
       reasons = "; ".join(f"step {s}: {r}" for s, r in self.skipped)
@@ -315,4 +357,6 @@ class Checkpoints:
     target = os.path.join(f"{self.directory}_unusable", f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(os.path.dirname(target), exist_ok=True)
     shutil.move(os.path.join(self.directory, str(step)), target)
+    for directory in (self.directory, os.path.dirname(target), os.path.dirname(self.directory)):
+      fsync_directory(directory)
     log.warning("moved the unusable checkpoint step %d to %s", step, target)

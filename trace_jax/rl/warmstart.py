@@ -16,6 +16,7 @@ from trace_jax.tasks.base import Task
 from trace_jax.tasks.tokenizer import Tokenizer
 from trace_jax.training.sft import sft_batch, train_sft
 from trace_jax.utils import write_json
+from trace_jax.utils.io import fsync_directory
 from trace_jax.utils import round_up
 from trace_jax.utils.distributed import global_array
 
@@ -123,6 +124,7 @@ def load_or_train(
   os.makedirs(path, exist_ok=True)
   checkpointer.save(os.path.join(path, "params"), nnx.to_pure_dict(nnx.state(policy)), force=True)
   checkpointer.wait_until_finished()
+  fsync_directory(path)  # orbax renamed params/ into place: durable once path/ is
   record = {
     "task": task.name,
     "steps": steps,

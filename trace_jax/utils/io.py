@@ -1,20 +1,28 @@
 """Files written whole or not at all, and JSON-lines logs that survive a torn append.
 
 A crash or a full disk can stop a write at any byte. Whole files are written to a temporary
-file, fsynced and renamed into place, so a reader sees the old file or the new one. An
-append-only log (metrics.jsonl) cannot be renamed on every line; instead each line is
-fsynced, and the reader drops a torn last line (an append that never finished) and says
-so, while a damaged line anywhere else is an error naming the file and the line.
+file, fsynced and renamed into place, so a reader sees the old file or the new one. A rename
+is an update of the directory, which the kernel may still hold in memory when the power
+goes: every rename that publishes a file or folder is followed by an fsync of its directory
+(`fsync_directory`), or the new file can vanish (or the old one return) after a power loss.
+Folders are published the same way (`atomic_directory`). An append-only log (metrics.jsonl)
+cannot be renamed on every line; instead each line is fsynced, and the reader drops a torn
+last line (an append that never finished) and says so, while a damaged line anywhere else is
+an error naming the file and the line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
 import os
+import shutil
 import tempfile
-from typing import Any
+import uuid
+from typing import Any, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +45,44 @@ def _with_path(error: OSError, path: str, action: str) -> OSError:
   return type(error)(error.errno, f"could not {action} {path}: {error.strerror or error}")
 
 
+# fsync of a directory is refused by some filesystems (and by Windows, which has no
+# O_DIRECTORY); there the rename is as durable as the filesystem makes it, nothing to add.
+_NO_DIRECTORY_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EISDIR, errno.EACCES)
+
+
+def fsync_directory(path: str) -> None:
+  """fsync the directory `path`, so that the renames and creations in it survive a power
+  loss (a rename is durable only once its directory is).
+
+  Raises:
+    OSError: naming `path`, except where the filesystem does not fsync directories.
+  """
+  flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+  try:
+    fd = os.open(path, flags)
+  except OSError as e:
+    if e.errno in _NO_DIRECTORY_FSYNC:
+      return
+    raise _with_path(e, path, "open the directory") from e
+  try:
+    os.fsync(fd)
+  except OSError as e:
+    if e.errno not in _NO_DIRECTORY_FSYNC:
+      raise _with_path(e, path, "fsync the directory") from e
+  finally:
+    os.close(fd)
+
+
+def publish(tmp: str, path: str) -> None:
+  """Rename `tmp` over `path` (same directory) and fsync that directory: the one way a
+  finished file is put in place."""
+  os.replace(tmp, path)
+  fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
 def write_atomic(path: str, data: bytes | str) -> None:
-  """Write to a temporary file in the same directory, fsync it, then rename it into place.
+  """Write to a temporary file in the same directory, fsync it, rename it into place and
+  fsync the directory.
 
   Raises:
     OSError: naming `path` (e.g. a full disk); the previous file, if any, is untouched.
@@ -52,7 +96,7 @@ def write_atomic(path: str, data: bytes | str) -> None:
       f.write(data.encode() if isinstance(data, str) else data)
       f.flush()
       os.fsync(f.fileno())
-    os.replace(tmp, path)
+    publish(tmp, path)
   except OSError as e:
     raise _with_path(e, path, "write") from e
   finally:
@@ -64,6 +108,52 @@ def write_json(path: str, obj: Any) -> None:
   write_atomic(path, json.dumps(_clean(obj), indent=2, allow_nan=False) + "\n")
 
 
+def _fsync_tree(root: str) -> None:
+  """fsync every file and folder under `root` (files copied in, e.g. by shutil, are not)."""
+  for folder, _, files in os.walk(root, topdown=False):
+    for name in files:
+      fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+      try:
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+    fsync_directory(folder)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str) -> Iterator[str]:
+  """Yield a new empty folder beside `path` to fill; when the block ends without an error,
+  fsync what it holds and rename it to `path`, replacing an existing folder whole (nothing
+  of the old one survives, e.g. a shard an earlier, larger export wrote). On an error the
+  new folder is removed and `path` is left as it was.
+
+  A folder cannot be renamed over a non-empty one, so an old `path` is first renamed aside
+  (`.<name>.old-*`), then the new one into place, then the old one deleted: a crash between
+  the two renames leaves no `path` but both whole folders beside it, never a mixture.
+  """
+  path = os.path.abspath(path)
+  parent, name = os.path.split(path)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"{path} exists and is not a folder")
+  os.makedirs(parent, exist_ok=True)
+  staging = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+  os.mkdir(staging)  # (mkdtemp's mode is 0700; this one follows the umask like makedirs)
+  try:
+    yield staging
+    _fsync_tree(staging)
+    old = None
+    if os.path.exists(path):
+      old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
+      os.rename(path, old)
+    os.rename(staging, path)
+    fsync_directory(parent)
+    if old is not None:
+      shutil.rmtree(old)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+
+
 def append_jsonl(path: str, record: dict) -> None:
   """Append one JSON line and fsync it (a crash leaves at most a torn last line).
 
@@ -71,10 +161,13 @@ def append_jsonl(path: str, record: dict) -> None:
     OSError: naming `path` (e.g. a full disk).
   """
   try:
+    created = not os.path.exists(path)
     with open(path, "a") as f:
       f.write(json.dumps(record) + "\n")
       f.flush()
       os.fsync(f.fileno())
+    if created:  # the new name is a directory entry: durable once the directory is
+      fsync_directory(os.path.dirname(os.path.abspath(path)))
   except OSError as e:
     raise _with_path(e, path, "append to") from e
 
