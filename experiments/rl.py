@@ -15,6 +15,8 @@ trace (guided QAT: compact, deeper half, routing replay), trace-full, ptq (bf16 
 evaluated in FP4). Writes <workdir>/metrics.jsonl, summary.json, reward.png, mismatch.png
 and prints a final table. A warm start (SFT on solver demonstrations) is made in the workdir
 first unless one is there (by default not for --hf_checkpoint: --sft_warm_start forces it).
+A workdir is one run's at a time: a second rl.py on a workdir in use is refused (exit 1) with
+one line naming the holder, before it writes anything (`trace_jax.utils.lock`).
 With --hf_checkpoint the weights, tokenizer (tokenizer.json), special tokens and chat template
 (tokenizer_config.json) and stop tokens (generation_config.json) all come from that directory,
 and prompts are rendered with the model's own chat template (--prompt_format=raw for a base
@@ -246,11 +248,15 @@ def _main(argv):
     "runs", f"{config.arm}-{config.task.replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
   )
   start = time.time()
-  trainer = Trainer(config, workdir)
-  print(f"workdir {trainer.workdir}; warm start: {trainer.warmstart}")
-  trainer.run()
-  if not distributed.is_main_process():  # process 0 writes the summary and plots
-    return
+  with Trainer(config, workdir) as trainer:  # the workdir is this run's until the end
+    print(f"workdir {trainer.workdir}; warm start: {trainer.warmstart}")
+    trainer.run()
+    if distributed.is_main_process():  # process 0 writes the summary and plots
+      _report(config, trainer, start)
+
+
+def _report(config: RLConfig, trainer: Trainer, start: float) -> None:
+  """The summary, plots and final table of a finished run, and how to export it."""
   if not os.path.exists(trainer.metrics_path):  # --steps=0 --eval_every=0: a warm start only
     print(f"nothing run (0 RL steps, no evaluation); warm start: {trainer.warmstart}")
     return
@@ -272,9 +278,19 @@ def _main(argv):
     f"wrote {os.path.join(trainer.workdir, 'summary.json')}, metrics.jsonl, "
     f"{', '.join(os.path.basename(p) for p in plots)}"
   )
-  print(
-    f"export for vLLM: python experiments/export.py --workdir={trainer.workdir} --out={trainer.workdir}/export"
+  print(export_command(trainer))
+
+
+def export_command(trainer: Trainer) -> str:
+  """How to export this run: no format flags, the export reads them from the checkpoint."""
+  if trainer.checkpoints.latest_step() is None:
+    return "no checkpoint saved (--checkpoint_every=0): nothing to export"
+  command = (
+    f"python experiments/export.py --workdir={trainer.workdir} --out={trainer.workdir}/export"
   )
+  if trainer.config.activations == "fp8":  # W4A8 has no compressed-tensors scheme here
+    command += " --activations=none"
+  return f"export for vLLM ({trainer.config.fmt}, fp4_sites={trainer.config.fp4_sites}): {command}"
 
 
 if __name__ == "__main__":

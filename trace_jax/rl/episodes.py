@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from trace_jax.rl import data
+from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import FINISH_STOP, Rollout, RolloutEngine
 from trace_jax.tasks.base import Item, Task
 from trace_jax.tasks.tokenizer import Tokenizer
@@ -35,6 +36,37 @@ def max_len_for(
   rounded = lambda n: round_up(n, bucket)
   per_turn = max_new_tokens + (rounded(observation_len) if task.multi_turn else 0)
   return rounded(prompt_len) + task.max_turns * per_turn
+
+
+def rollout_base(config, task: Task, source) -> RolloutConfig:
+  """The rollout settings every engine of a run shares (cache length, prompt bucket,
+  sampling, FP4 format, scope and activations), from its RLConfig and PolicySource; the
+  engines replace precision and capture."""
+  prompt_len = max(len(data.prompt_ids(source.tokenizer, item)) for item in task.sample(0, 64))
+  bucket = config.prompt_bucket or (8 if task.multi_turn else 16)
+  max_len = max_len_for(
+    task,
+    prompt_len,
+    config.max_new_tokens,
+    bucket,
+    observation_len=source.observation_len,
+  )
+  sampling = SamplingConfig(
+    temperature=config.temperature,
+    max_new_tokens=config.max_new_tokens,
+    stop_tokens=source.stop_tokens,
+  )
+  return RolloutConfig(
+    max_len=max_len,
+    prompt_bucket=bucket,
+    sampling=sampling,
+    compute_dtype=config.compute_dtype,
+    pad_id=source.tokenizer.pad_id,
+    fmt=config.fmt,
+    fp4_sites=config.fp4_sites,
+    activations=config.activations,
+    sparse=config.sparse_spec,
+  )
 
 
 def play(

@@ -161,18 +161,24 @@ def runtime_fields(config) -> dict:
   return {"remat": config.remat}
 
 
-def load(config, task: Task) -> PolicySource:
+def load(config, task: Task, *, weights: bool = True) -> PolicySource:
   """The run's tokenizer and initial policy (see the module docstring), configured for the
-  run (`runtime_fields`): the policy's cfg is final here, nothing mutates it later."""
+  run (`runtime_fields`): the policy's cfg is final here, nothing mutates it later.
+
+  weights=False: the policy is abstract (shapes only, no weight read or initialised), the
+  structure a checkpoint of the run restores into."""
   tokenizer, model_cfg = check(config, task)
   model_cfg = model_cfg.replace(**runtime_fields(config))
-  if config.hf_checkpoint:
+  if not weights:  # (from_hf's cfg is the same: config_from_hf + the runtime fields)
+    policy = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
+  elif config.hf_checkpoint:
     policy = from_hf(config.hf_checkpoint, **runtime_fields(config))
     model_cfg = policy.cfg
-    observation_len = len(tokenizer.observation_ids("", turn_closed=False)) + OBSERVATION_TOKENS
   else:
     policy = Transformer(model_cfg, rngs=nnx.Rngs(config.seed))
-    observation_len = OBSERVATION_TOKENS
+  observation_len = OBSERVATION_TOKENS
+  if config.hf_checkpoint:
+    observation_len += len(tokenizer.observation_ids("", turn_closed=False))
   stop_tokens = tuple(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
   return PolicySource(
     tokenizer=tokenizer,

@@ -29,6 +29,7 @@ import functools
 import json
 import os
 import time
+import weakref
 from typing import Any
 
 import jax
@@ -60,12 +61,13 @@ from trace_jax.rl.metrics import (
   guidance_agreement,
   mismatch_metrics,
 )
-from trace_jax.rollout.config import RolloutConfig, SamplingConfig
+from trace_jax.rollout.config import SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
 from trace_jax.training.forward import token_entropy, training_forward
 from trace_jax.utils import append_jsonl, read_jsonl, round_up, write_atomic
 from trace_jax.utils.distributed import global_array, host_array, is_main_process
+from trace_jax.utils.lock import lock_run_workdir
 
 _STATIC = ("quant", "replay", "temperature")
 
@@ -236,9 +238,31 @@ def check_workdir(workdir: str) -> str:
 
 
 class Trainer:
-  """One RL run in `workdir` (resumed if the workdir holds a checkpoint of the same config)."""
+  """One RL run in `workdir` (resumed if the workdir holds a checkpoint of the same config).
+
+  The workdir is locked for the Trainer's life (`utils.lock`: a second run on it is refused
+  before anything is written); `close()` (or `with Trainer(...) as trainer:`) releases it,
+  as do garbage collection and the process's exit."""
 
   def __init__(self, config: RLConfig, workdir: str, *, progress: bool = True):
+    self._unlock = weakref.finalize(self, _release, lock_run_workdir(workdir))
+    try:
+      self._init(config, workdir, progress)
+    except BaseException:
+      self.close()
+      raise
+
+  def close(self) -> None:
+    """Release the workdir (idempotent)."""
+    self._unlock()
+
+  def __enter__(self) -> "Trainer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _init(self, config: RLConfig, workdir: str, progress: bool) -> None:
     self.config = config
     self.workdir = check_workdir(workdir)
     self.progress = progress
@@ -286,31 +310,7 @@ class Trainer:
     self.step = 0
     self._restore_latest()
 
-    prompt_len = max(len(p) for p in self._prompt_ids(self.task.sample(0, 64)))
-    bucket = config.prompt_bucket or (8 if self.task.multi_turn else 16)
-    max_len = episodes_lib.max_len_for(
-      self.task,
-      prompt_len,
-      config.max_new_tokens,
-      bucket,
-      observation_len=self.source.observation_len,
-    )
-    sampling = SamplingConfig(
-      temperature=config.temperature,
-      max_new_tokens=config.max_new_tokens,
-      stop_tokens=self.source.stop_tokens,
-    )
-    base = RolloutConfig(
-      max_len=max_len,
-      prompt_bucket=bucket,
-      sampling=sampling,
-      compute_dtype=config.compute_dtype,
-      pad_id=self.tokenizer.pad_id,
-      fmt=config.fmt,
-      fp4_sites=config.fp4_sites,
-      activations=config.activations,
-      sparse=config.sparse_spec,
-    )
+    base = episodes_lib.rollout_base(config, self.task, self.source)
     # Every arm whose two paths both run FP4 captures (at least compact) guidance on every
     # layer, so the paths' per-layer disagreement is measured each step; the trainer uses
     # only the arm's own guided layers of it.
@@ -726,6 +726,11 @@ class Trainer:
         ):
           self.save()
     return history
+
+
+def _release(lock) -> None:
+  if lock is not None:
+    lock.release()
 
 
 class _nullcontext:
