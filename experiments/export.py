@@ -3,30 +3,43 @@
   python experiments/rl.py --workdir=runs/trace                      # train first
   python experiments/export.py --workdir=runs/trace --out=runs/trace/export
   python experiments/export.py --workdir=runs/trace --out=DIR --hf_checkpoint=SRC   # HF source
-  python experiments/export.py --workdir=runs/trace --out=DIR --activations=nvfp4   # W4A4
+  python experiments/export.py --workdir=runs/trace --out=DIR --activations=none    # W4A16
   vllm serve DIR                                                       # on a GPU machine
 
-Writes the last checkpoint's policy in the run's FP4 scope: `weight_packed` / `weight_scale` /
-`weight_global_scale` per quantized linear (the rollout's bytes exactly), the rest in bf16,
-config.json with quantization_config, and (with --hf_checkpoint) the source's config,
-tokenizer and generation files. Prints the tensor listing and, for W4A4, how far the
-calibrated static activation scales are from the per-token ones the policy trained with.
+Writes the last checkpoint's policy as the run ran it: its FP4 format (--fmt), FP4 scope
+(--fp4_sites) and activations come from the run's saved config, and a flag that contradicts
+them is refused (leave them unset). A W4A4 run exports W4A4 (NVFP4: static input global
+scales calibrated on the run's own rollouts; MXFP4: dynamic); --activations=none exports
+weight-only (W4A16), the only export of a W4A8 run. Per quantized linear `weight_packed` /
+`weight_scale` / `weight_global_scale` (the rollout's bytes exactly), the rest in bf16,
+config.json with quantization_config, and (with --hf_checkpoint, or the run's own) the
+source's config, tokenizer and generation files. The run's workdir is only read; --out is
+written whole or not at all (an earlier export there is replaced whole). Prints the tensor
+listing and, for NVFP4 W4A4, how far the calibrated static activation scales are from the
+per-token ones the policy trained with.
 """
+
+import sys
 
 from absl import app, flags, logging
 
-from trace_jax.export.compressed_tensors import ACTIVATIONS, FORMATS, ExportConfig
+from trace_jax.export.compressed_tensors import ACTIVATIONS, FORMATS
 from trace_jax.export.run import describe, export_run, format_listing
+from trace_jax.model.quant import SITE_SCOPES
+from trace_jax.rl.checkpoint import CheckpointError
 
-_D = ExportConfig()
 _WORKDIR = flags.DEFINE_string("workdir", None, "RL run directory (experiments/rl.py --workdir).")
 _OUT = flags.DEFINE_string("out", None, "Output checkpoint directory.")
 _HF = flags.DEFINE_string(
   "hf_checkpoint", None, "HF checkpoint the run started from (config, tokenizer files)."
 )
-_FMT = flags.DEFINE_enum("fmt", _D.fmt, list(FORMATS), "Weight format.")
+_FMT = flags.DEFINE_enum("fmt", None, list(FORMATS), "Weight format (default: the run's).")
+_SITES = flags.DEFINE_enum("fp4_sites", None, list(SITE_SCOPES), "FP4 scope (default: the run's).")
 _ACTS = flags.DEFINE_enum(
-  "activations", _D.activations, list(ACTIVATIONS), "none: weight-only W4A16; nvfp4 / mxfp4: W4A4."
+  "activations",
+  None,
+  list(ACTIVATIONS),
+  "none: weight-only W4A16; nvfp4 / mxfp4: W4A4 (default: the run's).",
 )
 _CALIB = flags.DEFINE_integer(
   "calibration_prompts", 64, "Rollouts that calibrate (and, as many again, measure) W4A4 scales."
@@ -45,10 +58,12 @@ def main(argv):
       hf_checkpoint=_HF.value,
       fmt=_FMT.value,
       activations=_ACTS.value,
+      fp4_sites=_SITES.value,
       calibration_prompts=_CALIB.value,
     )
-  except ValueError as e:
-    raise app.UsageError(str(e)) from e
+  except (ValueError, OSError, CheckpointError) as e:  # one line: what, where, what to do
+    print(f"export.py: error: {e}", file=sys.stderr)
+    sys.exit(1)
   if _LIST.value:
     print(format_listing(summary["out_dir"]))
   print(describe(summary))

@@ -47,7 +47,7 @@ from trace_jax.export import names as names_lib
 from trace_jax.model.quant import QuantConfig
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.params import quantize_params
-from trace_jax.utils.io import write_atomic, write_json
+from trace_jax.utils.io import atomic_directory, write_atomic, write_json
 
 FORMATS = ("nvfp4", "mxfp4")
 ACTIVATIONS = ("none", "nvfp4", "mxfp4")
@@ -318,12 +318,17 @@ def export_compressed_tensors(
   input_scales: Mapping[tuple[int, str], float] | None = None,
   unquantized_dtype: str = "bfloat16",
   max_shard_bytes: int = ExportConfig.max_shard_bytes,
+  summary_extra: Mapping[str, Any] | None = None,
 ) -> dict:
   """Write `policy` as a compressed-tensors FP4 checkpoint directory.
 
+  The folder is written whole or not at all (`utils.io.atomic_directory`): built beside
+  `out_dir`, fsynced, then renamed into place. An earlier export there is replaced whole,
+  so no shard or index file of it survives; a folder that holds anything else is refused.
+
   Args:
     policy: the trained Transformer.
-    out_dir: output directory (created; existing files of the same names are replaced).
+    out_dir: output directory: new, empty, or an earlier export (replaced whole).
     source: the HF checkpoint directory the policy came from: its config.json is the base
       of ours, and its tokenizer / generation / chat-template files are copied. Without it,
       config.json is made from the ModelConfig (`names.hf_config`).
@@ -334,6 +339,8 @@ def export_compressed_tensors(
     input_scales: (layer, site) -> input_global_scale for NVFP4 W4A4.
     unquantized_dtype: "bfloat16" (as served) or "float32" (the master values exactly).
     max_shard_bytes: safetensors shard size.
+    summary_extra: fields added to the summary; when given, the summary is also written to
+      export_summary.json in the folder (with the rest, atomically).
 
   Returns:
     A summary: files, tensor count, bytes, the quantization_config.
@@ -352,41 +359,70 @@ def export_compressed_tensors(
     hf.pop("quantization_config", None)
   else:
     hf = names_lib.hf_config(policy.cfg)
+  _check_out_dir(out_dir, source)
   tensors, ignore = hf_tensors(policy, config, quant=quant, input_scales=input_scales)
   hf["quantization_config"] = quantization_config(config, ignore)
-  os.makedirs(out_dir, exist_ok=True)
   shards = _shards(tensors, config.max_shard_bytes)
-  files = []
-  if len(shards) == 1:
-    files.append("model.safetensors")
-    write_safetensors(os.path.join(out_dir, files[0]), tensors)
-  else:
-    weight_map = {}
-    for i, shard in enumerate(shards):
-      name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      write_safetensors(os.path.join(out_dir, name), {n: tensors[n] for n in shard})
-      weight_map.update({n: name for n in shard})
-      files.append(name)
-    total = int(sum(a.nbytes for a in tensors.values()))
-    write_json(
-      os.path.join(out_dir, "model.safetensors.index.json"),
-      {"metadata": {"total_size": total}, "weight_map": weight_map},
-    )
-  write_json(os.path.join(out_dir, "config.json"), hf)
-  copied = []
-  if source is not None:
-    for name in COPIED_FILES:
-      if os.path.exists(os.path.join(source, name)):
-        shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
-        copied.append(name)
-  return {
+  files = (
+    ["model.safetensors"]
+    if len(shards) == 1
+    else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  )
+  summary = {
     "out_dir": os.path.abspath(out_dir),
     "files": files,
-    "copied": copied,
+    "copied": [],
     "tensors": len(tensors),
     "bytes": int(sum(a.nbytes for a in tensors.values())),
     "quantization_config": hf["quantization_config"],
   }
+  with atomic_directory(out_dir) as staging:
+    if len(shards) == 1:
+      write_safetensors(os.path.join(staging, files[0]), tensors)
+    else:
+      weight_map = {}
+      for name, shard in zip(files, shards):
+        write_safetensors(os.path.join(staging, name), {n: tensors[n] for n in shard})
+        weight_map.update({n: name for n in shard})
+      write_json(
+        os.path.join(staging, "model.safetensors.index.json"),
+        {"metadata": {"total_size": summary["bytes"]}, "weight_map": weight_map},
+      )
+    write_json(os.path.join(staging, "config.json"), hf)
+    if source is not None:
+      for name in COPIED_FILES:
+        if os.path.exists(os.path.join(source, name)):
+          shutil.copyfile(os.path.join(source, name), os.path.join(staging, name))
+          summary["copied"].append(name)
+    if summary_extra is not None:
+      summary.update(summary_extra)
+      write_json(os.path.join(staging, "export_summary.json"), summary)
+  return summary
+
+
+def _is_export(folder: str) -> bool:
+  """Whether `folder` holds a compressed-tensors checkpoint (config.json with a
+  quantization_config): an earlier export, safe to replace."""
+  try:
+    with open(os.path.join(folder, "config.json")) as f:
+      return "quantization_config" in json.load(f)
+  except (OSError, ValueError):
+    return False
+
+
+def _check_out_dir(out_dir: str, source: str | None) -> None:
+  """The output folder is replaced whole: refuse one that holds anything but an earlier
+  export, or holds the source checkpoint."""
+  out = os.path.realpath(out_dir)
+  if source is not None:
+    src = os.path.realpath(source)
+    if src == out or src.startswith(out + os.sep):
+      raise ValueError(f"out_dir={out_dir!r} holds the source checkpoint {source!r}")
+  if os.path.isdir(out) and os.listdir(out) and not _is_export(out):
+    raise ValueError(
+      f"out_dir={out_dir!r} exists and holds files but no earlier export (config.json with "
+      "a quantization_config); the export replaces its folder whole: use a new or empty one"
+    )
 
 
 def tensor_listing(out_dir: str) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -1,22 +1,43 @@
-"""Export the last checkpoint of an RL run (`experiments/rl.py --workdir=...`)."""
+"""Export the last checkpoint of an RL run (`experiments/rl.py --workdir=...`).
+
+What is exported is what the run used: its FP4 format, FP4 scope and activations come from
+the RLConfig saved in the checkpoint (`export_settings`); a setting given here must agree
+with it, or the export is refused naming both values.
+
+The run is only read, never written: its policy is restored from the latest checkpoint into
+an abstract model (no Trainer: no warm start made, no metrics rewritten, no lock taken), and
+the checkpoint directory is opened read-only. A run still in progress can be exported (its
+checkpoints appear whole or not at all, and each is verified against its checksums): the
+export takes its latest finished checkpoint and says that the run is still going.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from trace_jax.export import calibration
 from trace_jax.export.compressed_tensors import export_compressed_tensors, tensor_listing
 from trace_jax.model.quant import QuantConfig
+from trace_jax.rl import data, episodes, policy_source
 from trace_jax.rl.checkpoint import Checkpoints
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.grpo import LossConfig
-from trace_jax.rl.trainer import Trainer
-from trace_jax.utils.io import write_json
+from trace_jax.rollout.engine import RolloutEngine
+from trace_jax.tasks.registry import get_task
+from trace_jax.utils import lock
+
+log = logging.getLogger(__name__)
+
+# RLConfig.activations (how the run's linear inputs ran) -> ExportConfig.activations
+# (compressed-tensors' input scheme), for a run of format `fmt`; None: no such scheme here.
+ACTIVATIONS_OF_RUN = {"fp4": lambda fmt: fmt, "fp8": lambda fmt: None}
 
 
 def config_from_meta(saved: dict) -> RLConfig:
@@ -29,21 +50,97 @@ def config_from_meta(saved: dict) -> RLConfig:
   return RLConfig(**fields)
 
 
-def load_run(workdir: str) -> Trainer:
-  """A Trainer restored from the latest checkpoint of `workdir` (no training is run)."""
-  checkpoints = Checkpoints(os.path.join(os.path.abspath(workdir), "checkpoints"))
-  latest = checkpoints.latest_step()
-  if latest is None:
-    raise ValueError(f"workdir={workdir!r} holds no checkpoint (run experiments/rl.py first)")
-  config = config_from_meta(checkpoints.read_meta(latest)["config"])
-  return Trainer(config, workdir, progress=False)
+def export_settings(
+  config: RLConfig,
+  *,
+  fmt: str | None = None,
+  activations: str | None = None,
+  fp4_sites: str | None = None,
+) -> tuple[str, str, str]:
+  """(fmt, activations, fp4_sites) of the export: the run's, where a setting is None.
+
+  Activations map explicitly: the run's "fp4" (W4A4) exports as W4A4 in its format; "none"
+  (weight-only, W4A16: the rollout's weight bytes, activations in bf16) may be asked for on
+  any run. The run's "fp8" (W4A8: MXFP8 E4M3 linear inputs) has no compressed-tensors scheme
+  here, so such a run exports only weight-only, and only when asked.
+
+  Raises:
+    ValueError: a setting contradicts the run (naming both values), or the run's
+      activations cannot be exported.
+  """
+  for name, given, run in (("fmt", fmt, config.fmt), ("fp4_sites", fp4_sites, config.fp4_sites)):
+    if given is not None and given != run:
+      raise ValueError(
+        f"--{name}={given} contradicts the run's {name}={run!r} (its rollouts and QAT ran "
+        f"in {name}={run!r}); leave --{name} unset: the export follows the run"
+      )
+  run_acts = ACTIVATIONS_OF_RUN[config.activations](config.fmt)
+  if activations is None:
+    if run_acts is None:
+      raise ValueError(
+        f"the run's activations={config.activations!r} (W4A8: linear inputs in MXFP8 "
+        f"E4M3) has no compressed-tensors export here; --activations=none exports its "
+        f"{config.fmt} weights weight-only (W4A16)"
+      )
+    activations = run_acts
+  elif activations not in ("none", run_acts):
+    allowed = "none" if run_acts is None else f"{run_acts} (as the run) or none (weight-only)"
+    raise ValueError(
+      f"--activations={activations} contradicts the run's activations="
+      f"{config.activations!r} with fmt={config.fmt!r}; use {allowed}"
+    )
+  return config.fmt, activations, config.fp4_sites
 
 
-def _rollout_tokens(trainer: Trainer, seed: int, count: int):
-  """Sequences (prompt + sampled response) from the run's own FP4 rollout engine."""
-  items = trainer.task.sample(seed, count)
-  rollout = trainer.engine.generate(trainer._prompt_ids(items), jax.random.key(seed))
-  return np.asarray(rollout.tokens), np.asarray(rollout.mask), np.asarray(rollout.positions)
+class SavedRun:
+  """A run's config and its latest checkpoint's policy, read without writing anything.
+
+  Attributes:
+    config: the RLConfig of the checkpoint.
+    source: the run's tokenizer, architecture and stop tokens (`policy_source.load`).
+    policy: the Transformer restored from the checkpoint.
+    step: the checkpoint's step.
+  """
+
+  def __init__(self, workdir: str):
+    self.workdir = os.path.abspath(workdir)
+    checkpoints = os.path.join(self.workdir, "checkpoints")
+    if not os.path.isdir(checkpoints):
+      raise ValueError(
+        f"workdir={workdir!r} holds no checkpoint (run experiments/rl.py with "
+        f"--checkpoint_every > 0 first)"
+      )
+    self.checkpoints = Checkpoints(checkpoints, read_only=True)
+    latest = self.checkpoints.latest_step()
+    if latest is None:
+      raise ValueError(f"workdir={workdir!r} holds no checkpoint (run experiments/rl.py first)")
+    self.config = config_from_meta(self.checkpoints.read_meta(latest)["config"])
+    self.task = get_task(self.config.task, **dict(self.config.task_options))
+    self.source = policy_source.load(self.config, self.task, weights=False)
+    graphdef, state = nnx.split(self.source.policy)
+    found = self.checkpoints.restore_latest({"policy": state})  # verified, policy only
+    self.step, restored, _ = found
+    self.policy = nnx.merge(graphdef, restored["policy"])
+
+  def rollout_tokens(self, seed: int, count: int):
+    """Sequences (prompt + sampled response) of `count` of the run's problems, from an FP4
+    rollout engine with the run's own settings (format, scope, activations, sampling)."""
+    base = episodes.rollout_base(self.config, self.task, self.source)
+    engine = RolloutEngine(self.policy, base.replace(precision="fp4", guidance="none"))
+    items = self.task.sample(seed, count)
+    prompts = [data.prompt_ids(self.source.tokenizer, item) for item in items]
+    rollout = engine.generate(prompts, jax.random.key(seed))
+    return np.asarray(rollout.tokens), np.asarray(rollout.mask), np.asarray(rollout.positions)
+
+
+def _check_out_dir(out_dir: str, workdir: str) -> None:
+  """The export folder is replaced whole: it must not hold the run."""
+  out, run = os.path.realpath(out_dir), os.path.realpath(workdir)
+  if run == out or run.startswith(out + os.sep):
+    raise ValueError(
+      f"out={out_dir!r} holds the run's workdir {workdir!r}; the export replaces its folder "
+      f"whole: use a folder of its own, e.g. {os.path.join(workdir, 'export')}"
+    )
 
 
 def export_run(
@@ -51,45 +148,65 @@ def export_run(
   out_dir: str,
   *,
   hf_checkpoint: str | None = None,
-  fmt: str = "nvfp4",
-  activations: str = "none",
+  fmt: str | None = None,
+  activations: str | None = None,
+  fp4_sites: str | None = None,
   calibration_prompts: int = 64,
   seed: int = 12345,
 ) -> dict:
   """Export the run's policy as a compressed-tensors checkpoint; returns a summary.
 
-  The FP4 scope is the run's rollout QuantConfig (its format replaced by `fmt`). For NVFP4
-  W4A4, input global scales are calibrated on `calibration_prompts` rollouts of the run's
-  task, and their distance from per-token quantization is measured on as many held-out ones.
+  Format, FP4 scope and activations are the run's (`export_settings`; None = the run's).
+  For NVFP4 W4A4, input global scales are calibrated on `calibration_prompts` rollouts of
+  the run's task, and their distance from per-token quantization is measured on as many
+  held-out ones. `out_dir` is written whole or not at all (an earlier export there is
+  replaced, none of its files left); nothing in `workdir` is written.
   """
-  trainer = load_run(workdir)
-  quant = trainer.engine.config.quant
-  quant = QuantConfig(fmt=fmt) if quant is None else quant.replace(fmt=fmt)
-  dtype = jnp.dtype(trainer.config.compute_dtype)
+  _check_out_dir(out_dir, workdir)
+  busy = lock.current_holder(workdir)
+  run = SavedRun(workdir)
+  if busy is not None:
+    log.warning(
+      "workdir %s is in use by %s (a run in progress): exporting its latest finished "
+      "checkpoint, step %d",
+      run.workdir,
+      lock.describe(busy or None),
+      run.step,
+    )
+  fmt, activations, sites = export_settings(
+    run.config, fmt=fmt, activations=activations, fp4_sites=fp4_sites
+  )
+  quant = QuantConfig(fmt=fmt, sites=sites, activations=run.config.activations)
+  dtype = jnp.dtype(run.config.compute_dtype)
   scales, distance = None, None
   if activations == "nvfp4":
-    tokens, mask, positions = _rollout_tokens(trainer, seed, calibration_prompts)
+    tokens, mask, positions = run.rollout_tokens(seed, calibration_prompts)
     scales = calibration.calibrate_input_scales(
-      trainer.policy, quant, tokens, mask, positions=positions, dtype=dtype
+      run.policy, quant, tokens, mask, positions=positions, dtype=dtype
     )
-    tokens, mask, positions = _rollout_tokens(trainer, seed + 1, calibration_prompts)
+    tokens, mask, positions = run.rollout_tokens(seed + 1, calibration_prompts)
     distance = calibration.input_scale_distance(
-      trainer.policy, quant, scales, tokens, mask, positions=positions, dtype=dtype
+      run.policy, quant, scales, tokens, mask, positions=positions, dtype=dtype
     )
-  summary = export_compressed_tensors(
-    trainer.policy,
+  extra = dict(
+    step=run.step,
+    arm=run.config.arm,
+    preset=run.config.preset,
+    fp4_sites=sites,
+    workdir=run.workdir,
+  )
+  if distance is not None:
+    extra["input_scale_distance"] = distance
+  return export_compressed_tensors(
+    run.policy,
     out_dir,
-    source=hf_checkpoint or trainer.config.hf_checkpoint or None,
+    source=hf_checkpoint or run.config.hf_checkpoint or None,
     fmt=fmt,
     activations=activations,
     quant=quant,
     input_scales=scales,
+    summary_extra=extra,
   )
-  summary.update(step=trainer.step, arm=trainer.config.arm, preset=trainer.config.preset)
-  if distance is not None:
-    summary["input_scale_distance"] = distance
-  write_json(os.path.join(out_dir, "export_summary.json"), summary)
-  return summary
 
 
 def format_listing(out_dir: str) -> str:
@@ -101,8 +218,14 @@ def format_listing(out_dir: str) -> str:
 
 def describe(summary: dict) -> str:
   qc = summary["quantization_config"]
+  groups = qc["config_groups"]["group_0"]
   return json.dumps(
     {k: summary[k] for k in ("out_dir", "files", "tensors", "bytes", "step")}
-    | {"format": qc["format"], "ignore": len(qc["ignore"])},
+    | {
+      "format": qc["format"],
+      "activations": "none" if groups["input_activations"] is None else qc["format"],
+      "fp4_sites": summary.get("fp4_sites"),
+      "ignore": len(qc["ignore"]),
+    },
     indent=1,
   )
