@@ -25,6 +25,7 @@ from flax import nnx
 from trace_jax.export import calibration
 from trace_jax.export.compressed_tensors import export_compressed_tensors, tensor_listing
 from trace_jax.model.quant import QuantConfig
+from trace_jax.model.sharding import make_mesh, param_shardings
 from trace_jax.rl import data, episodes, policy_source
 from trace_jax.rl.checkpoint import Checkpoints
 from trace_jax.rl.config import RLConfig
@@ -117,7 +118,14 @@ class SavedRun:
     self.config = config_from_meta(self.checkpoints.read_meta(latest)["config"])
     self.task = get_task(self.config.task, **dict(self.config.task_options))
     self.source = policy_source.load(self.config, self.task, weights=False)
+    self.mesh = _mesh(self.config)
     graphdef, state = nnx.split(self.source.policy)
+    if self.mesh is not None:  # restored straight into the run's shardings
+      state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        state,
+        param_shardings(self.source.policy, self.mesh),
+      )
     found = self.checkpoints.restore_latest({"policy": state})  # verified, policy only
     self.step, restored, _ = found
     self.policy = nnx.merge(graphdef, restored["policy"])
@@ -126,11 +134,21 @@ class SavedRun:
     """Sequences (prompt + sampled response) of `count` of the run's problems, from an FP4
     rollout engine with the run's own settings (format, scope, activations, sampling)."""
     base = episodes.rollout_base(self.config, self.task, self.source)
-    engine = RolloutEngine(self.policy, base.replace(precision="fp4", guidance="none"))
+    engine = RolloutEngine(
+      self.policy, base.replace(precision="fp4", guidance="none"), mesh=self.mesh
+    )
     items = self.task.sample(seed, count)
     prompts = [data.prompt_ids(self.source.tokenizer, item) for item in items]
     rollout = engine.generate(prompts, jax.random.key(seed))
     return np.asarray(rollout.tokens), np.asarray(rollout.mask), np.asarray(rollout.positions)
+
+
+def _mesh(config: RLConfig):
+  """The run's device mesh where this machine has its devices (a large policy then restores
+  sharded, as it trained), else None: one device."""
+  if np.prod(config.mesh) == 1 or jax.device_count() < np.prod(config.mesh):
+    return None
+  return make_mesh(*config.mesh)
 
 
 def _check_out_dir(out_dir: str, workdir: str) -> None:
