@@ -72,6 +72,8 @@ def test_an_mxfp4_run_exports_mxfp4_its_rollout_bytes_and_replaces_the_folder_wh
   summary = export_run(str(workdir), str(out))  # no format settings: the run's
   qc = json.loads((out / "config.json").read_text())["quantization_config"]
   assert qc["format"] == "mxfp4-pack-quantized" and summary["step"] == 0
+  written = json.loads((out / "export_summary.json").read_text())
+  assert (written["fmt"], written["activations"], written["fp4_sites"]) == ("mxfp4",) * 2 + ("all",)
   scheme = qc["config_groups"]["group_0"]
   assert (scheme["weights"]["group_size"], scheme["weights"]["scale_dtype"]) == (32, "torch.uint8")
   # The run rolled out W4A4 (activations="fp4"): MXFP4 inputs, dynamic scales.

@@ -210,6 +210,8 @@ def export_run(
     step=run.step,
     arm=run.config.arm,
     preset=run.config.preset,
+    fmt=fmt,
+    activations=activations,
     fp4_sites=sites,
     workdir=run.workdir,
   )
@@ -236,14 +238,9 @@ def format_listing(out_dir: str) -> str:
 
 def describe(summary: dict) -> str:
   qc = summary["quantization_config"]
-  groups = qc["config_groups"]["group_0"]
   return json.dumps(
-    {k: summary[k] for k in ("out_dir", "files", "tensors", "bytes", "step")}
-    | {
-      "format": qc["format"],
-      "activations": "none" if groups["input_activations"] is None else qc["format"],
-      "fp4_sites": summary.get("fp4_sites"),
-      "ignore": len(qc["ignore"]),
-    },
+    {k: summary.get(k) for k in ("out_dir", "files", "tensors", "bytes", "step")}
+    | {k: summary.get(k) for k in ("activations", "fp4_sites")}
+    | {"format": qc["format"], "ignore": len(qc["ignore"])},
     indent=1,
   )
