@@ -162,7 +162,7 @@ def test_export_settings_follow_the_run(run, given, expected):
 
 @pytest.mark.slow
 def test_rl_py_mxfp4_run_and_the_export_command_it_prints(tmp_path):
-  """The issue's check end to end (~2 min on 2 cores: an RL step of `small` compiles): an
+  """The issue's check end to end (minutes on 2 cores: an RL step of `small` compiles): an
   `rl.py --fmt=mxfp4` run, then the export command it prints, run as printed."""
   workdir = tmp_path / "run"
   flags = [f"--{k}={v}" for k, v in MXFP4_RUN.items()]
