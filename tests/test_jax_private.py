@@ -2,23 +2,63 @@
 and does what trace_jax uses it for. A JAX upgrade that moves or changes one fails here,
 by name, rather than as a wrong division deep inside a kernel lowering."""
 
+import importlib.metadata
+import os
+import tomllib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from trace_jax import _jax_private
 from trace_jax.fp4 import numerics
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def test_installed_jax_is_the_verified_version():
+
+def test_installed_jax_is_a_verified_version():
   version = tuple(int(p) for p in jax.__version__.split(".")[:2])
-  assert version == _jax_private.TESTED_JAX, (
-    f"jax {jax.__version__} is not the version whose internals trace_jax/_jax_private.py was "
+  assert version in _jax_private.TESTED_JAX, (
+    f"jax {jax.__version__} is not a version whose internals trace_jax/_jax_private.py was "
     f"verified with ({_jax_private.TESTED_JAX}): run this file, check each hook, then update "
-    "TESTED_JAX"
+    "TESTED_JAX and the jax bound in pyproject.toml"
   )
+
+
+def _requirements() -> dict:
+  """{distribution name: its specifier} of pyproject.toml's runtime dependencies."""
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    dependencies = tomllib.load(f)["project"]["dependencies"]
+  requirements = [Requirement(d) for d in dependencies]
+  return {canonicalize_name(r.name): r.specifier for r in requirements}
+
+
+def test_pyproject_bounds_jax_to_the_verified_minors():
+  """A fresh install gets a JAX whose internals were verified: from the oldest verified
+  minor's release the suite runs on, below the minor after the newest verified one."""
+  spec = _requirements()["jax"]
+  lowest, newest = min(_jax_private.TESTED_JAX), max(_jax_private.TESTED_JAX)
+  lower = [s for s in spec if s.operator == ">="]
+  upper = [s for s in spec if s.operator == "<"]
+  assert len(lower) == 1 and len(upper) == 1, spec
+  assert Version(lower[0].version).release[:2] == lowest, spec
+  assert Version(upper[0].version).release[:2] == (newest[0], newest[1] + 1), spec
+  # Every minor in between was verified (none skipped).
+  assert [m for _, m in sorted(_jax_private.TESTED_JAX)] == list(range(lowest[1], newest[1] + 1))
+
+
+def test_installed_versions_lie_within_pyproject_bounds():
+  """The suite runs on versions pyproject.toml admits (its lower bounds are this suite's)."""
+  for name in ("jax", "flax", "orbax-checkpoint", "optax", "chex", "ml-dtypes"):
+    spec = _requirements()[name]
+    assert str(spec), f"{name} is unbounded in pyproject.toml"
+    installed = importlib.metadata.version(name)
+    assert spec.contains(installed, prereleases=True), (name, installed, str(spec))
 
 
 def test_eager_true_divide_runs_through_apply_primitive():

@@ -3,7 +3,10 @@
 JAX has no public API for these, and `jax._src` changes between releases without notice, so
 every use of it in the package goes through this module, and `tests/test_jax_private.py`
 checks each hook on the installed JAX (a JAX upgrade that moves one fails there, by name,
-instead of deep inside a kernel lowering). Verified with JAX `TESTED_JAX` (0.10.x).
+instead of deep inside a kernel lowering). Verified with the JAX minors in `TESTED_JAX`:
+0.10.x (the test suite on CPU) and 0.11.2 (an H200: the package, tests/kernels and
+experiments/gpu_check.py, the Pallas kernels compiled through these hooks). pyproject.toml
+bounds jax to them.
 
 What each is for:
 - `apply_primitive`: the eager implementation of our own primitive (`fp4.numerics`'s exact
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import jax
 
-TESTED_JAX = (0, 10)  # major, minor of the JAX these hooks were verified with
+TESTED_JAX = ((0, 10), (0, 11))  # (major, minor) of each JAX these hooks were verified with
 
 try:
   from jax._src import dispatch as _dispatch
@@ -35,6 +38,6 @@ try:
 except (ImportError, AttributeError) as e:  # pragma: no cover - only on another JAX
   raise ImportError(
     f"trace_jax needs JAX internals that jax {jax.__version__} does not have ({e}); they "
-    f"were verified with jax {TESTED_JAX[0]}.{TESTED_JAX[1]}.x. Install that version, or "
-    f"update trace_jax/_jax_private.py and run tests/test_jax_private.py."
+    f"were verified with jax {', '.join(f'{a}.{b}.x' for a, b in TESTED_JAX)}. Install one "
+    f"of those, or update trace_jax/_jax_private.py and run tests/test_jax_private.py."
   ) from e

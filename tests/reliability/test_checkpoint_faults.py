@@ -112,7 +112,7 @@ def test_stale_temporary_directories_are_cleaned(tmp_path):
   _saved(tmp_path, steps=(1,))
   stale = tmp_path / "2.orbax-checkpoint-tmp-1764500000"  # what a SIGKILL mid-save leaves
   (stale / "state").mkdir(parents=True)
-  (stale / "state" / "partial").write_bytes(os.urandom(100))
+  (stale / "state" / "partial").write_bytes(np.random.default_rng(115).bytes(100))
   checkpoints = Checkpoints(str(tmp_path))
   assert not stale.exists()
   assert checkpoints.all_steps() == [1]

@@ -5,6 +5,7 @@ leaves the previous file whole and names the path."""
 
 import json
 import os
+import random
 
 import pytest
 
@@ -92,6 +93,6 @@ def test_appends_and_rewrites_on_a_full_disk(tmp_path, monkeypatch):
 
 def test_write_atomic_replaces_whole(tmp_path):
   path = tmp_path / "a" / "file.bin"
-  payload = os.urandom(1000)
+  payload = random.Random(95).randbytes(1000)
   write_atomic(str(path), payload)
   assert path.read_bytes() == payload and os.listdir(tmp_path / "a") == ["file.bin"]

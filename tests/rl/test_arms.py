@@ -29,6 +29,82 @@ def _packed(params) -> bool:
   )
 
 
+def _rows(mask, shape):
+  """The [B, S] real-token mask broadcast over the row axes of a site array [B, S, ..., n]."""
+  mask = np.asarray(mask, bool)
+  return np.broadcast_to(mask.reshape(mask.shape + (1,) * (len(shape) - 3)), shape[:-1])
+
+
+def _disagreement_by_hand(rollout_sites, train_sites, mask) -> dict:
+  """Per layer, counted here from the two paths' records at the real tokens: the shares of
+  elements whose mantissa bit (bit 0 of the code) differs, of blocks whose scale (block or
+  the row's global scale) differs and, where the rollout holds codes, of elements whose
+  code differs."""
+  counts = {}  # layer -> [bits differ, bits, blocks differ, blocks, codes differ, codes]
+  for key, r in rollout_sites.items():
+    t = train_sites[key]
+    rows = _rows(mask, t.shape)
+    t_codes = np.asarray(fp4.codes(t))[rows]  # [rows, n]
+    if isinstance(r, fp4.QArray):
+      r_codes = np.asarray(fp4.codes(r))[rows]
+      r_bits = r_codes & 1
+    else:
+      r_codes, r_bits = None, np.asarray(fp4.unpack_bits(r.mantissa_bits))[rows]
+    block_differs = (np.asarray(r.scales)[rows] != np.asarray(t.scales)[rows]) | (
+      np.asarray(r.global_scale)[rows] != np.asarray(t.global_scale)[rows]
+    )
+    c = counts.setdefault(key[0], [0] * 6)
+    c[0] += int(np.sum(r_bits != (t_codes & 1)))
+    c[1] += t_codes.size
+    c[2] += int(np.sum(block_differs))
+    c[3] += block_differs.size
+    if r_codes is not None:
+      c[4] += int(np.sum(r_codes != t_codes))
+      c[5] += t_codes.size
+  return {
+    layer: {
+      "mantissa": c[0] / c[1],
+      "scale": c[2] / c[3],
+      "code": c[4] / c[5] if c[5] else None,
+    }
+    for layer, c in counts.items()
+  }
+
+
+def _fallback_share(fallbacks, mask, layers=None) -> tuple[int, int]:
+  """(fallbacks, guided elements) at the real tokens, over `layers` (None: all)."""
+  fell = total = 0
+  for (layer, _), value in fallbacks.items():
+    if layers is None or layer in layers:
+      value = np.asarray(value)
+      rows = _rows(mask, value.shape)
+      fell += int(np.sum(value[rows]))
+      total += value[rows].size
+  return fell, total
+
+
+def _guidance_bytes_per_token(cfg, layers, mode: str, fp4_sites: str, replay: bool) -> int:
+  """Compact or full guidance bytes per token, derived from the model's shapes: per site
+  and token, the element bits (1 compact, 4 full), one E4M3 byte per 16 elements and a
+  4-byte global scale per row (a token; a (token, KV head); a (token, chosen expert)), and
+  one routing byte per MoE layer and chosen expert."""
+  kv = cfg.num_kv_heads * cfg.head_dim
+  sites = {  # name: (elements per token, rows per token)
+    "attn_in": (cfg.d_model, 1),
+    "attn_out": (cfg.num_heads * cfg.head_dim, 1),
+    "k": (kv, cfg.num_kv_heads),
+    "v": (kv, cfg.num_kv_heads),
+    "moe_in": (cfg.d_model, 1),
+    "moe_mid": (cfg.num_experts_per_tok * cfg.moe_ffn_dim, cfg.num_experts_per_tok),
+  }
+  if fp4_sites == "experts+kv":
+    sites = {k: v for k, v in sites.items() if k not in ("attn_in", "attn_out")}
+  bits = {"compact": 1, "full": 4}[mode]
+  per_layer = sum(n * bits // 8 + n // 16 + 4 * rows for n, rows in sites.values())
+  routing = cfg.num_moe_layers * cfg.num_experts_per_tok if replay else 0  # int8 ids
+  return len(layers) * per_layer + routing
+
+
 # Every arm in the full scope, and the method's own scope for the FP4-trained arms. (MXFP4
 # needs widths in multiples of 32; the tiny preset's heads are 16 wide, so MXFP4 runs on
 # `small`: test_one_mxfp4_step_on_a_preset_that_fits.)
@@ -80,25 +156,71 @@ def test_one_step_keeps_the_arms_promises(tmp_path, arm, fp4_sites, fmt="nvfp4")
     assert (quant.rounding, quant.sites, quant.fmt) == (rounding, fp4_sites, fmt)
   assert config.loss_config.rollout_correction == correction
 
+  captured = {}
+  step_metrics = trainer._metrics
+
+  def metrics_spy(step, collected, scored, *args):  # the step's rollout and training path
+    captured.update(collected=collected, scored=scored)
+    return step_metrics(step, collected, scored, *args)
+
+  trainer._metrics = metrics_spy
   metrics = trainer.train_step()
   assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["mismatch/k3_kl"])
-  # Guidance: bytes only for guided arms.
+  rollout, scored = captured["collected"].rollout, captured["scored"]
+  mask = np.asarray(rollout.mask)
+  cfg = trainer.model_cfg
+  # Guidance: bytes only for guided arms; compact and full from the model's shapes.
   if mode is None:
     assert metrics["guidance/bytes_per_token"] == 0
     assert "guidance/followed_frac" not in metrics
   else:
-    assert metrics["guidance/bytes_per_token"] > 0
-    assert 0.5 < metrics["guidance/followed_frac"] <= 1
+    full_bytes = _guidance_bytes_per_token(cfg, layers, "full", fp4_sites, replay)
+    if mode in ("compact", "full"):
+      assert metrics["guidance/bytes_per_token"] == pytest.approx(
+        _guidance_bytes_per_token(cfg, layers, mode, fp4_sites, replay)
+      )
+    else:  # measured on the data: some bytes, fewer than full guidance of the same layers
+      assert 0 < metrics["guidance/bytes_per_token"] < full_bytes
+    fell, total = _fallback_share(scored.fallbacks, mask)
+    assert total > 0
+    assert metrics["guidance/followed_frac"] == pytest.approx(1 - fell / total)
+    assert metrics["guidance/fallbacks"] == fell
+    assert metrics["guidance/followed_frac"] > 0.5
   # Both paths FP4: per-layer bit and scale disagreement every step; codes with full capture.
   # A sparse capture records bits and scales only near boundaries: its densities instead.
   if mode == "sparse":
-    assert 0 < metrics["guidance/sparse_density"] < 0.5
-    assert metrics["guidance/sparse_overflow"] >= 0
+    flagged = elements = blocks_flagged = blocks = overflow = 0
+    for g in rollout.guidance.sites.values():
+      rows = _rows(mask, g.count.shape)
+      count, block_count = np.asarray(g.count)[rows], np.asarray(g.block_count)[rows]
+      flagged += int(count.sum())
+      elements += count.size * g.n
+      blocks_flagged += int(block_count.sum())
+      blocks += count.size * (g.n // 16)
+      overflow += int(np.maximum(count - g.capacity, 0).sum())
+    assert metrics["guidance/sparse_density"] == pytest.approx(flagged / elements)
+    assert metrics["guidance/sparse_block_density"] == pytest.approx(blocks_flagged / blocks)
+    assert metrics["guidance/sparse_overflow"] == overflow
+    assert 0 < flagged / elements < 0.5
     assert "mismatch/mantissa_disagree_frac" not in metrics
   elif packs and quantized:
-    for layer in (0, 1):
-      assert 0 <= metrics[f"mismatch/mantissa_disagree/layer_{layer}"] <= 1
-      assert 0 <= metrics[f"mismatch/scale_disagree/layer_{layer}"] <= 1
+    by_hand = _disagreement_by_hand(rollout.guidance.sites, scored.train_sites, mask)
+    assert sorted(by_hand) == [0, 1]  # every layer measured, guided or not
+    for layer, row in by_hand.items():
+      for kind in ("mantissa", "scale", "code"):
+        name = f"mismatch/{kind}_disagree/layer_{layer}"
+        if row[kind] is None:
+          assert name not in metrics
+        else:
+          assert metrics[name] == pytest.approx(row[kind]), name
+      if layer in layers:  # guided: the rollout's scales; its bit or code unless fallen back
+        fell, total = _fallback_share(scored.fallbacks, mask, layers=(layer,))
+        assert row["scale"] == 0
+        if mode == "compact":  # a differing bit is exactly a fallback (one forced neighbour)
+          assert row["mantissa"] == pytest.approx(fell / total)
+        else:  # a fallback always changes the code; a followed code differs only in sign
+          assert row["mantissa"] <= fell / total + 1e-12 <= row["code"] + 2e-12
+          assert row["code"] - fell / total < 1e-3
     assert ("mismatch/code_disagree_frac" in metrics) == (mode == "full")
   else:
     assert "mismatch/mantissa_disagree_frac" not in metrics
@@ -156,10 +278,24 @@ def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, arm, fp4_sites, activati
   assert packed and {q.fmt for q in packed} == {"mxfp4"}
   assert all(np.all(np.asarray(q.global_scale) == 1) for q in packed)  # MXFP4: none
   assert config.train_quant.fmt == "mxfp4"
+  captured = {}
+  step_metrics = trainer._metrics
+
+  def metrics_spy(step, collected, scored, *args):
+    captured.update(collected=collected, scored=scored)
+    return step_metrics(step, collected, scored, *args)
+
+  trainer._metrics = metrics_spy
   metrics = trainer.train_step()
   assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["mismatch/k3_kl"])
-  for layer in range(trainer.model_cfg.num_layers):
-    assert 0 <= metrics[f"mismatch/scale_disagree/layer_{layer}"] <= 1
+  rollout, scored = captured["collected"].rollout, captured["scored"]
+  by_hand = _disagreement_by_hand(rollout.guidance.sites, scored.train_sites, rollout.mask)
+  assert sorted(by_hand) == list(range(trainer.model_cfg.num_layers))
+  for layer, row in by_hand.items():
+    assert metrics[f"mismatch/scale_disagree/layer_{layer}"] == pytest.approx(row["scale"])
+    assert metrics[f"mismatch/mantissa_disagree/layer_{layer}"] == pytest.approx(row["mantissa"])
+    if layer in trainer.guided_layers:  # guided: the rollout's E8M0 scales, bit for bit
+      assert row["scale"] == 0
   if arm == "trace":
     assert metrics["guidance/bytes_per_token"] > 0
   assert trainer.engine.config.quant.activations == activations

@@ -40,7 +40,7 @@ def _cells(rng, arms=("bf16", "fp4-qat", "trace", "ptq"), seeds=(0, 1, 2), tasks
 
 
 def test_interval_by_hand():
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(41)
   x = rng.uniform(size=3)
   mean = sum(x) / 3
   sd = math.sqrt(sum((v - mean) ** 2 for v in x) / 2)
@@ -55,7 +55,7 @@ def test_interval_by_hand():
 
 
 def test_paired_differences_by_hand():
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(42)
   cells = _cells(rng)
   value = {(c["arm"], c["seed"]): c["summary"]["final_eval_reward"] for c in cells}
   for arm, base in (("trace", "bf16"), ("trace", "fp4-qat"), ("fp4-qat", "bf16")):
@@ -73,7 +73,7 @@ def test_paired_differences_by_hand():
 
 
 def test_table_rows_and_markdown():
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(43)
   cells = _cells(rng, tasks=("arith", "search"))
   rows = compare.table_rows(cells)
   assert [(r["task"], r["arm"]) for r in rows][:4] == [
@@ -96,7 +96,7 @@ def test_table_rows_and_markdown():
 
 
 def test_run_cells_resumes_and_refuses_other_settings(tmp_path):
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(44)
   calls = []
 
   def runner(task, seed, arm):
@@ -136,7 +136,7 @@ def test_run_cells_resumes_and_refuses_other_settings(tmp_path):
 
 
 def test_write_results(tmp_path):
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(45)
   cells = _cells(rng)
   compare.write_results(str(tmp_path), cells, {"name": "synthetic"}, "synthetic")
   with open(tmp_path / "results.json") as f:

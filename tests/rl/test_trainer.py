@@ -245,7 +245,7 @@ def test_learning_rate_warmup():
 
   lr, warmup = 1e-3, 4
   tx = trainer_lib._optimizer(lr, warmup)
-  grads = {"w": jnp.asarray(np.random.default_rng().uniform(0.01, 0.1, 5), jnp.float32)}
+  grads = {"w": jnp.asarray(np.random.default_rng(248).uniform(0.01, 0.1, 5), jnp.float32)}
   state = tx.init(grads)
   sizes = []
   for _ in range(warmup + 2):
@@ -257,10 +257,12 @@ def test_learning_rate_warmup():
 
 
 def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path, monkeypatch):
-  """reward_control="shuffle": the advantages are those of the step's rewards permuted by
-  (seed, step) (recomputed here with numpy), while the logged rewards are the episodes' own."""
-  from trace_jax.rl.grpo import group_advantages
-
+  """reward_control="shuffle", checked by its properties (not by the permutation the
+  trainer draws, which may change): the rewards the advantages come from are the episodes'
+  own rearranged (the same multiset, not the same order), by (seed, step) alone; the
+  advantages the update used are GRPO's of those rewards, by hand (mean and population std
+  of each group of consecutive samples), unlike the true rewards' advantages; the logged
+  rewards are the episodes' own."""
   config = _config(
     arm="bf16",
     sft_steps=0,
@@ -276,10 +278,16 @@ def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path,
 
   def play(*args, **kwargs):
     played = play_episodes(*args, **kwargs)
-    n = played.rewards.size  # distinct rewards in a fresh order
-    played.rewards = (np.random.default_rng().permutation(n) / (n - 1)).astype(np.float32)
+    n = played.rewards.size  # distinct rewards in a fixed order, unrelated to the episodes
+    played.rewards = (np.random.default_rng(280).permutation(n) / (n - 1)).astype(np.float32)
     rewards["true"] = played.rewards.copy()
     return played
+
+  advantage_rewards = trainer.advantage_rewards
+
+  def spy_advantage_rewards(step, given):
+    rewards["used"] = np.asarray(advantage_rewards(step, given)).copy()
+    return rewards["used"]
 
   seen = []
   step = trainer_lib._train_step
@@ -290,10 +298,23 @@ def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path,
 
   monkeypatch.setattr(trainer_lib.episodes_lib, "play", play)
   monkeypatch.setattr(trainer_lib, "_train_step", recording_step)
+  monkeypatch.setattr(trainer, "advantage_rewards", spy_advantage_rewards)
   metrics = trainer.train_step()
-  permuted = np.random.default_rng([3, 1]).permutation(rewards["true"])
-  assert not np.array_equal(permuted, rewards["true"])
-  np.testing.assert_allclose(
-    seen[0], np.asarray(group_advantages(permuted, config.group_size)), atol=1e-6
-  )
-  assert metrics["rewards/mean"] == pytest.approx(float(np.mean(rewards["true"])))
+  true, used = rewards["true"], rewards["used"]
+  np.testing.assert_array_equal(np.sort(used), np.sort(true))  # the same rewards...
+  assert not np.array_equal(used, true)  # ...moved
+  # By (seed, step) alone: the same step rearranges the same rewards the same way again,
+  # and the steps do not all share one arrangement.
+  np.testing.assert_array_equal(advantage_rewards(1, true), used)
+  assert any(not np.array_equal(advantage_rewards(s, true), used) for s in range(2, 6))
+
+  def grpo_by_hand(r):
+    groups = np.asarray(r, np.float64).reshape(-1, config.group_size)
+    centred = groups - groups.mean(axis=1, keepdims=True)
+    return (centred / (groups.std(axis=1, keepdims=True) + 1e-6)).reshape(-1)
+
+  assert config.loss.std_norm and len(seen) == 1
+  np.testing.assert_allclose(seen[0], grpo_by_hand(used), atol=1e-5)
+  assert not np.allclose(seen[0], grpo_by_hand(true), atol=1e-3)
+  assert metrics["rewards/mean"] == pytest.approx(float(np.mean(true)))
+  assert metrics["rewards/std"] == pytest.approx(float(np.std(true)))
