@@ -39,10 +39,8 @@ from trace_jax.fp4.sparse import (
   SparseSpec,
   sparse_guidance,
 )
+from trace_jax.fp4.spec import RECORD_FORMS, ROUNDING_MODES, SCALE_RULES
 from trace_jax.fp4.quantize import (
-  RECORD_FORMS,
-  ROUNDING_MODES,
-  SCALE_RULES,
   fake_quant,
   fake_quant_record,
   quantize,

@@ -25,199 +25,38 @@ and reuses the rollout's recorded scales.
 A global group that holds NaN or Inf gets a NaN global scale, so it dequantizes to NaN
 instead of silently to zero (which is what a plain cast to E2M1 does); the codes and block
 scales of such a group carry no meaning.
+
+The static choices of a call (format, axis, global groups, rounding, scale rule, record
+form) travel to the jitted and custom_vjp cores as one hashable `spec.QuantSpec`; the
+arrays (x, key, guidance, a static global scale) as ordinary pytree arguments.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.fp4 import numerics, sparse
-from trace_jax.fp4.qarray import CompactGuidance, QArray, get_format
+from trace_jax.fp4.qarray import CompactGuidance, QArray
 from trace_jax.fp4.sparse import SparseGuidance
-
-ROUNDING_MODES = ("nearest", "stochastic", "guided")
-SCALE_RULES = ("standard", "4over6")
-GlobalGroup = Union[str, int, Sequence[int]]
-Guidance = Union[QArray, CompactGuidance, SparseGuidance]
+from trace_jax.fp4.spec import GlobalGroup, Guidance, QuantSpec, resolve
 
 _F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _group_axes(global_group: GlobalGroup, ndim: int, axis: int) -> tuple[int, ...]:
-  """Axes that index separate global groups (non-negative, sorted).
-
-  "tensor": none (one global scale for the whole tensor, leading batch axes included);
-  "row": every axis but the quantized one (one per token); an int or a sequence of ints:
-  exactly those axes, e.g. `global_group=0` for stacked expert weights [E, K, N] gives one
-  global scale per expert.
-  """
-  if isinstance(global_group, str):
-    if global_group == "tensor":
-      return ()
-    if global_group == "row":
-      return tuple(a for a in range(ndim) if a != axis)
-    raise ValueError(
-      f"global_group={global_group!r} is not allowed; use 'tensor', 'row', or the axes "
-      "(an int or a tuple of ints) that each get their own global scale"
-    )
-  axes = (global_group,) if isinstance(global_group, (int, np.integer)) else tuple(global_group)
-  normalised = []
-  for a in axes:
-    if not isinstance(a, (int, np.integer)) or not -ndim <= a < ndim:
-      raise ValueError(f"global_group axis {a!r} is out of range for a {ndim}-d input")
-    if a % ndim == axis:
-      raise ValueError(f"global_group axis {a} is the quantized axis; a global group must span it")
-    normalised.append(int(a) % ndim)
-  return tuple(sorted(set(normalised)))
-
-
-def _check_guidance(guidance: Any, shape: tuple[int, ...], fmt: str, axis: int) -> None:
-  """Raise a ValueError unless `guidance` was recorded for a tensor like this one."""
-  if not isinstance(guidance, (QArray, CompactGuidance, SparseGuidance)):
-    raise ValueError(
-      "rounding='guided' needs guidance=QArray (full guidance: recorded codes), "
-      "CompactGuidance (scales + mantissa bits) or SparseGuidance (flagged bits and "
-      f"scales); got {type(guidance).__name__}"
-    )
-  if isinstance(guidance, SparseGuidance):
-    if fmt != guidance.fmt or axis != len(shape) - 1 or tuple(guidance.shape) != tuple(shape):
-      raise ValueError(
-        f"sparse guidance was recorded for rows {guidance.shape} in "
-        f"fmt={guidance.fmt!r} along the last axis; the input has shape {shape}, "
-        f"fmt={fmt!r}, axis {axis}"
-      )
-    return
-  kind = "full" if isinstance(guidance, QArray) else "compact"
-  if guidance.fmt != fmt:
-    raise ValueError(f"{kind} guidance was recorded in fmt={guidance.fmt!r}, not {fmt!r}")
-  ndim = len(shape)
-  if guidance.axis % ndim != axis or len(guidance.shape) != ndim:
-    raise ValueError(
-      f"{kind} guidance has axis {guidance.axis} for shape {guidance.shape}; the input has "
-      f"axis {axis - ndim} and shape {shape}"
-    )
-  if tuple(guidance.shape) != tuple(shape):
-    raise ValueError(f"{kind} guidance was recorded for shape {guidance.shape}, input is {shape}")
-  gs_shape = tuple(guidance.global_scale.shape)
-  bad_gs = (
-    len(gs_shape) != ndim
-    or gs_shape[axis] != 1
-    or any(g not in (1, s) for g, s in zip(gs_shape, shape))
-  )
-  if bad_gs:
-    raise ValueError(
-      f"{kind} guidance global_scale has shape {gs_shape}; it must have size 1 along the "
-      f"quantized axis and broadcast against {shape}"
-    )
-
-
-def _validate(x, fmt, axis, rounding, key, guidance, scale_rule="standard") -> tuple[int, Any]:
-  spec = get_format(fmt)
-  if rounding not in ROUNDING_MODES:
-    raise ValueError(f"rounding={rounding!r} is not allowed; use one of {ROUNDING_MODES}")
-  if scale_rule not in SCALE_RULES:
-    raise ValueError(f"scale_rule={scale_rule!r} is not allowed; use one of {SCALE_RULES}")
-  if scale_rule != "standard" and (not spec.has_global_scale or rounding != "nearest"):
-    raise ValueError(
-      f"scale_rule={scale_rule!r} chooses NVFP4 block scales under nearest "
-      f"rounding; got fmt={fmt!r}, rounding={rounding!r}"
-    )
-  x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"x must be a floating array to quantize; got dtype {x.dtype}")
-  if x.ndim == 0:
-    raise ValueError("x must have at least one axis to quantize; got a scalar")
-  if x.size == 0:  # no amax, no scales: refuse rather than fail inside a reduction
-    raise ValueError(f"x has shape {x.shape}, no elements to quantize")
-  if not -x.ndim <= axis < x.ndim:
-    raise ValueError(f"axis={axis} is out of range for x of shape {x.shape}")
-  axis = axis % x.ndim
-  n = x.shape[axis]
-  if n % spec.block_size:
-    raise ValueError(
-      f"{fmt} quantizes blocks of {spec.block_size}: axis {axis} of x has length {n}, "
-      f"not a multiple of {spec.block_size} (shape {x.shape})"
-    )
-  if rounding == "stochastic" and key is None:
-    raise ValueError("rounding='stochastic' needs key= (a jax.random key)")
-  if rounding == "guided":
-    if guidance is None:
-      raise ValueError("rounding='guided' needs guidance= (a QArray or CompactGuidance)")
-    _check_guidance(guidance, x.shape, fmt, axis)
-  elif guidance is not None:
-    raise ValueError(f"guidance= is only used with rounding='guided', not {rounding!r}")
-  return axis, x
 
 
 def _to_last(a: jax.Array, axis: int) -> jax.Array:
   return jnp.moveaxis(a, axis, -1)
 
 
-def quantize_with_fallbacks(
-  x: jax.Array,
-  fmt: str = "nvfp4",
-  *,
-  axis: int = -1,
-  global_group: GlobalGroup = "tensor",
-  rounding: str = "nearest",
-  key: jax.Array | None = None,
-  guidance: Guidance | None = None,
-  global_scale: jax.Array | None = None,
-  scale_rule: str = "standard",
-) -> tuple[QArray, jax.Array]:
-  """`quantize`, also returning a bool mask (input shape) of guidance fallbacks.
-
-  Full guidance falls back where the recorded code is not one of the two grid neighbours of
-  the training value (nearest rounding is used instead). Compact guidance falls back where
-  the value sits exactly on the grid or saturates, so its only neighbour's lowest bit
-  differs from the recorded one (that neighbour is taken). Other modes never fall back.
-  """
-  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance, scale_rule)
-  static_scale = _check_static_scale(global_scale, x, fmt, axis, rounding)
-  return _quantize(x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule)
+def _unblock(a: jax.Array, axis: int) -> jax.Array:
+  """[..., nb, bs] with the quantized axis last -> the input's layout."""
+  return jnp.moveaxis(a.reshape(*a.shape[:-2], -1), -1, axis)
 
 
-def _check_static_scale(global_scale, x, fmt, axis, rounding):
-  """A given NVFP4 encode scale: float, size 1 along `axis`, broadcastable to x."""
-  if global_scale is None:
-    return None
-  if not get_format(fmt).has_global_scale:
-    raise ValueError(f"global_scale= is an NVFP4 encode scale; fmt={fmt!r} has none")
-  if rounding == "guided":
-    raise ValueError("global_scale= and rounding='guided' both fix the scales; pass one")
-  gs = jnp.asarray(global_scale, jnp.float32)
-  if (
-    gs.ndim != x.ndim
-    or gs.shape[axis] != 1
-    or any(g not in (1, n) for g, n in zip(gs.shape, x.shape))
-  ):
-    raise ValueError(
-      f"global_scale has shape {gs.shape}; it needs {x.ndim} axes, size 1 "
-      f"along the quantized axis {axis}, and to broadcast against {x.shape}"
-    )
-  return gs
-
-
-def _resolve(x, fmt, axis, global_group, rounding, key, guidance, scale_rule="standard"):
-  """Validate, then return (x, axis >= 0, group_axes) for the jitted core."""
-  axis, x = _validate(x, fmt, axis, rounding, key, guidance, scale_rule)
-  if rounding == "guided" and not isinstance(guidance, SparseGuidance):
-    # The guidance's global scale fixes the groups (its non-unit axes).
-    gs_shape = guidance.global_scale.shape
-    group_axes = tuple(a for a in range(x.ndim) if gs_shape[a] != 1)
-  else:
-    group_axes = _group_axes(global_group, x.ndim, axis)
-  return x, axis, group_axes
-
-
-def _quantize_last(
-  x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None, scale_rule="standard"
-):
+def _quantize_last(spec: QuantSpec, x, key, guidance, static_scale=None):
   """The code path all modes share, on validated arguments, with the quantized axis last.
 
   `static_scale` (NVFP4, not guided): a given encode scale gs, broadcast over the groups,
@@ -229,11 +68,11 @@ def _quantize_last(
   scale), scale_bits [..., nb], global_scale [..., 1] (NaN for non-finite groups),
   fell_back [..., nb, bs]).
   """
-  spec = get_format(fmt)
-  bs = spec.block_size
+  fmt, axis, rounding = spec.format, spec.axis, spec.rounding
+  bs = fmt.block_size
   xl = _to_last(x.astype(jnp.float32), axis)  # [..., n]
   # Axis `a` of x sits at position a (a < axis) or a - 1 (a > axis) once axis is last.
-  last_group_axes = tuple(a if a < axis else a - 1 for a in group_axes)
+  last_group_axes = tuple(a if a < axis else a - 1 for a in spec.group_axes)
   reduce_axes = tuple(a for a in range(xl.ndim) if a not in last_group_axes)
   blocks = xl.reshape(*xl.shape[:-1], xl.shape[-1] // bs, bs)  # [..., nb, bs]
   # Block amax, then the group's from the blocks'. Whether a group is finite is checked
@@ -249,10 +88,10 @@ def _quantize_last(
     global_scale = _to_last(guidance.global_scale.astype(jnp.float32), axis)
     scale_bits = _to_last(guidance.scales, axis)
   else:
-    if spec.has_global_scale and static_scale is not None:
+    if fmt.has_global_scale and static_scale is not None:
       global_scale = jnp.broadcast_to(_to_last(static_scale.astype(jnp.float32), axis), amax.shape)
       scale_bits = numerics.e4m3_encode(numerics.true_divide(amax_b, 6.0) * global_scale)
-    elif spec.has_global_scale:
+    elif fmt.has_global_scale:
       # gs = 1 where amax is 0; stay finite where amax is f32-subnormal.
       # True divisions (numerics.true_divide), as the spec divides: a reciprocal
       # multiply would flip exact ties of the block scale and of the codes.
@@ -263,13 +102,13 @@ def _quantize_last(
     else:
       global_scale = jnp.ones(finite.shape, jnp.float32)
       scale_bits = numerics.e8m0_encode(numerics.floor_log2(amax_b) - 2)
-    if scale_rule == "4over6":
+    if spec.scale_rule == "4over6":
       scale_bits = _four_over_six(blocks, amax_b, global_scale, scale_bits)
     if rounding == "guided":  # sparse: own scales, the recorded ones where flagged
       sparse_dense = sparse.expand(guidance, xl.shape)
       scale_bits = jnp.where(sparse_dense[2], sparse_dense[3], scale_bits)
 
-  step = numerics.true_divide(spec.decode_scales(scale_bits), global_scale)[..., None]  # s_b / gs
+  step = numerics.true_divide(fmt.decode_scales(scale_bits), global_scale)[..., None]  # s_b / gs
   v = jnp.where(step > 0, numerics.true_divide(blocks, step), 0.0)  # q = 0 where s_b = 0
   exponent, spacing, units = numerics.e2m1_grid_units(jnp.abs(v))
   lo_units, hi_units = jnp.floor(units), jnp.ceil(units)
@@ -333,35 +172,91 @@ def _four_over_six(blocks, amax_b, global_scale, scale_bits):
   return jnp.where(better4, scale4, scale_bits)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 8))
-def _quantize(
-  x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None, scale_rule="standard"
-):
+def _record(spec: QuantSpec, form: str, code, scale_bits, global_scale, ndim: int) -> Guidance:
+  """The `QArray` (form "full") or its `CompactGuidance` ("compact"), in the input's layout,
+  from `_quantize_last`'s codes and scales."""
+  axis = spec.axis
+  flat = code.reshape(*code.shape[:-2], -1)  # [..., n]
+  scales = jnp.moveaxis(scale_bits, -1, axis)
+  global_scale = jnp.moveaxis(global_scale, -1, axis)
+  if form == "full":
+    packed = jnp.moveaxis(numerics.pack_codes(flat), -1, axis)
+    return QArray(
+      packed=packed, scales=scales, global_scale=global_scale, fmt=spec.fmt, axis=axis - ndim
+    )
+  # The mantissa bit is the code's lowest bit: packed from the codes, never re-derived.
+  bits = jnp.moveaxis(numerics.pack_bits(flat & 1), -1, axis)
+  return CompactGuidance(
+    global_scale=global_scale, scales=scales, mantissa_bits=bits, fmt=spec.fmt, axis=axis - ndim
+  )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _quantize(spec: QuantSpec, x, key, guidance, static_scale):
+  """(the packed `QArray`, the fell_back mask in x's layout)."""
   code, _, scale_bits, global_scale, fell_back = _quantize_last(
-    x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule
+    spec, x, key, guidance, static_scale
   )
-  flat_shape = (*code.shape[:-2], -1)
-  q = QArray(
-    packed=jnp.moveaxis(numerics.pack_codes(code.reshape(flat_shape)), -1, axis),
-    scales=jnp.moveaxis(scale_bits, -1, axis),
-    global_scale=jnp.moveaxis(global_scale, -1, axis),
-    fmt=fmt,
-    axis=axis - x.ndim,
-  )
-  return q, jnp.moveaxis(fell_back.reshape(flat_shape), -1, axis)
+  q = _record(spec, "full", code, scale_bits, global_scale, x.ndim)
+  return q, _unblock(fell_back, spec.axis)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 8))
-def _fake_quant_values(
-  x, key, guidance, fmt, axis, group_axes, rounding, static_scale=None, scale_rule="standard"
-):
-  """dequantize(quantize(x)) without packing: the same ops as `dequantize`, bit for bit."""
-  _, value, scale_bits, global_scale, _ = _quantize_last(
-    x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule
+@functools.partial(jax.jit, static_argnums=0)
+def _fake_quant(spec: QuantSpec, x, key, guidance, static_scale):
+  """dequantize(quantize(x)) without packing: the same ops as `dequantize`, bit for bit.
+  With `spec.record`, also the record and fell_back mask of that one quantization, as
+  `_quantize` (and `compact_guidance`) give them, bit for bit."""
+  code, value, scale_bits, global_scale, fell_back = _quantize_last(
+    spec, x, key, guidance, static_scale
   )
-  step = numerics.true_divide(get_format(fmt).decode_scales(scale_bits), global_scale)  # s_b / gs
-  values = value * step[..., None]
-  return jnp.moveaxis(values.reshape(*value.shape[:-2], -1), -1, axis).astype(x.dtype)
+  step = numerics.true_divide(spec.format.decode_scales(scale_bits), global_scale)  # s_b / gs
+  values = _unblock(value * step[..., None], spec.axis).astype(x.dtype)
+  if spec.record is None:
+    return values
+  record = _record(spec, spec.record, code, scale_bits, global_scale, x.ndim)
+  return values, record, _unblock(fell_back, spec.axis)
+
+
+def _fake_quant_fwd(spec: QuantSpec, x, key, guidance, static_scale):
+  return _fake_quant(spec, x, key, guidance, static_scale), static_scale
+
+
+def _fake_quant_bwd(spec: QuantSpec, static_scale, g):
+  """Straight through to x; the key, the guidance and a record carry no gradient, and a
+  static scale gets zeros."""
+  g_values = g if spec.record is None else g[0]
+  zero_scale = None if static_scale is None else jnp.zeros_like(static_scale)
+  return g_values, None, None, zero_scale
+
+
+# The spec is the one nondiff argument: static and hashable, never an array.
+_fake_quant_ste = jax.custom_vjp(_fake_quant, nondiff_argnums=(0,))
+_fake_quant_ste.defvjp(_fake_quant_fwd, _fake_quant_bwd)
+
+
+def quantize_with_fallbacks(
+  x: jax.Array,
+  fmt: str = "nvfp4",
+  *,
+  axis: int = -1,
+  global_group: GlobalGroup = "tensor",
+  rounding: str = "nearest",
+  key: jax.Array | None = None,
+  guidance: Guidance | None = None,
+  global_scale: jax.Array | None = None,
+  scale_rule: str = "standard",
+) -> tuple[QArray, jax.Array]:
+  """`quantize`, also returning a bool mask (input shape) of guidance fallbacks.
+
+  Full guidance falls back where the recorded code is not one of the two grid neighbours of
+  the training value (nearest rounding is used instead). Compact guidance falls back where
+  the value sits exactly on the grid or saturates, so its only neighbour's lowest bit
+  differs from the recorded one (that neighbour is taken). Other modes never fall back.
+  """
+  spec, x, static_scale = resolve(
+    x, fmt, axis, global_group, rounding, key, guidance, global_scale, scale_rule
+  )
+  return _quantize(spec, x, key, guidance, static_scale)
 
 
 def quantize(
@@ -401,18 +296,10 @@ def quantize(
   Returns:
     A `QArray`.
   """
-  q, _ = quantize_with_fallbacks(
-    x,
-    fmt,
-    axis=axis,
-    global_group=global_group,
-    rounding=rounding,
-    key=key,
-    guidance=guidance,
-    global_scale=global_scale,
-    scale_rule=scale_rule,
+  spec, x, static_scale = resolve(
+    x, fmt, axis, global_group, rounding, key, guidance, global_scale, scale_rule
   )
-  return q
+  return _quantize(spec, x, key, guidance, static_scale)[0]
 
 
 def fake_quant(
@@ -434,73 +321,10 @@ def fake_quant(
   pytree arguments (they work under jit, vmap, scan and grad; their cotangents are zero).
   Arguments as for `quantize`.
   """
-  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance, scale_rule)
-  static_scale = _check_static_scale(global_scale, x, fmt, axis, rounding)
-  return _fake_quant_ste(
-    x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule
+  spec, x, static_scale = resolve(
+    x, fmt, axis, global_group, rounding, key, guidance, global_scale, scale_rule
   )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 8))
-def _fake_quant_ste(
-  x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule="standard"
-):
-  return _fake_quant_values(
-    x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule
-  )
-
-
-def _fake_quant_fwd(
-  x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule="standard"
-):
-  values = _fake_quant_values(
-    x, key, guidance, fmt, axis, group_axes, rounding, static_scale, scale_rule
-  )
-  return values, static_scale
-
-
-def _fake_quant_bwd(fmt, axis, group_axes, rounding, scale_rule, static_scale, g):
-  del fmt, axis, group_axes, rounding, scale_rule
-  zero_scale = None if static_scale is None else jnp.zeros_like(static_scale)
-  return g, None, None, zero_scale
-
-
-_fake_quant_ste.defvjp(_fake_quant_fwd, _fake_quant_bwd)
-
-
-RECORD_FORMS = ("compact", "full")
-
-
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
-def _fake_quant_record(x, key, guidance, fmt, axis, group_axes, rounding, form):
-  """One pass of `_quantize_last`: the values of `_fake_quant_values` and the record of
-  `_quantize` (full) or of `compact_guidance(_quantize(...))` (compact), bit for bit."""
-  code, value, scale_bits, global_scale, fell_back = _quantize_last(
-    x, key, guidance, fmt, axis, group_axes, rounding
-  )
-  step = numerics.true_divide(get_format(fmt).decode_scales(scale_bits), global_scale)
-  values = value * step[..., None]
-  values = jnp.moveaxis(values.reshape(*value.shape[:-2], -1), -1, axis).astype(x.dtype)
-  flat = code.reshape(*code.shape[:-2], -1)
-  scales = jnp.moveaxis(scale_bits, -1, axis)
-  global_scale = jnp.moveaxis(global_scale, -1, axis)
-  if form == "full":
-    record = QArray(
-      packed=jnp.moveaxis(numerics.pack_codes(flat), -1, axis),
-      scales=scales,
-      global_scale=global_scale,
-      fmt=fmt,
-      axis=axis - x.ndim,
-    )
-  else:  # the mantissa bit is the code's lowest bit; packed from the codes, never re-derived
-    record = CompactGuidance(
-      global_scale=global_scale,
-      scales=scales,
-      mantissa_bits=jnp.moveaxis(numerics.pack_bits(flat & 1), -1, axis),
-      fmt=fmt,
-      axis=axis - x.ndim,
-    )
-  return values, record, jnp.moveaxis(fell_back.reshape(flat.shape), -1, axis)
+  return _fake_quant_ste(spec, x, key, guidance, static_scale)
 
 
 def fake_quant_record(
@@ -524,24 +348,5 @@ def fake_quant_record(
     (values as `fake_quant` (straight-through gradient), record, fell_back bool mask as
     `quantize_with_fallbacks`).
   """
-  if form not in RECORD_FORMS:
-    raise ValueError(f"fake_quant_record: form={form!r} is not allowed; use one of {RECORD_FORMS}")
-  x, axis, group_axes = _resolve(x, fmt, axis, global_group, rounding, key, guidance)
-  return _fake_quant_record_ste(x, key, guidance, fmt, axis, group_axes, rounding, form)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _fake_quant_record_ste(x, key, guidance, fmt, axis, group_axes, rounding, form):
-  return _fake_quant_record(x, key, guidance, fmt, axis, group_axes, rounding, form)
-
-
-def _fake_quant_record_fwd(x, key, guidance, fmt, axis, group_axes, rounding, form):
-  return _fake_quant_record(x, key, guidance, fmt, axis, group_axes, rounding, form), None
-
-
-def _fake_quant_record_bwd(fmt, axis, group_axes, rounding, form, residual, g):
-  del fmt, axis, group_axes, rounding, form, residual
-  return g[0], None, None  # straight through to x; the record carries no gradient
-
-
-_fake_quant_record_ste.defvjp(_fake_quant_record_fwd, _fake_quant_record_bwd)
+  spec, x, _ = resolve(x, fmt, axis, global_group, rounding, key, guidance, record=form)
+  return _fake_quant_ste(spec, x, key, guidance, None)

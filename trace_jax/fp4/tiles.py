@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from trace_jax.fp4 import numerics
 from trace_jax.fp4.qarray import get_format
 from trace_jax.fp4.quantize import _quantize_last
+from trace_jax.fp4.spec import QuantSpec
 
 
 def _broadcast_blocks(scale: jax.Array, axis: int, repeat: int) -> jax.Array:
@@ -80,9 +81,8 @@ def quantize_rows(
     packed uint8 [rows, n/2], scale bits uint8 [rows, n/block], global scale float32
     [rows, 1], mantissa bits uint8 [rows, n/8] (bit 0 of every code, 8 per byte).
   """
-  code, _, scale_bits, global_scale, _ = _quantize_last(
-    x, None, None, fmt, x.ndim - 1, tuple(range(x.ndim - 1)), "nearest"
-  )
+  spec = QuantSpec(fmt=fmt, axis=x.ndim - 1, group_axes=tuple(range(x.ndim - 1)))
+  code, _, scale_bits, global_scale, _ = _quantize_last(spec, x, None, None)
   code = code.reshape(*code.shape[:-2], -1)
   return _pack_fields(code & 0xF, 4), scale_bits, global_scale, _pack_fields(code & 1, 1)
 
