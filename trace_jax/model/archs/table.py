@@ -12,6 +12,12 @@ writes the first spelling; import reads the first spelling the checkpoint holds 
 tensor as another transformers version names it) and, for routed experts, also their fused
 3-D layout. Rows of parameters a model does not have (a dense MLP in an all-MoE model) are
 simply never used.
+
+Adding a family built from existing blocks touches two places: its module here (`NAMES`,
+mostly `decoder.DECODER` plus its feed-forward rows; `config_from_hf` and `hf_config`, mostly
+`decoder.moe_config_from_hf` / `moe_hf_config` with its own field names) and its name in
+`config.ARCHS` (plus a preset in `config.py` if wanted). Import, export, the FP4 export's
+`ignore` list and its packed tensors all follow from the table.
 """
 
 from __future__ import annotations
