@@ -170,7 +170,7 @@ def test_round_trip_keeps_the_rollout_bytes_and_logits(tiny_policy, tiny_export)
   # The exported policy: the packed weights, everything else rounded to bf16.
   exported = nnx.merge(*nnx.split(tiny_policy))
   for path, var in nnx.to_flat_state(nnx.state(exported)):
-    if not M.is_quantized_weight(path):
+    if not M.is_quantized_weight(var):
       var.set_value(var.get_value().astype(jnp.bfloat16).astype(jnp.float32))
   config = R.RolloutConfig(
     precision="fp4",
@@ -391,7 +391,7 @@ def test_qwen3_5_tiny_policy_round_trip_with_every_linear_in_fp4(tmp_path):
   )
   exported = nnx.merge(*nnx.split(policy))  # the packed weights, everything else in bf16
   for path, var in nnx.to_flat_state(nnx.state(exported)):
-    if not M.is_quantized_weight(path):
+    if not M.is_quantized_weight(var):
       var.set_value(var.get_value().astype(jnp.bfloat16).astype(jnp.float32))
   tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, policy.cfg.vocab_size)
   want, _ = exported(tokens, quant=quant)

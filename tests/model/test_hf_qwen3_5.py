@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trace_jax.model import hf, hf_qwen3_5
+from trace_jax.model import hf
+from trace_jax.model.archs import qwen3_5_moe as hf_qwen3_5
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
 LAYOUTS = ["qwen3_5_moe_text", "qwen3_5_moe"]

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from trace_jax import model as M
-from trace_jax.model import sharding
+from trace_jax.model import parameters, sharding
 
 SCRIPT = textwrap.dedent("""
     import os, json, sys
@@ -161,27 +161,41 @@ def test_sharded_rollout_and_train_step_match_single_device_more_meshes():
   _run_meshes([(8, 1, 1), (2, 4, 1)])
 
 
+def _abstract(cfg):
+  return nnx.eval_shape(lambda: M.Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
 def test_param_rules():
-  assert sharding.param_spec(("blocks", 0, "moe", "w_down"), (8, 64, 32)) == P(
+  """The rules the modules declare are the documented layout (module docstring): FSDP on
+  the d_model side, experts over "expert", heads and widths over "model"."""
+  model = _abstract(M.tiny())
+  moe, attn = model.blocks[0].moe, model.blocks[0].attn
+  assert sharding.param_spec(moe.w_down) == P("expert", "model", "data")
+  assert sharding.param_spec(moe.w_gate) == P("expert", "data", "model")
+  assert sharding.param_spec(moe.router) == P("data", None)
+  assert sharding.param_spec(attn.q_proj) == P("data", "model")
+  assert sharding.param_spec(attn.o_proj) == P("model", "data")
+  assert sharding.param_spec(model.blocks[0].attn_norm.scale) == P(None)
+  assert sharding.param_spec(model.embed) == P("model", "data")
+  assert sharding.param_spec(model.lm_head) == P("data", "model")
+  linear = _abstract(M.qwen3_5_tiny()).blocks[0].attn  # a Gated DeltaNet layer
+  assert sharding.param_spec(linear.in_proj_qkv) == P("data", None)  # [q | k | v] columns
+  assert sharding.param_spec(linear.out_proj) == P("model", "data")
+  # flax reads the same declarations.
+  assert nnx.get_partition_spec(nnx.state(model))["blocks"][0]["moe"]["w_down"].get_value() == P(
     "expert", "model", "data"
   )
-  assert sharding.param_spec(("blocks", 0, "moe", "w_gate"), (8, 32, 64)) == P(
-    "expert", "data", "model"
-  )
-  assert sharding.param_spec(("blocks", 0, "moe", "router"), (32, 8)) == P("data", None)
-  assert sharding.param_spec(("blocks", 0, "attn", "q_proj"), (32, 64)) == P("data", "model")
-  assert sharding.param_spec(("blocks", 0, "attn_norm", "scale"), (32,)) == P(None)
 
 
-def test_every_parameter_has_an_explicit_rule():
-  """Every matrix of every architecture is named in PARAM_RULES (a new parameter cannot be
-  replicated by accident); only 1-D per-channel parameters fall through."""
+def test_every_parameter_declares_its_rule():
+  """Every parameter of every architecture declares a rule of its own rank (a new parameter
+  cannot be replicated by accident); a variable without one is refused by name."""
   for preset in ("tiny", "qwen3_5_tiny"):
-    abstract = nnx.eval_shape(lambda: M.Transformer(M.get_preset(preset), rngs=nnx.Rngs(0)))
-    for path, var in nnx.to_flat_state(nnx.state(abstract)):
-      shape = var.get_value().shape
-      if len(shape) > 1:
-        assert (str(path[-1]), len(shape)) in sharding.PARAM_RULES, (preset, path)
+    for path, var in nnx.to_flat_state(nnx.state(_abstract(M.get_preset(preset)))):
+      rule = parameters.sharding_of(var)
+      assert rule is not None and len(rule) == var.get_value().ndim, (preset, path, rule)
+  with pytest.raises(ValueError, match="parameter w declares no sharding"):
+    sharding.param_spec(nnx.Param(jax.numpy.zeros((4, 4))), what="parameter w")
 
 
 def test_indivisible_dimension_is_refused():
@@ -202,9 +216,30 @@ def test_attention_replicated_over_model_when_heads_do_not_split():
   mesh = jax.sharding.Mesh(
     __import__("numpy").asarray(jax.devices()[:1] * 2).reshape(1, 1, 2), sharding.MESH_AXES
   )
-  assert sharding.param_spec(("blocks", 0, "attn", "k_proj"), (64, 16), mesh, cfg) == P(
-    "data", None
+  attn = _abstract(cfg).blocks[0].attn
+  assert sharding.param_spec(attn.k_proj, mesh) == P("data", None)
+  assert sharding.param_spec(attn.q_proj, mesh) == P("data", "model")
+  assert sharding.param_spec(attn.o_proj, mesh) == P("model", "data")
+
+
+def test_guidance_split_over_model_where_each_site_declares():
+  """Guidance records [B, S, ...] split over "data" by row and over "model" along the
+  dimension where the activation is split: K/V by KV head, the inputs of o_proj and of the
+  down projections along their width; the inputs of column-split projections whole."""
+  cfg = M.tiny(shared_expert_dim=32, dense_layers=(0,), ffn_dim=64)
+  model = _abstract(cfg)
+  quant = M.call_config(M.QuantConfig(), recording=M.Recording(form="compact"))
+  out = nnx.eval_shape(lambda m, t: m(t, quant=quant), model, jax.numpy.zeros((2, 16), "int32"))
+  mesh = jax.sharding.Mesh(
+    __import__("numpy").asarray(jax.devices()[:1] * 4).reshape(2, 1, 2), sharding.MESH_AXES
   )
-  assert sharding.param_spec(("blocks", 0, "attn", "q_proj"), (64, 64), mesh, cfg) == P(
-    "data", "model"
-  )
+  specs = sharding.guidance_site_specs(out.sites, mesh)
+  split = {"k": 2, "v": 2, "attn_out": -1, "mlp_mid": -1, "moe_mid": -1, "shared_mid": -1}
+  assert {site for _, site in specs} == {"attn_in", "mlp_in", "moe_in"} | set(split)
+  for (layer, site), record in specs.items():
+    bits = record.mantissa_bits  # [B, S, ..., n / 8]
+    want = [None] * len(bits)
+    want[0] = "data"
+    if site in split:
+      want[split[site] % len(bits)] = "model"
+    assert tuple(bits) == tuple(want), (layer, site, bits)

@@ -7,4 +7,4 @@ from trace_jax.export.compressed_tensors import (
   quantization_config,
   tensor_listing,
 )
-from trace_jax.export.names import ARCH_NAMES, ArchNames, hf_config
+from trace_jax.export.names import hf_config

@@ -44,6 +44,7 @@ from flax import nnx
 
 from trace_jax import fp4
 from trace_jax.export import names as names_lib
+from trace_jax.model import parameters
 from trace_jax.model.quant import QuantConfig
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.params import quantize_params
@@ -63,26 +64,6 @@ COPIED_FILES = (
   "merges.txt",
   "tokenizer.model",
 )
-# The activation site whose tensor each quantized linear multiplies (DESIGN.md section 2).
-INPUT_SITES = {
-  ("attn", "q_proj"): "attn_in",
-  ("attn", "k_proj"): "attn_in",
-  ("attn", "v_proj"): "attn_in",
-  ("attn", "o_proj"): "attn_out",
-  ("moe", "w_gate"): "moe_in",
-  ("moe", "w_up"): "moe_in",
-  ("moe", "w_down"): "moe_mid",
-  ("shared", "w_gate"): "moe_in",
-  ("shared", "w_up"): "moe_in",
-  ("shared", "w_down"): "shared_mid",
-  ("mlp", "w_gate"): "mlp_in",
-  ("mlp", "w_up"): "mlp_in",
-  ("mlp", "w_down"): "mlp_mid",
-  # Gated DeltaNet (Qwen3.5): the token mixer's in/out projections
-  ("attn", "in_proj_qkv"): "attn_in",
-  ("attn", "in_proj_z"): "attn_in",
-  ("attn", "out_proj"): "attn_out",
-}
 _SAFETENSORS_DTYPES = {
   np.dtype(np.float32): "F32",
   np.dtype(ml_dtypes.bfloat16): "BF16",
@@ -200,11 +181,13 @@ def _packed_tensors(q: fp4.QArray, target: names_lib.Target) -> dict[str, np.nda
   return out
 
 
-def _input_site(path: tuple) -> str:
-  key = tuple(str(p) for p in path[-2:])
-  if key not in INPUT_SITES:
+def _input_site(path: tuple, variable) -> str:
+  """The activation site whose values the linear at `path` multiplies, as its module
+  declared it (`parameters.input_site`)."""
+  site = parameters.input_site(variable)
+  if site is None:
     raise ValueError(f"no activation site known for the linear {'.'.join(map(str, path))}")
-  return INPUT_SITES[key]
+  return site
 
 
 def hf_tensors(
@@ -225,7 +208,6 @@ def hf_tensors(
     input_scales: (layer, site) -> static input global scale, for NVFP4 W4A4.
   """
   cfg = policy.cfg
-  names_lib.arch_names(cfg.arch)
   quant = quant or QuantConfig(fmt=config.fmt)
   if quant.fmt != config.fmt or not quant.enabled:
     raise ValueError(f"quant={quant} does not quantize in fmt={config.fmt!r}")
@@ -241,7 +223,7 @@ def hf_tensors(
         f"parameter {'.'.join(map(str, path))} holds NaN or Inf: refusing to export a broken policy"
       )
     if is_packed and config.activations != "none":
-      site = _input_site(path)
+      site = _input_site(path, variable)
       if not quant.quantizes(site):
         raise ValueError(
           f"activations={config.activations!r}: the linear "
@@ -254,14 +236,13 @@ def hf_tensors(
         fields = _packed_tensors(value, target)
         if config.static_input_scales:
           layer = int(path[1])
-          if input_scales is None or (layer, _input_site(path)) not in input_scales:
+          site = _input_site(path, variable)
+          if input_scales is None or (layer, site) not in input_scales:
             raise ValueError(
               f"activations='nvfp4' needs input_scales for (layer {layer}, site "
-              f"{_input_site(path)!r}); calibrate them (calibrate_input_scales)"
+              f"{site!r}); calibrate them (calibrate_input_scales)"
             )
-          fields["input_global_scale"] = np.asarray(
-            [input_scales[(layer, _input_site(path))]], np.float32
-          )
+          fields["input_global_scale"] = np.asarray([input_scales[(layer, site)]], np.float32)
         tensors.update({f"{target.module}.{k}": v for k, v in fields.items()})
       else:
         tensors[target.name] = np.ascontiguousarray(names_lib.hf_array(array, target).astype(dtype))

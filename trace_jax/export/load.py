@@ -50,7 +50,7 @@ def load_fp4(path: str, dtype=jnp.float32) -> Transformer:
   flat = []
   for param_path, variable in nnx.to_flat_state(state):
     targets = list(names_lib.targets(policy.cfg, param_path))
-    if is_quantized_weight(param_path) and f"{targets[0].module}.weight_packed" in tensors:
+    if is_quantized_weight(variable) and f"{targets[0].module}.weight_packed" in tensors:
       parts = [compressed.module_qarray(tensors, t.module, fmt) for t in targets]
       gs = [np.asarray(q.global_scale) for q in parts]  # [1, 1] each
       packed = fp4.QArray(

@@ -16,8 +16,6 @@ from trace_jax.model.config import (
 from trace_jax.model.hf import from_hf
 from trace_jax.model.quant import (
   ACTIVATION_SITES,
-  QUANTIZED_WEIGHTS,
-  SHARED_SCALE_GROUPS,
   SITE_SCOPES,
   WEIGHT_GROUPS,
   QuantConfig,
@@ -29,7 +27,7 @@ from trace_jax.model.quant import (
   quantize_weight,
   quantize_weight_group,
   resolve_layers,
-  shared_scale_groups,
+  scale_groups,
   weight_group,
   weight_layout,
 )

@@ -12,10 +12,16 @@ from trace_jax.model.quant import QuantConfig, is_quantized_weight, quantize_wei
 from trace_jax.model.transformer import Transformer
 
 
+def abstract_variables(cfg: ModelConfig) -> dict:
+  """The model's parameters (nnx.Params of ShapeDtypeStructs, with their metadata), by NNX
+  state path."""
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  return dict(nnx.to_flat_state(nnx.state(abstract)))
+
+
 def abstract_params(cfg: ModelConfig):
   """The model's parameters as ShapeDtypeStructs, by NNX state path."""
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-  return {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(abstract))}
+  return {path: var.get_value() for path, var in abstract_variables(cfg).items()}
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -28,8 +34,9 @@ def weight_bytes(cfg: ModelConfig, fmt: str | None = None, *, sites: str = "all"
   scales) and the rest in bf16."""
   quant = None if fmt is None else QuantConfig(fmt=fmt, sites=sites)
   total = 0
-  for path, value in abstract_params(cfg).items():
-    if quant is not None and is_quantized_weight(path, quant):
+  for variable in abstract_variables(cfg).values():
+    value = variable.get_value()
+    if quant is not None and is_quantized_weight(variable, quant):
       packed = jax.eval_shape(lambda w: quantize_weight(w, fmt), value)
       total += sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(packed))
     else:

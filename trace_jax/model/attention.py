@@ -14,17 +14,19 @@ from flax import nnx
 from trace_jax import fp4, kernels
 from trace_jax.model import cache as kv_cache
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.layers import LayerInputs, RMSNorm, apply_rope, normal_param
+from trace_jax.model.layers import LayerInputs, RMSNorm, apply_rope
+from trace_jax.model.parameters import normal_param
 from trace_jax.model.quant import SiteQuantizer
 from trace_jax.model.sites import declare_site, sow_cache_entry, sow_site
 
 # The token mixer's sites (softmax attention here; Gated DeltaNet layers have them too).
 ATTN_IN = declare_site("attn_in")  # input of the q/k/v (DeltaNet: in_proj_qkv/z) projections
-ATTN_OUT = declare_site("attn_out")  # input of the output projection
+# Input of the output projection, split over "model" along its width like o_proj's rows.
+ATTN_OUT = declare_site("attn_out", model_dim=-1)
 # K and V cache entries, after RoPE (k), per (token, KV head); full-attention layers only.
 _HAS_KV = lambda cfg, layer: layer not in cfg.linear_layers  # noqa: E731
-K = declare_site("k", present=_HAS_KV, scopes=("experts+kv",), cache=True)
-V = declare_site("v", present=_HAS_KV, scopes=("experts+kv",), cache=True)
+K = declare_site("k", present=_HAS_KV, scopes=("experts+kv",), cache=True, model_dim=2)
+V = declare_site("v", present=_HAS_KV, scopes=("experts+kv",), cache=True, model_dim=2)
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
 
@@ -73,10 +75,28 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, h, hkv, dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.output_gate = cfg.attn_output_gate
-    self.q_proj = normal_param(rngs, (d, h * dh * (2 if self.output_gate else 1)), cfg.init_std)
-    self.k_proj = normal_param(rngs, (d, hkv * dh), cfg.init_std)
-    self.v_proj = normal_param(rngs, (d, hkv * dh), cfg.init_std)
-    self.o_proj = normal_param(rngs, (h * dh, d), cfg.init_std)
+    # Megatron: q/k/v column-split and o row-split over "model" by whole heads, FSDP over
+    # "data" on the d_model side. q, k and v share one FP4 global scale (one fused qkv_proj).
+    qkv = dict(sharding=("data", "model"), quant_group="attention", input_site=ATTN_IN)
+    width = h * dh * (2 if self.output_gate else 1)  # [query | gate] per head with the gate
+    self.q_proj = normal_param(
+      rngs, (d, width), cfg.init_std, heads=h, scale_group=("qkv", 0), **qkv
+    )
+    self.k_proj = normal_param(
+      rngs, (d, hkv * dh), cfg.init_std, heads=hkv, scale_group=("qkv", 1), **qkv
+    )
+    self.v_proj = normal_param(
+      rngs, (d, hkv * dh), cfg.init_std, heads=hkv, scale_group=("qkv", 2), **qkv
+    )
+    self.o_proj = normal_param(
+      rngs,
+      (h * dh, d),
+      cfg.init_std,
+      sharding=("model", "data"),
+      heads=h,
+      quant_group="attention",
+      input_site=ATTN_OUT,
+    )
     if cfg.qk_norm == "head":
       zc = cfg.zero_centered_norm
       self.q_norm, self.k_norm = RMSNorm(dh, cfg.rms_eps, zc), RMSNorm(dh, cfg.rms_eps, zc)
@@ -98,7 +118,7 @@ class Attention(nnx.Module):
     xq = sow_site(self, sq, x, layer=layer, site=ATTN_IN)
     # One global scale for q, k and v (served as one fused qkv_proj).
     q, k, v = sq.matmuls(
-      xq, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)], "attention"
+      xq, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)], self.q_proj.quant_group
     )
     gate = None
     if self.output_gate:  # per head [query | gate]
@@ -134,4 +154,4 @@ class Attention(nnx.Module):
     if gate is not None:
       out = out * jax.nn.sigmoid(gate)
     out = sow_site(self, sq, out, layer=layer, site=ATTN_OUT)
-    return sq.matmul(out, self.o_proj.get_value(), "attention"), new_entries
+    return sq.matmul(out, self.o_proj.get_value(), self.o_proj.quant_group), new_entries

@@ -23,7 +23,8 @@ from flax import nnx
 
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.attention import ATTN_IN, ATTN_OUT
-from trace_jax.model.layers import LayerInputs, RMSNorm, normal_param
+from trace_jax.model.layers import LayerInputs, RMSNorm
+from trace_jax.model.parameters import normal_param, param
 from trace_jax.model.quant import SiteQuantizer
 from trace_jax.model.sites import sow_site
 
@@ -159,19 +160,38 @@ class GatedDeltaNet(nnx.Module):
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     self.dims = (hk, hv, dk, dv)
     self.conv_dim = 2 * hk * dk + hv * dv  # [q | k | v]
-    self.in_proj_qkv = normal_param(rngs, (d, self.conv_dim), cfg.init_std)
-    self.in_proj_z = normal_param(rngs, (d, hv * dv), cfg.init_std)
-    self.in_proj_b = normal_param(rngs, (d, hv), cfg.init_std)
-    self.in_proj_a = normal_param(rngs, (d, hv), cfg.init_std)
+    std = cfg.init_std
+    # The token mixer's FP4 projections (group "attention"). in_proj_qkv's columns are
+    # [q | k | v] (the conv runs over all of them), so only its rows are split (FSDP); z and
+    # out_proj are per value head, split over "model" by whole heads.
+    mixer = dict(quant_group="attention", input_site=ATTN_IN)
+    self.in_proj_qkv = normal_param(rngs, (d, self.conv_dim), std, sharding=("data", None), **mixer)
+    self.in_proj_z = normal_param(
+      rngs, (d, hv * dv), std, sharding=("data", "model"), heads=hv, **mixer
+    )
+    # Decay and write strength: high precision, like the router.
+    self.in_proj_b = normal_param(rngs, (d, hv), std, sharding=("data", None))
+    self.in_proj_a = normal_param(rngs, (d, hv), std, sharding=("data", None))
     self.conv_weight = normal_param(
-      rngs, (cfg.linear_conv_kernel, self.conv_dim), cfg.linear_conv_kernel**-0.5
+      rngs,
+      (cfg.linear_conv_kernel, self.conv_dim),
+      cfg.linear_conv_kernel**-0.5,
+      sharding=(None, None),
     )
-    self.A_log = nnx.Param(
-      jnp.log(jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0))
+    self.A_log = param(
+      jnp.log(jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0)), sharding=(None,)
     )
-    self.dt_bias = nnx.Param(jnp.ones((hv,), jnp.float32))
+    self.dt_bias = param(jnp.ones((hv,), jnp.float32), sharding=(None,))
     self.norm = RMSNorm(dv, cfg.rms_eps)  # plain w (not 1 + w), as Hugging Face's gated norm
-    self.out_proj = normal_param(rngs, (hv * dv, d), cfg.init_std)
+    self.out_proj = normal_param(
+      rngs,
+      (hv * dv, d),
+      std,
+      sharding=("model", "data"),
+      heads=hv,
+      quant_group="attention",
+      input_site=ATTN_OUT,
+    )
     self.chunk_size = cfg.delta_chunk_size
 
   def init_state(self, batch: int, dtype) -> tuple[jax.Array, jax.Array]:
@@ -194,8 +214,8 @@ class GatedDeltaNet(nnx.Module):
     valid = inputs.valid
     x = jnp.where(valid[..., None], x, 0)
     xq = sow_site(self, sq, x, layer=layer, site=ATTN_IN)
-    qkv = sq.matmul(xq, self.in_proj_qkv.get_value(), "attention")
-    z = sq.matmul(xq, self.in_proj_z.get_value(), "attention")
+    qkv = sq.matmul(xq, self.in_proj_qkv.get_value(), self.in_proj_qkv.quant_group)
+    z = sq.matmul(xq, self.in_proj_z.get_value(), self.in_proj_z.quant_group)
     # Decay and write strength from high-precision projections of the unquantized input.
     a = jnp.einsum(
       "btd,dh->bth", x.astype(jnp.float32), self.in_proj_a.get_value(), precision=_HIGHEST
@@ -223,5 +243,5 @@ class GatedDeltaNet(nnx.Module):
     z = z.reshape(b, t, hv, dv).astype(jnp.float32)
     out = (normed.astype(jnp.float32) * jax.nn.silu(z)).astype(x.dtype).reshape(b, t, hv * dv)
     out = sow_site(self, sq, out, layer=layer, site=ATTN_OUT)
-    out = sq.matmul(out, self.out_proj.get_value(), "attention")
+    out = sq.matmul(out, self.out_proj.get_value(), self.out_proj.quant_group)
     return out, (None if state is None else (new_conv, recurrent))

@@ -1,11 +1,13 @@
-"""Building blocks: RMSNorm, rotary embeddings, SwiGLU, parameter init, matmuls, and what
-every block reads of a forward's token layout (`LayerInputs`)."""
+"""Building blocks: RMSNorm, rotary embeddings, SwiGLU, matmuls, and what every block reads
+of a forward's token layout (`LayerInputs`)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+
+from trace_jax.model.parameters import param
 
 
 @struct.dataclass
@@ -20,10 +22,6 @@ class LayerInputs:
   start: jax.Array  # int32 []: the first cache slot this forward writes (0 without a cache)
 
 
-def normal_param(rngs: nnx.Rngs, shape, std: float) -> nnx.Param:
-  return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
-
-
 class RMSNorm(nnx.Module):
   """x * rsqrt(mean(x^2) + eps) * scale, normalised in float32 (as Hugging Face does).
 
@@ -33,7 +31,9 @@ class RMSNorm(nnx.Module):
   """
 
   def __init__(self, dim: int, eps: float, zero_centered: bool = False):
-    self.scale = nnx.Param(jnp.full((dim,), 0.0 if zero_centered else 1.0, jnp.float32))
+    self.scale = param(
+      jnp.full((dim,), 0.0 if zero_centered else 1.0, jnp.float32), sharding=(None,)
+    )
     self.eps = eps
     self.zero_centered = zero_centered
 

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.layers import matmul, normal_param, swiglu
+from trace_jax.model.layers import matmul, swiglu
+from trace_jax.model.parameters import normal_param
 from trace_jax.model.quant import SiteQuantizer
 from trace_jax.model.sites import Site, declare_site, sow_site
 
@@ -23,15 +24,18 @@ _MOE = lambda cfg, layer: layer not in cfg.dense_layers  # noqa: E731
 _DENSE = lambda cfg, layer: layer in cfg.dense_layers  # noqa: E731
 # Input of the routed experts' gate/up projections (and the shared expert's), once per token.
 MOE_IN = declare_site("moe_in", present=_MOE, scopes=("experts+kv",))
-# Input of each routed expert's down projection, per (token, chosen expert) row.
-MOE_MID = declare_site("moe_mid", present=_MOE, scopes=("experts+kv",), routed=True)
+# Input of each routed expert's down projection, per (token, chosen expert) row. The inputs
+# of every down projection are split over "model" along their width, like its rows.
+MOE_MID = declare_site("moe_mid", present=_MOE, scopes=("experts+kv",), routed=True, model_dim=-1)
 # Input of the shared expert's down projection, per token.
 SHARED_MID = declare_site(
-  "shared_mid", present=lambda cfg, layer: _MOE(cfg, layer) and bool(cfg.shared_expert_dim)
+  "shared_mid",
+  present=lambda cfg, layer: _MOE(cfg, layer) and bool(cfg.shared_expert_dim),
+  model_dim=-1,
 )
 # A dense feed-forward layer's input and the input of its down projection.
 MLP_IN = declare_site("mlp_in", present=_DENSE)
-MLP_MID = declare_site("mlp_mid", present=_DENSE)
+MLP_MID = declare_site("mlp_mid", present=_DENSE, model_dim=-1)
 
 
 @struct.dataclass
@@ -44,20 +48,69 @@ class RouterStats:
 
 
 class MLP(nnx.Module):
-  """A SwiGLU feed-forward: a dense layer, or the shared expert of an MoE layer."""
+  """A SwiGLU feed-forward: a dense layer (`dense`), or the shared expert of an MoE layer
+  (`shared_expert`)."""
 
-  def __init__(self, d_model: int, ffn_dim: int, std: float, *, rngs: nnx.Rngs):
-    self.w_gate = normal_param(rngs, (d_model, ffn_dim), std)
-    self.w_up = normal_param(rngs, (d_model, ffn_dim), std)
-    self.w_down = normal_param(rngs, (ffn_dim, d_model), std)
+  def __init__(
+    self,
+    d_model: int,
+    ffn_dim: int,
+    std: float,
+    *,
+    group: str,
+    in_site: Site,
+    mid_site: Site,
+    rngs: nnx.Rngs,
+  ):
+    """group: the weights' FP4 group ("mlp" or "shared"); in_site, mid_site: the sites whose
+    activations the gate/up and the down projections multiply."""
+    # Column-split gate/up, row-split down over "model" (Megatron), FSDP on d_model; gate
+    # and up share one FP4 global scale (one fused gate_up_proj).
+    gate_up = dict(sharding=("data", "model"), quant_group=group, input_site=in_site)
+    self.w_gate = normal_param(rngs, (d_model, ffn_dim), std, scale_group=("gate_up", 0), **gate_up)
+    self.w_up = normal_param(rngs, (d_model, ffn_dim), std, scale_group=("gate_up", 1), **gate_up)
+    self.w_down = normal_param(
+      rngs,
+      (ffn_dim, d_model),
+      std,
+      sharding=("model", "data"),
+      quant_group=group,
+      input_site=mid_site,
+    )
+    self.mid_site = mid_site
 
-  def __call__(self, xq, *, layer: int, sq: SiteQuantizer, mid_site: Site):
-    """xq: the input [..., d], already quantized if the scope quantizes it.
-    mid_site: MLP_MID (a dense layer) or SHARED_MID (the shared expert)."""
-    group = "shared" if mid_site is SHARED_MID else "mlp"
+  @classmethod
+  def dense(cls, cfg: ModelConfig, *, rngs: nnx.Rngs) -> "MLP":
+    """The feed-forward of a dense layer (sites mlp_in, mlp_mid)."""
+    return cls(
+      cfg.d_model,
+      cfg.ffn_dim,
+      cfg.init_std,
+      group="mlp",
+      in_site=MLP_IN,
+      mid_site=MLP_MID,
+      rngs=rngs,
+    )
+
+  @classmethod
+  def shared_expert(cls, cfg: ModelConfig, *, rngs: nnx.Rngs) -> "MLP":
+    """The shared expert of an MoE layer: fed moe_in's values, its own site shared_mid."""
+    return cls(
+      cfg.d_model,
+      cfg.shared_expert_dim,
+      cfg.init_std,
+      group="shared",
+      in_site=MOE_IN,
+      mid_site=SHARED_MID,
+      rngs=rngs,
+    )
+
+  def __call__(self, xq, *, layer: int, sq: SiteQuantizer):
+    """xq: the input [..., d], already quantized if the scope quantizes it."""
+    group = self.w_gate.quant_group
     gate, up = sq.matmuls(xq, (self.w_gate.get_value(), self.w_up.get_value()), group)  # shared gs
-    mid = sow_site(self, sq, swiglu(gate, up), layer=layer, site=mid_site)
-    return sq.matmul(mid, self.w_down.get_value(), group)
+    mid = sow_site(self, sq, swiglu(gate, up), layer=layer, site=self.mid_site)
+    return sq.matmul(mid, self.w_down.get_value(), self.w_down.quant_group)
 
 
 def route(probs: jax.Array, k: int, norm_topk: bool, routing: jax.Array | None):
@@ -99,15 +152,23 @@ class MoE(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, e, f = cfg.d_model, cfg.num_experts, cfg.moe_ffn_dim
-    self.router = normal_param(rngs, (d, e), cfg.init_std)
-    self.w_gate = normal_param(rngs, (e, d, f), cfg.init_std)
-    self.w_up = normal_param(rngs, (e, d, f), cfg.init_std)
-    self.w_down = normal_param(rngs, (e, f, d), cfg.init_std)
-    self.shared = (
-      MLP(d, cfg.shared_expert_dim, cfg.init_std, rngs=rngs) if cfg.shared_expert_dim else None
+    self.router = normal_param(rngs, (d, e), cfg.init_std, sharding=("data", None))
+    # Routed experts [E, in, out]: experts over "expert", widths over "model", FSDP on
+    # d_model; each expert's gate and up share one FP4 global scale (gate_up_proj).
+    gate_up = dict(sharding=("expert", "data", "model"), quant_group="experts", input_site=MOE_IN)
+    self.w_gate = normal_param(rngs, (e, d, f), cfg.init_std, scale_group=("gate_up", 0), **gate_up)
+    self.w_up = normal_param(rngs, (e, d, f), cfg.init_std, scale_group=("gate_up", 1), **gate_up)
+    self.w_down = normal_param(
+      rngs,
+      (e, f, d),
+      cfg.init_std,
+      sharding=("expert", "model", "data"),
+      quant_group="experts",
+      input_site=MOE_MID,
     )
+    self.shared = MLP.shared_expert(cfg, rngs=rngs) if cfg.shared_expert_dim else None
     self.shared_gate = (
-      normal_param(rngs, (d, 1), cfg.init_std)
+      normal_param(rngs, (d, 1), cfg.init_std, sharding=(None, None))
       if cfg.shared_expert_dim and cfg.shared_expert_gate
       else None
     )
@@ -142,9 +203,7 @@ class MoE(nnx.Module):
       # "all"); under "experts+kv" it sees the high-precision input.
       shared_in = xq if sq.active(SHARED_MID.name) else x.reshape(n, d)
       # [B, T, d] in, so the shared_mid site (and its guidance) is laid out per token slot.
-      shared = self.shared(
-        shared_in.reshape(b, t, d), layer=layer, sq=sq, mid_site=SHARED_MID
-      ).reshape(n, d)
+      shared = self.shared(shared_in.reshape(b, t, d), layer=layer, sq=sq).reshape(n, d)
       if self.shared_gate is not None:
         gate = jax.nn.sigmoid(matmul(shared_in, self.shared_gate.get_value().astype(xq.dtype)))
         shared = gate * shared
@@ -190,8 +249,8 @@ class MoE(nnx.Module):
     if sq.guidance:
       raise ValueError("dispatch='dense' is a reference path without guidance; use 'grouped'")
     (w_gate, w_up), w_down = (
-      sq.weight_group((w_gate, w_up), "experts"),
-      sq.weight(w_down, "experts"),
+      sq.weight_group((w_gate, w_up), self.w_gate.quant_group),
+      sq.weight(w_down, self.w_down.quant_group),
     )
     precision = jax.lax.Precision.HIGHEST if xq.dtype == jnp.float32 else None
 

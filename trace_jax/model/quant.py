@@ -11,8 +11,10 @@ Quantization sites (DESIGN.md section 2), per layer, each declared once
   moe_mid     input of each routed expert's down projection  per (token, expert)
   shared_mid  input of the shared expert's down projection   per token
   mlp_in, mlp_mid   the same two for a dense feed-forward layer
-Weights of every linear layer are quantized per matrix (per expert for stacked experts).
-Router, norms, embeddings, LM head and the attention softmax stay in high precision.
+Weights of every linear layer are quantized per matrix (per expert for stacked experts);
+each declares its group, shared-scale siblings and input site where it is made
+(`parameters.param`). Router, norms, embeddings, LM head and the attention softmax stay in
+high precision.
 All arithmetic is `trace_jax.fp4`'s; nothing here rounds by itself.
 
 Which of them run in FP4 is a named scope, `QuantConfig(sites=...)`:
@@ -41,9 +43,11 @@ How a site runs (one seam for the rollout and the training path):
 
 Adding a site touches one place, the module that quantizes it: a `declare_site(...)` at
 module level (its name, which layers have it, the named scopes that include it, whether it
-is a cache entry or a routed-expert site) and the `sow_site(..., site=THAT_SITE)` call.
-`ACTIVATION_SITES`, `SCOPE_SITES`, `KV_SITES`, `layer_sites` (hence the guidance checks),
-the guidance buffers and its byte accounting (an abstract forward) all derive from those two.
+is a cache entry or a routed-expert site, which dimension a sharded forward splits over
+"model") and the `sow_site(..., site=THAT_SITE)` call (the linear weights it feeds name it
+as their `input_site` where they are made). `ACTIVATION_SITES`, `SCOPE_SITES`, `KV_SITES`,
+`layer_sites` (hence the guidance checks), the guidance buffers, their shardings and byte
+accounting (an abstract forward) and an export's input scales all derive from those.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax import fp4, kernels as kernels_lib
-from trace_jax.model import layers
+from trace_jax.model import layers, parameters
+from trace_jax.model.parameters import WEIGHT_GROUPS
 from trace_jax.model.sites import (
   SITE_SCOPES,
   SiteKey,
@@ -75,8 +80,8 @@ def __getattr__(name: str):
 
 
 PRECISIONS = ("fp4", "bf16")
-# Groups of linear weights, by the module that owns them; a scope quantizes whole groups.
-WEIGHT_GROUPS = ("attention", "experts", "shared", "mlp")
+# The groups of linear weights (`parameters.WEIGHT_GROUPS`, declared on each weight); a
+# scope quantizes whole groups.
 SCOPE_WEIGHT_GROUPS = {"all": WEIGHT_GROUPS, "experts+kv": ("experts",)}
 GUIDED_LAYER_NAMES = ("last_half", "all", "none")
 # Activation formats: "fp4" (W4A4, in `fmt`) or "fp8" (W4A8: the linear layers' inputs in
@@ -275,56 +280,35 @@ def call_config(quant: QuantConfig | None, **changes) -> QuantConfig:
   return (QuantConfig(precision="bf16") if quant is None else quant).replace(**changes)
 
 
-# Linear weights that FP4 can quantize; everything else (embedding, LM head, router, norms,
-# shared-expert gate) stays in high precision.
-# Gated DeltaNet's in/out projections (in_proj_qkv, in_proj_z, out_proj) belong to the
-# "attention" group (the token mixer); its decay/beta projections stay high precision.
-QUANTIZED_WEIGHTS = frozenset(
-  {
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "w_gate",
-    "w_up",
-    "w_down",
-    "in_proj_qkv",
-    "in_proj_z",
-    "out_proj",
-  }
-)
-_ATTENTION_WEIGHTS = frozenset(
-  {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"}
-)
+def weight_group(variable) -> str | None:
+  """The `WEIGHT_GROUPS` entry of a parameter (an `nnx.Variable`), or None if FP4 never
+  quantizes it: what its module declared (`parameters.param(quant_group=...)`)."""
+  return parameters.quant_group(variable)
 
 
-def weight_group(path: tuple) -> str | None:
-  """The `WEIGHT_GROUPS` entry of the parameter at an NNX state path, or None if FP4 never
-  quantizes it. Routed experts are the MoE module's own stacked weights (`.../moe/w_gate`);
-  the shared expert lives under `.../moe/shared/`, a dense layer's MLP under `.../mlp/`."""
-  if not path:
-    return None
-  names = [str(p) for p in path]
-  name = names[-1]
-  if name not in QUANTIZED_WEIGHTS:
-    return None
-  if name in _ATTENTION_WEIGHTS:
-    return "attention"
-  parent = names[-2] if len(names) > 1 else ""
-  if parent == "shared":
-    return "shared"
-  if parent == "moe":
-    return "experts"
-  return "mlp"
-
-
-def is_quantized_weight(path: tuple, quant: QuantConfig | None = None) -> bool:
-  """Whether the parameter at an NNX state path is a linear weight FP4 quantizes: under
+def is_quantized_weight(variable, quant: QuantConfig | None = None) -> bool:
+  """Whether a parameter (an `nnx.Variable`) is a linear weight FP4 quantizes: under
   `quant`'s scope if given, else under any scope (every linear weight)."""
-  group = weight_group(path)
+  group = weight_group(variable)
   if group is None:
     return False
   return True if quant is None else quant.quantizes_weights(group)
+
+
+def scale_groups(flat: Sequence[tuple[tuple, Any]], quant: QuantConfig | None = None):
+  """The linear weights of a flat NNX state (`nnx.to_flat_state`) that FP4 quantizes (under
+  `quant`'s scope if given) and that are not packed yet, as global-scale groups: tuples of
+  paths, the siblings of one module that declare the same `scale_group` together, ordered by
+  their declared position ([q, k, v], [gate, up]); every other weight alone."""
+  groups: dict[tuple, list[tuple[int, tuple]]] = {}
+  for path, variable in flat:
+    path = tuple(path)
+    if not is_quantized_weight(variable, quant) or isinstance(variable.get_value(), fp4.QArray):
+      continue
+    shared = parameters.scale_group(variable)
+    key = (path[:-1], shared[0]) if shared is not None else (path,)
+    groups.setdefault(key, []).append((shared[1] if shared is not None else 0, path))
+  return [tuple(path for _, path in sorted(members)) for members in groups.values()]
 
 
 def layer_sites(cfg, quant: QuantConfig | None) -> dict[int, tuple[str, ...]]:
@@ -358,12 +342,6 @@ def quantize_weight(w: jax.Array, fmt: str, *, scale_rule: str = "standard") -> 
   "4over6" is the post-training baseline's block-scale rule (fp4.quantize)."""
   axis, group = weight_layout(w.ndim)
   return fp4.quantize(w, fmt, axis=axis, global_group=group, scale_rule=scale_rule)
-
-
-# Sibling weights that share one global scale: serving engines fuse them into one matrix
-# (vLLM's qkv_proj and gate_up_proj) whose fused FP4 kernels take a single global scale per
-# matrix (per expert), so the rollout and the trainer quantize them as one global group.
-SHARED_SCALE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("w_gate", "w_up"))
 
 
 def _joint(ws: Sequence[jax.Array], quantize_fn):
@@ -415,15 +393,6 @@ def fake_quant_weight_group(ws: Sequence[jax.Array], fmt: str) -> tuple[jax.Arra
     return (fake(ws[0]),)
   values, bounds = _joint(ws, fake)
   return tuple(jnp.split(values, bounds, axis=-1))
-
-
-def shared_scale_groups(names: Sequence[str]) -> list[tuple[str, ...]]:
-  """Partition the quantized weight names of one module into global-scale groups: the
-  SHARED_SCALE_GROUPS present in full, every other name alone."""
-  names = [n for n in names if n in QUANTIZED_WEIGHTS]
-  groups = [g for g in SHARED_SCALE_GROUPS if all(n in names for n in g)]
-  grouped = {n for g in groups for n in g}
-  return groups + [(n,) for n in names if n not in grouped]
 
 
 def quantize_site(
@@ -625,7 +594,7 @@ class SiteQuantizer:
     return self.weight_group((w,), group)[0]
 
   def weight_group(self, ws: Sequence[Any], group: str) -> tuple[jax.Array, ...]:
-    """`weight` of sibling weights that share one global scale (SHARED_SCALE_GROUPS): the
+    """`weight` of sibling weights that share one global scale (their `scale_group`): the
     training path fake-quantizes them jointly, as `quantize_weight_group` packs them."""
     if all(isinstance(w, fp4.QArray) for w in ws):  # packed jointly by quantize_params
       return tuple(fp4.dequantize(w, self.dtype) for w in ws)

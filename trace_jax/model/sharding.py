@@ -1,4 +1,4 @@
-"""Where every array lives on a (data, expert, model) mesh: explicit rules per parameter path.
+"""Where every array lives on a (data, expert, model) mesh: rules each parameter declares.
 
   master weights, optimizer state  FSDP over "data" (the d_model side of every matrix),
                                    routed experts over "expert", attention heads and
@@ -12,15 +12,17 @@
                                    is (`guidance_site_specs`);
   batches                          batch over "data".
 
-Rules are explicit, not inferred: `PARAM_RULES` names, per parameter (by the last entry of
-its NNX path and, for stacked experts, its rank), which mesh axis splits which dimension.
-A rule that asks for an axis whose size does not divide the dimension raises a ValueError
-naming the parameter, the dimension and the mesh, before anything is placed (a silently
-replicated array is the failure this module exists to prevent). The one architectural
-exception: attention projections are split over "model" only when it divides the number of
-(query and KV) heads, so a device always holds whole heads; otherwise they are replicated
-over "model" (as Megatron replicates KV heads). Small per-channel parameters (norm scales,
-A_log, dt_bias, the conv1d taps, the shared-expert gate) are replicated.
+Rules are explicit, not inferred: every parameter declares, where its module makes it, the
+mesh axis of each dimension (`parameters.param(sharding=...)`, flax's `out_sharding`
+metadata) and, for attention projections, its head count. A rule that asks for an axis
+whose size does not divide the dimension raises a ValueError naming the parameter, the
+dimension and the mesh, before anything is placed (a silently replicated array is the
+failure this module exists to prevent); a parameter that declares no rule is refused too.
+The one architectural exception: a projection that declares `heads` is split over "model"
+only when it divides them, so a device always holds whole heads; otherwise it is
+replicated over "model" (as Megatron replicates KV heads). Small per-channel parameters
+(norm scales, A_log, dt_bias, the conv1d taps, the shared-expert gate) declare replication.
+Guidance follows its site's declaration (`sites.Site.model_dim`).
 
 Meshes use Auto axes, so XLA (GSPMD) inserts the collectives: the FSDP all-gathers of the
 weights and the reduce-scatters of their gradients, the expert all-to-alls and the
@@ -39,43 +41,10 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from trace_jax import fp4
+from trace_jax.model import parameters
+from trace_jax.model.sites import site_spec
 
-MESH_AXES = ("data", "expert", "model")
-
-# (parameter name, rank) -> the mesh axis of each dimension. Weights are [in, out];
-# stacked routed experts [E, in, out]. FSDP ("data") takes the d_model side.
-PARAM_RULES: dict[tuple[str, int], tuple] = {
-  ("embed", 2): ("model", "data"),  # [V, d]: vocabulary over model
-  ("lm_head", 2): ("data", "model"),  # [d, V]
-  ("q_proj", 2): ("data", "model"),  # [d, H * Dh (x2 with an output gate)]
-  ("k_proj", 2): ("data", "model"),  # [d, Hkv * Dh]
-  ("v_proj", 2): ("data", "model"),
-  ("o_proj", 2): ("model", "data"),  # [H * Dh, d]
-  ("router", 2): ("data", None),  # [d, E]
-  ("shared_gate", 2): (None, None),  # [d, 1]
-  ("w_gate", 2): ("data", "model"),  # dense MLP / shared expert [d, F]
-  ("w_up", 2): ("data", "model"),
-  ("w_down", 2): ("model", "data"),  # [F, d]
-  ("w_gate", 3): ("expert", "data", "model"),  # routed experts [E, d, F]
-  ("w_up", 3): ("expert", "data", "model"),
-  ("w_down", 3): ("expert", "model", "data"),  # [E, F, d]
-  # Gated DeltaNet: in_proj_qkv's columns are [q | k | v] (the conv runs over all of
-  # them), so only its rows are split; z and out_proj are per value head.
-  ("in_proj_qkv", 2): ("data", None),  # [d, 2 Hk Dk + Hv Dv]
-  ("in_proj_z", 2): ("data", "model"),  # [d, Hv * Dv]
-  ("in_proj_a", 2): ("data", None),  # [d, Hv]
-  ("in_proj_b", 2): ("data", None),
-  ("out_proj", 2): ("model", "data"),  # [Hv * Dv, d]
-  ("conv_weight", 2): (None, None),  # [K, conv_dim]
-}
-_HEAD_SPLIT = {
-  "q_proj": "num_heads",
-  "o_proj": "num_heads",
-  "k_proj": "num_kv_heads",
-  "v_proj": "num_kv_heads",
-  "in_proj_z": "linear_num_value_heads",
-  "out_proj": "linear_num_value_heads",
-}
+MESH_AXES = parameters.MESH_AXES
 
 
 def make_mesh(data: int = 1, expert: int = 1, model: int = 1, devices=None) -> Mesh:
@@ -120,29 +89,33 @@ def _checked(spec: tuple, shape, mesh, what: str) -> P:
   return P(*out)
 
 
-def param_rule(path: tuple, shape: tuple[int, ...], cfg=None, mesh=None) -> tuple:
-  """The rule (mesh axis per dimension) of the parameter at NNX state `path`.
+def param_rule(variable, mesh: Mesh | None = None, *, what: str = "parameter") -> tuple:
+  """The rule (mesh axis per dimension) a parameter (an `nnx.Variable`) declares.
 
-  With `cfg` and `mesh`, an attention projection whose head count "model" does not divide
-  is replicated over "model" (a device holds whole heads or all of them)."""
-  name = str(path[-1]) if path else ""
-  rule = PARAM_RULES.get((name, len(shape)))
+  With `mesh`, a projection that declares `heads` is replicated over "model" where "model"
+  does not divide them (a device holds whole heads or all of them).
+
+  Raises:
+    ValueError: the variable declares no sharding (naming it as `what`).
+  """
+  rule = parameters.sharding_of(variable)
   if rule is None:
-    return (None,) * len(shape)
-  heads_field = _HEAD_SPLIT.get(name)
-  if heads_field and cfg is not None and mesh is not None:
-    heads = getattr(cfg, heads_field)
-    if heads % _axis_size(mesh, "model"):
-      rule = tuple(None if a == "model" else a for a in rule)
-  return rule
+    raise ValueError(
+      f"{what} declares no sharding; give it one where it is made "
+      f"(`parameters.param(sharding=...)`: a mesh axis or None per dimension)"
+    )
+  heads = parameters.heads_of(variable)
+  if heads is not None and mesh is not None and heads % _axis_size(mesh, "model"):
+    rule = _without(tuple(rule), "model")
+  return tuple(rule)
 
 
-def param_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh | None = None, cfg=None) -> P:
-  """The PartitionSpec of the master parameter at `path` (checked against `mesh` if given)."""
-  rule = param_rule(path, shape, cfg, mesh)
+def param_spec(variable, mesh: Mesh | None = None, *, what: str = "parameter") -> P:
+  """The PartitionSpec of a master parameter (checked against `mesh` if given)."""
+  rule = param_rule(variable, mesh, what=what)
   if mesh is None:
     return P(*rule)
-  return _checked(rule, shape, mesh, f"parameter {_path_str(path)}")
+  return _checked(rule, variable.get_value().shape, mesh, what)
 
 
 def _without(rule: tuple, axis: str) -> tuple:
@@ -151,11 +124,9 @@ def _without(rule: tuple, axis: str) -> tuple:
 
 def param_shardings(model: nnx.Module, mesh: Mesh):
   """An nnx.State of NamedShardings matching the model's parameters (master weights)."""
-  cfg = getattr(model, "cfg", None)
   out = []
   for path, variable in nnx.to_flat_state(nnx.state(model)):
-    value = variable.get_value()
-    spec = param_spec(path, value.shape, mesh, cfg)
+    spec = param_spec(variable, mesh, what=f"parameter {_path_str(path)}")
     out.append((path, variable.replace(NamedSharding(mesh, spec))))
   return nnx.from_flat_state(out)
 
@@ -175,18 +146,17 @@ def place(tree, shardings):
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
-  """Place the model's parameters on `mesh` by `PARAM_RULES` (in place; returns the model)."""
+  """Place the model's parameters on `mesh` by their declared rules (in place; returns it)."""
   state = nnx.state(model)
   nnx.update(model, place(state, param_shardings(model, mesh)))
   return model
 
 
 def _param_rules_by_path(model: nnx.Module, mesh: Mesh) -> dict[tuple, tuple[tuple, tuple]]:
-  cfg = getattr(model, "cfg", None)
   return {
     tuple(str(p) for p in path): (
       tuple(v.get_value().shape),
-      param_rule(path, v.get_value().shape, cfg, mesh),
+      param_rule(v, mesh, what=f"parameter {_path_str(path)}"),
     )
     for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
   }
@@ -218,7 +188,7 @@ def shard_optimizer(opt: nnx.Optimizer, model: nnx.Module, mesh: Mesh) -> nnx.Op
   return opt
 
 
-def rollout_param_shardings(params: nnx.State, mesh: Mesh, cfg=None):
+def rollout_param_shardings(params: nnx.State, mesh: Mesh):
   """Shardings of the rollout's parameters (`quantize_params` output: packed `fp4.QArray`s
   and high-precision arrays): the master rule without "data". A packed weight's codes and
   block scales split like the weight (the quantized axis shrinks by 2 and by the block
@@ -227,8 +197,8 @@ def rollout_param_shardings(params: nnx.State, mesh: Mesh, cfg=None):
   out = []
   for path, variable in nnx.to_flat_state(params):
     value = variable.get_value()
-    rule = _without(param_rule(path, value.shape, cfg, mesh), "data")
     what = f"rollout parameter {_path_str(path)}"
+    rule = _without(param_rule(variable, mesh, what=what), "data")
     if isinstance(value, fp4.QArray):
       sharding = jax.tree.map(
         lambda leaf: NamedSharding(mesh, _checked(rule, leaf.shape, mesh, what)), value
@@ -239,9 +209,9 @@ def rollout_param_shardings(params: nnx.State, mesh: Mesh, cfg=None):
   return nnx.from_flat_state(out)
 
 
-def shard_rollout_params(params: nnx.State, mesh: Mesh, cfg=None) -> nnx.State:
+def shard_rollout_params(params: nnx.State, mesh: Mesh) -> nnx.State:
   """The rollout's parameters placed by `rollout_param_shardings`."""
-  return place(params, rollout_param_shardings(params, mesh, cfg))
+  return place(params, rollout_param_shardings(params, mesh))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2, axis: int = 0) -> NamedSharding:
@@ -298,30 +268,18 @@ def constrain_batch(tree: Any, mesh: Mesh | None, axis: int = 0):
   )
 
 
-# Guidance sites whose activation the forward splits over "model", and the dimension that
-# carries the split in the site's records: K/V [B, S, Hkv, ...] by KV head; the inputs of
-# o_proj / out_proj and of every down projection [B, S, (k,) F-blocks] along the width.
-GUIDANCE_MODEL_DIM = {
-  "k": 2,
-  "v": 2,
-  "attn_out": -1,
-  "mlp_mid": -1,
-  "moe_mid": -1,
-  "shared_mid": -1,
-}
-
-
 def guidance_site_specs(sites: dict, mesh: Mesh) -> dict:
   """PartitionSpecs of guidance site records {(layer, site): CompactGuidance or QArray}
   (arrays or their eval_shape), [B, S, ...]: the batch over "data", and over "model" the
-  dimension `GUIDANCE_MODEL_DIM` names where "model" divides it (the layout the activation
-  has, so capture moves no bytes between devices); a rule, not XLA's choice, so the memory
-  planner predicts the bytes exactly."""
+  dimension the site declares (`Site.model_dim`: K/V by KV head, the inputs of o_proj /
+  out_proj and of every down projection along the width) where "model" divides it (the
+  layout the activation has, so capture moves no bytes between devices); a rule, not XLA's
+  choice, so the memory planner predicts the bytes exactly."""
   model = _axis_size(mesh, "model")
 
   def spec(site: str, leaf) -> P:
     axes = ["data"] + [None] * (len(leaf.shape) - 1)
-    dim = GUIDANCE_MODEL_DIM.get(site)
+    dim = site_spec(site).model_dim
     if dim is not None and model > 1:
       dim %= len(leaf.shape)
       if dim > 0 and leaf.shape[dim] > 1 and leaf.shape[dim] % model == 0:

@@ -3,10 +3,12 @@
 A site is where an activation is quantized (DESIGN.md section 2): `declare_site` at module
 level in the module that owns it (attention.py: attn_in, attn_out, k, v; moe.py: moe_in,
 moe_mid, shared_mid, mlp_in, mlp_mid) says which layers have it, the named FP4 scopes that
-include it, and whether it is a cache entry or a routed-expert site. Everything else reads
-the declarations: `ACTIVATION_SITES`, `SCOPE_SITES`, `KV_SITES`, `ROUTED_SITES` (module
-attributes here and in `quant`), `quant.layer_sites` (hence the guidance checks), and, through
-an abstract forward, the guidance buffers and their bytes.
+include it, whether it is a cache entry or a routed-expert site, and which dimension of its
+records a sharded forward splits over "model". Everything else reads the declarations:
+`ACTIVATION_SITES`, `SCOPE_SITES`, `KV_SITES`, `ROUTED_SITES` (module attributes here and in
+`quant`), `quant.layer_sites` (hence the guidance checks), the guidance's shardings
+(`sharding.guidance_site_specs`), and, through an abstract forward, the guidance buffers and
+their bytes. The linear weights a site feeds name it (`parameters.input_site`).
 
 At run time the module calls `sow_site` (or `sow_cache_entry`), which quantizes through the
 forward's `SiteQuantizer` and sows the site's `SiteRecord` into `nnx.Intermediate`;
@@ -39,6 +41,9 @@ class Site:
       under W4A8 (`QuantConfig.activations="fp8"` rounds only the linear inputs to FP8).
     routed: its rows are (token, chosen expert): its guidance only fits the rollout's experts,
       so guiding it needs routing replay.
+    model_dim: the dimension of its records [B, S, ...] that a sharded forward splits over
+      the "model" mesh axis (K/V: the KV-head axis; the input of a row-split projection: its
+      width, -1), so guidance is kept where the activation is; None: not split.
   """
 
   name: str
@@ -46,6 +51,7 @@ class Site:
   scopes: tuple[str, ...] = ("all",)
   cache: bool = False
   routed: bool = False
+  model_dim: int | None = None
 
 
 _REGISTRY: dict[str, Site] = {}
@@ -65,6 +71,7 @@ def declare_site(
   scopes: Sequence[str] = (),
   cache: bool = False,
   routed: bool = False,
+  model_dim: int | None = None,
 ) -> Site:
   """Register an activation site (once, at the import of the module that quantizes it).
 
@@ -74,6 +81,7 @@ def declare_site(
     scopes: named scopes besides "all" that quantize it (e.g. ("experts+kv",)).
     cache: a K/V cache entry (see `Site`).
     routed: rows are (token, chosen expert) (see `Site`).
+    model_dim: the records' dimension split over "model" (see `Site`), or None.
   Returns:
     the `Site`, for the module's `sow_site(..., site=...)` call.
   """
@@ -83,7 +91,9 @@ def declare_site(
     raise ValueError(f"declare_site({name!r}): scopes {bad} are not among {SITE_SCOPES}")
   if name in _REGISTRY:
     raise ValueError(f"declare_site({name!r}): a site of that name is already declared")
-  site = Site(name=name, present=present, scopes=scopes, cache=cache, routed=routed)
+  site = Site(
+    name=name, present=present, scopes=scopes, cache=cache, routed=routed, model_dim=model_dim
+  )
   _REGISTRY[name] = site
   return site
 

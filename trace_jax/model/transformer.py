@@ -28,8 +28,9 @@ from trace_jax.model.attention import Attention
 from trace_jax.model.cache import KVCache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.deltanet import GatedDeltaNet
-from trace_jax.model.layers import LayerInputs, RMSNorm, normal_param, rope_tables
-from trace_jax.model.moe import MLP, MLP_IN, MLP_MID, MoE
+from trace_jax.model.layers import LayerInputs, RMSNorm, rope_tables
+from trace_jax.model.moe import MLP, MLP_IN, MoE
+from trace_jax.model.parameters import normal_param
 from trace_jax.model.quant import QuantConfig, SiteQuantizer
 from trace_jax.model.sites import collect_site_records, sow_site
 
@@ -60,7 +61,7 @@ class Block(nnx.Module):
     self.attn = GatedDeltaNet(cfg, rngs=rngs) if self.linear else Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, cfg.zero_centered_norm)
     if layer in cfg.dense_layers:
-      self.mlp, self.moe = MLP(cfg.d_model, cfg.ffn_dim, cfg.init_std, rngs=rngs), None
+      self.mlp, self.moe = MLP.dense(cfg, rngs=rngs), None
     else:
       self.mlp, self.moe = None, MoE(cfg, rngs=rngs)
     self.layer = layer
@@ -78,7 +79,7 @@ class Block(nnx.Module):
       out, stats = self.moe(h, valid=inputs.valid, layer=self.layer, sq=sq, routing=routing)
     else:
       xq = sow_site(self, sq, h, layer=self.layer, site=MLP_IN)
-      out, stats = self.mlp(xq, layer=self.layer, sq=sq, mid_site=MLP_MID), None
+      out, stats = self.mlp(xq, layer=self.layer, sq=sq), None
     return x + out, entries, stats
 
 
@@ -139,13 +140,18 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = normal_param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std)
+    # Vocabulary over "model", FSDP on d_model; embedding and LM head stay high precision.
+    self.embed = normal_param(
+      rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, sharding=("model", "data")
+    )
     self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.rms_eps, cfg.zero_centered_norm)
     self.lm_head = (
       None
       if cfg.tie_embeddings
-      else normal_param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std)
+      else normal_param(
+        rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, sharding=("data", "model")
+      )
     )
 
   def __call__(

@@ -160,7 +160,7 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
 
   rollout_params = jax.eval_shape(lambda s: quantize_params(s, quant), nnx.state(model))
   rows["FP4 rollout weights"] = _per_device(
-    rollout_params, _specs(sharding.rollout_param_shardings(rollout_params, mesh, cfg)), mesh
+    rollout_params, _specs(sharding.rollout_param_shardings(rollout_params, mesh)), mesh
   )
 
   def cache_bytes(q, part):

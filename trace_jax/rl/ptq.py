@@ -14,8 +14,7 @@ import numpy as np
 from flax import nnx
 
 from trace_jax import fp4
-from trace_jax.model.quant import QuantConfig, is_quantized_weight, quantize_weight_group
-from trace_jax.model.quant import shared_scale_groups
+from trace_jax.model.quant import QuantConfig, quantize_weight_group, scale_groups
 from trace_jax.rl import episodes as episodes_lib
 
 PTQ_SCALE_RULES = {"ptq": "standard", "ptq-46": "4over6"}
@@ -28,18 +27,13 @@ def packed_policy(policy, quant: QuantConfig, *, scale_rule: str):
     raise ValueError(f"scale_rule={scale_rule!r} is not allowed; use one of {fp4.SCALE_RULES}")
   graphdef, state = nnx.split(policy)
   flat = list(nnx.to_flat_state(state))
-  siblings: dict[tuple, list[str]] = {}
-  for path, variable in flat:
-    if is_quantized_weight(path, quant) and not isinstance(variable.get_value(), fp4.QArray):
-      siblings.setdefault(tuple(path[:-1]), []).append(str(path[-1]))
   by_path = dict(flat)
   packed = {}
-  for parent, names in siblings.items():
-    for group in shared_scale_groups(names):
-      qs = quantize_weight_group(
-        [by_path[parent + (n,)].get_value() for n in group], quant.fmt, scale_rule=scale_rule
-      )
-      packed.update({parent + (n,): q for n, q in zip(group, qs)})
+  for group in scale_groups(flat, quant):
+    qs = quantize_weight_group(
+      [by_path[path].get_value() for path in group], quant.fmt, scale_rule=scale_rule
+    )
+    packed.update(zip(group, qs))
   out = [
     (path, variable.replace(packed[tuple(path)]) if tuple(path) in packed else variable)
     for path, variable in flat

@@ -456,7 +456,7 @@ class RolloutEngine:
       state, self.config.quant, dtype=jnp.dtype(self.config.compute_dtype)
     )
     if self.mesh is not None:  # experts / model slices, whole on each data replica
-      self.params = sharding_lib.shard_rollout_params(self.params, self.mesh, self.cfg)
+      self.params = sharding_lib.shard_rollout_params(self.params, self.mesh)
 
   def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array) -> Rollout:
     """Sample continuations of `prompts` (token lists of any lengths)."""

@@ -11,7 +11,7 @@ from trace_jax.model.quant import (
   QuantConfig,
   is_quantized_weight,
   quantize_weight_group,
-  shared_scale_groups,
+  scale_groups,
 )
 
 
@@ -22,8 +22,8 @@ def quantize_params(
 
   With an FP4 `quant`, every linear weight in its scope (`quant.sites`) becomes a packed `fp4.QArray` (per
   matrix, per expert for stacked experts): dequantizing it gives, bit for bit, the weight
-  the training path fake-quantizes from the same master weights. Siblings in
-  `SHARED_SCALE_GROUPS` (q/k/v of a layer, gate/up of an expert) share one global scale, as
+  the training path fake-quantizes from the same master weights. Siblings that declare one
+  `scale_group` (q/k/v of a layer, gate/up of an expert) share one global scale, as
   fused serving kernels require, so an export writes exactly these bytes. A weight that is
   already packed (a policy loaded from an FP4 checkpoint) is kept as it is. Everything
   DESIGN.md keeps in high precision (embedding, LM head, router, norms, linear weights
@@ -40,17 +40,10 @@ def quantize_params(
   flat = list(nnx.to_flat_state(params))
   values = {}
   if fp4_rollout and quant.weights:
-    siblings: dict[tuple, list[str]] = {}
-    for path, variable in flat:
-      if is_quantized_weight(path, quant) and not isinstance(variable.get_value(), fp4.QArray):
-        siblings.setdefault(tuple(path[:-1]), []).append(str(path[-1]))
     state = dict(flat)
-    for parent, names in siblings.items():
-      for group in shared_scale_groups(names):
-        packed = quantize_weight_group(
-          [state[parent + (name,)].get_value() for name in group], quant.fmt
-        )
-        values.update({parent + (name,): q for name, q in zip(group, packed)})
+    for group in scale_groups(flat, quant):
+      packed = quantize_weight_group([state[path].get_value() for path in group], quant.fmt)
+      values.update(zip(group, packed))
   out = []
   for path, variable in flat:
     value = variable.get_value()
@@ -58,7 +51,7 @@ def quantize_params(
       if not fp4_rollout:
         value = fp4.dequantize(value, dtype)
     elif not fp4_rollout:
-      if is_quantized_weight(path):
+      if is_quantized_weight(variable):
         value = value.astype(dtype)
     else:
       value = values.get(tuple(path), value)

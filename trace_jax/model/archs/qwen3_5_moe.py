@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3.5-MoE checkpoints (text policy): config and tensor names, both layouts.
+"""Qwen3.5-MoE (text policy): tensor names and config.json, both ways, both layouts.
 
 Two layouts exist in the wild:
   text     what `Qwen3_5MoeForCausalLM.save_pretrained` writes: the text config at top level
@@ -19,10 +19,9 @@ Traps (all from transformers' Qwen3_5MoeTextConfig and modeling code):
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
-import numpy as np
-
+from trace_jax.model.archs.decoder import DECODER, LAYER, check_supported, moe_hf_config
+from trace_jax.model.archs.table import Arch, NameTable, conv1d, experts, linear, plain
 from trace_jax.model.config import ModelConfig, decoder_fields_from_hf, hybrid_layer_types
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -30,12 +29,6 @@ ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")  # multi-token prediction head, vision tower
 _PUBLISHED_PREFIX = "model.language_model."
 _DEFAULT_PARTIAL_ROTARY = 0.25
-
-
-def is_qwen3_5(hf: dict) -> bool:
-  return hf.get("model_type") in MODEL_TYPES or any(
-    a in ARCHITECTURES for a in hf.get("architectures") or []
-  )
 
 
 def text_config(hf: dict) -> dict:
@@ -46,6 +39,7 @@ def text_config(hf: dict) -> dict:
 def config_from_hf(hf: dict, dtype_name: str) -> ModelConfig:
   """A ModelConfig from a Qwen3.5-MoE config.json (either layout)."""
   text = text_config(hf)
+  check_supported(text, skip=("partial_rotary_factor",))  # partial RoPE is computed here
   rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
   if rope.get("rope_type", "default") != "default":
     raise ValueError(
@@ -113,33 +107,79 @@ def text_tensors(tensors: dict) -> tuple[dict, dict[str, int]]:
   return out, skipped
 
 
-def _transpose(a):
-  return np.swapaxes(a, -1, -2)
+_LINEAR = f"{LAYER}.linear_attn"
+_MLP = f"{LAYER}.mlp"
+# The text layout's names (`text_tensors` renames the published layout's to these).
+NAMES = NameTable(
+  DECODER,  # the norms, embedding, LM head and the gated full-attention layers
+  # Gated DeltaNet layers (ours under `attn`, theirs under `linear_attn`).
+  linear("blocks.{layer}.attn.in_proj_qkv", f"{_LINEAR}.in_proj_qkv.weight"),
+  linear("blocks.{layer}.attn.in_proj_z", f"{_LINEAR}.in_proj_z.weight"),
+  linear("blocks.{layer}.attn.in_proj_b", f"{_LINEAR}.in_proj_b.weight"),
+  linear("blocks.{layer}.attn.in_proj_a", f"{_LINEAR}.in_proj_a.weight"),
+  linear("blocks.{layer}.attn.out_proj", f"{_LINEAR}.out_proj.weight"),
+  conv1d("blocks.{layer}.attn.conv_weight", f"{_LINEAR}.conv1d.weight"),
+  plain("blocks.{layer}.attn.norm.scale", f"{_LINEAR}.norm.weight"),
+  plain("blocks.{layer}.attn.A_log", f"{_LINEAR}.A_log"),
+  plain("blocks.{layer}.attn.dt_bias", f"{_LINEAR}.dt_bias"),
+  # MoE: router, routed experts (one tensor each, or the published fused layout), the gated
+  # shared expert.
+  linear("blocks.{layer}.moe.router", f"{_MLP}.gate.weight"),
+  experts(
+    "blocks.{layer}.moe.w_gate",
+    f"{_MLP}.experts.{{expert}}.gate_proj.weight",
+    fused=(f"{_MLP}.experts.gate_up_proj", 0, 2),
+  ),
+  experts(
+    "blocks.{layer}.moe.w_up",
+    f"{_MLP}.experts.{{expert}}.up_proj.weight",
+    fused=(f"{_MLP}.experts.gate_up_proj", 1, 2),
+  ),
+  experts(
+    "blocks.{layer}.moe.w_down",
+    f"{_MLP}.experts.{{expert}}.down_proj.weight",
+    fused=(f"{_MLP}.experts.down_proj", 0, 1),
+  ),
+  linear("blocks.{layer}.moe.shared.w_gate", f"{_MLP}.shared_expert.gate_proj.weight"),
+  linear("blocks.{layer}.moe.shared.w_up", f"{_MLP}.shared_expert.up_proj.weight"),
+  linear("blocks.{layer}.moe.shared.w_down", f"{_MLP}.shared_expert.down_proj.weight"),
+  linear("blocks.{layer}.moe.shared_gate", f"{_MLP}.shared_expert_gate.weight"),
+)
 
 
-def layer_tensor_map(cfg: ModelConfig, layer: int, get) -> dict[tuple, Callable[[], np.ndarray]]:
-  """Our parameter path -> reader for the token mixer of one layer (the norms, the MoE and
-  the rest are the generic Qwen-MoE names that `hf._tensor_map` handles)."""
-  p, block = f"model.layers.{layer}", ("blocks", layer)
-  spec: dict[tuple, Callable[[], np.ndarray]] = {}
-  if layer in cfg.linear_layers:
-    attn = f"{p}.linear_attn"
-    for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
-      spec[block + ("attn", proj)] = lambda n=f"{attn}.{proj}.weight": _transpose(get(n))
-    # [conv_dim, 1, K] -> [K, conv_dim]
-    spec[block + ("attn", "conv_weight")] = lambda: _transpose(get(f"{attn}.conv1d.weight")[:, 0])
-    spec[block + ("attn", "A_log")] = lambda: get(f"{attn}.A_log")
-    spec[block + ("attn", "dt_bias")] = lambda: get(f"{attn}.dt_bias")
-    spec[block + ("attn", "norm", "scale")] = lambda: get(f"{attn}.norm.weight")
-  else:
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      spec[block + ("attn", proj)] = lambda n=f"{p}.self_attn.{proj}.weight": _transpose(get(n))
-    for norm in ("q_norm", "k_norm"):
-      spec[block + ("attn", norm, "scale")] = lambda n=f"{p}.self_attn.{norm}.weight": get(n)
-  shared = f"{p}.mlp.shared_expert"
-  for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-    spec[block + ("moe", "shared", ours)] = lambda n=f"{shared}.{theirs}.weight": _transpose(get(n))
-  spec[block + ("moe", "shared_gate")] = lambda: _transpose(
-    get(f"{p}.mlp.shared_expert_gate.weight")
+def hf_config(cfg: ModelConfig) -> dict:
+  """The text model's config.json as `Qwen3_5MoeForCausalLM.save_pretrained` writes it."""
+  hf = moe_hf_config(
+    cfg,
+    hf_class=ARCHITECTURES[0],
+    num_experts_key="num_experts",
+    moe_ffn_key="moe_intermediate_size",
+    extra=(("model_type", "qwen3_5_moe_text"), ("attention_bias", False)),
   )
-  return spec
+  del hf["rope_theta"]
+  hf.update(
+    layer_types=list(cfg.layer_types),
+    rope_parameters={
+      "rope_type": "default",
+      "rope_theta": cfg.rope_theta,
+      "partial_rotary_factor": cfg.partial_rotary_factor,
+    },
+    shared_expert_intermediate_size=cfg.shared_expert_dim,
+    linear_num_key_heads=cfg.linear_num_key_heads,
+    linear_num_value_heads=cfg.linear_num_value_heads,
+    linear_key_head_dim=cfg.linear_key_head_dim,
+    linear_value_head_dim=cfg.linear_value_head_dim,
+    linear_conv_kernel_dim=cfg.linear_conv_kernel,
+  )
+  return hf
+
+
+ARCH = Arch(
+  name="qwen3_5_moe",
+  hf_classes=ARCHITECTURES,
+  model_types=MODEL_TYPES,
+  names=NAMES,
+  config_from_hf=config_from_hf,
+  hf_config=hf_config,
+  text_tensors=lambda tensors: text_tensors(tensors)[0],
+)
