@@ -17,11 +17,12 @@ default) both splits draw from every problem, by different seeds.
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 import zlib
 
-from trace_jax.tasks.base import Item, Task, check_split
+from trace_jax.tasks.base import MAX_LISTED, Item, Task, check_split
 
 _ANSWER = re.compile(r"#(-?\d+)")
 
@@ -49,6 +50,34 @@ class Arithmetic(Task):
     (by CRC-32, the same on every machine and Python), else "train"."""
     return "eval" if zlib.crc32(prompt.encode()) < self.eval_share * 2**32 else "train"
 
+  def problems(self, split: str) -> list[Item] | None:
+    """Every problem of the split in a fixed order (operands, then operators, ascending);
+    None past `MAX_LISTED` problems."""
+    check_split(self, split)
+    operands, symbols = self.max_operand + 1, len(set(self.ops))
+    if operands**self.terms * symbols ** (self.terms - 1) > MAX_LISTED:
+      return None
+    items = []
+    for values in itertools.product(range(operands), repeat=self.terms):
+      for ops in itertools.product(sorted(set(self.ops)), repeat=self.terms - 1):
+        prompt = str(values[0]) + "".join(f"{o}{v}" for o, v in zip(ops, values[1:])) + "="
+        if not self.eval_share or self.split_of(prompt) == split:
+          items.append(self._item(prompt, values, ops))
+    return items
+
+  def _item(self, prompt: str, values, ops) -> Item:
+    steps, acc = [], values[0]
+    for op, v in zip(ops, values[1:]):
+      new = acc + v if op == "+" else acc - v if op == "-" else acc * v
+      steps.append(f"{acc}{op}{v}={new}")
+      acc = new
+    return Item(
+      prompt=prompt,
+      target=acc,
+      demonstration=";".join(steps) + f";#{acc}",
+      meta={"terms": self.terms},
+    )
+
   def sample(self, seed: int, n: int, split: str = "train") -> list[Item]:
     check_split(self, split)
     rng = random.Random(f"{self.name}:{seed}")
@@ -66,19 +95,7 @@ class Arithmetic(Task):
       prompt = str(values[0]) + "".join(f"{o}{v}" for o, v in zip(ops, values[1:])) + "="
       if self.eval_share and self.split_of(prompt) != split:
         continue
-      steps, acc = [], values[0]
-      for op, v in zip(ops, values[1:]):
-        new = acc + v if op == "+" else acc - v if op == "-" else acc * v
-        steps.append(f"{acc}{op}{v}={new}")
-        acc = new
-      items.append(
-        Item(
-          prompt=prompt,
-          target=acc,
-          demonstration=";".join(steps) + f";#{acc}",
-          meta={"terms": self.terms},
-        )
-      )
+      items.append(self._item(prompt, values, ops))
     return items
 
   def score(self, item: Item, completion: str) -> float:

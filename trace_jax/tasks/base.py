@@ -35,6 +35,7 @@ class EnvStep:
 
 
 SPLITS = ("train", "eval")
+MAX_LISTED = 20_000  # a split with at most this many problems is evaluated whole
 
 
 def check_split(task: "Task", split: str) -> None:
@@ -59,6 +60,40 @@ class Task(abc.ABC):
     hold a share of its problems out of "train" (`Arithmetic(eval_share=...)`); one whose
     problem space is vast (coding, search) keeps the splits apart by seed only.
     """
+
+  def problems(self, split: str) -> list[Item] | None:
+    """Every problem of a split, in a fixed order, where the split is small enough to list
+    (`MAX_LISTED` at most); None for a task whose problem space is vast."""
+    del split
+    return None
+
+  def evaluation_items(self, seed: int, n: int) -> list[Item]:
+    """The evaluation's problems: the whole held-out split, each once, where the task can
+    list it (`problems("eval")`); otherwise `n` distinct problems drawn with the seed.
+
+    Drawing with replacement repeats problems (128 draws from 324 held-out problems hold
+    about 105 distinct ones): a repeat adds no information and makes the standard error
+    look smaller than it is.
+    """
+    listed = self.problems("eval")
+    if listed is not None:
+      return listed
+    if not isinstance(n, int) or n < 1:
+      raise ValueError(f"task {self.name!r}: evaluation size n={n!r} must be an int >= 1")
+    items, seen, draws = [], set(), 0
+    while len(items) < n:
+      draws += 1
+      if draws > 64:
+        raise ValueError(
+          f"task {self.name!r}: {n} distinct evaluation problems not found in "
+          f"{draws - 1} draws of {n} ({len(items)} found); ask for fewer"
+        )
+      # the first draw is `seed`'s own problems; more only to replace repeats
+      for item in self.sample(seed + (draws - 1) * 1_000_003, n, split="eval"):
+        if item.prompt not in seen and len(items) < n:
+          seen.add(item.prompt)
+          items.append(item)
+    return items
 
   @abc.abstractmethod
   def score(self, item: Item, completion: str) -> float:
