@@ -68,7 +68,7 @@ def test_eager_true_divide_runs_through_apply_primitive():
   np.testing.assert_array_equal(np.asarray(numerics.true_divide(a, b)), a / b)  # numpy divides
 
 
-def test_triton_lowering_rule_emits_precise_division():
+def test_triton_lowering_rule_emits_an_inline_div_rn():
   assert numerics._ieee_div_p in _jax_private.triton_lowering_rules  # noqa: SLF001
 
   def kernel(a_ref, b_ref, o_ref):
@@ -87,4 +87,13 @@ def test_triton_lowering_rule_emits_precise_division():
   calls = cuda_lowering.triton_calls(lowered)
   assert len(calls) == 1
   text = calls[0].ttir_text()
-  assert "tt.precise_divf" in text and "arith.divf" not in text, text
+  assert "tt.elementwise_inline_asm" in text and numerics.DIV_RN_F32 in text, text
+  assert "arith.divf" not in text and "precise_divf" not in text, text
+
+
+def test_gpu_xla_lowering_divides_in_float64():
+  """The primitive's XLA lowering for CUDA (the `hlo` hook): float64, one rounding."""
+  a = np.float32([1.0, 2.0, 3.0])
+  text = jax.jit(numerics.true_divide).trace(a, a).lower(lowering_platforms=("cuda",)).as_text()
+  assert "xf64>" in text and "stablehlo.divide" in text, text
+  np.testing.assert_array_equal(numerics.true_divide_via_f64(a, np.float32(3)), a / np.float32(3))

@@ -11,9 +11,13 @@ bounds jax to them.
 What each is for:
 - `apply_primitive`: the eager implementation of our own primitive (`fp4.numerics`'s exact
   division), as JAX's own primitives get it (`jax._src.dispatch.apply_primitive`).
-- `register_triton_lowering`, `triton_lowering_rules`, `precise_divf`: the Pallas Triton
-  (CUDA) lowering of that primitive to `tt.precise_divf` (PTX div.rn.f32); a plain float
-  division lowers to the approximate div.full.f32 there.
+- `register_triton_lowering`, `triton_lowering_rules`, `triton_inline_asm`: the Pallas
+  Triton (CUDA) lowering of that primitive to inline PTX `div.rn.f32` (a plain float
+  division lowers to the approximate div.full.f32 there, and Triton's `tt.precise_divf`
+  becomes an LLVM `fdiv` that XLA's NVPTX backend, run with -nvptx-prec-divf32=1, compiles
+  to div.full.f32 too); `precise_divf` is kept for the tests that show the difference.
+- `hlo`: the StableHLO dialect, for the primitive's XLA lowering on GPUs (a float64
+  division, see `fp4.numerics.true_divide`).
 - `mlir_ir`, `new_triton_ir_context`: jaxlib's MLIR bindings and Pallas' Triton-dialect
   context, to print a lowered kernel's Triton module (`kernels.cuda_lowering`).
 """
@@ -27,11 +31,13 @@ TESTED_JAX = ((0, 10), (0, 11))  # (major, minor) of each JAX these hooks were v
 try:
   from jax._src import dispatch as _dispatch
   from jax._src.lib.mlir import ir as mlir_ir  # noqa: F401 (re-exported)
+  from jax._src.lib.mlir.dialects import hlo  # noqa: F401 (re-exported)
   from jax._src.lib.triton import dialect as _triton_dialect
   from jax._src.pallas.triton import lowering as _pallas_triton_lowering
 
   apply_primitive = _dispatch.apply_primitive
   precise_divf = _triton_dialect.precise_divf
+  triton_inline_asm = _triton_dialect.elementwise_inline_asm
   register_triton_lowering = _pallas_triton_lowering.register_lowering
   triton_lowering_rules = _pallas_triton_lowering.triton_lowering_rules
   new_triton_ir_context = _pallas_triton_lowering._new_ir_context  # noqa: SLF001

@@ -146,3 +146,41 @@ def test_pack_rejects_odd_lengths():
     fp4.pack_codes(jnp.zeros((3,), jnp.uint8))
   with pytest.raises(ValueError, match="multiple of 8"):
     fp4.pack_bits(jnp.zeros((12,), jnp.uint8))
+
+
+def _f32_neighbours(x, n):
+  """x and its n float32 neighbours on each side."""
+  bits = np.asarray(x, np.float32).view(np.int32)[..., None] + np.arange(-n, n + 1, dtype=np.int32)
+  return bits.view(np.float32).reshape(-1)
+
+
+def test_gpu_division_through_float64_is_ieee_float32_division():
+  """What `true_divide` compiles to under XLA on a GPU (the float64 quotient rounded once,
+  `numerics.true_divide_via_f64`), checked on CPU against NumPy's IEEE float32 division:
+  every pair of E4M3 scales, 2688 over every positive finite bf16 amax, the tie oracle's
+  x / step, and quotients within a few ulps of float32 midpoints (the hard cases); the
+  reciprocal multiply XLA would otherwise use gets some of these wrong."""
+  e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  e4m3 = np.unique(e4m3[np.isfinite(e4m3) & (e4m3 > 0)])
+  bf16 = np.arange(1 << 15, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+  bf16 = bf16[np.isfinite(bf16) & (bf16 > 2.0**-126)]
+  rng = np.random.default_rng(0)
+  b = rng.uniform(1, 2, 4096).astype(np.float32) * np.exp2(rng.integers(-20, 20, 4096))
+  mids = (rng.integers(1 << 23, 1 << 24, 4096) * 2 + 1).astype(np.float64) * 2.0**-24
+  near = _f32_neighbours((mids * b).astype(np.float32), 3)  # a ~ mid * b
+  cases = [
+    (np.repeat(e4m3, len(e4m3)), np.tile(e4m3, len(e4m3))),
+    (np.full(bf16.shape, 2688, np.float32), bf16),
+    (near, np.repeat(b, 7)),
+    (
+      rng.standard_normal(1 << 16).astype(np.float32) * 1e3,
+      rng.uniform(1e-3, 1e3, 1 << 16).astype(np.float32),
+    ),
+  ]
+  misses = 0
+  for a, d in cases:
+    a, d = a.astype(np.float32), d.astype(np.float32)
+    got = np.asarray(numerics.true_divide_via_f64(a, d))
+    np.testing.assert_array_equal(got.view(np.int32), (a / d).view(np.int32))
+    misses += int(np.sum(a * (np.float32(1) / d) != a / d))
+  assert misses > 1000  # the oracle has teeth

@@ -31,14 +31,35 @@ def _xla_true_divide(numerator, denominator):
   return numerator / (denominator + numerator * 0.0)
 
 
-# One primitive, so each backend gets a division it cannot weaken: on XLA `a / (b + 0 * a)`
-# (see `true_divide`), in Pallas' Triton lowering `tt.precise_divf` (PTX div.rn.f32; a plain
-# division there lowers to the approximate div.full.f32, up to 2 ulp off).
+def _gpu_true_divide(ctx, numerator, denominator):
+  """XLA on a GPU: the float32 operands widened to float64, divided there, and the
+  quotient rounded once to float32 (correctly rounded: see `true_divide`)."""
+  ir = _jax_private.mlir_ir
+  hlo = _jax_private.hlo
+  aval = ctx.avals_out[0]
+  wide = ir.RankedTensorType.get(aval.shape, ir.F64Type.get())
+  narrow = ir.RankedTensorType.get(aval.shape, mlir.dtype_to_ir_type(jnp.dtype(aval.dtype)))
+  quotient = hlo.divide(hlo.convert(wide, numerator), hlo.convert(wide, denominator))
+  return [hlo.convert(narrow, quotient)]
+
+
+# One primitive, so each backend gets a division it cannot weaken (see `true_divide`):
+# XLA on CPU `a / (b + 0 * a)`, XLA on a GPU a float64 division rounded once to float32,
+# Pallas' Triton lowering the PTX instruction div.rn.f32 as inline assembly.
 _ieee_div_p = jex_core.Primitive("fp4_ieee_div")
 _ieee_div_p.def_impl(functools.partial(_jax_private.apply_primitive, _ieee_div_p))
 _ieee_div_p.def_abstract_eval(lambda a, b: jax.core.ShapedArray(a.shape, a.dtype))
 mlir.register_lowering(_ieee_div_p, mlir.lower_fun(_xla_true_divide, multiple_results=False))
+for _platform in ("cuda", "rocm"):
+  mlir.register_lowering(_ieee_div_p, _gpu_true_divide, platform=_platform)
 ad.defjvp(_ieee_div_p, lambda g, a, b: g / b, lambda g, a, b: -g * a / (b * b))
+
+# The GPU formulation on any backend: what `true_divide` computes on a GPU, for the tests
+# (on CPU they check it against IEEE float32 division, ties included).
+_f64_div_p = jex_core.Primitive("fp4_f64_div")
+_f64_div_p.def_impl(functools.partial(_jax_private.apply_primitive, _f64_div_p))
+_f64_div_p.def_abstract_eval(lambda a, b: jax.core.ShapedArray(a.shape, a.dtype))
+mlir.register_lowering(_f64_div_p, _gpu_true_divide)
 
 
 def _batch_true_divide(args, dims):
@@ -54,32 +75,70 @@ def _batch_true_divide(args, dims):
 
 batching.primitive_batchers[_ieee_div_p] = _batch_true_divide
 
+# PTX's correctly rounded float32 division, as inline assembly: no compiler flag reaches it.
+DIV_RN_F32 = "div.rn.f32 $0, $1, $2;"
+
 
 @_jax_private.register_triton_lowering(_ieee_div_p)
 def _triton_true_divide(ctx, numerator, denominator):
-  del ctx
-  return _jax_private.precise_divf(numerator, denominator)
+  aval = ctx.avals_out[0]
+  result = mlir.dtype_to_ir_type(jnp.dtype(aval.dtype))
+  if aval.shape:
+    result = _jax_private.mlir_ir.RankedTensorType.get(aval.shape, result)
+  return _jax_private.triton_inline_asm(
+    [result],
+    DIV_RN_F32,
+    constraints="=f,f,f",
+    pure=True,
+    packed_element=1,
+    args=[numerator, denominator],
+  )
 
 
 def true_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
   """IEEE float32 division, numerator / denominator, correctly rounded on every path.
 
-  XLA's algebraic simplifier turns `a / b` with a constant or broadcast `b` into
-  `a * (1 / b)`, which can be 1 ulp off; FP4 rounding turns that ulp into a flipped tie
-  (v exactly 1.75 becomes code 3 instead of 4; an ideal block scale of exactly 336 becomes
-  E4M3 352 instead of 320). The spec (and compressed-tensors) divides, so on XLA we divide
-  by `b + 0 * a`: the same value for finite `a` (adding a zero of either sign to a nonzero
-  `b` is exact, and `b = 0` gives a zero too), but an operand the simplifier cannot see as
-  a broadcast or a constant, and no compiler may fold `0 * a` (it is NaN for infinite or
-  NaN `a`). A non-finite numerator therefore gives NaN, which FP4 callers flag anyway.
-  Inside a Pallas kernel lowered through Triton (CUDA) the same primitive becomes
-  `tt.precise_divf` (div.rn.f32), since Triton lowers a plain float division to the
-  approximate div.full.f32.
+  FP4 rounding turns one ulp of a quotient into a flipped tie (v exactly 1.75 becomes code
+  3 instead of 4; an ideal block scale of exactly 336 becomes E4M3 352 instead of 320), so
+  the spec's divisions (and compressed-tensors') must be exact wherever they run, and the
+  same on the training path (XLA) and the rollout (Pallas kernels on a GPU):
+  - XLA on CPU: `a / (b + 0 * a)`. XLA's algebraic simplifier turns `a / b` with a
+    constant or broadcast `b` into `a * (1 / b)`; `b + 0 * a` is the same value for finite
+    `a` (adding a zero to a nonzero `b` is exact) but not a broadcast or a constant, and no
+    compiler may fold `0 * a` (NaN for non-finite `a`: such a numerator gives NaN).
+  - XLA on a GPU: XLA's NVPTX backend compiles every float32 division to div.full.f32 (it
+    passes -nvptx-prec-divf32=1 to LLVM; up to 2 ulp off), and its own Triton fusions
+    divide with div.full.f32 too. The GPU lowering divides in float64 and rounds the
+    quotient once to float32 (LLVM and Triton divide float64 with div.rn.f64 whatever
+    that flag says). That is the correctly rounded float32 quotient: for float32 a, b
+    (b != 0) whose quotient Q = a / b is not a float32, its distance to any float32
+    midpoint mu (the rounding boundaries) is at least |mu| * 2^-49, because a - mu * b is
+    a nonzero multiple of 2^(e + e_b - 47) (mu has 25 significant bits, b 24; it cannot be
+    0, as mu * b would need more odd bits than a has); the float64 quotient is within
+    |Q| * 2^-53 of Q (within 2^-52 if XLA rewrites it as a * (1 / b) in float64), so it
+    lies on the same side of every float32 midpoint as Q and rounds to the same float32;
+    an exact Q stays exact. (Figueroa's theorem in one line: 53 >= 2 * 24 + 2 makes double
+    rounding innocuous for division.) Non-finite operands divide per IEEE.
+  - Pallas' Triton lowering (CUDA): inline PTX `div.rn.f32` (IEEE, round to nearest even).
+    Triton lowers a plain float division to div.full.f32, and its `tt.precise_divf` to an
+    LLVM fdiv that XLA (which compiles a Pallas kernel's LLVM with its own NVPTX options)
+    turns into div.full.f32 as well; inline assembly is left alone by both.
+  Tests check the float64 formulation (`true_divide_via_f64`, on CPU) against NumPy's IEEE
+  division on tie oracles, and the CUDA lowerings for their division instructions.
   """
   numerator, denominator = jnp.broadcast_arrays(
     jnp.asarray(numerator, jnp.float32), jnp.asarray(denominator, jnp.float32)
   )
   return _ieee_div_p.bind(numerator, denominator)
+
+
+def true_divide_via_f64(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+  """What `true_divide` computes under XLA on a GPU (float64 quotient rounded once to
+  float32), on any backend: for tests of that formulation on CPU."""
+  numerator, denominator = jnp.broadcast_arrays(
+    jnp.asarray(numerator, jnp.float32), jnp.asarray(denominator, jnp.float32)
+  )
+  return _f64_div_p.bind(numerator, denominator)
 
 
 def e2m1_decode(codes: jax.Array) -> jax.Array:
@@ -95,6 +154,21 @@ def e2m1_decode(codes: jax.Array) -> jax.Array:
   normal = jax.lax.bitcast_convert_type(normal_bits, jnp.float32)
   magnitude = jnp.where(exponent == 0, mantissa.astype(jnp.float32) * 0.5, normal)
   return jnp.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def e2m1_bf16(codes: jax.Array) -> jax.Array:
+  """4-bit codes (uint8, sign in bit 3) -> their E2M1 values as bfloat16, exactly, in a few
+  16-bit integer operations (a kernel decodes every weight element this way).
+
+  The bf16 bits of magnitude code u >= 2 are 0x3F00 + (u << 6): the code's exponent bits
+  land in bf16's exponent (biased by 126) and its mantissa bit on bf16's first mantissa
+  bit; u = 1 (0.5) is 0x3F00 = 1 * 0x3F00 and u = 0 is 0. No subnormal appears on the way
+  (a multiply-by-2^126 trick would pass through one, which flush-to-zero hardware loses).
+  """
+  nibble = codes.astype(jnp.uint16)
+  magnitude = nibble & 7
+  bits = jnp.where(magnitude >= 2, (magnitude << 6) + 0x3F00, magnitude * 0x3F00)
+  return jax.lax.bitcast_convert_type(bits | ((nibble & 8) << 12), jnp.bfloat16)
 
 
 def e2m1_grid_units(magnitude: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -20,6 +20,9 @@ from trace_jax.fp4.qarray import get_format
 from trace_jax.fp4.quantize import _quantize_last
 from trace_jax.fp4.spec import QuantSpec
 
+_GS_NUMERATOR = 448.0 * 6.0  # NVFP4: gs = (448 * 6) / amax
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+
 
 def _broadcast_blocks(scale: jax.Array, axis: int, repeat: int) -> jax.Array:
   """Repeat each entry of `scale` `repeat` times along `axis` (a broadcast and a reshape)."""
@@ -67,6 +70,81 @@ def scaled_pairs(
   even = numerics.e2m1_decode(packed & 0xF) * scale
   odd = numerics.e2m1_decode(packed >> 4) * scale
   return even, odd
+
+
+def scaled_pairs_bf16(
+  packed: jax.Array, scale_bits: jax.Array, fmt: str, axis: int
+) -> tuple[jax.Array, jax.Array]:
+  """`scaled_pairs` in bfloat16, for a kernel's dot: the same values (c * s_b is exact in
+  bf16, see there), each element decoded in a few integer operations
+  (`numerics.e2m1_bf16`) and one bf16 multiply by its block scale."""
+  spec = get_format(fmt)
+  scale = spec.decode_scales(scale_bits).astype(jnp.bfloat16)
+  scale = _broadcast_blocks(scale, axis, spec.block_size // 2)
+  packed = packed.astype(jnp.uint8)
+  return numerics.e2m1_bf16(packed & 0xF) * scale, numerics.e2m1_bf16(packed >> 4) * scale
+
+
+def row_global_scale(amax: jax.Array, fmt: str) -> jax.Array:
+  """Per-row encode scale gs from the row's amax, as `fp4.quantize` computes it; NaN for a
+  row whose amax is not finite (callers pass NaN for a row holding NaN: a max, in XLA or
+  in a kernel, may drop NaN, so they flag such rows themselves)."""
+  finite = jnp.isfinite(amax)
+  if not get_format(fmt).has_global_scale:
+    return jnp.where(finite, 1.0, jnp.nan).astype(jnp.float32)
+  gs = jnp.minimum(
+    numerics.true_divide(_GS_NUMERATOR, jnp.where(amax > 0, amax, _GS_NUMERATOR)), _F32_MAX
+  )
+  return jnp.where(finite, gs, jnp.nan)
+
+
+def quantize_pairs(x_even: jax.Array, x_odd: jax.Array, global_scale: jax.Array, fmt: str):
+  """Nearest quantization of a row tile given as its even and odd elements, for a GEMM
+  prologue that feeds the two halves to two dots against a packed weight's low and high
+  nibbles (the row stays in that order from load to dot).
+
+  Bit for bit `fp4.quantize(x, fmt, axis=-1, global_group="row")` of the interleaved rows
+  when `global_scale` is the row's (`row_global_scale`): the same operations in the same
+  order, on half-blocks (a block's amax is the max of its two halves').
+
+  Args:
+    x_even, x_odd: float32 [rows, n/2], elements 2i and 2i + 1 of a chunk of n (a multiple
+      of the block size) of each row.
+    global_scale: float32 [rows, 1]; NaN marks a non-finite row (codes and scales 0).
+
+  Returns:
+    (codes_even, codes_odd) uint8 4-bit codes, scale_bits uint8 [rows, n/block],
+    (values_even, values_odd) bfloat16 code values times block scale (exact), and the
+    record fields packed uint8 [rows, n/2] (element 2i low nibble) and mantissa bits
+    uint8 [rows, n/8] (element 8i + j in bit j).
+  """
+  spec = get_format(fmt)
+  rows, half = x_even.shape
+  nb, h = 2 * half // spec.block_size, spec.block_size // 2
+  even, odd = x_even.reshape(rows, nb, h), x_odd.reshape(rows, nb, h)
+  amax_b = jnp.maximum(jnp.max(jnp.abs(even), axis=-1), jnp.max(jnp.abs(odd), axis=-1))
+  finite = ~jnp.isnan(global_scale)  # [rows, 1]
+  if spec.has_global_scale:
+    scale_bits = numerics.e4m3_encode(numerics.true_divide(amax_b, 6.0) * global_scale)
+  else:
+    scale_bits = numerics.e8m0_encode(numerics.floor_log2(amax_b) - 2)
+  step = numerics.true_divide(spec.decode_scales(scale_bits), global_scale)[..., None]
+  codes = []
+  for part in (even, odd):
+    v = jnp.where(step > 0, numerics.true_divide(part, step), 0.0)
+    exponent, _, units = numerics.e2m1_grid_units(jnp.abs(v))
+    code = numerics.e2m1_sign(
+      numerics.e2m1_unit_code(exponent, numerics.round_half_even(units)), v < 0
+    )
+    codes.append(jnp.where(finite[..., None], code, 0).astype(jnp.uint8).reshape(rows, half))
+  scale_bits = jnp.where(finite, scale_bits, 0).astype(jnp.uint8)
+  scale = _broadcast_blocks(spec.decode_scales(scale_bits).astype(jnp.bfloat16), 1, h)
+  values = tuple(numerics.e2m1_bf16(c) * scale for c in codes)
+  packed = codes[0] | (codes[1] << 4)
+  quads = [(c & 1).astype(jnp.int32).reshape(rows, half // 4, 4) for c in codes]
+  shifts = 2 * jax.lax.broadcasted_iota(jnp.int32, quads[0].shape, 2)
+  bits = jnp.sum((quads[0] << shifts) + (quads[1] << (shifts + 1)), axis=-1).astype(jnp.uint8)
+  return tuple(codes), scale_bits, values, packed, bits
 
 
 def quantize_rows(
