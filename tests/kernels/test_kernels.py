@@ -1,6 +1,13 @@
 """Pallas kernels in interpret mode: parity with their references and with independent
-definitions (dequantize-then-compute, `jax.lax.ragged_dot`, the model's attention,
-`fp4.quantize`), on fresh random inputs, with outputs poisoned before each call."""
+definitions (dequantize-then-compute, the model's attention, `fp4.quantize`), on fresh
+random inputs, with outputs poisoned before each call.
+
+Tolerances: the quantized records (codes, block scales, global scales, guidance bits) and
+the cache entries are bit-exact (the kernels share `fp4.tiles`' format math with
+`fp4.quantize`, and every division is exact). Products are float32 sums of exact bf16
+products, in another order than the references' single dot: within 1e-5 relative before
+the bf16 output cast, so bf16 outputs match to one bf16 rounding (1e-2 relative).
+"""
 
 import dataclasses
 
@@ -16,9 +23,12 @@ from trace_jax import rollout as R
 from trace_jax.kernels import (
   decode_attention_lib,
   dispatch,
-  fp4_matmul_lib,
-  moe_gmm_lib,
+  gemm_lib,
+  kv_write_lib,
+  layout,
+  moe_lib,
   quantize_lib,
+  routing,
 )
 from trace_jax.model.attention import attend
 
@@ -30,92 +40,175 @@ def _rand(seed, shape, scale=1.0):
   return scale * rows * jax.random.normal(k1, shape)
 
 
-def _close(actual, desired, rtol=1e-5):
+def _close(actual, desired, rtol=1e-2):
   actual, desired = np.asarray(actual, np.float32), np.asarray(desired, np.float32)
   assert not np.isnan(actual).any(), "the kernel left elements unwritten (NaN poison)"
   np.testing.assert_allclose(actual, desired, rtol=rtol, atol=rtol * np.abs(desired).max())
 
 
+def _equal(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _shared(*ws):
+  """Siblings sharing the first one's global scale (as quantize_weight_group makes them)."""
+  return [dataclasses.replace(w, global_scale=ws[0].global_scale) for w in ws]
+
+
 @pytest.mark.parametrize(
-  "m, k, n, fmt", [(1, 64, 48, "nvfp4"), (5, 128, 32, "nvfp4"), (33, 64, 16, "mxfp4")]
+  "m, k, n, quantize, w_fmt",
+  [
+    (1, 64, 48, "nvfp4", "nvfp4"),  # decode: a broadcast product, one row
+    (5, 128, 32, None, "mxfp4"),  # W4A16, 8-row tile with 3 padded rows
+    (20, 64, 32, "mxfp4", "nvfp4"),  # a tensor-core tile of 32 rows, 12 padded
+  ],
 )
-def test_fp4_matmul_w4a16_matches_reference_and_dequantized_dot(m, k, n, fmt):
-  x = _rand(m, (m, k))
-  w = fp4.quantize(_rand(k + n, (k, n), 0.1), fmt, axis=0)
-  y = kernels.fp4_matmul(x, w, poison=True)
-  _close(y, fp4_matmul_lib.reference(x, w))
-  _close(y, x @ fp4.dequantize(w))  # the definition: dequantize, then dot
+def test_fp4_gemm_matches_the_definition(m, k, n, quantize, w_fmt):
+  """y = q(x) @ dequantize(w), q the per-row quantization (or none), bf16 out."""
+  x = _rand(m, (m, k)).astype(jnp.bfloat16)
+  w = fp4.quantize(_rand(k + n, (k, n), 0.1), w_fmt, axis=0)
+  y, _ = kernels.fp4_gemm(x, w, quantize=quantize, poison=True)
+  assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+  xv = fp4.fake_quant(x.astype(jnp.float32), quantize, global_group="row") if quantize else x
+  _close(y, jnp.dot(xv.astype(jnp.float32), fp4.dequantize(w), precision="highest"))
+  _close(y, gemm_lib.reference(x, w, quantize=quantize)[0])
 
 
-def test_fp4_matmul_w4a4_and_bf16_inputs():
-  x = _rand(3, (2, 3, 64))  # leading batch axes
-  w = fp4.quantize(_rand(4, (64, 32), 0.1), "nvfp4", axis=0)
-  xq = fp4.quantize(x, "nvfp4", global_group="row")
-  y = kernels.fp4_matmul(xq, w, poison=True)
-  assert y.shape == (2, 3, 32)
-  _close(y, fp4_matmul_lib.reference(xq, w))
-  _close(y, fp4.dequantize(xq) @ fp4.dequantize(w))
-  # bf16 activations: c * s_b is exact in bf16, so only the accumulation order differs.
-  xb = x.astype(jnp.bfloat16)
-  _close(kernels.fp4_matmul(xb, w, poison=True), fp4_matmul_lib.reference(xb, w), rtol=1e-5)
-  assert kernels.fp4_matmul(xb, w, out_dtype=jnp.bfloat16).dtype == jnp.bfloat16
+@pytest.mark.parametrize("record, m", [("compact", 3), ("full", 17)])
+def test_fp4_gemm_records_the_rollouts_quantization_bit_for_bit(record, m):
+  """The prologue's record (what guidance stores) is `fp4.quantize` of x per row, ties,
+  zero rows, non-finite rows and padded rows included; a split K writes each part."""
+  x = _rand(7, (m, 256)).astype(jnp.bfloat16)
+  x = x.at[0].set(0.0).at[1, 5].set(jnp.nan).at[2, 9].set(-jnp.inf)
+  w = fp4.quantize(_rand(8, (256, 32), 0.1), axis=0)
+  y, got = kernels.fp4_gemm(x, w, quantize="nvfp4", record=record, k_splits=2, poison=True)
+  q = fp4.quantize(x, "nvfp4", global_group="row")
+  _equal(got, q if record == "full" else fp4.compact_guidance(q))
+  assert np.isnan(np.asarray(y[1:3], np.float32)).all()  # NaN rows stay visible
+  assert np.isfinite(np.asarray(y[3:], np.float32)).all() and not np.asarray(y[0]).any()
 
 
-@pytest.mark.parametrize("sizes", [(3, 0, 20, 0, 7), (0, 0, 16, 0, 0), (1, 2, 3, 4, 5)])
-def test_moe_gmm_ragged_groups_including_empty(sizes):
-  sizes = jnp.array(sizes, jnp.int32)
-  rows, k, n = 36, 64, 48  # rows past sum(sizes) must come out 0
-  lhs = _rand(int(sizes.sum()), (rows, k))
-  w = fp4.quantize(_rand(7, (5, k, n), 0.1), "nvfp4", axis=1, global_group=0)
-  y = kernels.moe_gmm(lhs, w, sizes, poison=True, block_m=16)
-  _close(y, moe_gmm_lib.reference(lhs, w, sizes))
-  _close(y, jax.lax.ragged_dot(lhs, fp4.dequantize(w), sizes, precision=jax.lax.Precision.HIGHEST))
-  assert not np.asarray(y[int(sizes.sum()) :]).any()
+def test_fused_siblings_equal_the_separate_gemms():
+  """q|k|v side by side and gate|up interleaved (SwiGLU) read the same bytes: the fused
+  GEMM gives the per-matrix GEMMs' outputs, and `parts()` gives the matrices back."""
+  x = _rand(1, (3, 64)).astype(jnp.bfloat16)
+  qkv = _shared(
+    *(fp4.quantize(_rand(s, (64, n), 0.1), axis=0) for s, n in ((2, 32), (3, 16), (4, 16)))
+  )
+  fused = layout.fuse(qkv)
+  _equal(fused.parts(), qkv)
+  y, _ = kernels.fp4_gemm(x, fused, quantize="nvfp4", poison=True)
+  separate = [kernels.fp4_gemm(x, w, quantize="nvfp4")[0] for w in qkv]
+  _close(y, jnp.concatenate(separate, axis=1), rtol=1e-6)
+  gate, up = qkv[1:]
+  pair = layout.fuse([gate, up], tile=8)
+  _equal(pair.parts(), [gate, up])
+  h, _ = kernels.fp4_gemm(x, pair, quantize="nvfp4", poison=True)
+  g, u = (s.astype(jnp.float32) for s in separate[1:])
+  _close(h, jax.nn.silu(g) * u)
 
 
-def test_split_k_partial_sums_match_the_references(k_splits=4):
-  """K split over programs (the decode default on a GPU): float32 partial sums, added and
-  scaled after the kernel, give the same products."""
-  x = _rand(11, (5, 256))
-  w = fp4.quantize(_rand(12, (256, 32), 0.1), "mxfp4", axis=0)
-  xq = fp4.quantize(x, "nvfp4", global_group="row")
-  for xx in (x, xq):
-    y = kernels.fp4_matmul(xx, w, poison=True, block_k=64, k_splits=k_splits)
-    _close(y, fp4_matmul_lib.reference(xx, w))
-  sizes = jnp.array([3, 0, 9, 4], jnp.int32)
-  we = fp4.quantize(_rand(13, (4, 256, 16), 0.1), "nvfp4", axis=1, global_group=0)
-  y = kernels.moe_gmm(x.repeat(4, 0), we, sizes, poison=True, block_k=64, k_splits=k_splits)
-  _close(y, moe_gmm_lib.reference(x.repeat(4, 0), we, sizes))
-  assert not np.asarray(y[16:]).any()
-  with pytest.raises(ValueError, match="k_splits=3"):
-    kernels.fp4_matmul(x, w, block_k=64, k_splits=3)
+def test_route_tiles_hold_every_row_once_without_a_sort():
+  experts = jax.random.randint(jax.random.key(0), (9, 3), 0, 5)
+  for block_m in (1, 2, 4):
+    tiles = routing.route_tiles(experts, 5, block_m)
+    rows = np.asarray(tiles.tile_rows)
+    owner = np.asarray(tiles.tile_expert)
+    flat = np.asarray(experts).reshape(-1)
+    assert sorted(rows[rows >= 0].tolist()) == list(range(27))  # each row exactly once
+    for t in range(tiles.num_tiles):
+      mine = rows[t][rows[t] >= 0]
+      assert (flat[mine] == owner[t]).all() and (np.diff(mine) > 0).all()
+      assert (owner[t] >= 0) == (mine.size > 0)
+    position = np.asarray(tiles.row_position)
+    assert (rows.reshape(-1)[position] == np.arange(27)).all()
+  jaxpr = jax.make_jaxpr(lambda e: routing.route_tiles(e, 5, 4))(experts)
+  primitives = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+  assert not primitives & {"sort", "while", "cond"}, primitives
+
+
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_moe_experts_match_the_dequantized_experts(block_m):
+  """Two expert-major grouped GEMMs (gate|up with SwiGLU, down) against each routed row
+  times its expert's dequantized weights; records of moe_in per token and of moe_mid per
+  (token, slot) row equal `fp4.quantize` of those activations. An expert no row chose (4)
+  is skipped."""
+  n, k, d, f, e = 5, 2, 64, 32, 5
+  x = _rand(10, (n, d)).astype(jnp.bfloat16)
+  experts = jax.random.randint(jax.random.key(11), (n, k), 0, 4)  # expert 4 unused
+  w_gate, w_up = _shared(
+    *(fp4.quantize(_rand(s, (e, d, f), 0.1), axis=1, global_group=0) for s in (12, 13))
+  )
+  w_down = fp4.quantize(_rand(14, (e, f, d), 0.1), axis=1, global_group=0)
+  y, h, rec_in, rec_mid = kernels.moe_experts(
+    x, experts, (w_gate, w_up), w_down, quantize_in="nvfp4", quantize_mid="nvfp4",
+    record="compact", poison=True, block_m=block_m,
+  )  # fmt: skip
+  y_ref, h_ref = moe_lib.reference(
+    x, experts, w_gate, w_up, w_down, quantize_in="nvfp4", quantize_mid="nvfp4"
+  )
+  _close(h, h_ref)
+  _close(y, y_ref)
+  _equal(rec_in, fp4.compact_guidance(fp4.quantize(x, global_group="row")))
+  _equal(rec_mid, fp4.compact_guidance(fp4.quantize(h, global_group="row")))
+  # The definition, row by row.
+  xq = fp4.fake_quant(x.astype(jnp.float32), global_group="row")
+  wg, wu, wd = (fp4.dequantize(w) for w in (w_gate, w_up, w_down))
+  for t in range(n):
+    for s in range(k):
+      ex = int(experts[t, s])
+      gate = (xq[t] @ wg[ex]).astype(jnp.bfloat16).astype(jnp.float32)
+      up = (xq[t] @ wu[ex]).astype(jnp.bfloat16).astype(jnp.float32)
+      _close(h[t, s], jax.nn.silu(gate) * up)
 
 
 def _cache_entry(seed, shape):
   return fp4.quantize(_rand(seed, shape), "nvfp4", global_group="row")
 
 
-@pytest.mark.parametrize("groups", [1, 2, 4])
-def test_decode_attention_gqa_lengths_and_masks(groups):
-  b, length, hkv, dh = 3, 40, 2, 32
+@pytest.mark.parametrize(
+  "b, length, hkv, groups, lengths, chunk, splits",
+  [
+    (3, 41, 2, 2, [7, 41, 23], 16, None),  # odd L: the last chunk holds one slot
+    (1, 33, 1, 4, [33], 16, 3),  # batch 1, one KV head: splits fill the GPU
+    (2, 17, 2, 1, [17, 9], 16, 2),
+  ],
+)
+def test_decode_attention_any_length(b, length, hkv, groups, lengths, chunk, splits):
+  dh = 32
   q = _rand(groups, (b, hkv * groups, dh))
-  k, v = _cache_entry(10 + groups, (b, length, hkv, dh)), _cache_entry(20, (b, length, hkv, dh))
-  lengths = jnp.array([7, 40, 23])  # odd lengths, one full
-  valid = jax.random.bernoulli(jax.random.key(groups), 0.7, (b, length)).at[:, 0].set(True)
-  out = kernels.decode_attention(q, k, v, lengths, valid, poison=True, num_splits=5, chunk=8)
-  _close(out, decode_attention_lib.reference(q, k, v, lengths, valid))
+  k, v = _cache_entry(10 + b, (b, length, hkv, dh)), _cache_entry(20 + b, (b, length, hkv, dh))
+  lengths = jnp.array(lengths)
+  valid = jax.random.bernoulli(jax.random.key(b), 0.7, (b, length)).at[:, 0].set(True)
+  out = kernels.decode_attention(q, k, v, lengths, valid, poison=True, chunk=chunk, splits=splits)
+  _close(out, decode_attention_lib.reference(q, k, v, lengths, valid), rtol=1e-5)
   # The definition: the model's attention over the dequantized cache.
   keep = (jnp.arange(length)[None] < lengths[:, None]) & valid
   expected = attend(q[:, None], fp4.dequantize(k), fp4.dequantize(v), keep[:, None])
-  _close(out, expected[:, 0])
+  _close(out, expected[:, 0], rtol=1e-5)
+
+
+def test_attention_splits_fill_the_gpu_at_real_geometry():
+  """At Qwen3-30B-A3B's 4 KV heads, an odd cache (context + 1) of any size gets at least
+  two programs per SM of an H200 (132 SMs), each a run of whole chunks (128 slots, fewer
+  for a short cache at batch 1)."""
+  for b, length in ((1, 32769), (32, 32769), (128, 4097), (1, 4097), (8, 131073)):
+    chunk = decode_attention_lib.default_chunk(length, b, 4)
+    splits, per_split = decode_attention_lib.num_splits(b, 4, length, chunk)
+    chunks = -(-length // chunk)
+    assert b * 4 * splits >= 264, (b, length, chunk, splits)
+    assert (splits - 1) * per_split < chunks <= splits * per_split
+    assert chunk == (32 if (b, length) == (1, 4097) else 128)
+  assert decode_attention_lib.num_splits(1, 4, 300, 128) == (3, 1)  # short: one chunk each
 
 
 def test_decode_attention_without_valid_slots_gives_zero():
   q = _rand(0, (2, 4, 16))
   k, v = _cache_entry(1, (2, 16, 2, 16)), _cache_entry(2, (2, 16, 2, 16))
-  out = kernels.decode_attention(q, k, v, jnp.array([0, 16]), poison=True, num_splits=2)
+  out = kernels.decode_attention(q, k, v, jnp.array([0, 16]), poison=True, chunk=8, splits=2)
   assert not np.asarray(out[0]).any()
-  _close(out, decode_attention_lib.reference(q, k, v, jnp.array([0, 16])))
+  _close(out, decode_attention_lib.reference(q, k, v, jnp.array([0, 16])), rtol=1e-5)
 
 
 def _poison_slots(entry, masked):
@@ -127,8 +220,7 @@ def _poison_slots(entry, masked):
 
 def test_decode_attention_nan_in_masked_slots_does_not_leak():
   """A NaN left in a slot that is masked (past the length, or not valid) must not reach the
-  output through 0 * NaN or p / NaN, in the kernel or in its reference; the output equals
-  the one with those slots holding ordinary values."""
+  output through 0 * NaN or p / NaN; NaN in an attended slot stays visible."""
   b, length, hkv, dh = 2, 32, 2, 32
   q = _rand(7, (b, 2 * hkv, dh))
   k, v = _cache_entry(8, (b, length, hkv, dh)), _cache_entry(9, (b, length, hkv, dh))
@@ -138,45 +230,58 @@ def test_decode_attention_nan_in_masked_slots_does_not_leak():
   assert masked.any()
   clean = decode_attention_lib.reference(q, k, v, lengths, valid)
   k_nan, v_nan = _poison_slots(k, masked), _poison_slots(v, masked)
-  out = kernels.decode_attention(
-    q, k_nan, v_nan, lengths, valid, poison=True, num_splits=2, chunk=8
-  )
-  _close(out, clean)
-  _close(decode_attention_lib.reference(q, k_nan, v_nan, lengths, valid), clean)
-  # NaN in an attended slot stays visible.
+  out = kernels.decode_attention(q, k_nan, v_nan, lengths, valid, poison=True, chunk=16)
+  _close(out, clean, rtol=1e-5)
   attended = jnp.zeros_like(masked).at[0, 0].set(True)
-  out = kernels.decode_attention(
-    q, k, _poison_slots(v, attended), lengths, valid, num_splits=2, chunk=8
-  )
+  out = kernels.decode_attention(q, k, _poison_slots(v, attended), lengths, valid, chunk=16)
   assert np.isnan(np.asarray(out[0])).all() and np.isfinite(np.asarray(out[1])).all()
 
 
 @pytest.mark.parametrize(
-  "fmt, dtype", [("nvfp4", jnp.float32), ("nvfp4", jnp.bfloat16), ("mxfp4", jnp.float32)]
+  "record, keep, t", [("compact", True, 1), ("full", True, 3), ("none", False, 1)]
 )
+def test_write_kv_is_fp4_quantize_in_place(record, keep, t):
+  """Entries and records bit for bit `fp4.quantize` per (token, KV head) row (NaN rows
+  included); a chunk of padding only (keep False) writes blank slots."""
+  b, length, hkv, dh = 2, 9, 3, 32
+  cache_k, cache_v = _cache_entry(1, (b, length, hkv, dh)), _cache_entry(2, (b, length, hkv, dh))
+  k = _rand(3, (b, t, hkv, dh)).astype(jnp.bfloat16).at[0, 0, 1, 3].set(jnp.nan)
+  v = _rand(4, (b, t, hkv, dh)).astype(jnp.bfloat16)
+  got = kernels.write_kv(k, v, cache_k, cache_v, 4, keep, record=record, poison=True)
+  _equal(got, kv_write_lib.reference(k, v, cache_k, cache_v, 4, keep, record=record))
+  written = got[0].global_scale[:, 4 : 4 + t]
+  if keep:
+    np.testing.assert_array_equal(written, fp4.quantize(k, global_group="row").global_scale)
+  else:
+    assert (np.asarray(written) == 1).all() and not np.asarray(got[0].packed[:, 4]).any()
+  _equal([a[:, :4] for a in jax.tree.leaves(got[0])], [a[:, :4] for a in jax.tree.leaves(cache_k)])
+
+
+@pytest.mark.parametrize("fmt, dtype", [("nvfp4", jnp.bfloat16), ("mxfp4", jnp.float32)])
 def test_fused_quantize_is_bit_exact(fmt, dtype):
   x = _rand(5, (3, 11, 64)).astype(dtype)
   x = x.at[0, 0].set(0.0).at[1, 2, 5].set(jnp.nan).at[2, 3, 7].set(1e-30)
   q, bits = kernels.quantize(x, fmt, poison=True)
   ref, ref_bits = quantize_lib.reference(x, fmt)
-  for got, want in zip(jax.tree.leaves((q, bits)), jax.tree.leaves((ref, ref_bits))):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  _equal((q, bits), (ref, ref_bits))
   assert np.isnan(np.asarray(q.global_scale[1, 2])).all()  # NaN stays visible
-  np.testing.assert_array_equal(np.asarray(bits), np.asarray(fp4.mantissa_bits(ref)))
 
 
 def test_bad_input_names_what_is_wrong():
   w = fp4.quantize(_rand(0, (64, 32)), "nvfp4", axis=0)
   with pytest.raises(ValueError, match="K=48 but w has K=64"):
-    kernels.fp4_matmul(jnp.ones((2, 48)), w)
-  with pytest.raises(ValueError, match="2-D fp4.QArray"):
-    kernels.fp4_matmul(jnp.ones((2, 64)), jnp.ones((64, 32)))
-  with pytest.raises(ValueError, match="group_sizes must be"):
-    kernels.moe_gmm(
-      jnp.ones((4, 64)),
-      fp4.quantize(jnp.ones((3, 64, 16)), axis=1, global_group=0),
-      jnp.ones((2,), jnp.int32),
-    )
+    kernels.fp4_gemm(jnp.ones((2, 48)), w)
+  with pytest.raises(ValueError, match="fp4.QArray along K"):
+    kernels.fp4_gemm(jnp.ones((2, 64)), jnp.ones((64, 32)))
+  with pytest.raises(ValueError, match="record needs quantize"):
+    kernels.fp4_gemm(jnp.ones((2, 64)), w, record="compact")
+  with pytest.raises(ValueError, match="k_splits=3"):
+    kernels.fp4_gemm(jnp.ones((2, 64)), w, k_splits=3)
+  with pytest.raises(ValueError, match="tile=8 interleaves two siblings"):
+    layout.fuse([w, w, w], tile=8)
+  with pytest.raises(ValueError, match="splits=9"):
+    cache = _cache_entry(0, (1, 16, 1, 16))
+    kernels.decode_attention(jnp.ones((1, 1, 16)), cache, cache, jnp.array([4]), splits=9)
   with pytest.raises(ValueError, match="multiple of 16"):
     kernels.quantize(jnp.ones((2, 40)))
   with pytest.raises(ValueError, match="kernels='cuda'"):
@@ -186,20 +291,64 @@ def test_bad_input_names_what_is_wrong():
   assert kernels.resolve("auto") == ("pallas" if jax.default_backend() == "gpu" else "xla")
 
 
-@pytest.mark.slow  # ~1 min; each kernel is checked against its reference() in the default suite
-def test_generation_with_pallas_kernels_equals_the_xla_path(monkeypatch):
-  """A whole tiny-model FP4 generation (prefill and decode, FP4 cache) with every kernel in
-  interpret mode gives the XLA path's tokens and log-probabilities (float32 compute: the
-  two differ only in summation order)."""
-  calls = {name: 0 for name in ("fp4_matmul", "moe_gmm", "decode_attention", "quantize")}
-  for name in calls:
-    original = getattr(kernels, name)
+def test_tie_oracle_flips_under_a_reciprocal_and_not_on_the_xla_path():
+  """The probe's oracle has teeth (a reciprocal multiply rounds hundreds of its exact ties
+  the other way), and XLA's own quantization matches the host's bit for bit."""
+  from trace_jax.fp4 import ties  # noqa: PLC0415
 
-    def counted(*args, _original=original, _name=name, **kw):
-      calls[_name] += 1
-      return _original(*args, **kw)
+  x = ties.tie_rows(rows=32)
+  codes, scale_bits, gs, values = ties.host_quantize(x, "nvfp4")
+  steps = np.asarray(fp4.e4m3_decode(jnp.asarray(scale_bits))) / gs  # [rows, blocks]
+  xf = np.asarray(x, np.float32).reshape(len(x), -1, 16)
+  reciprocal = ties.host_codes(xf * (np.float32(1) / steps)[..., None])
+  assert (reciprocal.reshape(codes.shape) != codes).sum() > 100
+  q = fp4.quantize(jnp.asarray(x), global_group="row")
+  packed, bits = ties.pack_host(codes)
+  _equal((q.packed, q.scales, q.global_scale, fp4.mantissa_bits(q)), (packed, scale_bits, gs, bits))
+  np.testing.assert_array_equal(fp4.dequantize(q), values)
 
-    monkeypatch.setattr(kernels, name, counted)
+
+@pytest.mark.slow  # ~2 min in interpret mode: every kernel that quantizes, on the oracle
+def test_probe_passes_here_and_names_the_path_and_field_that_differ(monkeypatch):
+  """Every path is bit-equal on the tie oracle in interpret mode; one flipped guidance bit
+  in one kernel fails the probe, and the reason (which "auto" records) says where."""
+  verdicts = dispatch.tie_oracle(True, rows=4)
+  assert verdicts and not any(verdicts.values()), verdicts
+  original = quantize_lib.quantize
+
+  def off_by_one_bit(x, fmt="nvfp4", **kw):
+    q, bits = original(x, fmt, **kw)
+    return q, bits.at[0, 0].set(bits[0, 0] ^ 1)
+
+  monkeypatch.setattr(quantize_lib, "quantize", off_by_one_bit)
+  verdicts = dispatch.tie_oracle(True, rows=4)
+  assert verdicts["pallas quantize (nvfp4)"] == "bits (1 differ)"
+  dispatch.probe_failure.cache_clear()
+  try:
+    reason = dispatch.probe_failure(True)
+  finally:
+    dispatch.probe_failure.cache_clear()
+  assert "pallas quantize (nvfp4): bits (1 differ)" in reason
+
+
+def test_auto_probe_runs_eagerly_even_when_first_asked_inside_a_trace(monkeypatch):
+  """`kernels="auto"` on a GPU first checks the kernels (else falls back to XLA with a
+  warning); the check must run eagerly even when first needed inside a trace."""
+  seen = []  # float() of a computed value fails inside a trace: the probe must be eager
+  monkeypatch.setattr(dispatch, "_probe", lambda interpret: seen.append(float(jnp.ones(()) + 1)))
+  dispatch.probe_failure.cache_clear()
+  try:
+    assert jax.jit(lambda x: x * dispatch.probe(True))(1.0) == 1.0
+  finally:
+    dispatch.probe_failure.cache_clear()
+  assert seen == [2.0]
+
+
+@pytest.mark.slow  # ~2 min: a whole generation with every kernel in interpret mode
+def test_generation_with_pallas_kernels_equals_the_xla_path():
+  """A whole tiny-model FP4 generation (prefill and decode, FP4 cache, compact guidance)
+  with every kernel in interpret mode gives the XLA path's tokens, log-probabilities (float32
+  compute: the two differ only in summation order) and guidance records."""
   policy = M.Transformer(M.tiny(), rngs=nnx.Rngs(3))
   prompts = [[5, 17, 3], [9, 2, 44, 7, 61, 8, 30], [100]]
   results = {}
@@ -207,22 +356,25 @@ def test_generation_with_pallas_kernels_equals_the_xla_path(monkeypatch):
     config = R.RolloutConfig(
       precision="fp4",
       compute_dtype="float32",
-      guidance="none",
+      guidance="compact",
+      guided_layers="all",
       max_len=16,
       prompt_bucket=8,
       kernels=mode,
       sampling=R.SamplingConfig(greedy=True, max_new_tokens=5),
     )
-    results[mode] = R.RolloutEngine(policy, config).generate(prompts, jax.random.key(0))
-  assert all(calls.values()), calls  # every kernel ran in the pallas generation
+    engine = R.RolloutEngine(policy, config)
+    assert engine.kernels == mode
+    results[mode] = engine.generate(prompts, jax.random.key(0))
   xla_run, pallas_run = results["xla"], results["pallas"]
   np.testing.assert_array_equal(np.asarray(pallas_run.tokens), np.asarray(xla_run.tokens))
-  np.testing.assert_array_equal(
-    np.asarray(pallas_run.response_mask), np.asarray(xla_run.response_mask)
-  )
   np.testing.assert_allclose(
     np.asarray(pallas_run.logprobs), np.asarray(xla_run.logprobs), atol=1e-4
   )
+  mask = np.asarray(xla_run.mask)
+  for key, record in xla_run.guidance.sites.items():
+    for a, b in zip(jax.tree.leaves(record), jax.tree.leaves(pallas_run.guidance.sites[key])):
+      np.testing.assert_array_equal(np.asarray(a)[mask], np.asarray(b)[mask], err_msg=str(key))
 
 
 @pytest.mark.slow
@@ -239,34 +391,5 @@ def test_bench_kernels_smoke_runs():
     timeout=600,
   )
   assert result.returncode == 0, result.stderr[-3000:]
-  for kernel in ("fp4_matmul", "moe_gmm", "decode_attention", "quantize"):
+  for kernel in ("fp4_gemm", "moe_experts", "decode_attention", "quantize"):
     assert f"| {kernel} | 1 | pallas" in result.stdout
-
-
-def test_auto_probe_checks_every_kernel_even_when_first_asked_inside_a_trace():
-  """`kernels="auto"` on a GPU first checks that the kernels compile and agree with their
-  references (else it falls back to XLA with a warning); the check must run eagerly even
-  when it is first needed while the model is being traced."""
-  dispatch.probe_failure.cache_clear()
-  assert jax.jit(lambda x: x * dispatch.probe(True))(1.0) == 1.0
-
-
-def test_probe_failure_names_the_kernel_and_the_differing_field(monkeypatch):
-  """The probe holds the fused quantize to bit-exactness: one flipped guidance bit is a
-  failure, and its reason (which `resolve_with_reason` and the run records) says where."""
-
-  def off_by_one_bit(x, fmt="nvfp4", **kw):
-    q, bits = quantize_lib.reference(x, fmt)
-    return q, bits.at[0, 0].set(bits[0, 0] ^ 1)
-
-  monkeypatch.setattr(quantize_lib, "quantize", off_by_one_bit)
-  dispatch.probe_failure.cache_clear()
-  try:
-    reason = dispatch.probe_failure(True)
-  finally:
-    dispatch.probe_failure.cache_clear()
-  assert "quantize (nvfp4): mantissa_bits differ" in reason
-  assert kernels.resolve_with_reason("pallas") == ("pallas", None)
-  if jax.default_backend() != "gpu":
-    implementation, why = kernels.resolve_with_reason("auto")
-    assert implementation == "xla" and "not a GPU" in why

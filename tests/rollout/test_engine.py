@@ -263,3 +263,25 @@ def test_bad_input_is_rejected_before_any_work(policy, f32_greedy):
     R.RolloutEngine(policy, R.RolloutConfig(sampling=R.SamplingConfig(stop_tokens=(999,))))
   with pytest.raises(ValueError, match="bf16 rollout"):
     R.RolloutConfig(precision="bf16", guidance="compact")
+
+
+def test_weights_fused_for_the_kernels_come_back_bit_for_bit(policy):
+  """The engine's kernel layout (q|k|v and gate|up in one matrix each) holds the per-matrix
+  weights' bytes: `unfuse` gives `quantize_params` back exactly (what the export writes),
+  and a fused weight dequantizes as its siblings do."""
+  from trace_jax.kernels import layout  # noqa: PLC0415
+  from trace_jax.rollout.params import fuse_for_kernels, unfuse  # noqa: PLC0415
+
+  packed = R.quantize_params(nnx.state(policy), M.QuantConfig())
+  fused = fuse_for_kernels(packed)
+  attn = fused["blocks"][0]["attn"]
+  assert isinstance(attn["q_proj"].get_value(), layout.FusedWeight)
+  assert isinstance(attn["v_proj"].get_value(), layout.FusedPart)
+  experts = fused["blocks"][0]["moe"]["w_gate"].get_value()
+  assert experts.tile is not None and experts.packed.ndim == 3
+  jax.tree.map(np.testing.assert_array_equal, unfuse(fused), packed)
+  sq = SiteQuantizer(M.QuantConfig(), policy.cfg.num_layers, jnp.float32)
+  names = ("q_proj", "k_proj", "v_proj")
+  from_fused = sq.weight_group([attn[n].get_value() for n in names], "attention")
+  per_matrix = [fp4.dequantize(packed["blocks"][0]["attn"][n].get_value()) for n in names]
+  jax.tree.map(np.testing.assert_array_equal, list(from_fused), per_matrix)

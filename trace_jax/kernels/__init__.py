@@ -4,10 +4,15 @@ Each module holds a kernel and its `reference()` (the same math in plain XLA); e
 takes `interpret=` (default: interpret mode unless on a GPU) and `poison=` (tests). Without
 kernels the model dequantizes and runs XLA dots (`experiments/bench_kernels.py` times both).
 
-  fp4_matmul        x [M, K] (bf16, or FP4 per token) @ FP4 weight [K, N]
-  moe_gmm           grouped matmul over FP4 expert weights (ragged_dot semantics)
-  decode_attention  one query token over the FP4 KV cache, flash-decoding splits
+  gemm              the FP4 GEMM: x quantized per token in its prologue (with its guidance
+                    record), FP4 weight decoded in registers; dense (q|k|v fused, split-K
+                    at decode) and grouped over experts (expert-major, SwiGLU epilogue)
+  routing           sort-free expert-major tiles of routed rows (for the grouped GEMM)
+  moe               a MoE layer's routed experts: two grouped GEMMs
+  decode_attention  one query token over the FP4 KV cache, flash-decoding for any length
+  kv_write          new K/V entries quantized and written into the FP4 cache in place
   quantize          fused per-token NVFP4/MXFP4 quantization + compact guidance bits
+  layout            sibling weights fused at weight sync (q|k|v, gate|up) for the kernels
 
 `dispatch.resolve("auto" | "pallas" | "xla")` picks the implementation (`resolve_with_reason`
 also says why "auto" fell back to XLA); the model and the rollout engine take it as
@@ -16,11 +21,14 @@ lowers them for CUDA, and compiles them to sm_90 cubins, on a machine without a 
 """
 
 from trace_jax.kernels import decode_attention as decode_attention_lib
-from trace_jax.kernels import fp4_matmul as fp4_matmul_lib
-from trace_jax.kernels import moe_gmm as moe_gmm_lib
+from trace_jax.kernels import gemm as gemm_lib
+from trace_jax.kernels import kv_write as kv_write_lib
+from trace_jax.kernels import layout, routing
+from trace_jax.kernels import moe as moe_lib
 from trace_jax.kernels import quantize as quantize_lib
 from trace_jax.kernels.decode_attention import decode_attention
 from trace_jax.kernels.dispatch import KERNEL_MODES, check_mode, resolve, resolve_with_reason
-from trace_jax.kernels.fp4_matmul import fp4_matmul
-from trace_jax.kernels.moe_gmm import moe_gmm
+from trace_jax.kernels.gemm import fp4_gemm, fp4_grouped_gemm
+from trace_jax.kernels.kv_write import write_kv
+from trace_jax.kernels.moe import moe_experts
 from trace_jax.kernels.quantize import quantize

@@ -18,6 +18,7 @@ one inside XLA, so a module it compiles is strong evidence, not proof, that XLA 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.util
 import json
@@ -30,6 +31,7 @@ import tempfile
 import jax
 
 from trace_jax import _jax_private  # jaxlib's MLIR bindings, Pallas' Triton-dialect context
+from trace_jax.kernels import dispatch
 
 ir = _jax_private.mlir_ir
 
@@ -65,37 +67,107 @@ class CompiledKernel:
 
 
 def lower(fn, *args, **kwargs) -> jax.stages.Lowered:
-  """`fn(*args, **kwargs)` lowered for CUDA on any machine (args may be ShapeDtypeStructs)."""
-  return jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+  """`fn(*args, **kwargs)` lowered for CUDA on any machine (args may be ShapeDtypeStructs),
+  kernels compiled (`dispatch.compiled_kernels`: not their interpret-mode emulation)."""
+  with dispatch.compiled_kernels():
+    return jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
 
 
-def triton_calls(lowered: jax.stages.Lowered) -> list[TritonCall]:
-  """The Triton kernels inside a CUDA lowering, in program order."""
-  calls = []
+def _walk(lowered: jax.stages.Lowered):
+  """Every op the program executes, in program order, through `func.call`s (a function
+  called twice is walked twice: counts are per execution, not per definition)."""
+  module = lowered.compiler_ir("stablehlo")
+  functions = {
+    ir.StringAttr(op.attributes["sym_name"]).value: op.operation for op in module.body.operations
+  }
 
   def walk(op):
     for region in op.regions:
       for block in region.blocks:
         for child in block.operations:
           child = child.operation
-          if (
-            child.name == "stablehlo.custom_call"
-            and ir.StringAttr(child.attributes["call_target_name"]).value == _TRITON_CALL
-          ):
-            config = ir.DictAttr(child.attributes["mhlo.backend_config"])
-            number = lambda key, c=config: ir.IntegerAttr(c[key]).value  # noqa: E731
-            calls.append(
-              TritonCall(
-                name=ir.StringAttr(config["name"]).value,
-                ttir=ir.StringAttr(config["ir"]).value_bytes,
-                num_warps=number("num_warps"),
-                num_stages=number("num_stages"),
-                grid=(number("grid_x"), number("grid_y"), number("grid_z")),
-              )
-            )
-          walk(child)
+          if child.name == "func.call":
+            yield from walk(functions[ir.FlatSymbolRefAttr(child.attributes["callee"]).value])
+            continue
+          yield child
+          yield from walk(child)
 
-  walk(lowered.compiler_ir("stablehlo").operation)
+  yield from walk(functions["main"])
+
+
+# StableHLO ops that move or relabel data without computing on it, or only build
+# constants: a reshape, a broadcast, a dtype cast, a slice of an operand, a constant or
+# iota, the plumbing of regions and tuples. XLA fuses them into their consumers (or they
+# are free: a bitcast, a reshape of a contiguous array), so they are not counted as work.
+TRIVIAL_OPS = frozenset(
+  {
+    "func.return",
+    "stablehlo.return",
+    "stablehlo.constant",
+    "stablehlo.iota",
+    "stablehlo.reshape",
+    "stablehlo.broadcast_in_dim",
+    "stablehlo.convert",
+    "stablehlo.bitcast_convert",
+    "stablehlo.slice",
+    "stablehlo.tuple",
+    "stablehlo.get_tuple_element",
+    "stablehlo.optimization_barrier",
+    "sdy.sharding_constraint",
+  }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCounts:
+  """What a CUDA lowering runs: Triton kernels, and XLA ops by kind."""
+
+  triton_kernels: int  # Pallas kernel launches (custom calls), per execution
+  xla_ops: collections.Counter  # every other op, by name
+  # Non-trivial XLA ops: everything but `TRIVIAL_OPS` and the kernels themselves; the
+  # regions of reductions and sorts are counted as ops of their own (a `stablehlo.add`
+  # inside a reduce), so an op with a body counts its body too.
+
+  @property
+  def non_trivial(self) -> int:
+    return sum(n for name, n in self.xla_ops.items() if name not in TRIVIAL_OPS)
+
+  @property
+  def loops_and_sorts(self) -> int:
+    return self.xla_ops["stablehlo.while"] + self.xla_ops["stablehlo.sort"]
+
+
+def op_counts(lowered: jax.stages.Lowered) -> OpCounts:
+  """Count a CUDA lowering's Triton kernels and XLA ops (see `OpCounts`)."""
+  kernels, ops = 0, collections.Counter()
+  for op in _walk(lowered):
+    if op.name == "stablehlo.custom_call" and _target(op) == _TRITON_CALL:
+      kernels += 1
+    else:
+      ops[op.name] += 1
+  return OpCounts(triton_kernels=kernels, xla_ops=ops)
+
+
+def _target(op) -> str:
+  return ir.StringAttr(op.attributes["call_target_name"]).value
+
+
+def triton_calls(lowered: jax.stages.Lowered) -> list[TritonCall]:
+  """The Triton kernels inside a CUDA lowering, in program order, one per launch."""
+  calls = []
+  for child in _walk(lowered):
+    if child.name == "stablehlo.custom_call" and _target(child) == _TRITON_CALL:
+      config = ir.DictAttr(child.attributes["mhlo.backend_config"])
+      number = lambda key, c=config: ir.IntegerAttr(c[key]).value  # noqa: E731
+      calls.append(
+        TritonCall(
+          name=ir.StringAttr(config["name"]).value,
+          ttir=ir.StringAttr(config["ir"]).value_bytes,
+          num_warps=number("num_warps"),
+          num_stages=number("num_stages"),
+          grid=(number("grid_x"), number("grid_y"), number("grid_z")),
+        )
+      )
   return calls
 
 

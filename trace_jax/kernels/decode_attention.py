@@ -5,16 +5,19 @@
 over the slots s < lengths[b] that `valid` marks (G = H / Hkv query heads per KV head).
 K and V are the cache's `fp4.QArray`s [B, L, Hkv, Dh]: packed codes, E4M3 scales per 16
 elements of a head, one global scale per (token, KV head). The kernel reads the packed
-bytes, forms c * s_b in registers and divides by each token's global scale after the dot
-over Dh (for K, on the scores; for V, folded into the probabilities), so a cache entry is
-never dequantized in memory. Masked slots are zeroed before every product, so a NaN left in
-a slot that is not attended to (0 * NaN) cannot reach the output; NaN in an attended slot
-stays visible.
+bytes, forms c * s_b in bf16 registers (`fp4.tiles.scaled_pairs_bf16`) and divides by each
+token's global scale after the dot over Dh (for K, on the scores; for V, folded into the
+probabilities), so a cache entry is never dequantized in memory. Masked slots are zeroed
+before every product, so a NaN left in a slot that is not attended to (0 * NaN) cannot
+reach the output; NaN in an attended slot stays visible.
 
-Grid: (B, Hkv, splits). Each program takes one split of the slots, walks it in chunks with
-an online softmax (skipping chunks past the sequence's length) and writes an unnormalised
-partial (out, max, sum); a small XLA step combines the splits. A sequence with no valid
-slot gets 0 (the engine never asks for one: a decode step attends to itself).
+Grid: (B, Hkv, S) over any length L: the slots are cut into `chunk`-slot chunks (the last
+one partial: L = context + 1 is odd), S splits of whole chunks, and S chosen from B * Hkv
+and L so that there are at least `TARGET_PROGRAMS` programs (two per SM of an H100/H200)
+whenever L has that many 32-slot chunks (`num_splits`, `default_chunk`). Each program walks its split with an
+online softmax (stopping at the sequence's length) and writes an unnormalised partial
+(out, max, sum); a second small kernel (grid B x H) combines the splits of each head. A
+sequence with no valid slot gets 0 (the engine never asks for one: a step attends to itself).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from trace_jax import fp4
 from trace_jax.fp4 import tiles
@@ -31,6 +35,7 @@ from trace_jax.kernels import dispatch
 
 _F32 = jnp.float32
 _NEG = -1e30  # the running max before any valid slot (finite: no inf - inf)
+TARGET_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs)
 
 
 def _check(q, k, v, lengths, valid):
@@ -55,77 +60,113 @@ def _check(q, k, v, lengths, valid):
   return b, length, hkv, 2 * half
 
 
-def _kernel(
-  len_ref,
-  qe_ref,
-  qo_ref,
-  kp_ref,
-  ks_ref,
-  kg_ref,
-  vp_ref,
-  vs_ref,
-  vg_ref,
-  valid_ref,
-  oe_ref,
-  oo_ref,
-  m_ref,
-  l_ref,
-  *,
-  fmt,
-  split,
-  chunk,
-  dtype,
-):
-  b, s = pl.program_id(0), pl.program_id(2)
-  groups, half = qe_ref.shape
-  first = s * split
-  scale = (2 * half) ** -0.5
-  chunks = jnp.clip((len_ref[b] - first + chunk - 1) // chunk, 0, split // chunk)
-  q_even, q_odd = qe_ref[...].astype(dtype), qo_ref[...].astype(dtype)
+def default_chunk(length: int, batch: int = 1, kv_heads: int = 1) -> int:
+  """Slots per inner step: 128 (a short cache: the smallest power of two >= 16 holding it),
+  halved down to 32 while the cache has too few chunks for `TARGET_PROGRAMS` programs."""
+  chunk = 128 if length >= 128 else max(16, 1 << (length - 1).bit_length())
+  while chunk > 32 and -(-length // chunk) * batch * kv_heads < TARGET_PROGRAMS:
+    chunk //= 2
+  return chunk
+
+
+def num_splits(batch: int, kv_heads: int, length: int, chunk: int) -> tuple[int, int]:
+  """(splits, chunks per split) for B x Hkv heads over L slots: the longest splits of whole
+  chunks that still give every SM two programs (`TARGET_PROGRAMS`), or one chunk a split
+  when the cache is too short for that."""
+  chunks = -(-length // chunk)
+  wanted = -(-TARGET_PROGRAMS // (batch * kv_heads))  # splits per head for the target
+  per_split = max(1, chunks // wanted)
+  return -(-chunks // per_split), per_split
+
+
+def _attention_kernel(
+  len_ref, q_ref, kp_ref, ks_ref, kg_ref, vp_ref, vs_ref, vg_ref, valid_ref, o_ref, m_ref, l_ref,
+  *, fmt, groups, rows, chunk, per_split, length, dtype,
+):  # fmt: skip
+  b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  dh = q_ref.shape[-1]
+  first = s * per_split * chunk
+  n = len_ref[b]
+  steps = jnp.clip((jnp.minimum(n, length) - first + chunk - 1) // chunk, 0, per_split)
+  head_rows = jax.lax.broadcasted_iota(jnp.int32, (rows, dh), 0) < groups
+  q = plgpu.load(q_ref.at[b, pl.ds(h * groups, rows), :], mask=head_rows, other=0)
+  q_even, q_odd = (a.reshape(rows, dh // 2) for a in jnp.split(q.reshape(rows, dh // 2, 2), 2, 2))
+  q_even, q_odd = q_even.astype(dtype), q_odd.astype(dtype)
+  scale = dh**-0.5
   contract_last = (((1,), (1,)), ((), ()))
 
   def step(c, carry):
     out_even, out_odd, m, l = carry
-    slots = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-    k_even, k_odd = tiles.scaled_pairs(kp_ref[slots, :], ks_ref[slots, :], fmt, axis=1)
+    start = pl.multiple_of(first + c * chunk, chunk)
+    slots = pl.ds(start, chunk)
+    position = start + jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    inside = position < length  # the last chunk may run past the cache
+    keep = inside & (position < n) & (plgpu.load(valid_ref.at[b, slots], mask=inside, other=0) != 0)
+
+    def load(ref, width):
+      mask = jnp.broadcast_to(inside[:, None], (chunk, width))
+      return plgpu.load(ref.at[b, slots, h, :], mask=mask, other=0)
+
+    k_even, k_odd = tiles.scaled_pairs_bf16(
+      load(kp_ref, dh // 2), load(ks_ref, ks_ref.shape[-1]), fmt, axis=1
+    )
     scores = jax.lax.dot_general(
       q_even, k_even.astype(dtype), contract_last, preferred_element_type=_F32
-    ) + jax.lax.dot_general(
-      q_odd, k_odd.astype(dtype), contract_last, preferred_element_type=_F32
-    )  # [G, chunk]
-    scores = scores / kg_ref[slots, :].reshape(1, chunk) * scale
-    position = first + c * chunk + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-    keep = (position < len_ref[b]) & (valid_ref[slots].reshape(1, chunk) != 0)
-    m_new = jnp.maximum(m, jnp.max(jnp.where(keep, scores, _NEG), axis=1, keepdims=True))
+    ) + jax.lax.dot_general(q_odd, k_odd.astype(dtype), contract_last, preferred_element_type=_F32)
+    k_scale = jnp.where(keep, load(kg_ref, 1).reshape(chunk), 1.0)
+    scores = scores / k_scale[None, :] * scale  # [rows, chunk]
+    m_new = jnp.maximum(m, jnp.max(jnp.where(keep[None, :], scores, _NEG), axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)
-    p = jnp.where(keep, jnp.exp(scores - m_new), 0.0)
+    p = jnp.where(keep[None, :], jnp.exp(scores - m_new), 0.0)
     l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
     # Masked slots may hold anything (a NaN global or block scale of a skipped token): zero
     # them before the products, since p = 0 there and 0 * NaN (or 0 / NaN) would be NaN.
-    v_scale = jnp.where(keep, vg_ref[slots, :].reshape(1, chunk), 1.0)
-    pv = (p / v_scale).astype(dtype)  # V's global scale, folded
-    v_even, v_odd = tiles.scaled_pairs(vp_ref[slots, :], vs_ref[slots, :], fmt, axis=1)
-    row = first + c * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-    keep_rows = (row < len_ref[b]) & (valid_ref[slots].reshape(chunk, 1) != 0)  # keep, as a column
-    v_even, v_odd = jnp.where(keep_rows, v_even, 0.0), jnp.where(keep_rows, v_odd, 0.0)
-    out_even = alpha * out_even + jnp.dot(pv, v_even.astype(dtype), preferred_element_type=_F32)
-    out_odd = alpha * out_odd + jnp.dot(pv, v_odd.astype(dtype), preferred_element_type=_F32)
+    v_scale = jnp.where(keep, load(vg_ref, 1).reshape(chunk), 1.0)
+    pv = (p / v_scale[None, :]).astype(dtype)  # V's global scale, folded
+    v_even, v_odd = tiles.scaled_pairs_bf16(
+      load(vp_ref, dh // 2), load(vs_ref, vs_ref.shape[-1]), fmt, axis=1
+    )
+    kept = keep[:, None]
+    v_even, v_odd = (
+      jnp.where(kept, v_even, 0).astype(dtype),
+      jnp.where(kept, v_odd, 0).astype(dtype),
+    )
+    out_even = alpha * out_even + jnp.dot(pv, v_even, preferred_element_type=_F32)
+    out_odd = alpha * out_odd + jnp.dot(pv, v_odd, preferred_element_type=_F32)
     return out_even, out_odd, m_new, l
 
   init = (
-    jnp.zeros((groups, half), _F32),
-    jnp.zeros((groups, half), _F32),
-    jnp.full((groups, 1), _NEG, _F32),
-    jnp.zeros((groups, 1), _F32),
+    jnp.zeros((rows, dh // 2), _F32),
+    jnp.zeros((rows, dh // 2), _F32),
+    jnp.full((rows, 1), _NEG, _F32),
+    jnp.zeros((rows, 1), _F32),
   )
-  out_even, out_odd, m, l = jax.lax.fori_loop(0, chunks, step, init)
-  oe_ref[...], oo_ref[...] = out_even, out_odd
-  m_ref[...], l_ref[...] = m, l
+  out_even, out_odd, m, l = jax.lax.fori_loop(0, steps, step, init)
+  out = jnp.stack([out_even, out_odd], axis=-1).reshape(rows, dh)  # even/odd interleaved
+  plgpu.store(o_ref.at[b, pl.ds(h * groups, rows), s, :], out, mask=head_rows)
+  stat_rows = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < groups
+  plgpu.store(m_ref.at[b, pl.ds(h * groups, rows), pl.ds(s, 1)], m, mask=stat_rows)
+  plgpu.store(l_ref.at[b, pl.ds(h * groups, rows), pl.ds(s, 1)], l, mask=stat_rows)
 
 
-@functools.partial(
-  jax.jit, static_argnames=("interpret", "poison", "num_splits", "chunk", "num_warps", "num_stages")
-)
+def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits, width):
+  """One head of one sequence: the splits' partials rescaled to the overall max, summed
+  and normalised (0 when no slot was valid)."""
+  b, h = pl.program_id(0), pl.program_id(1)
+  dh = o_ref.shape[-1]
+  used = jax.lax.broadcasted_iota(jnp.int32, (width,), 0) < splits
+  m = plgpu.load(m_ref.at[b, h, pl.ds(0, width)], mask=used, other=_NEG)
+  l = plgpu.load(l_ref.at[b, h, pl.ds(0, width)], mask=used, other=0.0)
+  parts = plgpu.load(
+    o_ref.at[b, h, pl.ds(0, width), :], mask=jnp.broadcast_to(used[:, None], (width, dh)), other=0.0
+  )
+  weight = jnp.where(used, jnp.exp(m - jnp.max(m)), 0.0)
+  total = jnp.sum(weight * l)
+  out = jnp.sum(weight[:, None] * parts, axis=0, keepdims=True)  # [1, Dh]
+  out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+  out_ref[b, pl.ds(h, 1), :] = out.astype(out_ref.dtype)
+
+
 def decode_attention(
   q: jax.Array,
   k: fp4.QArray,
@@ -135,8 +176,8 @@ def decode_attention(
   *,
   interpret: bool | None = None,
   poison: bool = False,
-  num_splits: int | None = None,
   chunk: int | None = None,
+  splits: int | None = None,
   num_warps: int | None = None,
   num_stages: int = 2,
 ) -> jax.Array:
@@ -144,90 +185,96 @@ def decode_attention(
 
   Args:
     q: [B, H, Dh] queries (after RoPE), bf16 or float32.
-    k, v: FP4 cache entries, `fp4.QArray` [B, L, Hkv, Dh] along Dh.
+    k, v: FP4 cache entries, `fp4.QArray` [B, L, Hkv, Dh] along Dh; any L.
     lengths: int [B]: slots [0, length) may be attended to.
     valid: optional bool [B, L]: which of those slots hold real tokens (left padding).
-    interpret, poison: as in `fp4_matmul`.
-    num_splits: splits of the L slots (flash-decoding); default up to 8.
-    chunk: slots per inner step; default the largest power of two up to 128 dividing L.
-    num_warps, num_stages: Triton params (compiled only). Default 8 warps for 128-slot
-      chunks (at 4 warps a thread holds 255 registers and spills, compiled for sm_90 at
-      Qwen3-30B-A3B shapes) and 4 for smaller ones; 2 stages prefetch the next chunk's K
-      and V bytes while this one is computed (the loop's trip count depends on the
-      length, so deeper pipelines mostly prefetch past the end).
+    interpret, poison: as the other kernels.
+    chunk: slots per inner step (a power of two; default `default_chunk`).
+    splits: splits of the slots (default `num_splits`: enough programs for the GPU).
+    num_warps, num_stages: Triton params (compiled only): 8 warps for 128-slot chunks
+      (at 4 a thread needs more than 255 registers), 4 below; 2 stages prefetch the next
+      chunk's K and V bytes while this one is computed.
 
   Returns:
     [B, H, Dh] in q's dtype.
   """
   b, length, hkv, dh = _check(q, k, v, lengths, valid)
-  h = q.shape[1]
-  groups = h // hkv
-  if num_splits is not None and (num_splits <= 0 or length % num_splits):
-    raise ValueError(f"decode_attention: num_splits={num_splits} must divide L={length}")
-  sizes = (128, 64, 32, 16, 8, 4, 2, 1)
-  chunk = chunk or dispatch.block_size(length // (num_splits or 1), sizes, "L / num_splits")
-  num_splits = num_splits or dispatch.block_size(length // chunk, (8, 4, 2, 1), "L / chunk")
-  if length % (num_splits * chunk):
-    raise ValueError(
-      f"decode_attention: num_splits={num_splits} x chunk={chunk} must divide L={length}"
-    )
-  split = length // num_splits
+  chunk = chunk or default_chunk(length, b, hkv)
+  if chunk < 1 or chunk & (chunk - 1):
+    raise ValueError(f"decode_attention: chunk={chunk} must be a power of two")
+  chunks = -(-length // chunk)
+  if splits is None:
+    splits, per_split = num_splits(b, hkv, length, chunk)
+  elif not 1 <= splits <= chunks:
+    raise ValueError(f"decode_attention: splits={splits} must lie in [1, {chunks}] for L={length}")
+  else:
+    per_split = -(-chunks // splits)
+    splits = -(-chunks // per_split)
   interpret = dispatch.interpret_default(interpret)
-  padded = groups if interpret else max(16, groups)  # GPU dots want >= 16 rows
-  qg = q.reshape(b, hkv, groups, dh)
-  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded - groups), (0, 0)))
-  valid = jnp.ones((b, length), jnp.int32) if valid is None else valid.astype(jnp.int32)
-  dtype = q.dtype
+  valid = jnp.ones((b, length), jnp.int8) if valid is None else valid.astype(jnp.int8)
+  launch = (interpret, poison, num_warps or (8 if chunk >= 128 else 4), num_stages)
+  return _attention(q, k, v, lengths.astype(jnp.int32), valid, chunk, splits, per_split, *launch)
 
-  def cache_spec(last):
-    return pl.BlockSpec((None, split, None, last), lambda i, j, s: (i, s, j, 0))
 
-  head_spec = pl.BlockSpec((None, None, padded, dh // 2), lambda i, j, s: (i, j, 0, 0))
-  part_spec = pl.BlockSpec((None, None, None, padded, dh // 2), lambda i, j, s: (i, j, s, 0, 0))
-  stat_spec = pl.BlockSpec((None, None, None, padded, 1), lambda i, j, s: (i, j, s, 0, 0))
-  part_shape = jax.ShapeDtypeStruct((b, hkv, num_splits, padded, dh // 2), _F32)
-  stat_shape = jax.ShapeDtypeStruct((b, hkv, num_splits, padded, 1), _F32)
-  kernel = functools.partial(_kernel, fmt=k.fmt, split=split, chunk=chunk, dtype=dtype)
-  out_even, out_odd, m, l = dispatch.pallas_call(
+@functools.partial(jax.jit, static_argnums=tuple(range(5, 12)))
+def _attention(q, k, v, lengths, valid, chunk, splits, per_split, interpret, poison, warps, stages):
+  b, h, dh = q.shape
+  length, hkv = k.packed.shape[1], k.packed.shape[2]
+  groups = h // hkv
+  rows = groups if interpret else max(16, groups)  # GPU dots want >= 16 rows
+  whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731
+  inputs = (
+    lengths,
+    q,
+    k.packed,
+    k.scales,
+    k.global_scale.astype(_F32),
+    v.packed,
+    v.scales,
+    v.global_scale.astype(_F32),
+    valid,
+  )
+  part = jax.ShapeDtypeStruct((b, h, splits, dh), _F32)
+  stat = jax.ShapeDtypeStruct((b, h, splits), _F32)
+  kernel = functools.partial(
+    _attention_kernel,
+    fmt=k.fmt,
+    groups=groups,
+    rows=rows,
+    chunk=chunk,
+    per_split=per_split,
+    length=length,
+    dtype=q.dtype,
+  )
+  parts, m, l = dispatch.pallas_call(
     kernel,
-    out_shape=[part_shape, part_shape, stat_shape, stat_shape],
-    grid=(b, hkv, num_splits),
-    in_specs=[
-      pl.BlockSpec((b,), lambda i, j, s: (0,)),
-      head_spec,
-      head_spec,
-      cache_spec(dh // 2),
-      cache_spec(k.scales.shape[-1]),
-      cache_spec(1),
-      cache_spec(dh // 2),
-      cache_spec(v.scales.shape[-1]),
-      cache_spec(1),
-      pl.BlockSpec((None, split), lambda i, j, s: (i, s)),
-    ],
-    out_specs=[part_spec, part_spec, stat_spec, stat_spec],
-    inputs=(
-      lengths.astype(jnp.int32),
-      *tiles.even_odd(qg),
-      k.packed,
-      k.scales,
-      k.global_scale.astype(_F32),
-      v.packed,
-      v.scales,
-      v.global_scale.astype(_F32),
-      valid,
-    ),
+    out_shape=[part, stat, stat],
+    grid=(b, hkv, splits),
+    in_specs=[whole(a) for a in inputs],
+    out_specs=[whole(part), whole(stat), whole(stat)],
+    inputs=inputs,
     interpret=interpret,
     poison=poison,
     name="decode_attention",
-    num_warps=num_warps or (8 if chunk >= 128 else 4),
-    num_stages=num_stages,
+    num_warps=warps,
+    num_stages=stages,
   )
-  # Combine the splits: rescale each partial to the overall max, then normalise.
-  weight = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # [B, Hkv, S, G, 1]
-  total = jnp.sum(weight * l, axis=2)  # [B, Hkv, G, 1]
-  out = tiles.interleave(*(jnp.sum(weight * part, axis=2) for part in (out_even, out_odd)))
-  out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
-  return out[:, :, :groups].reshape(b, h, dh).astype(q.dtype)
+  width = 1 << max(0, splits - 1).bit_length()  # loads are powers of two: mask the rest
+  out_shape = jax.ShapeDtypeStruct((b, h, dh), q.dtype)
+  (out,) = dispatch.pallas_call(
+    functools.partial(_combine_kernel, splits=splits, width=width),
+    out_shape=[out_shape],
+    grid=(b, h),
+    in_specs=[whole(parts), whole(m), whole(l)],
+    out_specs=[whole(out_shape)],
+    inputs=(parts, m, l),
+    interpret=interpret,
+    poison=poison,
+    name="decode_attention_combine",
+    num_warps=8 if width * dh >= 8192 else 4,
+    num_stages=1,
+  )
+  return out
 
 
 def reference(

@@ -14,10 +14,13 @@ warpgroup tiles staged whole in shared memory (a [K/2, N] weight block does not 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
@@ -84,68 +87,161 @@ def probe_failure(interpret: bool | None = None) -> str | None:
 
 
 def _probe(interpret: bool | None) -> None:
-  """Raise unless every kernel agrees with its reference on small random inputs: the fused
-  quantize bit for bit (codes, block scales, global scales, guidance bits: it promises
-  `fp4.quantize` exactly, ties included: bf16 inputs hit E2M1 midpoints), the others to
-  a tight tolerance (they differ from their references only in summation order)."""
-  # Imported here: the kernel modules import this one.
-  from trace_jax import fp4  # noqa: PLC0415
-  from trace_jax.kernels import decode_attention_lib as decode_attention  # noqa: PLC0415
-  from trace_jax.kernels import fp4_matmul_lib as fp4_matmul  # noqa: PLC0415
-  from trace_jax.kernels import moe_gmm_lib as moe_gmm  # noqa: PLC0415
-  from trace_jax.kernels import quantize_lib as quantize  # noqa: PLC0415
-
-  x = jax.random.normal(jax.random.key(0), (16, 64), jnp.float32)
-  w = x.T @ x / 64
-  xb = x.astype(jnp.bfloat16)
-  wq, we = fp4.quantize(w, axis=0), fp4.quantize(jnp.stack([w, -w]), axis=1, global_group=0)
-  sizes, lengths = jnp.array([9, 7], jnp.int32), jnp.array([11])
-  cache, q = fp4.quantize(x.reshape(1, 16, 2, 32), global_group="row"), x[:1].reshape(1, 2, 32)
-  xq = fp4.quantize(x, global_group="row")
-  for fmt in ("nvfp4", "mxfp4"):
-    got, want = quantize.quantize(xb, fmt, interpret=interpret), quantize.reference(xb, fmt)
-    for name, a, b in zip(
-      ("packed", "scales", "global_scale", "mantissa_bits"),
-      (*_qarray_leaves(got[0]), got[1]),
-      (*_qarray_leaves(want[0]), want[1]),
-    ):
-      if not bool(jnp.array_equal(a, b, equal_nan=True)):
-        raise AssertionError(f"quantize ({fmt}): {name} differ from fp4.quantize")
-  checks = {
-    "fp4_matmul W4A16": (
-      fp4_matmul.fp4_matmul(xb, wq, interpret=interpret),
-      fp4_matmul.reference(xb, wq),
-    ),
-    "fp4_matmul W4A4": (
-      fp4_matmul.fp4_matmul(xq, wq, interpret=interpret),
-      fp4_matmul.reference(xq, wq),
-    ),
-    "moe_gmm": (
-      moe_gmm.moe_gmm(xb, we, sizes, out_dtype=jnp.float32, interpret=interpret),
-      moe_gmm.reference(xb, we, sizes, out_dtype=jnp.float32),
-    ),
-    "decode_attention": (
-      decode_attention.decode_attention(q, cache, cache, lengths, interpret=interpret),
-      decode_attention.reference(q, cache, cache, lengths),
-    ),
-  }
-  for name, (got, want) in checks.items():
+  """Raise unless every path quantizes the tie oracle bit for bit as the host does
+  (`tie_oracle`) and every kernel matches its reference on small random inputs (to a
+  tight tolerance: they differ from their references only in summation order)."""
+  failures = [f"{path}: {verdict}" for path, verdict in tie_oracle(interpret).items() if verdict]
+  if failures:
+    raise AssertionError("not bit-equal on the tie oracle: " + "; ".join(failures))
+  for name, (got, want) in _parity_checks(interpret).items():
     got, want = got.astype(jnp.float32), want.astype(jnp.float32)
     scale = float(jnp.max(jnp.abs(want)))
-    if not bool(jnp.allclose(got, want, rtol=1e-3, atol=1e-3 * scale)):
+    if not bool(jnp.allclose(got, want, rtol=2e-2, atol=2e-2 * scale)):
       error = float(jnp.max(jnp.abs(got - want)))
       raise AssertionError(
         f"{name} disagrees with its reference (max error {error:.3g}, max |value| {scale:.3g})"
       )
 
 
-def _qarray_leaves(q):
-  return q.packed, q.scales, q.global_scale
+def tie_oracle(interpret: bool | None = None, rows: int = 96) -> dict[str, str | None]:
+  """Every path that quantizes activations, on `fp4.ties.tie_rows` (exact ties an inexact
+  division flips), against the host's quantization of them: {path: None if bit-equal,
+  else what differs}. The paths: XLA `fp4.quantize` and `fp4.fake_quant` (the training
+  path and the XLA rollout), and each Pallas kernel that quantizes (the fused quantize, the
+  FP4 GEMM's prologue, dense and grouped, the KV-cache write). `rows` of each kind
+  (interpret mode on CPU is slow: tests take a few)."""
+  # Imported here: the kernel modules import this one.
+  from trace_jax import fp4  # noqa: PLC0415
+  from trace_jax.fp4 import ties  # noqa: PLC0415
+  from trace_jax.kernels import gemm, kv_write, quantize_lib, routing  # noqa: PLC0415
+
+  x_host = ties.tie_rows(rows=rows)
+  x = jnp.asarray(x_host)
+  rows, width = x.shape
+  verdicts = {}
+  for fmt in ("nvfp4", "mxfp4"):
+    codes, scale_bits, gs, values = ties.host_quantize(x_host, fmt)
+    packed, bits = ties.pack_host(codes)
+    want = {"packed": packed, "scales": scale_bits, "global_scale": gs, "bits": bits}
+
+    def compare(path, **got):
+      bad = [
+        f"{name} ({int(np.sum(np.asarray(value) != want[name]))} differ)"
+        for name, value in got.items()
+        if not np.array_equal(np.asarray(value), want[name], equal_nan=True)
+      ]
+      verdicts[f"{path} ({fmt})"] = ", ".join(bad) or None
+
+    try:
+      q = jax.jit(lambda a: fp4.quantize(a, fmt, global_group="row"))(x)
+      compare("xla quantize", packed=q.packed, scales=q.scales, global_scale=q.global_scale)
+      fake = jax.jit(lambda a: fp4.fake_quant(a.astype(jnp.float32), fmt, global_group="row"))(x)
+      same = np.array_equal(np.asarray(fake), values)
+      verdicts[f"xla fake_quant, training path ({fmt})"] = None if same else "values differ"
+      q, b = quantize_lib.quantize(x, fmt, interpret=interpret)
+      compare(
+        "pallas quantize", packed=q.packed, scales=q.scales, global_scale=q.global_scale, bits=b
+      )
+      w = fp4.quantize(jnp.ones((width, 32), jnp.float32), fmt, axis=0)
+      for record in ("full", "compact"):
+        _, r = gemm.fp4_gemm(x, w, quantize=fmt, record=record, interpret=interpret)
+        fields = dict(scales=r.scales, global_scale=r.global_scale)
+        fields.update(packed=r.packed) if record == "full" else fields.update(bits=r.mantissa_bits)
+        compare(f"pallas gemm prologue, {record}", **fields)
+      experts = jnp.stack([jnp.arange(rows) % 3, (jnp.arange(rows) + 1) % 3], axis=1)
+      we = fp4.quantize(jnp.ones((3, width, 32), jnp.float32), fmt, axis=1, global_group=0)
+      tiles = routing.route_tiles(experts, 3, 16)
+      _, r = gemm.fp4_grouped_gemm(x, we, tiles, quantize=fmt, record="full", interpret=interpret)
+      r = jax.tree.map(tiles.first_slots, r)
+      compare(
+        "pallas grouped gemm prologue",
+        packed=r.packed,
+        scales=r.scales,
+        global_scale=r.global_scale,
+      )
+      if fmt == "nvfp4" or width % 32 == 0:
+        cache = jax.tree.map(
+          lambda a: jnp.zeros((1, rows, *a.shape[1:]), a.dtype),
+          fp4.quantize(x[:, None], fmt, global_group="row"),
+        )
+        new = x.reshape(1, rows, 1, width)
+        k, _, rk, _ = kv_write.write_kv(
+          new, new, cache, cache, 0, record="compact", interpret=interpret
+        )
+        compare(
+          "pallas kv write",
+          packed=k.packed[0, :, 0],
+          scales=k.scales[0, :, 0],
+          global_scale=k.global_scale[0, :, 0],
+          bits=rk.mantissa_bits[0, :, 0],
+        )
+    except Exception as error:  # noqa: BLE001 (a path that fails to run fails the probe)
+      verdicts[f"running the paths ({fmt})"] = f"{type(error).__name__}: {str(error)[:300]}"
+  return verdicts
+
+
+def _parity_checks(interpret):
+  """{kernel: (kernel output, reference output)} on small random inputs."""
+  from trace_jax import fp4  # noqa: PLC0415
+  from trace_jax.kernels import decode_attention_lib as decode_attention  # noqa: PLC0415
+  from trace_jax.kernels import gemm, layout, moe  # noqa: PLC0415
+
+  x = jax.random.normal(jax.random.key(0), (16, 64), jnp.float32)
+  w = x.T @ x / 64
+  xb = x.astype(jnp.bfloat16)
+  wq = fp4.quantize(w, axis=0)
+  we = fp4.quantize(jnp.stack([w, -w, 2 * w]), axis=1, global_group=0)
+  qkv = layout.fuse([fp4.quantize(jnp.concatenate([w, -w, w, w], 0)[:, :32], axis=0)] * 2)
+  x2 = jnp.concatenate([xb] * 4, axis=1)[:2]  # [2, 256]: two K steps to split
+  experts = jnp.stack([jnp.arange(16) % 3, (jnp.arange(16) + 2) % 3], axis=1)
+  lengths = jnp.array([11])
+  cache, q = fp4.quantize(x.reshape(1, 16, 2, 32), global_group="row"), x[:1].reshape(1, 2, 32)
+  y, h = moe.moe_experts(
+    xb, experts, (we, we), we, quantize_in="nvfp4", quantize_mid="nvfp4", interpret=interpret
+  )[:2]
+  y_ref, h_ref = moe.reference(xb, experts, we, we, we, quantize_in="nvfp4", quantize_mid="nvfp4")
+  return {
+    "fp4_gemm W4A16": (
+      gemm.fp4_gemm(xb, wq, interpret=interpret)[0],
+      gemm.reference(xb, wq)[0],
+    ),
+    "fp4_gemm W4A4": (
+      gemm.fp4_gemm(xb, wq, quantize="nvfp4", interpret=interpret)[0],
+      gemm.reference(xb, wq, quantize="nvfp4")[0],
+    ),
+    "fp4_gemm W4A4 split-K, fused": (
+      gemm.fp4_gemm(x2, qkv, quantize="nvfp4", k_splits=2, interpret=interpret)[0],
+      gemm.reference(x2, qkv, quantize="nvfp4")[0],
+    ),
+    "moe_experts (gate|up)": (h, h_ref),
+    "moe_experts (down)": (y, y_ref),
+    "decode_attention": (
+      decode_attention.decode_attention(q, cache, cache, lengths, interpret=interpret),
+      decode_attention.reference(q, cache, cache, lengths),
+    ),
+  }
+
+
+_COMPILED = contextvars.ContextVar("trace_jax_compiled_kernels", default=False)
+
+
+@contextlib.contextmanager
+def compiled_kernels():
+  """Kernels called inside default to their compiled form (interpret=False) even without a
+  GPU: `cuda_lowering` lowers whole models for CUDA this way on any machine."""
+  token = _COMPILED.set(True)
+  try:
+    yield
+  finally:
+    _COMPILED.reset(token)
 
 
 def interpret_default(interpret: bool | None) -> bool:
-  """Kernels compile on GPU and run in Pallas interpret mode anywhere else."""
-  return (not on_gpu()) if interpret is None else bool(interpret)
+  """Kernels compile on GPU and run in Pallas interpret mode anywhere else (unless inside
+  `compiled_kernels`). Resolved before a kernel's jit, so the choice is part of its key."""
+  if interpret is not None:
+    return bool(interpret)
+  return not (on_gpu() or _COMPILED.get())
 
 
 def block_size(n: int, preferred: tuple[int, ...], what: str) -> int:
@@ -201,12 +297,16 @@ def pallas_call(
   num_stages: int,
   poison: bool = False,
   name: str,
+  aliases: dict[int, int] | None = None,
 ):
   """`pl.pallas_call` on the Triton backend (`num_warps`, `num_stages`; ignored in
-  interpret mode), with one extra: `poison=True` fills the outputs before the kernel runs
-  (NaN, or 0xFF bytes; aliased, so the kernel writes into them) so that any element the
-  kernel fails to write shows in the result. Tests use it; it costs a fill."""
+  interpret mode), with two extras: `aliases` {input index: output index} updates inputs
+  in place (a cache the kernel writes a few slots of), and `poison=True` fills the other
+  outputs before the kernel runs (NaN, or 0xFF bytes; aliased, so the kernel writes into
+  them) so that any element the kernel fails to write shows in the result. Tests use it;
+  it costs a fill."""
   out_shape, out_specs = tuple(out_shape), tuple(out_specs)
+  aliases = dict(aliases or {})
   params = triton_params(num_warps, num_stages, name)
   call = functools.partial(
     pl.pallas_call,
@@ -218,15 +318,16 @@ def pallas_call(
     compiler_params=None if interpret else params,
   )
   if not poison:
-    return call(kernel, in_specs=list(in_specs))(*inputs)
+    return call(kernel, in_specs=list(in_specs), input_output_aliases=aliases)(*inputs)
   n_in, n_out = len(inputs), len(out_shape)
-  buffers = [poisoned(s.shape, s.dtype) for s in out_shape]
+  fresh = [i for i in range(n_out) if i not in aliases.values()]
+  buffers = [poisoned(out_shape[i].shape, out_shape[i].dtype) for i in fresh]
 
-  def with_buffers(*refs):  # the aliased input refs are the output refs; skip them
-    kernel(*refs[:n_in], *refs[n_in + n_out :])
+  def with_buffers(*refs):  # the poisoned buffers' input refs are output refs; skip them
+    kernel(*refs[:n_in], *refs[n_in + len(fresh) :])
 
   return call(
     with_buffers,
-    in_specs=[*in_specs, *out_specs],
-    input_output_aliases={n_in + i: i for i in range(n_out)},
+    in_specs=[*in_specs, *(out_specs[i] for i in fresh)],
+    input_output_aliases={**aliases, **{n_in + p: i for p, i in enumerate(fresh)}},
   )(*inputs, *buffers)

@@ -56,9 +56,6 @@ def tiling(k: int) -> dict[str, int]:
   return dict(block_m=block_m, num_warps=8 if block_m * k >= 4096 else 4, num_stages=1)
 
 
-@functools.partial(
-  jax.jit, static_argnames=("fmt", "interpret", "poison", "block_m", "num_warps", "num_stages")
-)
 def quantize(
   x: jax.Array,
   fmt: str = "nvfp4",
@@ -71,12 +68,18 @@ def quantize(
 ) -> tuple[fp4.QArray, jax.Array]:
   """x [..., K] -> (QArray per row along the last axis, mantissa bits uint8 [..., K/8]).
 
-  `interpret`, `poison`: as in `fp4_matmul`; block_m: rows per program, a power of two;
+  `interpret`, `poison`: as in `fp4_gemm`; block_m: rows per program, a power of two;
   num_warps, num_stages: Triton params (compiled only). Defaults: `tiling`.
   """
+  _check(x, fmt)
+  interpret = dispatch.interpret_default(interpret)  # outside the jit: part of its key
+  return _quantize(x, fmt, interpret, poison, block_m, num_warps, num_stages)
+
+
+@functools.partial(jax.jit, static_argnums=tuple(range(1, 7)))
+def _quantize(x, fmt, interpret, poison, block_m, num_warps, num_stages):
   block = _check(x, fmt)
   lead, k = x.shape[:-1], x.shape[-1]
-  interpret = dispatch.interpret_default(interpret)
   width = 1 << (k - 1).bit_length()  # Triton tiles are powers of two: pad K with zeros
   defaults = tiling(width)
   block_m = block_m or defaults["block_m"]

@@ -17,7 +17,7 @@ from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import LayerInputs, RMSNorm, apply_rope
 from trace_jax.model.parameters import normal_param
 from trace_jax.model.quant import SiteQuantizer
-from trace_jax.model.sites import declare_site, sow_cache_entry, sow_site
+from trace_jax.model.sites import Site, declare_site, sow_cache_entry, sow_site
 
 # The token mixer's sites (softmax attention here; Gated DeltaNet layers have them too).
 ATTN_IN = declare_site("attn_in")  # input of the q/k/v (DeltaNet: in_proj_qkv/z) projections
@@ -115,10 +115,16 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     h, hkv, dh = self.shape
     cos, sin, mask, index = inputs.cos, inputs.sin, inputs.attn_mask, inputs.start
-    xq = sow_site(self, sq, x, layer=layer, site=ATTN_IN)
     # One global scale for q, k and v (served as one fused qkv_proj).
-    q, k, v = sq.matmuls(
-      xq, [w.get_value() for w in (self.q_proj, self.k_proj, self.v_proj)], self.q_proj.quant_group
+    projections = (self.q_proj, self.k_proj, self.v_proj)
+    q, k, v = _site_matmuls(
+      self,
+      sq,
+      x,
+      [w.get_value() for w in projections],
+      projections[0].quant_group,
+      layer,
+      ATTN_IN,
     )
     gate = None
     if self.output_gate:  # per head [query | gate]
@@ -137,14 +143,23 @@ class Attention(nnx.Module):
     if cache is None:
       k, v = sow_site(self, sq, k, layer=layer, site=K), sow_site(self, sq, v, layer=layer, site=V)
     else:  # store the packed FP4 entries; attend to exactly their values
-      stored = (
-        sow_cache_entry(self, sq, k, layer=layer, site=K),
-        sow_cache_entry(self, sq, v, layer=layer, site=V),
-      )
-      new_entries = tuple(
-        kv_cache.write_slots(entry, new, index) for entry, new in zip(cache, stored)
-      )
-      k, v = new_entries
+      keep = jnp.any(inputs.valid)  # a chunk of padding only writes blank slots
+      if sq.fuses(K.name, layer) and sq.fuses(V.name, layer) and isinstance(cache[0], fp4.QArray):
+        # Quantized and written in place by one kernel, with both records.
+        *new_entries, k_record, v_record = kernels.write_kv(
+          k, v, *cache, index, keep, record=sq.record_form(layer)
+        )
+        for site, record, x_site in ((K, k_record, k), (V, v_record, v)):
+          _sow(self, site, sq.fused_record(x_site, layer, record))
+      else:
+        stored = (
+          sow_cache_entry(self, sq, k, layer=layer, site=K),
+          sow_cache_entry(self, sq, v, layer=layer, site=V),
+        )
+        new_entries = [
+          kv_cache.write_slots(entry, new, index, keep) for entry, new in zip(cache, stored)
+        ]
+      k, v = new_entries = tuple(new_entries)
     if t == 1 and sq.kernels == "pallas" and isinstance(k, fp4.QArray):
       # A decode step: attend over the packed cache without dequantizing it.
       out = kernels.decode_attention(q[:, 0], k, v, jnp.broadcast_to(index + 1, (b,)), mask[:, 0])
@@ -153,5 +168,23 @@ class Attention(nnx.Module):
     out = out.reshape(b, t, h * dh)
     if gate is not None:
       out = out * jax.nn.sigmoid(gate)
-    out = sow_site(self, sq, out, layer=layer, site=ATTN_OUT)
-    return sq.matmul(out, self.o_proj.get_value(), self.o_proj.quant_group), new_entries
+    (out,) = _site_matmuls(
+      self, sq, out, [self.o_proj.get_value()], self.o_proj.quant_group, layer, ATTN_OUT
+    )
+    return out, new_entries
+
+
+def _sow(module: nnx.Module, site: Site, record) -> None:
+  if record is not None:
+    module.sow(nnx.Intermediate, site.name, record)
+
+
+def _site_matmuls(module: nnx.Module, sq: SiteQuantizer, x, ws, group: str, layer: int, site: Site):
+  """Activation site `site` and its consumer GEMMs `ws` (sharing x): with Pallas kernels,
+  one FP4 GEMM that quantizes x in its prologue and records the site; else the site, then
+  the GEMMs (of weight `group`)."""
+  if sq.fuses(site.name, layer) and sq.on_kernels(ws[0]):
+    outs, record = sq.quantized_matmuls(x, ws, layer, site.name)
+    _sow(module, site, record)
+    return outs
+  return sq.matmuls(sow_site(module, sq, x, layer=layer, site=site), ws, group)

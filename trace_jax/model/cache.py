@@ -131,8 +131,24 @@ def init_cache(
   )
 
 
-def write_slots(entry, new, index: jax.Array):
-  """Write `new` ([B, T, ...] array or QArray) into slots [index, index + T) of `entry`."""
+def blank_like(entry):
+  """What an unwritten slot of a cache entry holds (`init_cache`): zeros, global scales 1."""
+  if isinstance(entry, fp4.QArray):
+    return dataclasses.replace(
+      jax.tree.map(jnp.zeros_like, entry), global_scale=jnp.ones_like(entry.global_scale)
+    )
+  return jnp.zeros_like(entry)
+
+
+def write_slots(entry, new, index: jax.Array, keep: jax.Array | None = None):
+  """Write `new` ([B, T, ...] array or QArray) into slots [index, index + T) of `entry`.
+
+  `keep` (bool scalar): False writes blank slots (`blank_like`) instead: a chunk with no
+  valid token (a decode step after every sequence stopped, `rollout`'s stop-check interval)
+  then leaves the cache as an unwritten slot would be.
+  """
+  if keep is not None:
+    new = jax.tree.map(lambda n, z: jnp.where(keep, n, z), new, blank_like(new))
   return jax.tree.map(
     lambda old, n: jax.lax.dynamic_update_slice_in_dim(old, n.astype(old.dtype), index, axis=1),
     entry,

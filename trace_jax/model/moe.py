@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from trace_jax import kernels
+from trace_jax.kernels import layout as kernel_layout
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import matmul, swiglu
 from trace_jax.model.parameters import normal_param
@@ -194,9 +196,19 @@ class MoE(nnx.Module):
     experts, weights = route(
       probs, k, self.norm_topk, None if routing is None else routing.reshape(n, k)
     )
-    xq = sow_site(self, sq, x, layer=layer, site=MOE_IN).reshape(n, d)
-    dispatch = self._grouped if self.dispatch == "grouped" else self._dense
-    y = dispatch(xq, experts, layer=layer, sq=sq, tokens_shape=(b, t))
+    on_kernels = self._on_kernels(sq, layer)
+    # The kernels quantize moe_in themselves unless the shared expert reads its values.
+    fuse_in = on_kernels and sq.fuses(MOE_IN.name, layer)
+    fuse_in = fuse_in and not (self.shared is not None and sq.active(SHARED_MID.name))
+    if fuse_in:
+      xq = x.reshape(n, d)
+    else:
+      xq = sow_site(self, sq, x, layer=layer, site=MOE_IN).reshape(n, d)
+    if on_kernels:
+      y = self._kernel_experts(xq, experts, fuse_in=fuse_in, layer=layer, sq=sq, shape=(b, t))
+    else:
+      dispatch = self._grouped if self.dispatch == "grouped" else self._dense
+      y = dispatch(xq, experts, layer=layer, sq=sq, tokens_shape=(b, t))
     out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)  # [N, d]
     if self.shared is not None:
       # The shared expert reads moe_in's FP4 values only when it runs in FP4 itself (scope
@@ -219,6 +231,44 @@ class MoE(nnx.Module):
 
   def _weights(self):
     return tuple(w.get_value() for w in (self.w_gate, self.w_up, self.w_down))
+
+  def _on_kernels(self, sq: SiteQuantizer, layer: int) -> bool:
+    """Whether the routed experts run on the Pallas FP4 kernels (`kernels.moe_experts`):
+    packed weights, grouped dispatch, and moe_mid either high precision or quantized in the
+    down projection's prologue."""
+    mid_ok = not sq.active(MOE_MID.name) or sq.fuses(MOE_MID.name, layer)
+    return sq.on_kernels(self._weights()[2]) and self.dispatch == "grouped" and mid_ok
+
+  def _kernel_experts(self, xq, experts, *, fuse_in: bool, layer: int, sq: SiteQuantizer, shape):
+    """The routed experts as two expert-major grouped FP4 GEMMs (gate|up with SwiGLU, then
+    down), moe_in (`fuse_in`) and moe_mid quantized and recorded in their prologues.
+    Returns y [N, k, d] in (token, slot) order."""
+    w_gate, w_up, w_down = self._weights()
+    gate_up = w_gate if isinstance(w_gate, kernel_layout.FusedWeight) else (w_gate, w_up)
+    fmt = sq.quant.fmt if sq.quant is not None else None
+    mid = sq.active(MOE_MID.name)
+    y, h, rec_in, rec_mid = kernels.moe_experts(
+      xq,
+      experts,
+      gate_up,
+      w_down,
+      quantize_in=fmt if fuse_in else None,
+      quantize_mid=fmt if mid else None,
+      record=sq.record_form(layer),
+      out_dtype=xq.dtype,
+    )
+    reshape = lambda tree, lead: jax.tree.map(lambda a: a.reshape(*lead, a.shape[-1]), tree)  # noqa: E731
+    k = experts.shape[1]
+    for site, used, x, record, lead in (
+      (MOE_IN, fuse_in, xq, rec_in, shape),
+      (MOE_MID, mid, h, rec_mid, (*shape, k)),
+    ):
+      site_record = (
+        sq.fused_record(reshape(x, lead), layer, reshape(record, lead)) if used else None
+      )
+      if site_record is not None:
+        self.sow(nnx.Intermediate, site.name, site_record)
+    return y
 
   def _grouped(self, xq, experts, *, layer: int, sq: SiteQuantizer, tokens_shape):
     """Sorted-by-expert dispatch with ragged_dot: xq [N, d], experts int32 [N, k], N the

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax import fp4, kernels as kernels_lib
+from trace_jax.kernels import layout as kernel_layout
 from trace_jax.model import layers, parameters
 from trace_jax.model.parameters import WEIGHT_GROUPS
 from trace_jax.model.sites import (
@@ -596,6 +597,8 @@ class SiteQuantizer:
   def weight_group(self, ws: Sequence[Any], group: str) -> tuple[jax.Array, ...]:
     """`weight` of sibling weights that share one global scale (their `scale_group`): the
     training path fake-quantizes them jointly, as `quantize_weight_group` packs them."""
+    if isinstance(ws[0], kernel_layout.FusedWeight):  # fused for the kernels at weight sync
+      ws = ws[0].parts()
     if all(isinstance(w, fp4.QArray) for w in ws):  # packed jointly by quantize_params
       return tuple(fp4.dequantize(w, self.dtype) for w in ws)
     if any(isinstance(w, fp4.QArray) for w in ws):
@@ -604,34 +607,76 @@ class SiteQuantizer:
       ws = fake_quant_weight_group(ws, self.quant.fmt)
     return tuple(w.astype(self.dtype) for w in ws)
 
-  def _pallas(self, w) -> bool:
-    return self.kernels == "pallas" and isinstance(w, fp4.QArray)
+  def on_kernels(self, w) -> bool:
+    """Whether w is a packed weight (or fused siblings) that goes through the FP4 kernels."""
+    return self.kernels == "pallas" and isinstance(w, (fp4.QArray, kernel_layout.FusedWeight))
+
+  def fuses(self, site: str, layer: int) -> bool:
+    """Whether activation site `site` at `layer` is quantized inside the Pallas kernel that
+    consumes it (an FP4 GEMM's prologue, the cache write), recording what `site` would:
+    kernels on, the site in FP4 (not FP8), nearest rounding there (the rollout's), and a
+    record form the kernels emit (none, compact, full)."""
+    return (
+      self.kernels == "pallas"
+      and self.active(site)
+      and not self.quant.in_fp8(site)
+      and layer not in self.guided
+      and self.recording.form in ("none", "compact", "full")
+    )
+
+  def fused_record(self, x: jax.Array, layer: int, record) -> SiteRecord | None:
+    """The `SiteRecord` of a site a kernel quantized (`fuses`): what `site` returns."""
+    if not self.records(layer):
+      return None
+    return SiteRecord(record=record, input=x if self.recording.inputs else None)
+
+  def record_form(self, layer: int) -> str:
+    """The record form a fused kernel should emit at `layer`."""
+    return self.recording.form if self.records(layer) else "none"
+
+  def quantized_matmuls(
+    self, x: jax.Array, ws: Sequence[Any], layer: int, site: str
+  ) -> tuple[tuple[jax.Array, ...], SiteRecord | None]:
+    """x [..., in] quantized at `site` inside the FP4 GEMM of its packed consumers `ws`
+    (callers check `fuses` and `all(on_kernels(w))`): the GEMMs' outputs and the site's record.
+    Siblings fused at weight sync (`kernels.layout.FusedWeight`) run as one GEMM."""
+    outs, record = self._gemms(x, ws, quantize=self.quant.fmt, record=self.record_form(layer))
+    return outs, self.fused_record(x, layer, record)
+
+  def _gemms(self, x, ws, *, quantize, record):
+    if isinstance(ws[0], kernel_layout.FusedWeight):
+      y, rec = kernels_lib.fp4_gemm(x, ws[0], quantize=quantize, record=record, out_dtype=x.dtype)
+      return tuple(jnp.split(y, np.cumsum(ws[0].widths)[:-1].tolist(), axis=-1)), rec
+    results = [
+      kernels_lib.fp4_gemm(
+        x, w, quantize=quantize, record=record if i == 0 else "none", out_dtype=x.dtype
+      )
+      for i, w in enumerate(ws)
+    ]
+    return tuple(y for y, _ in results), results[0][1]
 
   def matmul(self, x: jax.Array, w, group: str) -> jax.Array:
     """x [..., in] @ w [in, out] (float32 accumulation, x's dtype), w of weight `group`; a
-    packed weight goes through the FP4 matmul kernel when kernels are on."""
-    if self._pallas(w):
-      return kernels_lib.fp4_matmul(x, w, out_dtype=x.dtype)
+    packed weight goes through the FP4 GEMM kernel when kernels are on."""
+    if self.on_kernels(w):
+      return self._gemms(x, [w], quantize=None, record="none")[0][0]
     return layers.matmul(x, self.weight(w, group))
 
   def ragged_dot(self, lhs: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
-    """Grouped matmul of rows sorted by expert with stacked routed-expert weights [E, in, out]."""
-    if self._pallas(w):
-      return kernels_lib.moe_gmm(lhs, w, group_sizes, out_dtype=lhs.dtype)
+    """Grouped matmul of rows sorted by expert with stacked routed-expert weights [E, in, out]
+    (XLA; the Pallas path of the routed experts is `kernels.moe_experts`, expert-major)."""
     return layers.ragged_matmul(lhs, self.weight(w, "experts"), group_sizes)
 
   def matmuls(self, x: jax.Array, ws: Sequence[Any], group: str) -> tuple[jax.Array, ...]:
     """`matmul` of one input with sibling weights of `group` that share one global scale."""
-    if all(self._pallas(w) for w in ws):
-      return tuple(self.matmul(x, w, group) for w in ws)
+    if all(self.on_kernels(w) for w in ws if not isinstance(w, kernel_layout.FusedPart)):
+      return self._gemms(x, ws, quantize=None, record="none")[0]
     return tuple(layers.matmul(x, w) for w in self.weight_group(ws, group))
 
   def ragged_dots(
     self, lhs: jax.Array, ws: Sequence[Any], group_sizes: jax.Array
   ) -> tuple[jax.Array, ...]:
     """`ragged_dot` of one input with sibling expert weights that share global scales."""
-    if all(self._pallas(w) for w in ws):
-      return tuple(self.ragged_dot(lhs, w, group_sizes) for w in ws)
     return tuple(
       layers.ragged_matmul(lhs, w, group_sizes) for w in self.weight_group(ws, "experts")
     )

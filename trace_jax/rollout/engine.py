@@ -34,7 +34,7 @@ from trace_jax.model.sharding import batch_sharding
 from trace_jax.model.quant import QuantConfig, Recording, call_config, resolve_layers
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
-from trace_jax.rollout.params import quantize_params_jit
+from trace_jax.rollout.params import fuse_for_kernels_jit, quantize_params_jit
 from trace_jax.rollout.sampling import sample
 from trace_jax.utils import round_up
 from trace_jax.utils.distributed import global_array, host_array
@@ -457,6 +457,9 @@ class RolloutEngine:
     )
     if self.mesh is not None:  # experts / model slices, whole on each data replica
       self.params = sharding_lib.shard_rollout_params(self.params, self.mesh)
+    elif self.kernels == "pallas" and self.config.quant is not None:
+      # q|k|v and gate|up as the one matrix each FP4 GEMM reads (kernels.layout).
+      self.params = fuse_for_kernels_jit(self.params)
 
   def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array) -> Rollout:
     """Sample continuations of `prompts` (token lists of any lengths)."""

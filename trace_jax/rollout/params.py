@@ -7,11 +7,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax import fp4
+from trace_jax.kernels import layout, moe as moe_kernels
+from trace_jax.model import parameters
 from trace_jax.model.quant import (
   QuantConfig,
   is_quantized_weight,
   quantize_weight_group,
   scale_groups,
+  weight_group,
 )
 
 
@@ -57,6 +60,67 @@ def quantize_params(
       value = values.get(tuple(path), value)
     out.append((path, variable.replace(value)))
   return nnx.from_flat_state(out)
+
+
+def _packed_scale_groups(flat) -> list[tuple[tuple, ...]]:
+  """Paths of packed siblings (`fp4.QArray` values) that declare one `scale_group`, in their
+  declared order ([q, k, v], [gate, up]); groups of two or more only."""
+  groups: dict[tuple, list[tuple[int, tuple]]] = {}
+  for path, variable in flat:
+    shared = parameters.scale_group(variable)
+    if shared is not None and isinstance(variable.get_value(), fp4.QArray):
+      groups.setdefault((tuple(path[:-1]), shared[0]), []).append((shared[1], tuple(path)))
+  members = [tuple(path for _, path in sorted(group)) for group in groups.values()]
+  return [group for group in members if len(group) > 1]
+
+
+def fuse_for_kernels(params: nnx.State) -> nnx.State:
+  """`quantize_params` output with each group of packed siblings that share a global scale
+  (q|k|v, gate|up: they declare one `scale_group`) fused into the one matrix the Pallas FP4
+  GEMM reads (`kernels.layout`): the first sibling holds the `FusedWeight`, the others a
+  `FusedPart`. Routed experts' gate|up interleave in the grouped GEMM's column tiles (its
+  SwiGLU epilogue); the rest side by side. The bytes are the per-matrix weights' own, and
+  `unfuse` gives those back bit for bit (the export reads `quantize_params` directly)."""
+  flat = list(nnx.to_flat_state(params))
+  variables = {tuple(path): variable for path, variable in flat}
+  values = {}
+  for group in _packed_scale_groups(flat):
+    parts = [variables[path].get_value() for path in group]
+    routed = weight_group(variables[group[0]]) == "experts"
+    tile = moe_kernels.swiglu_tile(parts[0].packed.shape[-1]) if routed else None
+    values[group[0]] = layout.fuse(parts, tile=tile)
+    values.update({path: layout.FusedPart(i) for i, path in enumerate(group) if i})
+  return _replaced(flat, values)
+
+
+def unfuse(params: nnx.State) -> nnx.State:
+  """The inverse of `fuse_for_kernels`: every sibling's own packed `QArray` again."""
+  flat = list(nnx.to_flat_state(params))
+  groups: dict[tuple, list[tuple[int, tuple]]] = {}
+  for path, variable in flat:
+    shared = parameters.scale_group(variable)
+    if shared is not None:
+      groups.setdefault((tuple(path[:-1]), shared[0]), []).append((shared[1], tuple(path)))
+  variables = {tuple(path): variable for path, variable in flat}
+  values = {}
+  for group in groups.values():
+    paths = [path for _, path in sorted(group)]
+    fused = variables[paths[0]].get_value()
+    if isinstance(fused, layout.FusedWeight):
+      values.update(zip(paths, fused.parts()))
+  return _replaced(flat, values)
+
+
+def _replaced(flat, values: dict) -> nnx.State:
+  return nnx.from_flat_state(
+    [
+      (path, variable.replace(values.get(tuple(path), variable.get_value())))
+      for path, variable in flat
+    ]
+  )
+
+
+fuse_for_kernels_jit = jax.jit(fuse_for_kernels)
 
 
 def params_nbytes(params: nnx.State) -> int:
