@@ -1,6 +1,8 @@
 """The rollout engine: exactness against the full forward, cache and guidance contents,
 stop tokens and masks, multi-turn continuation, reproducibility, bad input."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -263,6 +265,32 @@ def test_bad_input_is_rejected_before_any_work(policy, f32_greedy):
     R.RolloutEngine(policy, R.RolloutConfig(sampling=R.SamplingConfig(stop_tokens=(999,))))
   with pytest.raises(ValueError, match="bf16 rollout"):
     R.RolloutConfig(precision="bf16", guidance="compact")
+
+
+def test_checking_for_stops_every_n_steps_changes_nothing(policy, fp4_compact):
+  """Checking "has every sequence stopped?" only every 4 steps (a GPU's host sync each
+  time) gives the same rollout as checking every step, bit for bit in every buffer
+  (tokens, log-probabilities, masks, positions, guidance, routing, captured inputs, the
+  cache): sequences stop early here, so whole steps run after the last stop and must leave
+  no trace; the continuation from that cache must agree too. A bad value names the field."""
+  assert fp4_compact.statics.stop_every == 1  # the CPU default
+  config = fp4_compact.config
+  every4 = R.RolloutEngine(
+    policy,
+    config.replace(sampling=dataclasses.replace(config.sampling, stop_check_every=4)),
+    capture_inputs=True,
+  )
+  runs = []
+  for engine in (fp4_compact, every4):
+    first = engine.generate(PROMPTS, jax.random.key(11))
+    host = first.without_cache()
+    runs.append((host, engine.continue_(first, [[7, 8], [], [3]], jax.random.key(12))))
+  assert "stop" in runs[0][0].finish_reasons() and runs[0][0].response_lengths.max() < 10
+  for a, b in zip(runs[0], runs[1]):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  with pytest.raises(ValueError, match="stop_check_every=0"):
+    R.SamplingConfig(stop_check_every=0)
 
 
 def test_weights_fused_for_the_kernels_come_back_bit_for_bit(policy):

@@ -37,6 +37,9 @@ class SamplingConfig:
   greedy: bool = False  # argmax instead of sampling
   max_new_tokens: int = 32  # per call (per turn in multi-turn)
   stop_tokens: tuple[int, ...] = ()  # a sequence ends after emitting one of these
+  stop_check_every: int | None = None  # decode steps between checks of "all stopped?";
+  #   None: 8 on a GPU (each check is a device-to-host sync), 1 elsewhere (a check is free
+  #   there, and up to N - 1 steps after the last stop are wasted). Results are identical.
 
   def __post_init__(self):
     where = "SamplingConfig"
@@ -61,6 +64,14 @@ class SamplingConfig:
       "max_new_tokens",
       self.max_new_tokens,
       "must be an int > 0",
+    )
+    _require(
+      self.stop_check_every is None
+      or (isinstance(self.stop_check_every, int) and self.stop_check_every >= 1),
+      where,
+      "stop_check_every",
+      self.stop_check_every,
+      "must be None (automatic) or an int >= 1",
     )
     object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 

@@ -11,6 +11,18 @@ runs the same [B, S] buffers, so recorded guidance lines up with it slot for slo
   engine = RolloutEngine(policy, RolloutConfig(...))   # weight sync: quantize_params once
   rollout = engine.generate(prompts, key)              # list of token lists
   rollout = engine.continue_(rollout, observations, key)   # next turn, same cache
+
+The decode loop asks "has every sequence stopped?" only every `stop_check_every` steps
+(SamplingConfig; 8 on a GPU): that question is a while loop's data-dependent predicate,
+which XLA:GPU copies to the host and waits for, so asking every token puts a host sync in
+every step. Between checks the steps run as a fixed-count loop (no sync); a step after the
+last sequence stopped writes exactly what an unwritten slot holds and does not advance the
+cache, so the rollout is bit-identical to checking every step. XLA:GPU can also record the
+loop's kernels into CUDA graphs ("command buffers"): `XLA_FLAGS=
+--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL` (set before JAX starts) adds the loops
+themselves to the default set (fusions, cuBLAS, custom calls), so even the remaining checks
+need no launch per kernel; it is not set by the package because it changes nothing numerical
+and costs graph instantiation on the first calls.
 """
 
 from __future__ import annotations
@@ -210,6 +222,7 @@ class _Statics:
   routing_dtype: Any
   capture_inputs: bool
   mesh: Any = None  # place the cache and buffers made inside jit (batch over "data")
+  stop_every: int = 1  # decode steps between stop checks (SamplingConfig.stop_check_every)
 
   @property
   def recording(self) -> Recording:
@@ -245,9 +258,13 @@ def _captured(out, st: _Statics):
 _MASKS = {"prompt": "prompt_mask", "env": "env_mask", "response": "response_mask"}
 
 
-def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Statics):
+def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Statics, skip=None):
   """Run a left-padded chunk [B, C] of prompt, observation or sampled tokens at the next
   slots: write tokens, positions, mask, cache and what is captured.
+
+  `skip` (bool scalar, decode steps): a step after every sequence stopped. It writes what
+  an unwritten slot holds (the model writes blank cache entries for an all-padding chunk)
+  and leaves the cache's write index where it was, so it leaves no trace.
 
   Returns the updated rollout and the logits [B, V] after the chunk's last slot.
   """
@@ -256,10 +273,20 @@ def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Stati
   positions = start_pos + jnp.maximum(jnp.cumsum(chunk_mask, axis=-1) - 1, 0)
   out = _forward(graphdef, params, chunk, positions, chunk_mask, r.cache, st)
   sites, routing, inputs = _captured(out, st)
+  cache = out.cache
+  if skip is not None:
+    blank = lambda tree, empty: jax.tree.map(  # noqa: E731
+      lambda a, e: jnp.where(skip, e, a), tree, empty
+    )
+    positions = jnp.where(skip, 0, positions)
+    sites = blank(sites, _empty_records(sites, chunk.shape[1]))
+    routing = None if routing is None else jnp.where(skip, 0, routing)
+    inputs = None if inputs is None else jax.tree.map(lambda a: jnp.where(skip, 0, a), inputs)
+    cache = dataclasses.replace(cache, index=jnp.where(skip, slot, cache.index))
   updates = dict(
     tokens=_write(r.tokens, jnp.where(chunk_mask, chunk, st.config.pad_id), slot),
     positions=_write(r.positions, positions, slot),
-    cache=out.cache,
+    cache=cache,
   )
   updates[_MASKS[kind]] = _write(getattr(r, _MASKS[kind]), chunk_mask, slot)
   if r.guidance is not None and sites:
@@ -275,16 +302,16 @@ def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Stati
 
 
 def _decode(graphdef, params, r: Rollout, logits, done, key, st: _Statics) -> Rollout:
-  """Sample up to max_new_tokens per sequence (lax.while_loop; stops when all are done)."""
+  """Sample up to max_new_tokens per sequence; stop when all are done, asking every
+  `st.stop_every` steps (a while loop over fixed-count chunks of steps; see the module
+  docstring: the steps after the last stop of a chunk are exact no-ops)."""
   sampling = st.config.sampling
   stop_tokens = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
-
-  def cond(carry):
-    step, _, _, done, _, _ = carry
-    return (step < sampling.max_new_tokens) & ~jnp.all(done)
+  every = st.stop_every
 
   def body(carry):
     step, r, logits, done, finish, key = carry
+    skip = jnp.all(done) if every > 1 else None
     key, sample_key = jax.random.split(key)
     token, logp, sampling_logp = sample(logits, sample_key, sampling)
     active = ~done
@@ -298,13 +325,25 @@ def _decode(graphdef, params, r: Rollout, logits, done, key, st: _Statics) -> Ro
       ),
     )
     # Feed the token (also the last one: the cache and guidance must hold every token).
-    r, logits = _feed(graphdef, params, r, token[:, None], active[:, None], "response", st)
+    r, logits = _feed(graphdef, params, r, token[:, None], active[:, None], "response", st, skip)
     finish = jnp.where(stopped, FINISH_STOP, finish)
     return step + 1, r, logits, done | stopped, finish, key
 
+  def steps(n):  # n steps, a fixed-count loop: no host sync between them
+    return lambda carry: jax.lax.fori_loop(0, n, lambda _, c: body(c), carry)
+
+  chunked = sampling.max_new_tokens - sampling.max_new_tokens % every
+
+  def cond(carry):
+    step, _, _, done, _, _ = carry
+    return (step < chunked) & ~jnp.all(done)
+
   finish = jnp.where(done, r.finish, FINISH_RUNNING)
   carry = (jnp.zeros((), jnp.int32), r, logits, done, finish, key)
-  _, r, _, done, finish, _ = jax.lax.while_loop(cond, body, carry)
+  carry = jax.lax.while_loop(cond, body if every == 1 else steps(every), carry)
+  if chunked < sampling.max_new_tokens:  # the rest of max_new_tokens, fewer than `every`
+    carry = steps(sampling.max_new_tokens - chunked)(carry)
+  _, r, _, done, finish, _ = carry
   return dataclasses.replace(r, finish=jnp.where(done, finish, FINISH_LENGTH))
 
 
@@ -443,6 +482,7 @@ class RolloutEngine:
       routing_dtype=guidance_lib.routing_dtype(cfg.num_experts),
       capture_inputs=capture_inputs,
       mesh=mesh,
+      stop_every=stop_check_every(config.sampling),
     )
     self.graphdef = None
     self.params = None
@@ -525,6 +565,13 @@ class RolloutEngine:
       key,
       self.statics,
     )
+
+
+def stop_check_every(sampling) -> int:
+  """SamplingConfig.stop_check_every, resolved: None is 8 on a GPU, 1 elsewhere."""
+  if sampling.stop_check_every is not None:
+    return sampling.stop_check_every
+  return 8 if jax.default_backend() == "gpu" else 1
 
 
 def generate(
