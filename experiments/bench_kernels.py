@@ -1,4 +1,5 @@
-"""Pallas FP4 kernels against the XLA dequantize-then-compute path and against bf16.
+"""Pallas FP4 kernels against the XLA dequantize-then-compute path and against bf16 (wall
+time with a sync per call: a quick look; `experiments/gpu_check.py` measures device time).
 
   python experiments/bench_kernels.py                # on a GPU: Qwen3-30B-A3B decode shapes
   python experiments/bench_kernels.py --smoke        # tiny shapes (the CPU default)
@@ -28,6 +29,7 @@ from trace_jax import fp4, kernels
 from trace_jax.kernels import quantize_lib
 from trace_jax.model import layers
 from trace_jax.model.attention import attend
+from trace_jax.model.quant import quantize_weight_group
 from trace_jax.utils import markdown_table, time_jitted
 
 _SMOKE = flags.DEFINE_bool("smoke", None, "Tiny shapes (default: on unless on a GPU).")
@@ -63,22 +65,27 @@ def _cases(shape, batch, kv_len, rng):
   x = jax.random.normal(keys[0], (batch, d), bf16)
   out = []
 
-  # fp4_matmul: a q projection [d, q_out].
+  # fp4_gemm: the q projection [d, q_out], x quantized per token in the prologue (W4A4).
   w = jax.random.normal(keys[1], (d, shape["q_out"]), jnp.float32) * 0.02
   wq, wb = fp4.quantize(w, axis=0), w.astype(bf16)
   out.append(
     (
-      "fp4_matmul",
+      "fp4_gemm",
       [
         (
           "pallas",
-          jax.jit(lambda x, w: kernels.fp4_matmul(x, w, out_dtype=bf16)),
+          jax.jit(lambda x, w: kernels.fp4_gemm(x, w, quantize="nvfp4")[0]),
           (x, wq),
           _nbytes(x, wq),
         ),
         (
-          "xla dequant+dot",
-          jax.jit(lambda x, w: layers.matmul(x, fp4.dequantize(w, bf16))),
+          "xla quantize+dequant+dot",
+          jax.jit(
+            lambda x, w: layers.matmul(
+              fp4.fake_quant(x.astype(jnp.float32), global_group="row").astype(bf16),
+              fp4.dequantize(w, bf16),
+            )
+          ),
           (x, wq),
           _nbytes(x, wq),
         ),
@@ -87,34 +94,42 @@ def _cases(shape, batch, kv_len, rng):
     )
   )
 
-  # moe_gmm: batch tokens routed to top_k of the experts (the gate projection).
-  experts = jax.random.randint(keys[2], (batch * k,), 0, e)
-  sizes = jnp.bincount(experts, length=e).astype(jnp.int32)
-  rows = jax.random.normal(keys[3], (batch * k, d), bf16)
-  we = jax.random.normal(keys[4], (e, d, f), jnp.float32) * 0.02
-  weq, web = fp4.quantize(we, axis=1, global_group=0), we.astype(bf16)
-  used = int(np.count_nonzero(np.asarray(sizes)))  # only touched experts must be read
+  # moe_experts: batch tokens routed to top_k experts, gate|up (SwiGLU) then down.
+  experts = jax.random.randint(keys[2], (batch, k), 0, e)
+  wg, wu, wd = (
+    jax.random.normal(kk, shape_, jnp.float32) * 0.02
+    for kk, shape_ in zip(jax.random.split(keys[4], 3), ((e, d, f), (e, d, f), (e, f, d)))
+  )
+  gate_up = quantize_weight_group([wg, wu], "nvfp4")
+  down = fp4.quantize(wd, axis=1, global_group=0)
+  used = int(np.unique(np.asarray(experts)).size)  # only touched experts must be read
+  fp4_bytes = _nbytes(x) + (_nbytes(gate_up) + _nbytes(down)) * used // e
+  bf16_w = tuple(a.astype(bf16) for a in (wg, wu, wd))
+
+  def fair_bf16(x, experts, wg, wu, wd):  # reads only the routed experts' weights
+    g, u, dn = wg[experts], wu[experts], wd[experts]  # [B, k, ...] gathers
+    h = jax.nn.silu(jnp.einsum("bd,bkdf->bkf", x, g)) * jnp.einsum("bd,bkdf->bkf", x, u)
+    return jnp.einsum("bkf,bkfd->bkd", h.astype(bf16), dn)
+
   out.append(
     (
-      "moe_gmm",
+      "moe_experts",
       [
         (
           "pallas",
-          jax.jit(lambda a, w, s: kernels.moe_gmm(a, w, s)),
-          (rows, weq, sizes),
-          _nbytes(rows) + _nbytes(weq) * used // e,
+          jax.jit(
+            lambda x, ex, gu, dn: kernels.moe_experts(
+              x, ex, gu, dn, quantize_in="nvfp4", quantize_mid="nvfp4"
+            )[0]
+          ),
+          (x, experts, gate_up, down),
+          fp4_bytes,
         ),
         (
-          "xla dequant+ragged_dot",
-          jax.jit(lambda a, w, s: layers.ragged_matmul(a, fp4.dequantize(w, bf16), s)),
-          (rows, weq, sizes),
-          _nbytes(rows) + _nbytes(weq) * used // e,
-        ),
-        (
-          "bf16 ragged_dot",
-          jax.jit(layers.ragged_matmul),
-          (rows, web, sizes),
-          _nbytes(rows) + _nbytes(web) * used // e,
+          "bf16 gather of the routed experts",
+          jax.jit(fair_bf16),
+          (x, experts, *bf16_w),
+          _nbytes(x) + _nbytes(bf16_w) * used // e,
         ),
       ],
     )

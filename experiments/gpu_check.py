@@ -1,102 +1,275 @@
-"""One prepared command for a GPU (H100/H200): everything compiled, nothing interpreted.
+"""One prepared command for an H100 / H200: does the FP4 decode beat a fair bf16 decode in
+device time, do the kernels reach the HBM roofline, and does kernels="auto" pick them?
 
-  python experiments/gpu_check.py                          # every section, about 10 minutes
-  python experiments/gpu_check.py --sections=probe,kernels  # some of them
-  python experiments/gpu_check.py --peak_gbps=3350          # an H100 SXM's roofline
+  python experiments/gpu_check.py                    # every section: ~6 minutes on an H200
+  python experiments/gpu_check.py --sections=probe,kernels
+  python experiments/gpu_check.py --peak_gbps=3350   # an H100 SXM's roofline
+  python experiments/gpu_check.py --smoke            # tiny shapes on any backend (CPU:
+                                                     # interpret mode): checks the script only
 
-On a machine without a GPU it says so and exits 0 (nothing to check there: the CUDA
-lowering of every kernel is checked by tests/kernels/test_cuda_lowering.py on any machine).
+Without a GPU (and without --smoke) it says so and exits 0. Each section prints its own
+table; a section that fails prints its error and the others still run. The last table lists
+the targets of issue 29, each with its measured value and PASS / FAIL.
 
-Sections, each a markdown table; every figure is measured in this run, every ratio is
-between rows of this run, and "roofline" is bytes moved / --peak_gbps (4.8 TB/s, H200):
-  probe     kernels="auto" must pick Pallas: the probe's verdict, and why not if not.
-  tests     pytest tests/kernels (compiled: kernels default to interpret=False on a GPU).
-  kernels   experiments/bench_kernels.py at Qwen3-30B-A3B decode shapes (batch 1/32/256).
-  decode    rollout decode tokens/s, bf16 vs FP4 (Pallas and XLA), a few layers of the real
-            Qwen3-30B-A3B geometry, at 4K / 32K / 128K context and growing batch, cache
-            filled with random entries (a decode step costs the same whatever they hold);
-            rows whose cache and weights do not fit --memory_fraction of the GPU are skipped.
-  mismatch  the mismatch study with the FP4 rollout on kernels="pallas" and on "xla": the
-            kernels keep c * s_b exact and apply global scales after accumulating, while
-            the training path rounds dequantized weights to bf16; how much mismatch that
-            adds, and whether guidance removes it.
+Every time is device time: the calls run back to back under `jax.profiler` and the device
+kernels' durations are read from the trace (`trace_jax.utils.device_time`; no sync per
+call). Roofline shares are bytes that must be read / device time / --peak_gbps (4.8 TB/s).
+Note that profiling turns XLA's command buffers off (op by op), as on any profile.
+
+  probe    the tie oracle on every path that quantizes (XLA training path and XLA rollout,
+           each Pallas kernel): bit-equal to the host, or which field differs; what
+           kernels="auto" picks and why.
+  kernels  each kernel alone at Qwen3-30B-A3B shapes: attention over 32K and 64K cached
+           slots, the FP4 GEMM over >= 4 MB of weights at 1 and 16 rows, the grouped MoE
+           (gate|up + down) at batch 1 / 32 / 128 against the fair bf16 MoE (the same
+           expert-major grouped GEMM on bf16 weights, and a gather of the routed experts'
+           weights; the faster of the two is the decode's bf16 MoE).
+  decode   --layers layers of Qwen3-30B-A3B, one decode step per call at 4K/b128, 32K/b1,
+           32K/b32 (the cache full of random entries; the step writes the last slot):
+           FP4 (NVFP4 weights, activations, cache; the Pallas kernels; fused q|k|v and
+           gate|up) against the fair bf16 decode (bf16 weights and cache, XLA dots and
+           attention, the fair bf16 MoE). The LM head is float32 in both (as the rollout
+           runs it). Full depth (48 layers) is estimated as head + 48 * per-layer time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
-import subprocess
 import sys
 import time
+import traceback
 
 from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax import fp4
 from trace_jax import kernels as kernels_lib
 from trace_jax import model as M
-from trace_jax.model import accounting
+from trace_jax.kernels import dispatch, moe_lib
+from trace_jax.model import moe as moe_module
 from trace_jax.model.cache import init_cache
-from trace_jax.rl.mismatch_study import StudyConfig, run_study
-from trace_jax.rollout.params import quantize_params_jit
+from trace_jax.model.quant import quantize_weight_group
+from trace_jax.rollout.params import fuse_for_kernels, quantize_params
 from trace_jax.utils import markdown_table
+from trace_jax.utils.device_time import device_time, device_time_carried
 
-SECTIONS = ("probe", "tests", "kernels", "decode", "mismatch")
+SECTIONS = ("probe", "kernels", "decode")
 _SECTIONS = flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to run.")
 _PEAK = flags.DEFINE_float("peak_gbps", 4800.0, "HBM bandwidth of the roofline, GB/s.")
-_PRESET = flags.DEFINE_string("decode_preset", "qwen3_30b_a3b", "Model geometry of `decode`.")
-_LAYERS = flags.DEFINE_integer("decode_layers", 4, "Layers of that geometry in `decode`.")
-_CONTEXTS = flags.DEFINE_list("contexts", ["4096", "32768", "131072"], "Decode contexts.")
-_BATCHES = flags.DEFINE_list("batches", ["1", "8", "32", "128"], "Decode batch sizes.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Timed decode steps per row (after 3 warm-up).")
-_MEMORY = flags.DEFINE_float("memory_fraction", 0.8, "Of the GPU's memory a row may use.")
-_STUDY_PRESET = flags.DEFINE_string("study_preset", "small", "Model preset of `mismatch`.")
-_ANY_BACKEND = flags.DEFINE_bool(
-  "any_backend",
-  False,
-  "Run even without a GPU (kernels in interpret mode: checks the script, measures nothing).",
+_LAYERS = flags.DEFINE_integer("layers", 4, "Layers of Qwen3-30B-A3B in `decode`.")
+_CALLS = flags.DEFINE_integer("calls", 8, "Profiled calls per measurement (after 2 warm-up).")
+_SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend: checks the script.")
+
+FULL_DEPTH = 48  # Qwen3-30B-A3B's layers
+FULL = dict(
+  preset="qwen3_30b_a3b",
+  cases=((4096, 128), (32768, 1), (32768, 32)),  # (context, batch)
+  attention=((1, 32769), (2, 32769), (16, 4097)),  # (batch, cache slots)
+  gemms=((2048, 5120, "qkv"), (4096, 2048, "o_proj")),
+  gemm_rows=(1, 16),
+  moe_batches=(1, 32, 128),
+  tie_rows=96,
 )
+SMOKE = dict(
+  preset="tiny",
+  cases=((64, 4), (128, 1), (128, 2)),
+  attention=((1, 129), (2, 129), (4, 33)),
+  gemms=((64, 96, "qkv"), (128, 64, "o_proj")),
+  gemm_rows=(1, 16),
+  moe_batches=(1, 4),
+  tie_rows=2,
+)
+# Issue 29's targets: FP4 / fair-bf16 tokens/s per decode case.
+SPEEDUP_TARGETS = {0: 1.5, 1: 1.2, 2: 2.0}
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+@dataclasses.dataclass
+class Run:
+  """What the sections measured, for the final table."""
+
+  shapes: dict
+  peak: float  # bytes / s
+  targets: list = dataclasses.field(default_factory=list)  # (target, measured, goal, ok)
+  fair_moe: dict = dataclasses.field(default_factory=dict)  # batch -> "grouped" | "gather"
+
+  def target(self, name: str, measured: str, goal: str, ok: bool | None) -> None:
+    self.targets.append((name, measured, goal, "-" if ok is None else ("PASS" if ok else "FAIL")))
 
 
-def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
-  result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-  return result.returncode, result.stdout + result.stderr
+def _nbytes(*trees) -> int:
+  return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(trees)))
 
 
-def probe_section() -> bool:
+def _us(seconds: float) -> str:
+  return f"{seconds * 1e6:.1f}"
+
+
+# --- probe ----------------------------------------------------------------------------
+
+
+def probe_section(run: Run) -> None:
+  verdicts = dispatch.tie_oracle(rows=run.shapes["tie_rows"])
+  rows = [(path, "bit-equal" if not bad else f"DIFFERS: {bad}") for path, bad in verdicts.items()]
+  print(markdown_table(["path (tie oracle)", "against the host"], rows))
+  equal = sum(not bad for bad in verdicts.values())
+  run.target(
+    "every path bit-equal on the tie oracle",
+    f"{equal}/{len(verdicts)}",
+    "all",
+    equal == len(verdicts),
+  )
   implementation, reason = kernels_lib.resolve_with_reason("auto")
+  print(f'\nkernels="auto" picks {implementation}' + (f" ({reason})" if reason else ""))
+  run.target('kernels="auto" picks Pallas', implementation, "pallas", implementation == "pallas")
+
+
+# --- kernels --------------------------------------------------------------------------
+
+
+def _random_qarray(key, shape, axis, global_group):
+  return fp4.quantize(
+    jax.random.normal(key, shape, jnp.float32), axis=axis, global_group=global_group
+  )
+
+
+def _share(nbytes: int, seconds: float, run: Run) -> float:
+  return nbytes / seconds / run.peak
+
+
+def kernels_section(run: Run) -> None:
+  key = jax.random.key(0)
+  rows = []
+  cfg = M.get_preset(run.shapes["preset"])
+  hkv, dh, heads = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
+  shares = {}
+  for b, length in run.shapes["attention"]:
+    k = _random_qarray(key, (b, length, hkv, dh), -1, "row")
+    v = _random_qarray(jax.random.fold_in(key, 1), (b, length, hkv, dh), -1, "row")
+    q = jax.random.normal(key, (b, heads, dh), jnp.bfloat16)
+    lengths = jnp.full((b,), length, jnp.int32)
+    t = device_time(jax.jit(kernels_lib.decode_attention), q, k, v, lengths, calls=_CALLS.value)
+    nbytes = _nbytes(q, k, v)
+    shares[(b, length)] = _share(nbytes, t.busy, run)
+    rows.append(
+      ("decode_attention", f"B={b}, {length} slots", _us(t.busy), nbytes, shares[(b, length)])
+    )
+  (b1, l1), *big = run.shapes["attention"]
+  run.target(
+    f"attention % of roofline at B={b1}, {l1} slots",
+    f"{shares[(b1, l1)]:.0%}",
+    ">= 40%",
+    shares[(b1, l1)] >= 0.40,
+  )
+  worst = min(shares[shape] for shape in big)
+  run.target(
+    "attention % of roofline at >= 64K cached slots",
+    f"{worst:.0%} (worst of {big})",
+    ">= 60%",
+    worst >= 0.60,
+  )
+
+  gemm_shares = []
+  for kk, n, label in run.shapes["gemms"]:
+    w = _random_qarray(key, (kk, n), 0, "tensor")
+    for m in run.shapes["gemm_rows"]:
+      x = jax.random.normal(key, (m, kk), jnp.bfloat16)
+      fn = jax.jit(lambda x, w: kernels_lib.fp4_gemm(x, w, quantize="nvfp4", record="compact"))
+      t = device_time(fn, x, w, calls=_CALLS.value)
+      nbytes = _nbytes(x, w)
+      gemm_shares.append(_share(nbytes, t.busy, run))
+      rows.append(
+        (f"fp4_gemm {label}", f"{m} rows, K={kk}, N={n}", _us(t.busy), nbytes, gemm_shares[-1])
+      )
+  run.target(
+    "FP4 GEMM % of roofline (>= 4 MB of weights, <= 16 rows)",
+    f"{min(gemm_shares):.0%} (worst)",
+    ">= 50%",
+    min(gemm_shares) >= 0.50,
+  )
+
+  d, f, e, top = cfg.d_model, cfg.moe_ffn_dim, cfg.num_experts, cfg.num_experts_per_tok
+  ws = [
+    jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32) * 0.02
+    for i, s in enumerate(((e, d, f), (e, d, f), (e, f, d)))
+  ]
+  gate_up = quantize_weight_group(ws[:2], "nvfp4")
+  down = fp4.quantize(ws[2], axis=1, global_group=0)
+  bf16 = [w.astype(jnp.bfloat16) for w in ws]
+  del ws
+  for b in run.shapes["moe_batches"]:
+    x = jax.random.normal(key, (b, d), jnp.bfloat16)
+    experts = jax.random.randint(jax.random.fold_in(key, b), (b, top), 0, e)
+    used = len(set(jax.device_get(experts).reshape(-1).tolist()))
+    fp4_fn = jax.jit(
+      lambda x, ex, gu, dn: kernels_lib.moe_experts(
+        x, ex, gu, dn, quantize_in="nvfp4", quantize_mid="nvfp4"
+      )[0]
+    )
+    t = device_time(fp4_fn, x, experts, gate_up, down, calls=_CALLS.value)
+    nbytes = _nbytes(x) + _nbytes(gate_up, down) * used // e
+    share = _share(nbytes, t.busy, run)
+    rows.append(("moe_experts FP4", f"batch {b} ({used} experts)", _us(t.busy), nbytes, share))
+    if b == 1:
+      run.target("grouped MoE % of roofline at batch 1", f"{share:.0%}", ">= 50%", share >= 0.50)
+    bf16_bytes = _nbytes(x) + _nbytes(bf16) * used // e
+    times = {}
+    for kind in ("grouped", "gather"):
+      fn = jax.jit(functools.partial(_fair_bf16_moe, kind))
+      times[kind] = device_time(fn, x, experts, *bf16, calls=_CALLS.value).busy
+      rows.append(
+        (
+          f"moe bf16 {kind}",
+          f"batch {b}",
+          _us(times[kind]),
+          bf16_bytes,
+          _share(bf16_bytes, times[kind], run),
+        )
+      )
+    run.fair_moe[b] = min(times, key=times.get)
   print(
-    markdown_table(["kernels='auto' picks", "fallback reason"], [(implementation, reason or "-")])
+    markdown_table(
+      ["kernel", "shape", "device us", "MB read", f"of roofline ({run.peak / 1e9:.0f} GB/s)"],
+      [(k, s, t, f"{b / 2**20:.1f}", f"{share:.0%}") for k, s, t, b, share in rows],
+    )
   )
-  return implementation == "pallas"
+  print(f"\nfair bf16 MoE per batch (the faster): {run.fair_moe}")
 
 
-def tests_section() -> bool:
-  code, output = _run(
-    [sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider", "tests/kernels"],
-    timeout=1800,
-  )
-  print("```\n" + "\n".join(output.strip().splitlines()[-15:]) + "\n```")
-  return code == 0
+def _fair_bf16_moe(kind, x, experts, w_gate, w_up, w_down):
+  """The routed experts on bf16 weights, reading only the routed experts: the expert-major
+  grouped GEMM (as the FP4 path), or a gather of each routed row's expert weights."""
+  if kind == "grouped":
+    return moe_lib.moe_experts_bf16(x, experts, w_gate, w_up, w_down)
+  gate = jnp.einsum("nd,nkdf->nkf", x, w_gate[experts], preferred_element_type=jnp.float32)
+  up = jnp.einsum("nd,nkdf->nkf", x, w_up[experts], preferred_element_type=jnp.float32)
+  h = (jax.nn.silu(gate.astype(x.dtype)) * up.astype(x.dtype)).astype(x.dtype)
+  y = jnp.einsum("nkf,nkfd->nkd", h, w_down[experts], preferred_element_type=jnp.float32)
+  return y.astype(x.dtype)
 
 
-def kernels_section() -> bool:
-  code, output = _run(
-    [
-      sys.executable,
-      os.path.join(ROOT, "experiments", "bench_kernels.py"),
-      "--batches=1,32,256",
-      f"--peak_gbps={_PEAK.value}",
-    ],
-    timeout=1800,
-  )
-  print(output[output.find("\n| kernel") :].strip() if code == 0 else output[-4000:])
-  return code == 0
+@contextlib.contextmanager
+def _fair_bf16_layers(kind: str):
+  """The model's bf16 MoE layers use `_fair_bf16_moe` instead of `jax.lax.ragged_dot`
+  (which XLA:GPU expands into a dense masked dot over every expert)."""
+  original = moe_module.MoE._grouped
+
+  def grouped(self, xq, experts, *, layer, sq, tokens_shape):
+    del layer, sq, tokens_shape
+    return _fair_bf16_moe(kind, xq, experts, *self._weights())
+
+  moe_module.MoE._grouped = grouped
+  try:
+    yield
+  finally:
+    moe_module.MoE._grouped = original
+
+
+# --- decode ---------------------------------------------------------------------------
 
 
 def _random_cache(cfg, batch: int, slots: int, quant, key):
@@ -109,11 +282,9 @@ def _random_cache(cfg, batch: int, slots: int, quant, key):
   def fill(leaf, k):
     if leaf.dtype == jnp.uint8:  # codes, or E4M3 scale bits in [0x20, 0x40): 2^-3 .. 2
       value = jax.random.randint(k, leaf.shape, 0, 256, jnp.int32)
-      return (
-        value.astype(jnp.uint8)
-        if leaf.shape[-1] == cfg.head_dim // 2
-        else (0x20 + value % 0x20).astype(jnp.uint8)
-      )
+      if leaf.shape[-1] == cfg.head_dim // 2:
+        return value.astype(jnp.uint8)
+      return (0x20 + value % 0x20).astype(jnp.uint8)
     if leaf.dtype == jnp.bfloat16:
       return jax.random.normal(k, leaf.shape, jnp.bfloat16)
     if leaf.dtype == jnp.bool_:
@@ -125,176 +296,150 @@ def _random_cache(cfg, batch: int, slots: int, quant, key):
   return jax.tree.unflatten(tree, [fill(leaf, k) for leaf, k in zip(leaves, keys)])
 
 
-def _decode_bytes(cfg, params, batch: int, context: int, quant) -> float:
-  """Bytes a decode step must read: the weights (of the routed experts only those the
-  batch's tokens touch, expected count at uniform routing; of the embedding one row a
-  token) and the KV cache."""
-  touched = 1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch if cfg.num_experts else 1
-  total = 0.0
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    names = {str(getattr(p, "key", getattr(p, "name", ""))) for p in path}
-    nbytes = leaf.size * leaf.dtype.itemsize
-    if "embed" in names:
-      nbytes *= batch / cfg.vocab_size
-    elif names & {"w_gate", "w_up", "w_down"} and "shared" not in names and leaf.ndim >= 3:
-      nbytes *= touched  # stacked routed experts [E, ...]
-    total += nbytes
-  return total + batch * context * accounting.kv_bytes_per_token(cfg, quant)
-
-
-def _decode_rate(policy, cfg, batch, context, precision, kernels, key):
-  """(tokens/s, bytes read per step, seconds per step) of decode at `context` cached
-  tokens: every step decodes the batch's next token at the same cache position."""
-  quant = M.QuantConfig() if precision == "fp4" else None
-  params = quantize_params_jit(nnx.state(policy), quant, dtype=jnp.bfloat16)
-  graphdef = nnx.graphdef(policy)
+def _decode_time(graphdef, params, cfg, batch, context, quant, kernels, key):
+  """Device seconds of one decode step (every step writes the same last slot)."""
   cache = _random_cache(cfg, batch, context + 1, quant, key)
   tokens = jax.random.randint(key, (batch, 1), 0, cfg.vocab_size)
+  call = M.call_config(quant, compute_dtype="bfloat16", kernels=kernels)
 
-  @functools.partial(jax.jit, donate_argnums=1)  # the cache is updated in place
-  def step(params, cache, tokens):
-    out = nnx.merge(graphdef, params)(
-      tokens, cache=cache, quant=M.call_config(quant, compute_dtype="bfloat16", kernels=kernels)
-    )
-    return jnp.argmax(out.logits[:, -1], -1), dataclasses.replace(out.cache, index=cache.index)
+  @functools.partial(jax.jit, donate_argnums=0)  # the cache is updated in place
+  def step(cache, params, tokens):
+    out = nnx.merge(graphdef, params)(tokens, cache=cache, quant=call)
+    return dataclasses.replace(out.cache, index=cache.index)
 
-  for _ in range(3):
-    token, cache = step(params, cache, tokens)
-  jax.block_until_ready(token)
-  start = time.perf_counter()
-  for _ in range(_STEPS.value):
-    token, cache = step(params, cache, tokens)
-  jax.block_until_ready(token)
-  seconds = (time.perf_counter() - start) / _STEPS.value
-  return batch / seconds, _decode_bytes(cfg, params, batch, context, quant), seconds
+  return device_time_carried(lambda c: step(c, params, tokens), cache, calls=_CALLS.value)
 
 
-def decode_section() -> bool:
-  cfg = M.get_preset(_PRESET.value, num_layers=_LAYERS.value)
+def decode_section(run: Run) -> None:
+  cfg = M.get_preset(run.shapes["preset"], num_layers=_LAYERS.value)
+  key = jax.random.key(0)
   policy = M.Transformer(cfg, rngs=nnx.Rngs(0))
-  limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0) * _MEMORY.value
-  rows, key = [], jax.random.key(0)
-  for context in map(int, _CONTEXTS.value):
-    for batch in map(int, _BATCHES.value):
-      rates = {}
-      for arm, precision, kernels in (
-        ("bf16", "bf16", "xla"),
-        ("fp4 pallas", "fp4", "pallas"),
-        ("fp4 xla", "fp4", "xla"),
-      ):
-        quant = M.QuantConfig() if precision == "fp4" else None
-        cache_bytes = batch * (context + 1) * accounting.kv_bytes_per_token(cfg, quant)
-        if limit and cache_bytes * 2 + accounting.weight_bytes(cfg) * 2 > limit:
-          rows.append((context, batch, arm, "does not fit", "-", "-", "-"))
-          continue
-        try:
-          rate, nbytes, seconds = _decode_rate(policy, cfg, batch, context, precision, kernels, key)
-        except Exception as error:  # noqa: BLE001 (report the row, keep measuring)
-          rows.append(
-            (
-              context,
-              batch,
-              arm,
-              f"failed: {type(error).__name__}: {str(error)[:120]}",
-              "-",
-              "-",
-              "-",
-            )
-          )
-          continue
-        rates[arm] = rate
-        roofline = nbytes / (_PEAK.value * 1e9)
-        rows.append(
-          (
-            context,
-            batch,
-            arm,
-            f"{rate:.0f}",
-            f"{nbytes / 2**20:.1f}",
-            f"{roofline / seconds:.0%}",
-            f"{rate / rates['bf16']:.2f}x" if "bf16" in rates else "-",
-          )
+  graphdef, state = nnx.split(policy)
+  quant = M.QuantConfig()
+  fp4_params = jax.jit(lambda s: fuse_for_kernels(quantize_params(s, quant, dtype=jnp.bfloat16)))(
+    state
+  )
+  bf16_params = jax.jit(lambda s: quantize_params(s, None, dtype=jnp.bfloat16))(state)
+  head = state["lm_head"].get_value() if "lm_head" in state else state["embed"].get_value().T
+  del policy, state
+  rows, depth = [], cfg.num_layers
+  for index, (context, batch) in enumerate(run.shapes["cases"]):
+    try:
+      h = jax.random.normal(key, (batch, 1, cfg.d_model), jnp.float32)
+      head_fn = jax.jit(lambda h, w: jnp.einsum("btd,dv->btv", h, w, precision="highest"))
+      head_time = device_time(head_fn, h, head, calls=_CALLS.value).busy
+      fp4_t = _decode_time(graphdef, fp4_params, cfg, batch, context, quant, "pallas", key)
+      kind = run.fair_moe.get(batch, "grouped")
+      with _fair_bf16_layers(kind):
+        bf16_t = _decode_time(graphdef, bf16_params, cfg, batch, context, None, "xla", key)
+    except Exception as error:  # noqa: BLE001 (report the case, keep measuring)
+      rows.append(
+        (
+          f"{context}/b{batch}",
+          f"failed: {type(error).__name__}: {str(error)[:200]}",
+          "",
+          "",
+          "",
+          "",
+          "",
         )
-  print(
-    f"{cfg.num_layers} layers of {cfg.name} (plus embedding and LM head), bf16 compute; "
-    f"FP4: NVFP4 weights, activations and KV cache\n"
-  )
-  print(
-    markdown_table(
-      ["context", "batch", "rollout", "tokens/s", "MiB read / step", "of roofline", "vs bf16"], rows
-    )
-  )
-  return True
-
-
-def mismatch_section() -> bool:
-  results = {}
-  for kernels in ("pallas", "xla"):
-    results[kernels] = run_study(
-      StudyConfig(preset=_STUDY_PRESET.value, kernels=kernels), progress=False
-    )
-  rows = []
-  for mode in ("none", "compact", "full"):
-    pallas, xla = (results[k]["modes"][mode] for k in ("pallas", "xla"))
+      )
+      run.target(
+        f"FP4 / fair-bf16 tokens/s at {context}/b{batch}",
+        "failed",
+        f">= {SPEEDUP_TARGETS[index]}x",
+        False,
+      )
+      continue
+    full = {}
+    for arm, t in (("fp4", fp4_t), ("bf16", bf16_t)):
+      per_layer = max(t.busy - head_time, 0.0) / depth
+      full[arm] = batch / (head_time + FULL_DEPTH * per_layer)
+    ratio = bf16_t.busy / fp4_t.busy
     rows.append(
       (
-        mode,
-        f"{xla['k3_kl']:.3e}",
-        f"{pallas['k3_kl']:.3e}",
-        f"{pallas['k3_kl'] / max(xla['k3_kl'], 1e-30):.2f}x",
-        f"{xla['code_disagree_frac']:.4%}",
-        f"{pallas['code_disagree_frac']:.4%}",
+        f"{context}/b{batch}",
+        f"{batch / fp4_t.busy:.0f}",
+        f"{batch / bf16_t.busy:.0f} (MoE: {kind})",
+        f"{ratio:.2f}x",
+        f"{full['fp4']:.0f} / {full['bf16']:.0f} = {full['fp4'] / full['bf16']:.2f}x",
+        f"{_us(fp4_t.busy)} / {_us(fp4_t.wall)}",
+        fp4_t.source,
       )
     )
-  ran = {k: results[k]["kernels"]["rollout"] for k in results}
-  print(f"{_STUDY_PRESET.value}: FP4 rollout on {ran}; training path identical\n")
+    goal = SPEEDUP_TARGETS[index]
+    run.target(
+      f"FP4 / fair-bf16 tokens/s at {context}/b{batch} ({depth} layers)",
+      f"{ratio:.2f}x",
+      f">= {goal}x",
+      ratio >= goal,
+    )
+    top = sorted(fp4_t.kernels.items(), key=lambda kv: -kv[1])[:8]
+    print(
+      f"{context}/b{batch} FP4 step, top kernels (device us): "
+      + ", ".join(f"{n} {_us(t)}" for n, t in top)
+    )
+  print(
+    f"\n{depth} layers of {cfg.name} (+ embedding and float32 LM head); FP4: NVFP4 weights, "
+    f"activations and KV cache on the Pallas kernels; bf16: bf16 weights and cache, XLA, "
+    f"the fair bf16 MoE\n"
+  )
   print(
     markdown_table(
       [
-        "guidance",
-        "k3_kl rollout xla",
-        "k3_kl rollout pallas",
-        "pallas / xla",
-        "codes differ (xla)",
-        "codes differ (pallas)",
+        "context/batch",
+        "FP4 tok/s",
+        "fair bf16 tok/s",
+        "FP4 / bf16",
+        f"{FULL_DEPTH} layers (est.) FP4 / bf16 tok/s",
+        "FP4 step device / wall us",
+        "timing source",
       ],
       rows,
     )
   )
-  return all(v == k for k, v in ran.items())
+
+
+# --- main -----------------------------------------------------------------------------
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   backend = jax.default_backend()
-  if backend != "gpu" and not _ANY_BACKEND.value:
+  if backend != "gpu" and not _SMOKE.value:
     print(
       f"gpu_check needs a GPU; the backend here is {backend!r}, so nothing ran. "
-      "(tests/kernels/test_cuda_lowering.py checks the kernels' CUDA lowering anywhere.)"
+      "(tests/kernels/test_cuda_lowering.py checks the kernels' CUDA lowering anywhere; "
+      "--smoke runs this script on tiny shapes.)"
     )
     return
   bad = [s for s in _SECTIONS.value if s not in SECTIONS]
   if bad:
     raise ValueError(f"--sections={bad} is not allowed; use some of {SECTIONS}")
+  run = Run(shapes=SMOKE if _SMOKE.value else FULL, peak=_PEAK.value * 1e9)
   device = jax.devices()[0]
   print(
     f"# gpu_check on {device.device_kind} ({jax.device_count()} device(s)), jax "
-    f"{jax.__version__}, roofline {_PEAK.value:.0f} GB/s\n"
+    f"{jax.__version__}, roofline {_PEAK.value:.0f} GB/s, XLA_FLAGS="
+    f"{os.environ.get('XLA_FLAGS', '')!r}{' (smoke shapes)' if _SMOKE.value else ''}\n"
   )
-  verdicts = {}
-  for section in _SECTIONS.value:
+  failed = []
+  order = [s for s in SECTIONS if s in _SECTIONS.value]  # kernels picks decode's bf16 MoE
+  for section in order:
     print(f"\n## {section}\n")
     start = time.time()
     try:
-      verdicts[section] = globals()[f"{section}_section"]()
+      globals()[f"{section}_section"](run)
     except Exception as error:  # noqa: BLE001 (one section's failure must not hide the rest)
+      failed.append(section)
       print(f"{section} failed: {type(error).__name__}: {error}")
-      verdicts[section] = False
+      traceback.print_exc(limit=4, file=sys.stdout)
     print(f"\n({section}: {time.time() - start:.0f} s)")
-  print("\n## verdict\n")
-  print(markdown_table(["section", "ok"], [(s, "yes" if v else "NO") for s, v in verdicts.items()]))
-  if not all(verdicts.values()):
+  print("\n## targets (issue 29)\n")
+  print(markdown_table(["target", "measured", "goal", "verdict"], run.targets))
+  if failed:
+    print(f"\nsections that failed to run: {failed}")
     sys.exit(1)
 
 
