@@ -24,8 +24,10 @@ Note that profiling turns XLA's command buffers off (op by op), as on any profil
            (gate|up + down) at batch 1 / 32 / 128 against the fair bf16 MoE (the same
            expert-major grouped GEMM on bf16 weights, and a gather of the routed experts'
            weights; the faster of the two is the decode's bf16 MoE).
-  decode   --layers layers of Qwen3-30B-A3B, one decode step per call at 4K/b128, 32K/b1,
-           32K/b32 (the cache full of random entries; the step writes the last slot):
+  decode   first, one FP4 decode step on the Pallas kernels against the XLA path (logits'
+           relative L2 error and argmax agreement, at 4K/b8: a correctness check at the
+           real geometry); then --layers layers of Qwen3-30B-A3B, one decode step per call
+           at 4K/b128, 32K/b1, 32K/b32 (the cache full of random entries; the step writes the last slot):
            FP4 (NVFP4 weights, activations, cache; the Pallas kernels; fused q|k|v and
            gate|up) against the fair bf16 decode (bf16 weights and cache, XLA dots and
            attention, the fair bf16 MoE). The LM head is float32 in both (as the rollout
@@ -41,6 +43,8 @@ import os
 import sys
 import time
 import traceback
+
+import numpy as np
 
 from absl import app, flags, logging
 import jax
@@ -74,6 +78,7 @@ FULL = dict(
   gemm_rows=(1, 16),
   moe_batches=(1, 32, 128),
   tie_rows=96,
+  parity=(4096, 8),  # (context, batch) of the decode-step parity check
 )
 SMOKE = dict(
   preset="tiny",
@@ -83,6 +88,7 @@ SMOKE = dict(
   gemm_rows=(1, 16),
   moe_batches=(1, 4),
   tie_rows=2,
+  parity=(64, 2),
 )
 # Issue 29's targets: FP4 / fair-bf16 tokens/s per decode case.
 SPEEDUP_TARGETS = {0: 1.5, 1: 1.2, 2: 2.0}
@@ -310,6 +316,39 @@ def _decode_time(graphdef, params, cfg, batch, context, quant, kernels, key):
   return device_time_carried(lambda c: step(c, params, tokens), cache, calls=_CALLS.value)
 
 
+def _step_logits(graphdef, params, cache, tokens, quant, kernels):
+  call = M.call_config(quant, compute_dtype="bfloat16", kernels=kernels)
+  step = jax.jit(lambda p, c, t: nnx.merge(graphdef, p)(t, cache=c, quant=call).logits)
+  return np.asarray(step(params, cache, tokens), np.float32)
+
+
+def _decode_parity(run: Run, graphdef, fp4_params, xla_params, cfg, quant, key) -> None:
+  """One FP4 decode step on the Pallas kernels (fused weights) against the same step on
+  the XLA path (per-matrix weights), same parameters and cache (an odd number of slots):
+  both quantize identically, so only summation order and bf16 roundings differ."""
+  context, batch = run.shapes["parity"]
+  cache = _random_cache(cfg, batch, context + 1, quant, key)
+  tokens = jax.random.randint(key, (batch, 1), 0, cfg.vocab_size)
+  got = _step_logits(graphdef, fp4_params, cache, tokens, quant, "pallas")
+  want = _step_logits(graphdef, xla_params, cache, tokens, quant, "xla")
+  error = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+  agree = float(np.mean(np.argmax(got, -1) == np.argmax(want, -1)))
+  finite = bool(np.isfinite(got).all())
+  print(
+    markdown_table(
+      ["decode step parity", "relative L2 error of logits", "argmax agreement", "finite"],
+      [(f"{context}/b{batch}: pallas vs xla", f"{error:.2e}", f"{agree:.0%}", finite)],
+    )
+  )
+  print()
+  run.target(
+    f"FP4 decode step, Pallas vs XLA logits at {context}/b{batch}",
+    f"rel. L2 {error:.2e}, argmax {agree:.0%}",
+    "<= 5e-2, finite",
+    finite and error <= 5e-2,
+  )
+
+
 def decode_section(run: Run) -> None:
   cfg = M.get_preset(run.shapes["preset"], num_layers=_LAYERS.value)
   key = jax.random.key(0)
@@ -320,6 +359,13 @@ def decode_section(run: Run) -> None:
     state
   )
   bf16_params = jax.jit(lambda s: quantize_params(s, None, dtype=jnp.bfloat16))(state)
+  try:
+    xla_params = jax.jit(lambda s: quantize_params(s, quant, dtype=jnp.bfloat16))(state)
+    _decode_parity(run, graphdef, fp4_params, xla_params, cfg, quant, key)
+    del xla_params
+  except Exception as error:  # noqa: BLE001 (report it, keep measuring)
+    print(f"decode step parity failed to run: {type(error).__name__}: {str(error)[:300]}\n")
+    run.target("FP4 decode step, Pallas vs XLA logits", "failed to run", "<= 5e-2", False)
   head = state["lm_head"].get_value() if "lm_head" in state else state["embed"].get_value().T
   del policy, state
   rows, depth = [], cfg.num_layers
