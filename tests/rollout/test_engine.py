@@ -267,8 +267,10 @@ def test_bad_input_is_rejected_before_any_work(policy, f32_greedy):
     R.RolloutConfig(precision="bf16", guidance="compact")
 
 
+@pytest.mark.slow
 def test_checking_for_stops_every_n_steps_changes_nothing(policy, fp4_compact):
-  """Checking "has every sequence stopped?" only every 4 steps (a GPU's host sync each
+  """Slow (~165 s in a loaded full suite: a second engine's generate and continue_ compile).
+  Checking "has every sequence stopped?" only every 4 steps (a GPU's host sync each
   time) gives the same rollout as checking every step, bit for bit in every buffer
   (tokens, log-probabilities, masks, positions, guidance, routing, captured inputs, the
   cache): sequences stop early here, so whole steps run after the last stop and must leave
