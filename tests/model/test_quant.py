@@ -221,3 +221,90 @@ def test_site_registry_derives_the_lists_scopes_and_layer_sites():
     M.quant.site_spec("nope")
   with pytest.raises(AttributeError):
     M.quant.NOT_A_SITE_LIST  # noqa: B018
+
+
+def _random_norm_scales(model, seed):
+  """`model` with random RMSNorm scales (not 1): the norm's bf16 product then feeds
+  attn_in, moe_in and mlp_in too, where XLA may keep excess precision."""
+  rng = np.random.default_rng(seed)
+  state = nnx.state(model, nnx.Param)
+  scaled = jax.tree_util.tree_map_with_path(
+    lambda path, x: (
+      jnp.asarray(rng.uniform(0.5, 2.0, x.shape), x.dtype)
+      if jax.tree_util.keystr(path).endswith("['scale']")
+      else x
+    ),
+    state,
+  )
+  nnx.update(model, scaled)
+  return model
+
+
+@pytest.fixture(scope="module")
+def bf16_policy():
+  cfg = M.tiny(shared_expert_dim=32, dense_layers=(0,), ffn_dim=64, num_layers=2)
+  return _random_norm_scales(M.Transformer(cfg, rngs=nnx.Rngs(5)), seed=5)
+
+
+def _assert_records_are_fp4_of_inputs(out, what):
+  """Every recorded site: the record is `fp4.quantize` of the recorded input, bits included."""
+  assert out.sites and set(out.site_inputs) == set(out.sites), what
+  for key, record in out.sites.items():
+    x = out.site_inputs[key]
+    assert x.dtype == jnp.float32, (what, key)  # what the quantizer read, excess precision kept
+    expected = fp4.quantize(x, global_group="row")
+    if isinstance(record, fp4.CompactGuidance):
+      expected = fp4.compact_guidance(expected)
+    for field in ("packed", "mantissa_bits", "scales", "global_scale"):
+      if hasattr(record, field):
+        np.testing.assert_array_equal(
+          np.asarray(getattr(record, field)),
+          np.asarray(getattr(expected, field)),
+          err_msg=f"{what} {key} {field}",
+        )
+
+
+def test_bf16_records_are_the_fp4_of_the_recorded_inputs_and_capture_changes_nothing(bf16_policy):
+  """Issue 27 (defects 3, 4), at bf16 compute on both paths.
+
+  Rollout layout (packed weights, a prefill into an FP4 cache): the logits and cache of
+  every capture form ("compact", "full", "sparse", with inputs) are those of a forward that
+  records nothing, bits included, and each record (and each cached K / V) is the FP4 of the
+  recorded input. Training path (whole sequences, fake-quantized master weights): the same
+  for "compact" and "full". Before the fix, sparse capture rounded `k` before quantizing it
+  (other logits), and the `k` records were not the FP4 of the (rounded) recorded `k`."""
+  model = bf16_policy
+  rng = np.random.default_rng(27)
+  tokens = jnp.asarray(rng.integers(0, 128, (3, 16)), jnp.int32)
+  mask = jnp.asarray(np.arange(16)[None] >= np.array([[0], [5], [11]]))  # left padding
+  graphdef, state = nnx.split(model)
+  params = R.quantize_params(state, M.QuantConfig(), dtype=jnp.bfloat16)
+
+  def rollout_forward(form, inputs):
+    quant = M.call_config(
+      M.QuantConfig(), recording=Recording(form=form, inputs=inputs), compute_dtype="bfloat16"
+    )
+    cache = M.init_cache(model.cfg, 3, 32, quant, dtype=jnp.bfloat16)
+    forward = jax.jit(lambda p, c: nnx.merge(graphdef, p)(tokens, mask=mask, cache=c, quant=quant))
+    return forward(params, cache)
+
+  plain = rollout_forward("none", False)
+  valid = np.asarray(mask)
+  for form in ("sparse", "compact", "full"):
+    out = rollout_forward(form, True)
+    np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(plain.logits), err_msg=form)
+    for a, b in zip(jax.tree.leaves(out.cache), jax.tree.leaves(plain.cache)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=form)
+    if form == "sparse":
+      continue
+    _assert_records_are_fp4_of_inputs(out, f"rollout {form}")
+    for layer in range(model.cfg.num_layers):
+      for name, entries in (("k", out.cache.k), ("v", out.cache.v)):
+        expected = fp4.quantize(out.site_inputs[(layer, name)], global_group="row")
+        np.testing.assert_array_equal(
+          np.asarray(entries[layer].packed)[:, :16][valid], np.asarray(expected.packed)[valid]
+        )
+  for form in ("compact", "full"):
+    quant = M.QuantConfig(recording=Recording(form=form, inputs=True), compute_dtype="bfloat16")
+    out = _jitted(model, tokens, quant)
+    _assert_records_are_fp4_of_inputs(out, f"training {form}")

@@ -33,10 +33,11 @@ So the guard now has two parts:
    the value it stores as the input. With float32 compute it does (where XLA computes the
    value twice, in two fusions, it runs the same instructions on the same CPU). With bf16
    compute XLA may skip the rounding to bf16 inside the quantizing fusion (excess
-   precision), so the quantizer sees another value than the stored one: defect 4 of issue
-   27, whose cases are marked xfail until its fix lands. Two checks have tolerances, not
-   bits: guided training falls back at under 1% of the elements, and its log-probs stay
-   within 1e-2 of the rollout's on average.
+   precision), so before the fix of issue 27's defect 4 the quantizer saw another value
+   than the stored one; now every site quantizes and returns one materialised float32
+   value (`quant.site_input`), so the bf16 cases hold bit for bit too. Two checks have
+   tolerances, not bits: guided training falls back at under 1% of the elements, and its
+   log-probs stay within 1e-2 of the rollout's on average.
 The first guard ran at XLA's default optimisation, in a subprocess, only because its
 arrays had been made there. These checks are properties that hold at any level, so they
 run at the suite's level (tests/conftest.py). The rollout cases compile two engines and
@@ -60,13 +61,6 @@ from trace_jax.training.forward import training_forward
 _RECORDS = os.path.join(os.path.dirname(__file__), "..", "fixtures", "seam", "records.npz")
 _QARRAY_FIELDS = ("packed", "scales", "global_scale")
 _COMPACT_FIELDS = ("mantissa_bits", "scales", "global_scale")
-_DEFECT_4 = pytest.mark.xfail(
-  strict=True,
-  reason="issue 27 defect 4: with bf16 compute XLA keeps excess precision inside the "
-  "quantizing fusion, so some records (k after RoPE, mlp_mid) are not the FP4 of the "
-  "recorded input; remove this marker when the fix (one materialised value for record and "
-  "input) lands",
-)
 
 
 def _assert_same_bits(got, want, what: str) -> None:
@@ -193,10 +187,7 @@ _FORWARDS = {
 }
 
 
-@pytest.mark.parametrize(
-  "name",
-  [pytest.param(n, marks=_DEFECT_4) if n.endswith("bf16") else n for n in sorted(_FORWARDS)],
-)
+@pytest.mark.parametrize("name", sorted(_FORWARDS))
 def test_forward_records_are_the_fp4_of_the_inputs_it_returns(name):
   """One forward that records every FP4 site and its input: each record (full QArray, or
   compact bits and scales) is `fp4.quantize` of that input, per row, bit for bit."""
@@ -207,7 +198,7 @@ def test_forward_records_are_the_fp4_of_the_inputs_it_returns(name):
   assert set(out.sites) == expected and set(out.site_inputs) == expected
   for key in sorted(expected):
     x = out.site_inputs[key]
-    assert x.dtype == jnp.dtype(options.get("compute_dtype", "float32")), key
+    assert x.dtype == jnp.float32, key  # as the quantizer read it (quant.site_input)
     want = fp4.quantize(x, global_group="row")
     if form == "compact":
       want = fp4.compact_guidance(want)
@@ -270,10 +261,7 @@ def _real_rows(record, mask):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-  "name",
-  [pytest.param(n, marks=_DEFECT_4) if n.endswith("bf16") else n for n in sorted(_ROLLOUTS)],
-)
+@pytest.mark.parametrize("name", sorted(_ROLLOUTS))
 def test_rollout_records_are_the_fp4_of_its_inputs(rollouts, name):
   """Prefill and decode steps: at every real token, each captured record is the FP4 of
   the site input the rollout recorded for it."""

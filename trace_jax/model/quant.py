@@ -33,9 +33,10 @@ How a site runs (one seam for the rollout and the training path):
   1. the module calls `sites.sow_site(self, sq, x, layer=layer, site=SITE)` where the site
      is (`sites.sow_cache_entry` for a K/V cache entry);
   2. `SiteQuantizer.site` picks the rounding (nearest; guided by the rollout's record at
-     guided layers) and calls the pure `quantize_site`, which quantizes once and returns
-     (values, record), the record already in the guidance's stored form (`Recording.form`:
-     compact bits and scales, or full codes), the fused Pallas kernel's bits as it wrote them;
+     guided layers) and calls the pure `quantize_site`, which materialises the site's input
+     once (`site_input`) and quantizes it once, returning (values, record, fallback, input),
+     the record already in the guidance's stored form (`Recording.form`: compact bits and
+     scales, or full codes), the fused Pallas kernel's bits as it wrote them;
   3. the module sows the `SiteRecord` into the `nnx.Intermediate` collection, and
      `Transformer.__call__`, which runs its forward under `nnx.capture`, gathers them
      (`collect_site_records`) into `ModelOutput.sites` (and `fallbacks`, `site_inputs`),
@@ -154,7 +155,7 @@ class Recording:
     "none"  # the records' form: "none", "compact" (fp4.CompactGuidance) or "full" (QArray)
   )
   layers: tuple[int, ...] | None = None  # recorded layers; None: every layer
-  inputs: bool = False  # also keep each recorded site's input, before quantization
+  inputs: bool = False  # also keep each recorded site's input, float32, as quantized
   sparse: fp4.SparseSpec = fp4.SparseSpec()  # form "sparse": margins and buffer capacity
 
   def __post_init__(self):
@@ -396,6 +397,47 @@ def fake_quant_weight_group(ws: Sequence[jax.Array], fmt: str) -> tuple[jax.Arra
   return tuple(jnp.split(values, bounds, axis=-1))
 
 
+@jax.custom_jvp
+def _materialised(x: jax.Array) -> jax.Array:
+  """x, made once in memory (`optimization_barrier`); its derivative is the identity, so
+  the backward pass is the one without it."""
+  return jax.lax.optimization_barrier(x)
+
+
+@_materialised.defjvp
+def _materialised_jvp(primals, tangents):
+  return _materialised(primals[0]), tangents[0]
+
+
+def site_input(x: jax.Array, *, kernel: bool) -> jax.Array:
+  """The one value a site quantizes and records (`SiteRecord.input`), float32.
+
+  Inside a fusion XLA may carry a bf16 activation in float32 (excess precision: it drops a
+  round trip f32 -> bf16 -> f32) for one use and round it for another, so two reads of
+  the same bf16 `x` can differ. Every site therefore reads one materialised value: the XLA
+  quantizer's own first step, `x.astype(float32)`, with whatever precision XLA carries
+  into it, as the quantizer read it before this barrier existed (the values the model
+  computes with are unchanged); the Pallas kernel's operand, `x` itself in its dtype,
+  which the kernel reads from memory anyway. The same barrier runs in every capture mode,
+  recording or not, so what a rollout samples never depends on what it records.
+
+  Args:
+    x: the activation, any float dtype.
+    kernel: the site quantizes with the fused Pallas kernel (nearest rounding, kernels on).
+  Returns:
+    float32, x's shape: exactly what the quantizer reads (`fp4.quantize` of it gives the
+    site's record bit for bit).
+  """
+  if kernel:
+    return _materialised(x).astype(jnp.float32)  # exact: the kernel reads x's dtype
+  return _materialised(x.astype(jnp.float32))
+
+
+def _kernel(kernels: str, rounding: Mapping[str, Any]) -> bool:
+  """Whether a site quantizes with the fused Pallas kernel (nearest rounding only)."""
+  return kernels == "pallas" and not rounding
+
+
 def quantize_site(
   x: jax.Array,
   fmt: str,
@@ -404,8 +446,9 @@ def quantize_site(
   form: str,
   kernels: str,
   sparse: fp4.SparseSpec | None = None,
-) -> tuple[jax.Array, Any, jax.Array | None]:
-  """One activation site, per token (row): quantize once, return (values, record, fallback).
+) -> tuple[jax.Array, Any, jax.Array | None, jax.Array]:
+  """One activation site, per token (row): quantize once, return (values, record,
+  fallback, input).
 
   A pure function. `rounding`: {} (nearest) or the rounding kwargs of `fp4.quantize`
   (stochastic with its key, guided with its guidance); `form`: "none", "compact" or "full"
@@ -413,30 +456,30 @@ def quantize_site(
   rounding, `kernels="pallas"`) emits the compact guidance bits itself; the XLA path takes
   values and record from one pass of `fp4.fake_quant_record`. "sparse" (`sparse`: its
   `fp4.SparseSpec`) flags the boundary elements and scales from the input and the full
-  record (`fp4.sparse_guidance`).
+  record (`fp4.sparse_guidance`). Values, record and flags all come from one materialised
+  input (`site_input`, returned as `input`), the same in every form.
   """
-  if form == "sparse":
-    # One materialised x for the quantization and the flags: inside a fusion XLA may keep
-    # excess precision for one use of a bf16 value and not for another.
-    x = jax.lax.optimization_barrier(x)
-    values, q, fell_back = quantize_site(x, fmt, rounding=rounding, form="full", kernels=kernels)
-    return values, fp4.sparse_guidance(x, q, sparse or fp4.SparseSpec()), fell_back
-  if kernels == "pallas" and not rounding:
-    q, bits = kernels_lib.quantize(x, fmt)
-    record = None
-    if form == "full":
-      record = q
-    elif form == "compact":
+  kernel = _kernel(kernels, rounding)
+  xq = site_input(x, kernel=kernel)
+  fell_back = None
+  if kernel:
+    q, bits = kernels_lib.quantize(xq.astype(x.dtype), fmt)  # exact: xq holds x's values
+    values = fp4.dequantize(q, x.dtype)
+    record = q if form in ("full", "sparse") else None
+    if form == "compact":
       record = fp4.CompactGuidance(
         global_scale=q.global_scale, scales=q.scales, mantissa_bits=bits, fmt=q.fmt, axis=q.axis
       )
-    return fp4.dequantize(q, x.dtype), record, None
-  if form == "none":
-    return fp4.fake_quant(x, fmt, global_group="row", **rounding), None, None
-  values, record, fell_back = fp4.fake_quant_record(
-    x, fmt, form=form, global_group="row", **rounding
-  )
-  return values, record, fell_back if rounding.get("rounding") == "guided" else None
+  elif form == "none":
+    values, record = fp4.fake_quant(xq, fmt, global_group="row", **rounding), None
+  else:
+    values, record, fell_back = fp4.fake_quant_record(
+      xq, fmt, form="compact" if form == "compact" else "full", global_group="row", **rounding
+    )
+    fell_back = fell_back if rounding.get("rounding") == "guided" else None
+  if form == "sparse":
+    record = fp4.sparse_guidance(xq, record, sparse or fp4.SparseSpec())
+  return values.astype(x.dtype), record, fell_back, xq
 
 
 def cache_entry(
@@ -447,16 +490,15 @@ def cache_entry(
   form: str,
   kernels: str,
   sparse: fp4.SparseSpec | None = None,
-) -> tuple[fp4.QArray, Any]:
-  """A K or V cache site: (the packed entry the cache stores, its record in `form`)."""
-  if form == "sparse":
-    x = jax.lax.optimization_barrier(x)  # as in `quantize_site`
-    q, _ = cache_entry(x, fmt, rounding=rounding, form="none", kernels=kernels)
-    return q, fp4.sparse_guidance(x, q, sparse or fp4.SparseSpec())
-  if kernels == "pallas" and not rounding:
-    q, bits = kernels_lib.quantize(x, fmt)
+) -> tuple[fp4.QArray, Any, jax.Array]:
+  """A K or V cache site: (the packed entry the cache stores, its record in `form`, the
+  materialised input both come from, as `quantize_site`)."""
+  kernel = _kernel(kernels, rounding)
+  xq = site_input(x, kernel=kernel)
+  if kernel:
+    q, bits = kernels_lib.quantize(xq.astype(x.dtype), fmt)
   else:
-    q, bits = fp4.quantize(x, fmt, global_group="row", **rounding), None
+    q, bits = fp4.quantize(xq, fmt, global_group="row", **rounding), None
   record = None
   if form == "full":
     record = q
@@ -468,7 +510,9 @@ def cache_entry(
         global_scale=q.global_scale, scales=q.scales, mantissa_bits=bits, fmt=q.fmt, axis=q.axis
       )
     )
-  return q, record
+  elif form == "sparse":
+    record = fp4.sparse_guidance(xq, q, sparse or fp4.SparseSpec())
+  return q, record, xq
 
 
 class SiteQuantizer:
@@ -553,7 +597,7 @@ class SiteQuantizer:
       return fp4.fake_quant_fp8(x), None
     keep = record and self.records(layer)
     form = self.recording.form if keep else "none"
-    values, rec, fell_back = quantize_site(
+    values, rec, fell_back, xq = quantize_site(
       x,
       self.quant.fmt,
       rounding=self._rounding(layer, site),
@@ -564,7 +608,7 @@ class SiteQuantizer:
     if not keep:
       return values, None
     return values, SiteRecord(
-      record=rec, fallback=fell_back, input=x if self.recording.inputs else None
+      record=rec, fallback=fell_back, input=xq if self.recording.inputs else None
     )
 
   def __call__(self, x: jax.Array, layer: int, site: str) -> jax.Array:
@@ -576,7 +620,7 @@ class SiteQuantizer:
   ) -> tuple[fp4.QArray, SiteRecord | None]:
     """The packed FP4 entry of a K/V cache site, and its record."""
     keep = self.records(layer)
-    q, rec = cache_entry(
+    q, rec, xq = cache_entry(
       x,
       self.quant.fmt,
       rounding=self._rounding(layer, site),
@@ -586,7 +630,7 @@ class SiteQuantizer:
     )
     if not keep:
       return q, None
-    return q, SiteRecord(record=rec, input=x if self.recording.inputs else None)
+    return q, SiteRecord(record=rec, input=xq if self.recording.inputs else None)
 
   def weight(self, w, group: str) -> jax.Array:
     """A linear weight of `group` (one of `WEIGHT_GROUPS`) in the compute dtype: dequantized

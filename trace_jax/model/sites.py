@@ -145,7 +145,8 @@ class SiteRecord:
     record: the site's quantization outcome in guidance form (`fp4.QArray` for "full",
       `fp4.CompactGuidance` for "compact", `fp4.SparseGuidance` for "sparse"), or None.
     fallback: bool, input-shaped: where guided rounding fell back (guided sites), or None.
-    input: the activation before quantization (`Recording.inputs`), or None.
+    input: the activation as the quantizer read it, float32 (`quant.site_input`; with
+      `Recording.inputs`), or None: `fp4.quantize` of it is the record, bit for bit.
   """
 
   record: Any = None

@@ -126,7 +126,10 @@ def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
 def _rematerialized(block: Block, sq: SiteQuantizer):
   """`block`'s call under `nnx.remat` (jax.checkpoint): the backward pass recomputes the
   block's activations from its input instead of keeping them (ModelConfig.remat). Only for
-  calls without a cache or recorded sites: those return values made inside the block."""
+  calls without a cache (a rollout has no backward pass). Recorded sites work: what the
+  block sows leaves the rematerialised function as its outputs (the enclosing
+  `nnx.capture`'s state is an nnx state update of the block), so the records are the
+  forward's own and the backward, which never reads them, recomputes only activations."""
 
   def call(x, inputs, *, routing):
     inner = lambda blk, x, inputs, routing: blk(x, inputs, sq=sq, routing=routing)
@@ -257,13 +260,10 @@ class Transformer(nnx.Module):
       layer_routing = None
       if routing is not None and block.moe is not None:
         layer_routing = routing[len(moe_stats)]
-      if cache is None:
-        call = block
-        if cfg.remat and not sq.recording.enabled:
-          call = _rematerialized(block, sq)
-          x, entries, stats = call(x, inputs, routing=layer_routing)
-        else:
-          x, entries, stats = block(x, inputs, sq=sq, routing=layer_routing)
+      if cache is None and cfg.remat:
+        x, entries, stats = _rematerialized(block, sq)(x, inputs, routing=layer_routing)
+      elif cache is None:
+        x, entries, stats = block(x, inputs, sq=sq, routing=layer_routing)
       else:
         layer_cache = (
           (cache.conv[i], cache.recurrent[i]) if block.linear else (cache.k[i], cache.v[i])

@@ -22,10 +22,36 @@ are needed. Per device:
                      layer keeps its residuals; with per-layer remat only each layer's input
                      is kept, plus one layer's residuals while it is recomputed. Activations
                      are split over data only (an upper bound when "model" > 1).
+  training-path records  what the update returns beside the new state when the arm's two
+                     paths both run FP4 (`Trainer.measured`, `PlanConfig.train_records`):
+                     the training path's site records in full at every layer (the per-layer
+                     disagreement metrics) and the bool guidance fallbacks of the guided
+                     layers' sites, for one micro-batch; split like the activations. Not
+                     small: Qwen3-30B-A3B, 2048 tokens per device, 1.6 GB beside 3.7 GB of
+                     remat activations (4x the layers' saved inputs).
 
 A device fits if the larger phase, training (master + optimizer + gradients + rollout
-weights + guidance + activations) or rollout (master + optimizer + rollout weights + cache
-+ guidance), stays under its memory.
+weights + guidance + activations + training-path records) or rollout (master + optimizer
++ rollout weights + cache + guidance), stays under its memory.
+
+Remat runs in the default job: its update records the training path's sites, and the
+records leave each rematerialised block as outputs (`transformer._rematerialized`).
+
+What was checked against XLA's compiled memory (tests/rl/test_plan.py, on CPU, the trace
+arm's update: guided, routing replay, full records):
+- the update's arguments are master + optimizer + guidance (+ the trajectories) and its
+  returned bytes the training-path records (+ per-token log-probs and entropy), exactly;
+- what its forward keeps for the backward (the compiled `jax.vjp` residuals, per added
+  micro-batch): within 5% of "activations (no remat)" without remat, and within 20% of the
+  part of "activations (remat)" kept between the passes (`activation_bytes`' kept) with
+  remat; the 20% are per-token arrays the planner leaves out (attention mask, RoPE tables,
+  routing, token ids), large only beside the tiny test model's d_model of 64.
+XLA:CPU does not realise remat's savings inside one compiled update (its CSE merges the
+recomputation with the forward: 16 tanh in an 8-layer MLP's lowered gradient, 8 after
+compilation, the same temporaries with and without jax.checkpoint), so the update's
+temporaries are checked there only as a lower bound; the transient part of the remat row
+(one layer's residuals while it is recomputed) is the no-remat figure per layer, checked
+above, but its realisation on a GPU is unverified.
 """
 
 from __future__ import annotations
@@ -119,6 +145,8 @@ class PlanConfig:
   fp4_sites: str = "all"  # FP4 scope of rollout weights and QAT
   guidance: str = "compact"
   guided_layers: str = "last_half"
+  train_records: bool = True  # the update returns the training path's full site records and
+  #   guided fallbacks (an arm whose two paths run FP4: `Trainer.measured`)
   device_bytes: float = H200_BYTES
 
   def __post_init__(self):
@@ -178,9 +206,12 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
   rows["guidance"] = float(guidance_bytes(cfg, config, mesh, quant))
 
   micro = (config.micro_batch or data) // data  # sequences per device
-  no_remat, remat = activation_bytes(cfg, quant, micro, config.context)
+  no_remat, remat, _ = activation_bytes(cfg, quant, micro, config.context)
   rows["activations (no remat)"] = no_remat
   rows["activations (remat)"] = remat
+  rows["training-path records"] = (
+    float(train_record_bytes(cfg, config, quant, micro)) if config.train_records else 0.0
+  )
 
   resident = (
     rows["master weights (f32)"]
@@ -189,9 +220,28 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
     + rows["guidance"]
   )
   rows["rollout peak (FP4 KV)"] = resident + rows["KV cache (FP4)"] + rows["recurrent state"]
-  rows["train peak (no remat)"] = resident + rows["gradients (f32)"] + no_remat
-  rows["train peak (remat)"] = resident + rows["gradients (f32)"] + remat
+  training = resident + rows["gradients (f32)"] + rows["training-path records"]
+  rows["train peak (no remat)"] = training + no_remat
+  rows["train peak (remat)"] = training + remat
   return rows
+
+
+def train_record_bytes(cfg: ModelConfig, config: PlanConfig, quant: QuantConfig, batch: int):
+  """Bytes of the training path's records that an FP4 arm's update returns for `batch`
+  sequences of `config.context` slots: every site of every layer in full (codes, block
+  scales, global scales) and a bool fallback per element at the guided layers' sites."""
+  sites = jax.eval_shape(
+    lambda: (
+      Transformer(cfg, rngs=nnx.Rngs(0))(
+        jnp.zeros((1, 1), jnp.int32), quant=call_config(quant, recording=Recording(form="full"))
+      ).sites
+    )
+  )
+  per_token = sum(math.prod(x.shape[2:]) * x.dtype.itemsize for x in jax.tree.leaves(sites))
+  if config.guidance != "none":
+    guided = set(resolve_layers(config.guided_layers, cfg.num_layers))
+    per_token += sum(math.prod(q.shape[2:]) for key, q in sites.items() if key[0] in guided)
+  return per_token * batch * config.context
 
 
 def abstract_guidance(cfg: ModelConfig, config: PlanConfig, quant: QuantConfig):
@@ -230,9 +280,13 @@ def guidance_bytes(cfg: ModelConfig, config: PlanConfig, mesh, quant: QuantConfi
 
 def activation_bytes(
   cfg: ModelConfig, quant: QuantConfig, batch: int, context: int
-) -> tuple[float, float]:
-  """(without remat, with per-layer remat) residual bytes of a training forward of
-  [batch, context] tokens on one device (QAT with `quant`, bf16 activations)."""
+) -> tuple[float, float, float]:
+  """(without remat, with per-layer remat, kept with remat) residual bytes of a training
+  forward of [batch, context] tokens on one device (QAT with `quant`, bf16 activations).
+
+  With remat, "kept" is what stays between the forward and the backward pass (each layer's
+  input and the LM head's residuals); the remat figure adds one layer's residuals, alive
+  while the backward recomputes it."""
   b, t = batch, context
   x = jax.ShapeDtypeStruct((b, t, cfg.d_model), jnp.bfloat16)
   per_type: dict[bool, int] = {}
@@ -279,8 +333,8 @@ def activation_bytes(
   head_bytes = _dependent_residual_bytes(head_fn, (head_state, x, tokens), {1, 2})
   layer_input = b * t * cfg.d_model * 2
   no_remat = sum(per_type[k] * n for k, n in counts.items()) + head_bytes
-  remat = cfg.num_layers * layer_input + max(per_type.values()) + head_bytes
-  return float(no_remat), float(remat)
+  kept = cfg.num_layers * layer_input + head_bytes
+  return float(no_remat), float(kept + max(per_type.values())), float(kept)
 
 
 def format_table(name: str, config: PlanConfig, rows: dict[str, float]) -> str:

@@ -91,8 +91,9 @@ class Rollout:
     guidance: the captured `Guidance` (or None when guidance="none" and no routing).
     routing: int8/int16 [num_moe_layers, B, S, k], the experts chosen at every slot.
     cache: the KV cache, to continue from.
-    site_inputs: {(layer, site): activation [B, S, ...]} before quantization, only when
-      asked for (checks and studies).
+    site_inputs: {(layer, site): activation [B, S, ...]} before quantization, float32 as
+      the quantizer read it (its FP4 is the guidance, bit for bit), only when asked for
+      (checks and studies).
   """
 
   tokens: jax.Array
