@@ -29,9 +29,10 @@ import time
 from absl import app, flags, logging
 
 from trace_jax.model.transformer import Transformer  # noqa: F401  (the policy class)
-from trace_jax.rl import compare, ptq, report, warmstart
+from trace_jax.studies import compare, ptq
+from trace_jax.run import report, warmstart
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import Trainer, read_metrics
+from trace_jax.run.trainer import Trainer, read_metrics
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _D = RLConfig()

@@ -40,7 +40,7 @@ from trace_jax import kernels as kernels_lib
 from trace_jax import model as M
 from trace_jax.model import accounting
 from trace_jax.model.cache import init_cache
-from trace_jax.rl.mismatch_study import StudyConfig, run_study
+from trace_jax.studies.mismatch import StudyConfig, run_study
 from trace_jax.rollout.params import quantize_params_jit
 from trace_jax.utils import markdown_table
 

@@ -24,7 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from trace_jax.rl.mismatch_study import MODES, StudyConfig, run_study  # noqa: E402
+from trace_jax.studies.mismatch import MODES, StudyConfig, run_study  # noqa: E402
 from trace_jax.utils import markdown_table, write_json  # noqa: E402
 
 _D = StudyConfig()  # every study flag's default is StudyConfig's own

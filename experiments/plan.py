@@ -8,13 +8,13 @@ Prints, per device of the (data, expert, model) mesh: master weights, optimizer 
 gradients, FP4 rollout weights, KV cache (bf16 and FP4) or recurrent state, guidance, the
 activations of one training micro-batch with and without per-layer remat, and whether each
 phase fits an H200 (141 GB). Everything is computed from `jax.eval_shape` / abstract traces
-and the real shardings (`trace_jax.rl.plan`); no device or weight is touched.
+and the real shardings (`trace_jax.plan`); no device or weight is touched.
 """
 
 from absl import app, flags
 
 from trace_jax.model.config import PRESETS, get_preset
-from trace_jax.rl import plan as plan_lib
+from trace_jax import plan as plan_lib
 
 _D = plan_lib.PlanConfig()
 PUBLISHED = ("qwen3_30b_a3b", "qwen3_5_35b_a3b", "mixtral_8x7b", "olmoe_1b_7b")

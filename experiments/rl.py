@@ -32,11 +32,11 @@ import time
 
 from absl import app, flags, logging
 
-from trace_jax.rl import report
-from trace_jax.rl.checkpoint import CheckpointError
+from trace_jax.run import report
+from trace_jax.run.checkpoint import CheckpointError
 from trace_jax.rl.config import ARMS, REWARD_CONTROLS, RLConfig
 from trace_jax.rl.grpo import AGGREGATIONS, CORRECTIONS
-from trace_jax.rl.trainer import Trainer, read_metrics
+from trace_jax.run.trainer import Trainer, read_metrics
 from trace_jax.utils import distributed
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<arm>-<task>-<time>).")

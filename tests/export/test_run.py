@@ -25,7 +25,7 @@ from trace_jax.export import names as names_lib
 from trace_jax.export.run import export_run, export_settings
 from trace_jax.model.hf import read_safetensors
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MXFP4_RUN = dict(

@@ -9,7 +9,7 @@ from flax import nnx
 
 from trace_jax import model as M
 from trace_jax.model.quant import QuantConfig
-from trace_jax.rl.plan import _dependent_residual_bytes
+from trace_jax.plan import _dependent_residual_bytes
 
 
 def _loss(model, tokens, quant):

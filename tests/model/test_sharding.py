@@ -23,10 +23,10 @@ SCRIPT = textwrap.dedent("""
     from trace_jax import model as M
     from trace_jax.model import sharding
     from trace_jax.model.quant import QuantConfig
-    from trace_jax.rl import plan
+    from trace_jax import plan
     from trace_jax.rl.grpo import LossConfig
-    from trace_jax.rl import warmstart
-    from trace_jax.rl.trainer import TrainExample, _old_logprobs, _train_step
+    from trace_jax.run import warmstart
+    from trace_jax.run.trainer import TrainExample, _old_logprobs, _train_step
     from trace_jax.training.sft import sft_batch
     from trace_jax.rollout.config import RolloutConfig, SamplingConfig
     from trace_jax.rollout.engine import RolloutEngine

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trace_jax.rl import trainer as trainer_lib
+from trace_jax.run import trainer as trainer_lib
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import DivergenceError, Trainer, read_metrics
+from trace_jax.run.trainer import DivergenceError, Trainer, read_metrics
 
 # Compiles whole RL / rollout programs: minutes on 2 cores; `pytest -m slow` runs it.
 pytestmark = pytest.mark.slow
@@ -90,7 +90,7 @@ KILL_SCRIPT = textwrap.dedent("""
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
     from orbax.checkpoint._src.path import atomicity
     from trace_jax.rl.config import RLConfig
-    from trace_jax.rl.trainer import Trainer
+    from trace_jax.run.trainer import Trainer
 
     finalize = atomicity.AtomicRenameTemporaryPath.finalize
 

@@ -8,7 +8,7 @@ from flax import nnx
 
 from trace_jax import fp4
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.trainer import Trainer
 
 # arm: (rollout packs FP4 weights, training quantizes, rounding, correction, guidance mode,
 #       guided layers of the tiny model, routing replay)

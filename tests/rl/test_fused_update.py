@@ -9,7 +9,7 @@ from flax import nnx
 
 from trace_jax import model as M
 from trace_jax.model.quant import QuantConfig, call_config
-from trace_jax.rl import trainer as trainer_lib
+from trace_jax.run import trainer as trainer_lib
 from trace_jax.rl.grpo import LossConfig
 
 

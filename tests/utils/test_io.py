@@ -10,8 +10,8 @@ import types
 import jax.numpy as jnp
 import pytest
 
-from trace_jax.rl.checkpoint import Checkpoints
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.checkpoint import Checkpoints
+from trace_jax.run.trainer import Trainer
 from trace_jax.utils import io
 
 

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trace_jax.rl.checkpoint import Checkpoints
+from trace_jax.run.checkpoint import Checkpoints
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.trainer import Trainer
 from trace_jax.utils import lock as lock_lib
 from trace_jax.utils.lock import LOCK_FILE, WorkdirBusy, WorkdirLock
 

@@ -26,8 +26,9 @@ from trace_jax.export import calibration
 from trace_jax.export.compressed_tensors import export_compressed_tensors, tensor_listing
 from trace_jax.model.quant import QuantConfig
 from trace_jax.model.sharding import make_mesh, param_shardings
-from trace_jax.rl import data, episodes, policy_source
-from trace_jax.rl.checkpoint import Checkpoints
+from trace_jax.rl import data, episodes
+from trace_jax.run import policy_source
+from trace_jax.run.checkpoint import Checkpoints
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.grpo import LossConfig
 from trace_jax.rollout.engine import RolloutEngine

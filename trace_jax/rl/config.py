@@ -10,7 +10,7 @@ from trace_jax import fp4
 from trace_jax.guidance import GUIDANCE_MODES
 from trace_jax.model.quant import ACTIVATION_FORMATS, SITE_SCOPES, GuidedLayers, QuantConfig
 from trace_jax.rl.grpo import CORRECTIONS, LossConfig
-from trace_jax.rl.policy_source import check_checkpoint_files
+from trace_jax.run.policy_source import check_checkpoint_files
 from trace_jax.tasks.registry import get_task, registered
 
 

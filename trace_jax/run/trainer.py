@@ -50,9 +50,9 @@ from trace_jax.model.sharding import (
 )
 from trace_jax.rl import data
 from trace_jax.rl import episodes as episodes_lib
-from trace_jax.rl import policy_source
-from trace_jax.rl import warmstart
-from trace_jax.rl.checkpoint import Checkpoints
+from trace_jax.run import policy_source
+from trace_jax.run import warmstart
+from trace_jax.run.checkpoint import Checkpoints
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.grpo import group_advantages, grpo_loss
 from trace_jax.rl.metrics import (

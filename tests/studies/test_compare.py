@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from trace_jax.rl import compare
+from trace_jax.studies import compare
 
 T_975_DF2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom (tables)
 

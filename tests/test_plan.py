@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from trace_jax.model.config import get_preset
-from trace_jax.rl import plan
+from trace_jax import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -33,7 +33,7 @@ WORKER = textwrap.dedent("""
     from flax import nnx
     from jax.experimental import multihost_utils
     from trace_jax.rl.config import RLConfig
-    from trace_jax.rl.trainer import Trainer
+    from trace_jax.run.trainer import Trainer
     assert multi == (num_processes > 1) and jax.process_count() == num_processes
     assert jax.device_count() == data, jax.devices()
     config = RLConfig(preset="tiny", arm=arm, steps=2, prompts_per_step=2, group_size=2,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.trainer import Trainer
 
 # Compiles whole RL / rollout programs: minutes on 2 cores; `pytest -m slow` runs it.
 pytestmark = pytest.mark.slow

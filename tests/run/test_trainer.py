@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trace_jax.rl import report
+from trace_jax.run import report
 from trace_jax.rl.grpo import LossConfig
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl import trainer as trainer_lib
-from trace_jax.rl.trainer import Trainer, read_metrics
+from trace_jax.run import trainer as trainer_lib
+from trace_jax.run.trainer import Trainer, read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMING = ("rollout_seconds", "train_seconds")
@@ -189,7 +189,7 @@ MESH_SCRIPT = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, numpy as np
     from trace_jax.rl.config import RLConfig
-    from trace_jax.rl.trainer import Trainer
+    from trace_jax.run.trainer import Trainer
     assert jax.device_count() == 8
     config = RLConfig(preset="tiny", steps=1, prompts_per_step=4, group_size=4, minibatches=2, max_new_tokens=4,
                       sft_steps=0, eval_size=8, eval_every=0, checkpoint_every=0,
@@ -241,7 +241,7 @@ def test_learning_rate_warmup():
   gradient (m / sqrt(v) = g / |g| after bias correction): lr / 10 at the first warmup update,
   the full lr once the warmup is over."""
   import jax.numpy as jnp
-  from trace_jax.rl import trainer as trainer_lib
+  from trace_jax.run import trainer as trainer_lib
 
   lr, warmup = 1e-3, 4
   tx = trainer_lib._optimizer(lr, warmup)

@@ -36,7 +36,7 @@ from trace_jax.model.config import get_preset, qwen3_30b_a3b
 from trace_jax.model.quant import SITE_SCOPES, QuantConfig, Recording, call_config, resolve_layers
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl import data
-from trace_jax.rl import sparse_study
+from trace_jax.studies import sparse as sparse_study
 from trace_jax.rl.metrics import fp4_disagreement, guidance_agreement, mismatch_metrics
 from trace_jax.rollout.accounting import guidance_bytes_per_token
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from trace_jax.rl import trainer as trainer_lib
-from trace_jax.rl import warmstart
+from trace_jax.run import warmstart
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.trainer import Trainer
 
 _SUM = re.compile(r"^(\d)\+(\d)\+(\d)\+(\d)=$")
 

@@ -1,4 +1,4 @@
-"""RL from a local Hugging Face checkpoint directory (trace_jax/rl/policy_source.py): the tiny
+"""RL from a local Hugging Face checkpoint directory (trace_jax/run/policy_source.py): the tiny
 HF fixtures of every architecture, with a procedural tokenizer and a ChatML template written
 into a copy of each. One representative case runs by default; every architecture x arm, the
 multi-turn task and the forced warm start are slow:
@@ -19,7 +19,7 @@ from trace_jax.model.hf import from_hf
 from trace_jax.rl import episodes
 from trace_jax.rl.config import ARMS, RLConfig
 from trace_jax.rl.grpo import LossConfig
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.trainer import Trainer
 from trace_jax.tasks.chat import CheckpointTokenizer
 
 HF = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
@@ -236,7 +236,7 @@ def test_load_configures_the_policy(tmp_path, remat):
   """policy_source.load takes the run config and returns the policy configured for it
   (ModelConfig.remat), from a preset and from a checkpoint alike; the weights are the
   checkpoint's either way."""
-  from trace_jax.rl import policy_source
+  from trace_jax.run import policy_source
   from trace_jax.tasks.registry import get_task
 
   task = get_task("arith")
