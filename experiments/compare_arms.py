@@ -31,8 +31,10 @@ from absl import app, flags, logging
 from trace_jax.model.transformer import Transformer  # noqa: F401  (the policy class)
 from trace_jax.studies import compare, ptq
 from trace_jax.run import report, warmstart
+from trace_jax.rl.arms import ARMS
 from trace_jax.rl.config import RLConfig
-from trace_jax.run.trainer import Trainer, read_metrics
+from trace_jax.run.rundir import read_metrics
+from trace_jax.run.trainer import Trainer
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _D = RLConfig()
@@ -86,8 +88,7 @@ def _overrides() -> dict:
 
 
 def _rl_config(task: str, seed: int, arm: str, overrides: dict) -> RLConfig:
-  trained = "bf16" if arm in compare.DERIVED_ARMS else arm
-  return RLConfig(arm=trained, task=task, seed=seed, **overrides)
+  return RLConfig(arm=ARMS[arm].derived_from or arm, task=task, seed=seed, **overrides)
 
 
 def main(argv):
@@ -96,12 +97,13 @@ def main(argv):
   overrides = _overrides()
   name = _NAME.value or ("stress" if _STRESS.value else "default")
   seeds = [int(s) for s in _SEEDS.value]
-  unknown = sorted(set(_ARMS.value) - set(compare.ALL_ARMS))
+  unknown = sorted(set(_ARMS.value) - set(ARMS))
   if unknown:
-    raise app.UsageError(f"--arms: {unknown} are not arms; arms: {list(compare.ALL_ARMS)}")
-  arms = [a for a in compare.ALL_ARMS if a in _ARMS.value]
-  if any(a in compare.DERIVED_ARMS for a in arms) and "bf16" not in arms:
-    raise app.UsageError("--arms: ptq and ptq-46 quantize the bf16 run's policy; add bf16")
+    raise app.UsageError(f"--arms: {unknown} are not arms; arms: {list(ARMS)}")
+  arms = [a for a in ARMS if a in _ARMS.value]
+  missing = sorted({ARMS[a].derived_from for a in arms} - set(arms) - {None})
+  if missing:
+    raise app.UsageError(f"--arms: ptq and ptq-46 quantize the {missing[0]} run's policy; add it")
   try:
     for task in _TASKS.value:  # every config is valid before any work
       for seed in seeds:
@@ -144,8 +146,9 @@ def main(argv):
     return summary
 
   def run_ptq(task, seed, arm):
+    source = ARMS[arm].derived_from  # the trained arm whose final policy it packs
     bf16 = compare.finished_summary(
-      results_dir, task, seed, "bf16", config_of(task, seed, "bf16"), _D.to_dict()
+      results_dir, task, seed, source, config_of(task, seed, source), _D.to_dict()
     )
     summary = dict(
       bf16,
@@ -157,16 +160,16 @@ def main(argv):
       curve_mixed=None,
       curve_eval=bf16["curve_fp4"],
     )
-    if arm == "ptq":  # the rollout path's own quantization: the bf16 run's FP4 evals
+    if ARMS[arm].scale_rule == "standard":  # the rollout's own packing: the run's FP4 evals
       summary.update(
         initial_eval_reward=bf16["initial_eval_reward_fp4"],
         final_eval_reward=bf16["final_eval_reward_fp4"],
       )
       return summary
     start = time.time()
-    config = _rl_config(task, seed, "bf16", overrides)
-    trainer = Trainer(config, workdir(task, seed, "bf16"), progress=False)  # its final step
-    final = ptq.ptq_eval_reward(trainer, ptq.PTQ_SCALE_RULES[arm])
+    config = _rl_config(task, seed, source, overrides)
+    trainer = Trainer(config, workdir(task, seed, source), progress=False)  # its final step
+    final = ptq.ptq_eval_reward(trainer, ARMS[arm].scale_rule)
     warmstart.load_or_train(
       trainer.policy,
       trainer.workdir,
@@ -178,7 +181,7 @@ def main(argv):
       learning_rate=config.sft_learning_rate,
       progress=False,
     )
-    initial = ptq.ptq_eval_reward(trainer, ptq.PTQ_SCALE_RULES[arm])
+    initial = ptq.ptq_eval_reward(trainer, ARMS[arm].scale_rule)
     summary.update(
       initial_eval_reward=initial,
       final_eval_reward=final,

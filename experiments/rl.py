@@ -34,15 +34,17 @@ from absl import app, flags, logging
 
 from trace_jax.run import report
 from trace_jax.run.checkpoint import CheckpointError
-from trace_jax.rl.config import ARMS, REWARD_CONTROLS, RLConfig
+from trace_jax.rl.arms import RUNNABLE
+from trace_jax.rl.config import REWARD_CONTROLS, RLConfig
 from trace_jax.rl.grpo import AGGREGATIONS, CORRECTIONS
-from trace_jax.run.trainer import Trainer, read_metrics
+from trace_jax.run.rundir import read_metrics
+from trace_jax.run.trainer import Trainer
 from trace_jax.utils import distributed
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<arm>-<task>-<time>).")
 _D = RLConfig()  # every flag's default is the config classes' own
 _L = _D.loss
-_ARM = flags.DEFINE_string("arm", _D.arm, f"One of {sorted(ARMS)}.")
+_ARM = flags.DEFINE_string("arm", _D.arm, f"One of {sorted(RUNNABLE)}.")
 _TASK = flags.DEFINE_string("task", _D.task, "Task: arith, coding, search, or rg:<name>.")
 _TASK_OPTIONS = flags.DEFINE_list(
   "task_options",

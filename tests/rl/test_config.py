@@ -1,4 +1,4 @@
-"""rl/config.py: the arm table (keyword-only, validated, guided layers stated once), the one
+"""rl/arms.py and rl/config.py: the arm table (keyword-only, validated, guided layers stated once), the one
 rollout-correction knob, and experiments/rl.py's flag defaults read from the config classes."""
 
 import dataclasses
@@ -9,7 +9,9 @@ import pytest
 from absl import flags
 
 from trace_jax.model.quant import QuantConfig
-from trace_jax.rl.config import ARMS, Arm, RLConfig
+from trace_jax.rl.arms import ARMS, COMPARED, RUNNABLE, Arm
+from trace_jax.rl.config import RLConfig
+from trace_jax.rollout.config import RolloutConfig
 from trace_jax.rl.grpo import LossConfig
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,38 +19,20 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 def test_arm_table_states_the_method_once():
   # DESIGN.md section 4, written down independently of the table.
-  expected = {  # name: (rollout, training QuantConfig, guidance, replay, correction, deploy)
-    "bf16": ("bf16", None, "none", False, "none", "bf16"),
-    "fp4-rollout": ("fp4", None, "none", False, "tis", "fp4"),
-    "fp4-qat": ("fp4", QuantConfig(), "none", False, "none", "fp4"),
-    "trace": (
-      "fp4",
-      QuantConfig(rounding="guided", guided_layers="last_half"),
-      "compact",
-      True,
-      "none",
-      "fp4",
-    ),
-    "trace-full": (
-      "fp4",
-      QuantConfig(rounding="guided", guided_layers="all"),
-      "full",
-      True,
-      "none",
-      "fp4",
-    ),
-    "trace-sparse": (
-      "fp4",
-      QuantConfig(rounding="guided", guided_layers="all"),
-      "sparse",
-      True,
-      "none",
-      "fp4",
-    ),
-    "ptq": ("bf16", None, "none", False, "none", "fp4"),
+  guided = lambda layers: QuantConfig(rounding="guided", guided_layers=layers)  # noqa: E731
+  expected = {  # name: (rollout, training QuantConfig, guidance, replay, correction, deploy,
+    #                    derived from, block-scale rule)
+    "bf16": ("bf16", None, "none", False, "none", "bf16", None, "standard"),
+    "fp4-rollout": ("fp4", None, "none", False, "tis", "fp4", None, "standard"),
+    "fp4-qat": ("fp4", QuantConfig(), "none", False, "none", "fp4", None, "standard"),
+    "trace": ("fp4", guided("last_half"), "compact", True, "none", "fp4", None, "standard"),
+    "trace-full": ("fp4", guided("all"), "full", True, "none", "fp4", None, "standard"),
+    "trace-sparse": ("fp4", guided("all"), "sparse", True, "none", "fp4", None, "standard"),
+    "ptq": ("bf16", None, "none", False, "none", "fp4", "bf16", "standard"),
+    "ptq-46": ("bf16", None, "none", False, "none", "fp4", "bf16", "4over6"),
   }
   assert sorted(ARMS) == sorted(expected)
-  for name, (rollout, quant, guidance, replay, correction, deploy) in expected.items():
+  for name, row in expected.items():
     arm = ARMS[name]
     assert (
       arm.rollout_precision,
@@ -57,9 +41,38 @@ def test_arm_table_states_the_method_once():
       arm.routing_replay,
       arm.correction,
       arm.deploy,
-    ) == (rollout, quant, guidance, replay, correction, deploy)
-    if quant is not None and quant.rounding == "guided":  # guided layers: one statement
+      arm.derived_from,
+      arm.scale_rule,
+    ) == row, name
+    if arm.train_quant is not None and arm.train_quant.rounding == "guided":  # stated once
       assert arm.train_quant.guided_layers == arm.guided_layers
+  # An RL run reports every arm but ptq-46 (4over6 is evaluated by the comparison); the
+  # comparison runs the method's arms, trace-sparse (beyond the method) on request.
+  assert set(RUNNABLE) == set(expected) - {"ptq-46"}
+  assert COMPARED == ("bf16", "fp4-rollout", "fp4-qat", "trace", "trace-full", "ptq", "ptq-46")
+  with pytest.raises(ValueError, match="arm='ptq-46' packs the bf16 run's policy"):
+    RLConfig(arm="ptq-46")
+
+
+def test_each_arm_states_its_rollout():
+  """The rollout an arm runs (precision, capture, guided layers, routing), by hand: FP4
+  arms that train in FP4 capture at least compact guidance on every layer (the per-layer
+  disagreement is measured each step), others capture what they train on."""
+  base = RolloutConfig(max_len=64)
+  expected = {  # name: (precision, guidance captured, its layers, routing recorded)
+    "bf16": ("bf16", "none", "none", False),
+    "fp4-rollout": ("fp4", "none", "none", False),
+    "fp4-qat": ("fp4", "compact", "all", False),
+    "trace": ("fp4", "compact", "all", True),
+    "trace-full": ("fp4", "full", "all", True),
+    "trace-sparse": ("fp4", "sparse", "all", True),
+    "ptq": ("bf16", "none", "none", False),
+    "ptq-46": ("bf16", "none", "none", False),
+  }
+  for name, row in expected.items():
+    r = ARMS[name].rollout(base)
+    assert (r.precision, r.guidance, r.guided_layers, r.record_routing) == row, name
+    assert r.max_len == 64  # the rest is the base's
 
 
 def test_arm_is_keyword_only_and_validated():

@@ -16,8 +16,9 @@ import pytest
 from flax import nnx
 
 from trace_jax.model.hf import from_hf
-from trace_jax.rl import episodes
-from trace_jax.rl.config import ARMS, RLConfig
+from trace_jax.rl import data, episodes
+from trace_jax.rl.arms import RUNNABLE
+from trace_jax.rl.config import RLConfig
 from trace_jax.rl.grpo import LossConfig
 from trace_jax.run.trainer import Trainer
 from trace_jax.tasks.chat import CheckpointTokenizer
@@ -81,7 +82,7 @@ def _run_two_steps(tmp_path, arch, arm, **overrides):
   assert trainer.engine.config.pad_id == tok.pad_id
   # prompts: the model's own template, as written out by hand
   items = trainer.task.sample(3, 2)
-  assert trainer._prompt_ids(items) == [tok.encode(_chatml(i.prompt)) for i in items]
+  assert [data.prompt_ids(tok, i) for i in items] == [tok.encode(_chatml(i.prompt)) for i in items]
   # no warm start by default: the policy (and the KL reference) are the checkpoint's weights
   assert trainer.warmstart["skipped"] and not os.path.exists(tmp_path / "run" / "warmstart")
   loaded = _params(from_hf(path))
@@ -114,7 +115,7 @@ def test_two_rl_steps_from_a_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arm", sorted(ARMS))
+@pytest.mark.parametrize("arm", sorted(RUNNABLE))
 @pytest.mark.parametrize("arch", sorted(VOCAB))
 def test_two_rl_steps_every_architecture_and_arm(tmp_path, arch, arm):
   # The Qwen3.5 text fixture's 24-wide shared expert does not split into 16-element blocks:

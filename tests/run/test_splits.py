@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 
-from trace_jax.rl import trainer as trainer_lib
+from trace_jax.rl import episodes as episodes_lib
 from trace_jax.run import warmstart
 from trace_jax.rl.config import RLConfig
 from trace_jax.run.trainer import Trainer
@@ -45,7 +45,7 @@ def test_sft_and_rl_steps_draw_train_problems_and_the_evaluation_held_out_ones(
     raise _Stop
 
   monkeypatch.setattr(warmstart, "train_sft", sft_spy)
-  monkeypatch.setattr(trainer_lib.episodes_lib, "play", rollout_spy)
+  monkeypatch.setattr(episodes_lib, "play", rollout_spy)
   config = RLConfig(
     task="chain",
     preset="tiny",
@@ -78,7 +78,7 @@ def test_sft_and_rl_steps_draw_train_problems_and_the_evaluation_held_out_ones(
   # RL: the problems of three steps, as the rollout receives them.
   rl_prompts = []
   for step in range(3):
-    trainer.step = step
+    trainer.state = trainer.state.replace(step=step)  # the step whose problems are drawn
     with pytest.raises(_Stop):
       trainer.train_step()
     assert len(played[-1]) == config.prompts_per_step * config.group_size

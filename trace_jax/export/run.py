@@ -134,7 +134,7 @@ class SavedRun:
   def rollout_tokens(self, seed: int, count: int):
     """Sequences (prompt + sampled response) of `count` of the run's problems, from an FP4
     rollout engine with the run's own settings (format, scope, activations, sampling)."""
-    base = episodes.rollout_base(self.config, self.task, self.source)
+    base = episodes.rollout_configs(self.config, self.task, self.source)[0]
     engine = RolloutEngine(
       self.policy, base.replace(precision="fp4", guidance="none"), mesh=self.mesh
     )

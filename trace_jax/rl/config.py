@@ -1,4 +1,4 @@
-"""The RL arms (DESIGN.md section 4) and the run configuration."""
+"""The configuration of an RL run."""
 
 from __future__ import annotations
 
@@ -7,131 +7,14 @@ import math
 
 from trace_jax.model.config import PRESETS, get_preset
 from trace_jax import fp4
-from trace_jax.guidance import GUIDANCE_MODES
-from trace_jax.model.quant import ACTIVATION_FORMATS, SITE_SCOPES, GuidedLayers, QuantConfig
+from trace_jax.model.quant import ACTIVATION_FORMATS, SITE_SCOPES, QuantConfig
+from trace_jax.rl.arms import Arm, get_arm
 from trace_jax.rl.grpo import CORRECTIONS, LossConfig
 from trace_jax.run.policy_source import check_checkpoint_files
 from trace_jax.tasks.registry import get_task, registered
 
 
-TRAIN_PATHS = ("bf16", "qat", "guided")
 REWARD_CONTROLS = ("none", "shuffle")
-PRECISIONS = ("bf16", "fp4")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Arm:
-  """How one arm rolls out and trains (DESIGN.md section 4).
-
-  Attributes:
-    name: the arm's name.
-    rollout_precision: "bf16" or "fp4" (W4A4 + FP4 KV cache).
-    train: the training path: "bf16" (no quantization), "qat" (FP4 QAT, nearest rounding)
-      or "guided" (FP4 QAT rounded by the rollout's guidance at `guided_layers`).
-    guidance: what the rollout captures for the trainer: "none", "compact", "full" or
-      "sparse" (boundary elements and scales only, `fp4.sparse`).
-    guided_layers: the layers guidance covers, stated once: the rollout captures them and
-      the training path rounds by them ("none" without guidance).
-    routing_replay: train with the rollout's experts.
-    correction: the default rollout correction ("tis", "mask", "none").
-    deploy: precision the arm's policy is deployed (and headline-evaluated) in.
-  """
-
-  name: str
-  rollout_precision: str  # "bf16" or "fp4"
-  train: str  # "bf16", "qat" or "guided"
-  guidance: str = "none"  # "none", "compact", "full" or "sparse"
-  guided_layers: GuidedLayers = "none"  # "last_half", "all", "none", a count, or ids
-  routing_replay: bool = False
-  correction: str = "none"  # "tis", "mask" or "none"
-  deploy: str = "fp4"  # "bf16" or "fp4"
-
-  def __post_init__(self):
-    for field, allowed in (
-      ("rollout_precision", PRECISIONS),
-      ("train", TRAIN_PATHS),
-      ("guidance", GUIDANCE_MODES),
-      ("correction", CORRECTIONS),
-      ("deploy", PRECISIONS),
-    ):
-      if getattr(self, field) not in allowed:
-        raise ValueError(
-          f"Arm.{field}={getattr(self, field)!r} is not allowed; use one of {allowed}"
-        )
-    if not isinstance(self.guided_layers, (str, int)):
-      object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
-    QuantConfig(guided_layers=self.guided_layers)  # validates the layer spec
-    guided = self.guided_layers != "none"
-    if self.train == "guided" and (self.guidance == "none" or not guided):
-      raise ValueError(
-        f"Arm {self.name!r}: train='guided' needs guidance ('compact', 'full' or "
-        f"'sparse') "
-        f"and guided layers; got guidance={self.guidance!r}, "
-        f"guided_layers={self.guided_layers!r}"
-      )
-    if self.train != "guided" and (self.guidance != "none" or guided):
-      raise ValueError(
-        f"Arm {self.name!r}: guidance={self.guidance!r} / guided_layers="
-        f"{self.guided_layers!r} are only read by train='guided' (train="
-        f"{self.train!r})"
-      )
-    if self.guidance != "none" and self.rollout_precision != "fp4":
-      raise ValueError(
-        f"Arm {self.name!r}: guidance records FP4 rounding; it needs rollout_precision='fp4'"
-      )
-
-  @property
-  def train_quant(self) -> QuantConfig | None:
-    """The training path's QuantConfig (None: bf16, no quantization)."""
-    if self.train == "bf16":
-      return None
-    if self.train == "qat":
-      return QuantConfig()
-    return QuantConfig(rounding="guided", guided_layers=self.guided_layers)
-
-
-ARMS = {
-  arm.name: arm
-  for arm in (
-    Arm(name="bf16", rollout_precision="bf16", train="bf16", deploy="bf16"),
-    Arm(name="fp4-rollout", rollout_precision="fp4", train="bf16", correction="tis"),
-    Arm(name="fp4-qat", rollout_precision="fp4", train="qat"),
-    Arm(
-      name="trace",
-      rollout_precision="fp4",
-      train="guided",
-      guidance="compact",
-      guided_layers="last_half",
-      routing_replay=True,
-    ),
-    Arm(
-      name="trace-full",
-      rollout_precision="fp4",
-      train="guided",
-      guidance="full",
-      guided_layers="all",
-      routing_replay=True,
-    ),
-    # Beyond the method: sparse guidance (only elements / scales near a rounding boundary)
-    # is cheap enough to cover every layer, so upstream layers stop feeding noise downstream.
-    Arm(
-      name="trace-sparse",
-      rollout_precision="fp4",
-      train="guided",
-      guidance="sparse",
-      guided_layers="all",
-      routing_replay=True,
-    ),
-    # PTQ: trained exactly like bf16; its headline is the FP4 evaluation of that policy.
-    Arm(name="ptq", rollout_precision="bf16", train="bf16"),
-  )
-}
-
-
-def get_arm(name: str) -> Arm:
-  if name not in ARMS:
-    raise ValueError(f"arm={name!r} is not known; arms: {sorted(ARMS)}")
-  return ARMS[name]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -185,7 +68,7 @@ class RLConfig:
   #   what the reward taught
 
   def __post_init__(self):
-    get_arm(self.arm)
+    get_arm(self.arm, runnable=True)
     if self.fp4_sites not in SITE_SCOPES:
       raise ValueError(
         f"RLConfig.fp4_sites={self.fp4_sites!r} is not allowed; use one of {SITE_SCOPES}"

@@ -30,11 +30,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from trace_jax.rl.arms import ARMS, COMPARED  # noqa: E402
 from trace_jax.utils import markdown_table, write_json  # noqa: E402
 
-TRAINED_ARMS = ("bf16", "fp4-rollout", "fp4-qat", "trace", "trace-full")
-DERIVED_ARMS = ("ptq", "ptq-46")  # the bf16 run's final policy, quantized after training
-ALL_ARMS = TRAINED_ARMS + DERIVED_ARMS
+ALL_ARMS = COMPARED  # the registry's arms the comparison runs by default, in its order
+TRAINED_ARMS = tuple(a for a in ALL_ARMS if not ARMS[a].post_training)
+DERIVED_ARMS = tuple(a for a in ALL_ARMS if ARMS[a].post_training)  # packed after training
 BASELINES = ("bf16", "fp4-qat")
 METRIC = "final_eval_reward"
 
