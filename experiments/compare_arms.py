@@ -81,14 +81,14 @@ def _overrides() -> dict:
   }
   out = {k: v for k, v in values.items() if v is not None}
   if _STRESS.value:
-    out["steps"] = out.get("steps", _D.steps * STRESS_STEPS_FACTOR)
-    out["learning_rate"] = out.get("learning_rate", _D.learning_rate * STRESS_LR_FACTOR)
+    out["steps"] = out.get("steps", _D.schedule.steps * STRESS_STEPS_FACTOR)
+    out["learning_rate"] = out.get("learning_rate", _D.schedule.learning_rate * STRESS_LR_FACTOR)
     out["correction"] = "none"
   return out
 
 
 def _rl_config(task: str, seed: int, arm: str, overrides: dict) -> RLConfig:
-  return RLConfig(arm=ARMS[arm].derived_from or arm, task=task, seed=seed, **overrides)
+  return RLConfig.from_flat(arm=ARMS[arm].derived_from or arm, task=task, seed=seed, **overrides)
 
 
 def main(argv):
@@ -148,7 +148,13 @@ def main(argv):
   def run_ptq(task, seed, arm):
     source = ARMS[arm].derived_from  # the trained arm whose final policy it packs
     bf16 = compare.finished_summary(
-      results_dir, task, seed, source, config_of(task, seed, source), _D.to_dict()
+      results_dir,
+      task,
+      seed,
+      source,
+      config_of(task, seed, source),
+      _D.to_dict(),
+      RLConfig.flat_dict,
     )
     summary = dict(
       bf16,
@@ -170,17 +176,7 @@ def main(argv):
     config = _rl_config(task, seed, source, overrides)
     trainer = Trainer(config, workdir(task, seed, source), progress=False)  # its final step
     final = ptq.ptq_eval_reward(trainer, ARMS[arm].scale_rule)
-    warmstart.load_or_train(
-      trainer.policy,
-      trainer.workdir,
-      trainer.task,
-      trainer.tokenizer,
-      steps=config.sft_steps,
-      batch=config.sft_batch,
-      seed=config.seed,
-      learning_rate=config.sft_learning_rate,
-      progress=False,
-    )
+    trainer.rundir.warm_start(trainer.policy, trainer.task, trainer.tokenizer, progress=False)
     initial = ptq.ptq_eval_reward(trainer, ARMS[arm].scale_rule)
     summary.update(
       initial_eval_reward=initial,
@@ -194,11 +190,13 @@ def main(argv):
     return (run_ptq if arm in compare.DERIVED_ARMS else run_trained)(task, seed, arm)
 
   plan = [(task, seed, arm) for task in _TASKS.value for seed in seeds for arm in arms]
-  cells = compare.run_cells(results_dir, plan, config_of, runner, defaults=_D.to_dict())
-  preset = overrides.get("preset", _D.preset)
+  cells = compare.run_cells(
+    results_dir, plan, config_of, runner, defaults=_D.to_dict(), normalize=RLConfig.flat_dict
+  )
+  preset = overrides.get("preset", _D.source.preset)
   title = (
     f"{name}: {len(arms)} arms x {len(_TASKS.value)} tasks x {len(seeds)} seeds, "
-    f"{preset}, {overrides.get('steps', _D.steps)} steps"
+    f"{preset}, {overrides.get('steps', _D.schedule.steps)} steps"
   )
   compare.write_results(
     results_dir,

@@ -232,7 +232,7 @@ def mismatch_section() -> bool:
   for kernels in ("pallas", "xla"):
     results[kernels] = run_study(
       StudyConfig(preset=_STUDY_PRESET.value, kernels=kernels), progress=False
-    )
+    ).to_json()
   rows = []
   for mode in ("none", "compact", "full"):
     pallas, xla = (results[k]["modes"][mode] for k in ("pallas", "xla"))

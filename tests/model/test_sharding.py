@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent("""
                                    sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
     # The training path: guided on every layer with replay, float32, TIS; pi_old's own forward
     # (`score`, unfused) then the update.
-    config = RLConfig(arm="trace-full", preset="tiny", prompts_per_step=2, group_size=4,
+    config = RLConfig.from_flat(arm="trace-full", preset="tiny", prompts_per_step=2, group_size=4,
                       temperature=1.0, compute_dtype="float32", correction="tis")
     rng = np.random.default_rng(7)
     prompts = [rng.integers(1, cfg.vocab_size, rng.integers(3, 9)).tolist() for _ in range(8)]

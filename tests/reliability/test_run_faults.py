@@ -45,7 +45,7 @@ CONFIG = dict(
 
 
 def _config(**overrides) -> RLConfig:
-  return RLConfig(**{**CONFIG, **overrides})
+  return RLConfig.from_flat(**{**CONFIG, **overrides})
 
 
 def _params(trainer):
@@ -104,7 +104,7 @@ KILL_SCRIPT = textwrap.dedent("""
       return await finalize(self, *args, **kwargs)
 
     atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
-    config = RLConfig(**{**eval(sys.argv[2]), "steps": 3})
+    config = RLConfig.from_flat(**{**eval(sys.argv[2]), "steps": 3})
     Trainer(config, sys.argv[1], progress=False).run()
     print("not killed")
 """)

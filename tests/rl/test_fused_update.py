@@ -23,7 +23,7 @@ def test_fused_update_equals_the_separate_pi_old_forward_and_update():
   rng = np.random.default_rng(20)
   cfg = M.tiny(num_layers=1)  # one block: the compile is the test's cost
   batch, length = 4, 24
-  config = RLConfig(
+  config = RLConfig.from_flat(
     arm="fp4-qat",
     preset="tiny",
     prompts_per_step=1,

@@ -1,6 +1,5 @@
 """The RL trainer end to end: each task kind, exact resume, bad input, a device mesh."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -13,7 +12,6 @@ import pytest
 from flax import nnx
 
 from trace_jax.run import report
-from trace_jax.rl.grpo import LossConfig
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl import step as step_lib
 from trace_jax.run.rundir import read_metrics
@@ -38,7 +36,7 @@ def _config(**overrides):
     eval_every=1,
     checkpoint_every=1,
   )
-  return RLConfig(**{**base, **overrides})
+  return RLConfig.from_flat(**{**base, **overrides})
 
 
 # coding and search take 2-3 min each on 2 cores: `pytest -m slow tests/rl/test_trainer.py`.
@@ -55,7 +53,6 @@ def test_short_run_on_each_task_kind(tmp_path, task, options):
   arith and coding share one prompt width, so the second reuses the first's compilations;
   only arith warm-starts (SFT), the others start from the random policy."""
   # coding also trains against a KL reference policy (a copy: the policy's buffers are donated).
-  loss = LossConfig(rollout_correction="none", kl_coef=0.01 if task == "coding" else 0.0)
   # One update per step (the main job's): the fused update, pi_old's forward its own.
   config = _config(
     task=task,
@@ -63,7 +60,7 @@ def test_short_run_on_each_task_kind(tmp_path, task, options):
     max_new_tokens=4 if task == "search" else 8,
     prompt_bucket=8 if task == "search" else 32,
     sft_steps=3 if task == "arith" else 0,
-    loss=loss,
+    kl_coef=0.01 if task == "coding" else 0.0,
     minibatches=1,
   )
   trainer = Trainer(config, str(tmp_path), progress=False)
@@ -129,7 +126,7 @@ def test_resume_continues_exactly(tmp_path):
   config = _config(steps=3, eval_every=0, prompt_bucket=32)
   straight = Trainer(config, str(tmp_path / "straight"), progress=False)
   straight.run()
-  first = Trainer(dataclasses.replace(config, steps=1), str(tmp_path / "resumed"), progress=False)
+  first = Trainer(config.replace(steps=1), str(tmp_path / "resumed"), progress=False)
   first.run()
   resumed = Trainer(config, str(tmp_path / "resumed"), progress=False)
   assert resumed.step == 1 and resumed.warmstart["loaded"]
@@ -185,7 +182,7 @@ MESH_SCRIPT = textwrap.dedent("""
     from trace_jax.rl.config import RLConfig
     from trace_jax.run.trainer import Trainer
     assert jax.device_count() == 8
-    config = RLConfig(preset="tiny", steps=1, prompts_per_step=4, group_size=4, minibatches=2, max_new_tokens=4,
+    config = RLConfig.from_flat(preset="tiny", steps=1, prompts_per_step=4, group_size=4, minibatches=2, max_new_tokens=4,
                       sft_steps=0, eval_size=8, eval_every=0, checkpoint_every=0,
                       mesh=(8, 1, 1))
     trainer = Trainer(config, sys.argv[1], progress=False)
@@ -283,7 +280,7 @@ def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path)
   )
 
   def grpo_by_hand(r):
-    groups = np.asarray(r, np.float64).reshape(-1, config.group_size)
+    groups = np.asarray(r, np.float64).reshape(-1, config.sampling.group_size)
     centred = groups - groups.mean(axis=1, keepdims=True)
     return (centred / (groups.std(axis=1, keepdims=True) + 1e-6)).reshape(-1)
 

@@ -45,22 +45,20 @@ def rollout_configs(config, task: Task, source) -> tuple[RolloutConfig, RolloutC
   tokenizer, stop_tokens = source.tokenizer, source.stop_tokens
   observation_len = source.observation_len
   prompt_len = max(len(data.prompt_ids(tokenizer, item)) for item in task.sample(0, 64))
-  bucket = config.prompt_bucket or (8 if task.multi_turn else 16)
+  bucket = config.sampling.prompt_bucket or (8 if task.multi_turn else 16)
   max_len = max_len_for(
-    task, prompt_len, config.max_new_tokens, bucket, observation_len=observation_len
+    task, prompt_len, config.sampling.max_new_tokens, bucket, observation_len=observation_len
   )
-  new = config.max_new_tokens
+  new = config.sampling.max_new_tokens
   base = RolloutConfig(
     max_len=max_len,
     prompt_bucket=bucket,
     sampling=SamplingConfig(
-      temperature=config.temperature, max_new_tokens=new, stop_tokens=stop_tokens
+      temperature=config.sampling.temperature, max_new_tokens=new, stop_tokens=stop_tokens
     ),
     compute_dtype=config.compute_dtype,
     pad_id=tokenizer.pad_id,
-    fmt=config.fmt,
-    fp4_sites=config.fp4_sites,
-    activations=config.activations,
+    fp4=config.fp4,
     sparse=config.sparse_spec,
   )
   greedy = base.replace(

@@ -128,7 +128,7 @@ class StepSpec:
     return cls(
       config=config,
       guided_layers=resolve_layers(config.arm_spec.guided_layers, num_layers),
-      fused=config.minibatches == 1 and config.epochs == 1,
+      fused=config.schedule.minibatches == 1 and config.schedule.epochs == 1,
       mesh=mesh,
     )
 
@@ -144,7 +144,7 @@ class StepSpec:
     return dict(
       quant=call_config(config.train_quant, compute_dtype=config.compute_dtype),
       replay=self.arm.routing_replay,
-      temperature=config.temperature,
+      temperature=config.sampling.temperature,
     )
 
 
@@ -167,8 +167,8 @@ def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
   if config.loss.kl_coef > 0:  # its own buffers: the update donates the policy's
     graphdef, state = nnx.split(policy)
     reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
-  warmup = config.lr_warmup_steps * config.minibatches * config.epochs
-  opt = nnx.Optimizer(policy, optimizer(config.learning_rate, warmup), wrt=nnx.Param)
+  warmup = config.schedule.lr_warmup_steps * config.schedule.minibatches * config.schedule.epochs
+  opt = nnx.Optimizer(policy, optimizer(config.schedule.learning_rate, warmup), wrt=nnx.Param)
   if mesh is not None:
     shard_optimizer(opt, policy, mesh)
   return RLState(policy=policy, opt=opt, reference=reference)
@@ -178,37 +178,30 @@ def step_key(seed: int, step: int) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed), step)
 
 
-def _place(tree, mesh, axis: int = 0):
-  """Split the batch axis of every array over the mesh's "data" axis (from host values:
-  each process transfers its own rows, multi-host too)."""
+def _place(tree, mesh, specs=None):
+  """On a mesh, from host values (each process transfers its own rows, multi-host too): the
+  batch axis of every array over "data", or by `specs` (guidance: `guidance_specs`)."""
   if mesh is None or tree is None:
     return tree
-  return jax.tree.map(
-    lambda a: global_array(host_array(a), batch_sharding(mesh, a.ndim, axis)), tree
-  )
-
-
-def _place_guidance(guidance, mesh):
-  """Place guidance by `guidance_specs` (the rollout's layout, the planner's bytes)."""
-  if mesh is None or guidance is None:
-    return guidance
-  specs = guidance_specs(guidance, mesh)
-  return jax.tree.map(
-    lambda a, s: global_array(host_array(a), NamedSharding(mesh, s)), guidance, specs
-  )
+  if specs is None:
+    specs = jax.tree.map(lambda a: batch_sharding(mesh, a.ndim).spec, tree)
+  place = lambda a, s: global_array(host_array(a), NamedSharding(mesh, s))  # noqa: E731
+  return jax.tree.map(place, tree, specs)
 
 
 def collect(spec: StepSpec, engine: RolloutEngine, task, tokenizer, step: int) -> Collected:
   """Roll out step `step`'s problems with `engine` (synced to the policy: `rl.sync`)."""
   config, arm = spec.config, spec.arm
-  problems = task.sample(1_000_003 * config.seed + step, config.prompts_per_step)
-  items = [item for item in problems for _ in range(config.group_size)]
+  problems = task.sample(1_000_003 * config.seed + step, config.sampling.prompts_per_step)
+  items = [item for item in problems for _ in range(config.sampling.group_size)]
   played = episodes_lib.play(engine, task, tokenizer, items, step_key(config.seed, step))
   slots = round_up(played.rollout.used_slots, 16)
   rollout = played.rollout.trim(min(slots, played.rollout.tokens.shape[1]))
   guidance = None
   if rollout.guidance is not None and (arm.guidance != "none" or arm.routing_replay):
-    guidance = _place_guidance(rollout.guidance.select_layers(spec.guided_layers), spec.mesh)
+    guidance = rollout.guidance.select_layers(spec.guided_layers)
+    if spec.mesh is not None:  # the rollout's layout, the planner's bytes
+      guidance = _place(guidance, spec.mesh, guidance_specs(guidance, spec.mesh))
   arrays = {
     "tokens": rollout.tokens,
     "positions": rollout.positions,
@@ -244,7 +237,7 @@ def score(spec: StepSpec, state: RLState, collected: Collected, step: int) -> Sc
     ref_logp = _old_logprobs(state.reference, c.example, c.guidance, record=False, **static)[0]
   advantages = group_advantages(
     jnp.asarray(advantage_rewards(config, step, c.played.rewards)),
-    config.group_size,
+    config.sampling.group_size,
     std_norm=config.loss.std_norm,
   )
   return Scored(
@@ -282,11 +275,11 @@ def update(spec: StepSpec, state: RLState, scored: Scored) -> tuple[RLState, Upd
     updates = [(loss, stats, norm)]
   else:
     updates = []  # (loss, stats, grad norm) per minibatch, left on device until all ran
-    size = config.batch // config.minibatches
-    for _ in range(config.epochs):
-      for m in range(config.minibatches):
+    size = config.batch // config.schedule.minibatches
+    for _ in range(config.schedule.epochs):
+      for m in range(config.schedule.minibatches):
         mini, mini_guidance, mini_ref = s.example, s.guidance, s.ref_logp
-        if config.minibatches > 1:  # (one minibatch: the whole batch, no gather)
+        if config.schedule.minibatches > 1:  # (one minibatch: the whole batch, no gather)
           rows = np.arange(m * size, (m + 1) * size)
           mini = jax.tree.map(lambda a: a[rows], s.example)
           mini_guidance = None if s.guidance is None else s.guidance.take(rows)
@@ -315,7 +308,7 @@ def update(spec: StepSpec, state: RLState, scored: Scored) -> tuple[RLState, Upd
 def check_update(spec: StepSpec, step: int, done: Update, last_good: str) -> None:
   """Raise DivergenceError if step `step` broke the policy, before it is logged or saved;
   `last_good` says which checkpoint a rerun resumes from."""
-  limit = spec.config.max_param_abs
+  limit = spec.config.schedule.max_param_abs
   problems = []
   if not np.all(np.isfinite(done.losses)):
     problems.append(f"the loss is {[float(x) for x in done.losses]}")
@@ -330,7 +323,7 @@ def check_update(spec: StepSpec, step: int, done: Update, last_good: str) -> Non
   if problems:
     raise DivergenceError(
       f"step {step} diverged: {'; '.join(problems)}. Nothing of step {step} was saved; "
-      f"{last_good}. Lower --learning_rate (now {spec.config.learning_rate:g}) and rerun."
+      f"{last_good}. Lower --learning_rate (now {spec.config.schedule.learning_rate:g}) and rerun."
     )
 
 
@@ -360,7 +353,7 @@ def step_metrics(
   }
   if engine.kernels_fallback:
     metrics["kernels/fallback_reason"] = engine.kernels_fallback
-  metrics.update(group_reward_metrics(played.rewards, config.group_size))
+  metrics.update(group_reward_metrics(played.rewards, config.sampling.group_size))
   metrics.update(
     mismatch_metrics(
       rollout.logprobs,

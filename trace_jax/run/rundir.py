@@ -96,10 +96,10 @@ class RunDir:
       self.path,
       task,
       tokenizer,
-      steps=config.sft_steps,
-      batch=config.sft_batch,
+      steps=config.source.sft_steps,
+      batch=config.source.sft_batch,
       seed=config.seed,
-      learning_rate=config.sft_learning_rate,
+      learning_rate=config.source.sft_learning_rate,
       progress=progress,
       mesh=mesh,
     )

@@ -28,7 +28,6 @@ from trace_jax.rl.sync import WeightSync
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.run import policy_source
 from trace_jax.run.rundir import RunDir
-from trace_jax.tasks.registry import get_task
 
 
 class Trainer:
@@ -39,7 +38,8 @@ class Trainer:
 
   def __init__(self, config: RLConfig, workdir: str, *, progress: bool = True):
     self.config, self.progress = config, progress
-    self.rundir = RunDir(workdir, config)  # the lock first: a busy workdir is refused here
+    self.task = policy_source.preflight(config)  # the task and the checkpoint's files
+    self.rundir = RunDir(workdir, config)  # locks it: a busy workdir is refused before any write
     try:
       self._start(config, progress)
     except BaseException:
@@ -57,7 +57,6 @@ class Trainer:
     self.close()
 
   def _start(self, config: RLConfig, progress: bool) -> None:
-    self.task = get_task(config.task, **dict(config.task_options))
     # The preset with the character tokenizer, or a checkpoint with its own (policy_source).
     self.source = policy_source.load(config, self.task)
     self.tokenizer, self.model_cfg = self.source.tokenizer, self.source.model_cfg
@@ -79,7 +78,7 @@ class Trainer:
       RolloutEngine(policy, config.arm_spec.rollout(base), mesh=self.mesh), self.state.version
     )
     self.eval_items = self.task.sample(
-      data.eval_seed(config.seed), config.eval_size, split="eval"
+      data.eval_seed(config.seed), config.evaluation.eval_size, split="eval"
     )  # held out, where the task holds any
 
   # The run's parts, as the scripts and tests read them.
@@ -138,29 +137,30 @@ class Trainer:
     self.rundir.save(self.state)
 
   def run(self) -> list[dict]:
-    """Train until config.steps; returns the metrics of the steps run now."""
-    config = self.config
+    """Train until the schedule's steps; returns the metrics of the steps run now."""
+    steps, every = self.config.schedule.steps, self.config.evaluation.eval_every
     history = []
     with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-      if self.step == 0 and config.eval_every:
+      if self.step == 0 and every:
         self.rundir.log({"step": 0, **self.evaluate()})
       bar = tqdm(
-        range(self.step, config.steps),
-        desc=f"rl {config.arm}",
+        range(self.step, steps),
+        desc=f"rl {self.config.arm}",
         disable=not self.progress,
         initial=self.step,
-        total=config.steps,
+        total=steps,
       )
       for _ in bar:
         metrics = self.train_step()
-        last = self.step == config.steps
-        if config.eval_every and (self.step % config.eval_every == 0 or last):
+        last = self.step == steps
+        if every and (self.step % every == 0 or last):
           metrics.update(self.evaluate())
         self.rundir.log(metrics)
         history.append(metrics)
         bar.set_postfix(
           reward=f"{metrics['rewards/mean']:.2f}", k3=f"{metrics['mismatch/k3_kl']:.1e}"
         )
-        if config.checkpoint_every and (self.step % config.checkpoint_every == 0 or last):
+        checkpoint_every = self.config.schedule.checkpoint_every
+        if checkpoint_every and (self.step % checkpoint_every == 0 or last):
           self.save()
     return history

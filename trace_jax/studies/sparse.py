@@ -20,6 +20,9 @@ measured rollout/training value differences, and bytes at published geometries.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,12 +39,137 @@ GEOMETRIES = ("qwen3_30b_a3b", "qwen3_5_35b_a3b")
 QUANTILES = (0.9, 0.99, 0.995, 0.999, 0.9999)
 
 
-def site_deltas(calibration: dict, quantile: float) -> tuple:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Margins:
+  """Margins that cover a share of the measured noise: elements in E2M1 grid units, block
+  scales in E4M3 units (None where nothing was measured)."""
+
+  delta: float | None
+  scale_delta: float | None
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SiteNoise:
+  """|t_train - t_rollout| of one (layer, site), over the real tokens' elements."""
+
+  quantiles: dict[str, float | None]  # {str(q): the q quantile}, q in QUANTILES
+  margins: Margins  # at the calibration's quantile
+  mean: float | None
+  above_half_frac: float | None  # share beyond 0.5: flips no margin < 0.5 can catch
+
+  def to_json(self) -> dict:
+    return {
+      "quantiles": self.quantiles,
+      **self.margins.to_json(),
+      "mean": self.mean,
+      "above_0.5_frac": self.above_half_frac,
+    }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Calibration:
+  """The margins that cover `quantile` of the measured |t_train - t_rollout| (`calibrate`)."""
+
+  quantile: float
+  margins: Margins  # pooled over every site
+  quantiles: dict[str, Margins]  # pooled, at each of QUANTILES
+  global_scale_differs_frac: float  # share of rows whose global scale differs between paths
+  elements: int
+  per_site: dict[str, SiteNoise]  # by "layer/site"
+
+  def to_json(self) -> dict:
+    return {
+      "quantile": self.quantile,
+      **self.margins.to_json(),
+      "quantiles": {q: m.to_json() for q, m in self.quantiles.items()},
+      "global_scale_differs_frac": self.global_scale_differs_frac,
+      "elements": self.elements,
+      "per_site": {name: row.to_json() for name, row in self.per_site.items()},
+    }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SiteCost:
+  """Measured sparse cost of a site kind: bits per element and per block (positions, bits
+  and scales), and the flagged shares."""
+
+  element_bits: float
+  block_bits: float
+  density: float
+  block_density: float
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GeometryBytes:
+  """Guidance bytes per token at a geometry, all with routing."""
+
+  compact: float  # deeper half
+  full: float  # every layer
+  sparse: float  # every layer, at the measured costs
+  sparse_within: float | None = None  # the cheapest sparse row within 1.5x of compact's k3
+
+  def to_json(self) -> dict:
+    out = {"compact": self.compact, "full": self.full, "sparse": self.sparse}
+    if self.sparse_within is not None:
+      out["sparse_within_1.5x"] = self.sparse_within
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparseRow:
+  """One sparse-guidance row: what the training path measured under it (`measurement`, any
+  object with a `to_json()` and a `k3_kl`) and what it cost."""
+
+  measurement: object
+  delta: float
+  scale_delta: float
+  site_deltas: dict[str, float]  # per-site-kind margins ({}: `delta` everywhere)
+  site_quantile: float | None  # the calibration quantile of `site_deltas`
+  bytes_per_token: float
+  bytes: dict[str, float]  # per token, by part (positions, bits, scales, routing)
+  element_position_bytes_per_token: dict[str, float]  # by position encoding
+  density: float
+  block_density: float
+  overflow: int
+  block_overflow: int
+  costs: dict[str, SiteCost]  # by site kind, and "all"
+
+  @property
+  def k3_kl(self) -> float:
+    return self.measurement.k3_kl
+
+  def to_json(self) -> dict:
+    out = self.measurement.to_json()
+    if self.site_quantile is not None:
+      out["site_quantile"] = self.site_quantile
+    out.update(
+      delta=self.delta,
+      scale_delta=self.scale_delta,
+      site_deltas=self.site_deltas,
+      bytes_per_token=self.bytes_per_token,
+      bytes=self.bytes,
+      element_position_bytes_per_token=self.element_position_bytes_per_token,
+      density=self.density,
+      block_density=self.block_density,
+      overflow=self.overflow,
+      block_overflow=self.block_overflow,
+      costs={name: cost.to_json() for name, cost in self.costs.items()},
+    )
+    return out
+
+
+def site_deltas(calibration: Calibration, quantile: float) -> tuple:
   """Per-site-kind margins: for each site kind, the largest over layers of the per-site
   `quantile` of |t_train - t_rollout| (clipped to 0.5)."""
   out: dict = {}
-  for name, row in calibration["per_site"].items():
-    value = row["quantiles"].get(str(quantile))
+  for name, row in calibration.per_site.items():
+    value = row.quantiles.get(str(quantile))
     if value is not None:
       site = name.split("/", 1)[1]
       out[site] = min(max(out.get(site, 0.0), value), 0.5)
@@ -56,7 +184,7 @@ def _quantile(values: list, q: float) -> float | None:
 
 def calibrate(
   rollout_sites, rollout_inputs, train_sites, train_inputs, mask, quantile: float
-) -> dict:
+) -> Calibration:
   """The margins that cover `quantile` of the measured |t_train - t_rollout|.
 
   Args:
@@ -64,11 +192,6 @@ def calibrate(
     rollout_inputs / train_inputs: {(layer, site): activation} of the two paths.
     train_sites: {(layer, site): fp4.QArray} of the training forward (its global scales).
     mask: bool [B, S], the real tokens.
-
-  Returns:
-    {"delta", "scale_delta" (pooled quantiles), "per_site": {"layer/site": {...}},
-     "global_scale_differs_frac": the share of rows whose global scale differs between the
-     paths, "elements", "quantile"}.
   """
   mask = np.asarray(mask, bool)
   pooled, pooled_blocks, per_site = [], [], {}
@@ -88,31 +211,28 @@ def calibrate(
     differs = np.asarray(train_sites[key].global_scale != q_r.global_scale)[..., 0][rows]
     gs_differs += int(differs.sum())
     gs_rows += int(differs.size)
-    per_site[f"{key[0]}/{key[1]}"] = {
-      "quantiles": {str(p): _quantile([e], p) for p in QUANTILES},
-      "delta": _quantile([e], quantile),
-      "scale_delta": _quantile([b], quantile),
-      "mean": float(e.mean()) if e.size else None,
-      "above_0.5_frac": float(np.mean(e > 0.5)) if e.size else None,
-    }
-  return {
-    "quantile": quantile,
-    "delta": _quantile(pooled, quantile),
-    "scale_delta": _quantile(pooled_blocks, quantile),
-    "quantiles": {
-      str(p): {"delta": _quantile(pooled, p), "scale_delta": _quantile(pooled_blocks, p)}
-      for p in QUANTILES
-    },
-    "global_scale_differs_frac": gs_differs / max(gs_rows, 1),
-    "elements": int(sum(p.size for p in pooled)),
-    "per_site": per_site,
-  }
+    per_site[f"{key[0]}/{key[1]}"] = SiteNoise(
+      quantiles={str(p): _quantile([e], p) for p in QUANTILES},
+      margins=Margins(delta=_quantile([e], quantile), scale_delta=_quantile([b], quantile)),
+      mean=float(e.mean()) if e.size else None,
+      above_half_frac=float(np.mean(e > 0.5)) if e.size else None,
+    )
+
+  def margins(p: float) -> Margins:
+    return Margins(delta=_quantile(pooled, p), scale_delta=_quantile(pooled_blocks, p))
+
+  return Calibration(
+    quantile=quantile,
+    margins=margins(quantile),
+    quantiles={str(p): margins(p) for p in QUANTILES},
+    global_scale_differs_frac=gs_differs / max(gs_rows, 1),
+    elements=int(sum(p.size for p in pooled)),
+    per_site=per_site,
+  )
 
 
-def densities(guidance: guidance_lib.Guidance, mask) -> dict:
-  """Measured sparse costs per site kind: {site: {"element_bits", "block_bits" (bits per
-  element / per block: positions, bits and scales), "density", "block_density"}}, and
-  "all" pooled over every site."""
+def densities(guidance: guidance_lib.Guidance, mask) -> dict[str, SiteCost]:
+  """Measured sparse costs per site kind, and "all" pooled over every site."""
   stats = guidance.sparse_stats(mask)["per_site"]
   kinds: dict = {}
   for (_, site), s in stats.items():
@@ -125,12 +245,12 @@ def densities(guidance: guidance_lib.Guidance, mask) -> dict:
       for field in ("elements", "blocks", "flagged", "flagged_blocks"):
         k[field] += s[field]
   return {
-    name: {
-      "element_bits": k["element_bits"] / max(k["elements"], 1),
-      "block_bits": k["block_bits"] / max(k["blocks"], 1),
-      "density": k["flagged"] / max(k["elements"], 1),
-      "block_density": k["flagged_blocks"] / max(k["blocks"], 1),
-    }
+    name: SiteCost(
+      element_bits=k["element_bits"] / max(k["elements"], 1),
+      block_bits=k["block_bits"] / max(k["blocks"], 1),
+      density=k["flagged"] / max(k["elements"], 1),
+      block_density=k["flagged_blocks"] / max(k["blocks"], 1),
+    )
     for name, k in kinds.items()
   }
 
@@ -163,7 +283,9 @@ def site_geometry(cfg, quant: QuantConfig) -> dict:
   }
 
 
-def geometry_bytes(cfg_name: str, scope: str, costs: dict, fmt: str = "nvfp4") -> dict:
+def geometry_bytes(
+  cfg_name: str, scope: str, costs: dict[str, SiteCost], fmt: str = "nvfp4"
+) -> GeometryBytes:
   """Guidance bytes per token at a published geometry, all with routing: compact on the
   deeper half and full on every layer (from shapes: their costs are fixed), sparse on every
   layer from the measured per-site-kind costs (`densities`; a site kind the study's model
@@ -178,44 +300,50 @@ def geometry_bytes(cfg_name: str, scope: str, costs: dict, fmt: str = "nvfp4") -
     if layer in half:
       compact += g["elements"] / 8 + fixed
     cost = costs.get(site, costs["all"])
-    sparse += (g["elements"] * cost["element_bits"] + g["blocks"] * cost["block_bits"]) / 8
+    sparse += (g["elements"] * cost.element_bits + g["blocks"] * cost.block_bits) / 8
   routing = geometry["routing"]
-  return {"compact": compact + routing, "full": full + routing, "sparse": sparse + routing}
+  return GeometryBytes(compact=compact + routing, full=full + routing, sparse=sparse + routing)
 
 
 def sparse_rows(
-  full: guidance_lib.Guidance, inputs, deltas, spec: fp4.SparseSpec, mask, measure, site_specs=None
-) -> list[dict]:
-  """One study row per delta: sparse guidance of every layer derived from the full capture
-  and the rollout's inputs (bit for bit what a sparse capture records), measured on the
-  training path (`measure(guidance) -> row`), with its bytes, densities and overflow."""
+  full: guidance_lib.Guidance,
+  inputs,
+  deltas,
+  spec: fp4.SparseSpec,
+  mask,
+  measure: Callable[[guidance_lib.Guidance], object],
+  site_specs=(),
+) -> list[SparseRow]:
+  """One row per delta (then per per-site spec of `site_specs`, (spec, quantile) pairs):
+  sparse guidance of every layer derived from the full capture and the rollout's inputs
+  (bit for bit what a sparse capture records), measured on the training path
+  (`measure(guidance)`), with its bytes, densities and overflow."""
   rows = []
-  specs = [(spec.replace(delta=float(d)), {}) for d in deltas] + list(site_specs or ())
-  for row_spec, extra in specs:
-    delta = row_spec.delta
+  specs = [(spec.replace(delta=float(d)), None) for d in deltas] + list(site_specs)
+  for row_spec, site_quantile in specs:
     guidance = full.to_sparse(inputs, row_spec)
-    row = measure(guidance)
+    measurement = measure(guidance)
     stats = guidance.sparse_stats(mask)
     encodings = {}
     for s in stats["per_site"].values():
       for form, bits in s["element_encodings"].items():
         encodings[form] = encodings.get(form, 0) + bits / 8
     tokens = max(int(np.asarray(mask).sum()), 1)
-    row.update(extra)
-    row.update(
-      {
-        "delta": float(delta),
-        "scale_delta": spec.scale_delta,
-        "site_deltas": dict(row_spec.site_deltas),
-        "bytes_per_token": guidance.bytes_per_token(mask),
-        "bytes": {k: v / tokens for k, v in guidance.nbytes(mask).items()},
-        "element_position_bytes_per_token": {k: v / tokens for k, v in encodings.items()},
-        "density": stats["guidance/sparse_density"],
-        "block_density": stats["guidance/sparse_block_density"],
-        "overflow": stats["guidance/sparse_overflow"],
-        "block_overflow": stats["guidance/sparse_block_overflow"],
-        "costs": densities(guidance, mask),
-      }
+    rows.append(
+      SparseRow(
+        measurement=measurement,
+        delta=float(row_spec.delta),
+        scale_delta=spec.scale_delta,
+        site_deltas=dict(row_spec.site_deltas),
+        site_quantile=site_quantile,
+        bytes_per_token=guidance.bytes_per_token(mask),
+        bytes={k: v / tokens for k, v in guidance.nbytes(mask).items()},
+        element_position_bytes_per_token={k: v / tokens for k, v in encodings.items()},
+        density=stats["guidance/sparse_density"],
+        block_density=stats["guidance/sparse_block_density"],
+        overflow=stats["guidance/sparse_overflow"],
+        block_overflow=stats["guidance/sparse_block_overflow"],
+        costs=densities(guidance, mask),
+      )
     )
-    rows.append(row)
   return rows
