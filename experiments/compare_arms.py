@@ -29,9 +29,12 @@ import time
 from absl import app, flags, logging
 
 from trace_jax.model.transformer import Transformer  # noqa: F401  (the policy class)
-from trace_jax.rl import compare, ptq, report, warmstart
+from trace_jax.studies import compare, ptq
+from trace_jax.run import report, warmstart
+from trace_jax.rl.arms import ARMS
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import Trainer, read_metrics
+from trace_jax.run.rundir import read_metrics
+from trace_jax.run.trainer import Trainer
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _D = RLConfig()
@@ -78,15 +81,14 @@ def _overrides() -> dict:
   }
   out = {k: v for k, v in values.items() if v is not None}
   if _STRESS.value:
-    out["steps"] = out.get("steps", _D.steps * STRESS_STEPS_FACTOR)
-    out["learning_rate"] = out.get("learning_rate", _D.learning_rate * STRESS_LR_FACTOR)
+    out["steps"] = out.get("steps", _D.schedule.steps * STRESS_STEPS_FACTOR)
+    out["learning_rate"] = out.get("learning_rate", _D.schedule.learning_rate * STRESS_LR_FACTOR)
     out["correction"] = "none"
   return out
 
 
 def _rl_config(task: str, seed: int, arm: str, overrides: dict) -> RLConfig:
-  trained = "bf16" if arm in compare.DERIVED_ARMS else arm
-  return RLConfig(arm=trained, task=task, seed=seed, **overrides)
+  return RLConfig.from_flat(arm=ARMS[arm].derived_from or arm, task=task, seed=seed, **overrides)
 
 
 def main(argv):
@@ -95,12 +97,13 @@ def main(argv):
   overrides = _overrides()
   name = _NAME.value or ("stress" if _STRESS.value else "default")
   seeds = [int(s) for s in _SEEDS.value]
-  unknown = sorted(set(_ARMS.value) - set(compare.ALL_ARMS))
+  unknown = sorted(set(_ARMS.value) - set(ARMS))
   if unknown:
-    raise app.UsageError(f"--arms: {unknown} are not arms; arms: {list(compare.ALL_ARMS)}")
-  arms = [a for a in compare.ALL_ARMS if a in _ARMS.value]
-  if any(a in compare.DERIVED_ARMS for a in arms) and "bf16" not in arms:
-    raise app.UsageError("--arms: ptq and ptq-46 quantize the bf16 run's policy; add bf16")
+    raise app.UsageError(f"--arms: {unknown} are not arms; arms: {list(ARMS)}")
+  arms = [a for a in ARMS if a in _ARMS.value]
+  missing = sorted({ARMS[a].derived_from for a in arms} - set(arms) - {None})
+  if missing:
+    raise app.UsageError(f"--arms: ptq and ptq-46 quantize the {missing[0]} run's policy; add it")
   try:
     for task in _TASKS.value:  # every config is valid before any work
       for seed in seeds:
@@ -143,8 +146,15 @@ def main(argv):
     return summary
 
   def run_ptq(task, seed, arm):
+    source = ARMS[arm].derived_from  # the trained arm whose final policy it packs
     bf16 = compare.finished_summary(
-      results_dir, task, seed, "bf16", config_of(task, seed, "bf16"), _D.to_dict()
+      results_dir,
+      task,
+      seed,
+      source,
+      config_of(task, seed, source),
+      _D.to_dict(),
+      RLConfig.flat_dict,
     )
     summary = dict(
       bf16,
@@ -156,28 +166,18 @@ def main(argv):
       curve_mixed=None,
       curve_eval=bf16["curve_fp4"],
     )
-    if arm == "ptq":  # the rollout path's own quantization: the bf16 run's FP4 evals
+    if ARMS[arm].scale_rule == "standard":  # the rollout's own packing: the run's FP4 evals
       summary.update(
         initial_eval_reward=bf16["initial_eval_reward_fp4"],
         final_eval_reward=bf16["final_eval_reward_fp4"],
       )
       return summary
     start = time.time()
-    config = _rl_config(task, seed, "bf16", overrides)
-    trainer = Trainer(config, workdir(task, seed, "bf16"), progress=False)  # its final step
-    final = ptq.ptq_eval_reward(trainer, ptq.PTQ_SCALE_RULES[arm])
-    warmstart.load_or_train(
-      trainer.policy,
-      trainer.workdir,
-      trainer.task,
-      trainer.tokenizer,
-      steps=config.sft_steps,
-      batch=config.sft_batch,
-      seed=config.seed,
-      learning_rate=config.sft_learning_rate,
-      progress=False,
-    )
-    initial = ptq.ptq_eval_reward(trainer, ptq.PTQ_SCALE_RULES[arm])
+    config = _rl_config(task, seed, source, overrides)
+    trainer = Trainer(config, workdir(task, seed, source), progress=False)  # its final step
+    final = ptq.ptq_eval_reward(trainer, ARMS[arm].scale_rule)
+    trainer.rundir.warm_start(trainer.policy, trainer.task, trainer.tokenizer, progress=False)
+    initial = ptq.ptq_eval_reward(trainer, ARMS[arm].scale_rule)
     summary.update(
       initial_eval_reward=initial,
       final_eval_reward=final,
@@ -190,11 +190,13 @@ def main(argv):
     return (run_ptq if arm in compare.DERIVED_ARMS else run_trained)(task, seed, arm)
 
   plan = [(task, seed, arm) for task in _TASKS.value for seed in seeds for arm in arms]
-  cells = compare.run_cells(results_dir, plan, config_of, runner, defaults=_D.to_dict())
-  preset = overrides.get("preset", _D.preset)
+  cells = compare.run_cells(
+    results_dir, plan, config_of, runner, defaults=_D.to_dict(), normalize=RLConfig.flat_dict
+  )
+  preset = overrides.get("preset", _D.source.preset)
   title = (
     f"{name}: {len(arms)} arms x {len(_TASKS.value)} tasks x {len(seeds)} seeds, "
-    f"{preset}, {overrides.get('steps', _D.steps)} steps"
+    f"{preset}, {overrides.get('steps', _D.schedule.steps)} steps"
   )
   compare.write_results(
     results_dir,

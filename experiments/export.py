@@ -26,7 +26,7 @@ from absl import app, flags, logging
 from trace_jax.export.compressed_tensors import ACTIVATIONS, FORMATS
 from trace_jax.export.run import describe, export_run, format_listing
 from trace_jax.model.quant import SITE_SCOPES
-from trace_jax.rl.checkpoint import CheckpointError
+from trace_jax.run.checkpoint import CheckpointError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "RL run directory (experiments/rl.py --workdir).")
 _OUT = flags.DEFINE_string("out", None, "Output checkpoint directory.")

@@ -24,48 +24,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from trace_jax.rl.mismatch_study import MODES, StudyConfig, run_study  # noqa: E402
+from trace_jax.studies.mismatch import MODES, StudyConfig, run_study  # noqa: E402
+from trace_jax.utils import flags as config_flags  # noqa: E402
 from trace_jax.utils import markdown_table, write_json  # noqa: E402
 
-_D = StudyConfig()  # every study flag's default is StudyConfig's own
-_PRESET = flags.DEFINE_string("preset", _D.preset, "Model preset.")
 _JSON = flags.DEFINE_string("json_out", "runs/mismatch.json", "Where to write the JSON results.")
-_FP4_SITES = flags.DEFINE_string("fp4_sites", _D.fp4_sites, "FP4 scope: all or experts+kv.")
-_FMT = flags.DEFINE_string("fmt", _D.fmt, "FP4 format: nvfp4 or mxfp4.")
 _PNG = flags.DEFINE_string("png_out", None, "Plot path (default: next to --json_out).")
-_SEED = flags.DEFINE_integer("seed", _D.seed, "Seed of the SFT data, init and rollouts.")
-_SFT_STEPS = flags.DEFINE_integer("sft_steps", _D.sft_steps, "SFT warm-start steps.")
-_ROLLOUTS = flags.DEFINE_integer("rollouts", _D.rollouts, "Sequences in the studied batch.")
-_NEW_TOKENS = flags.DEFINE_integer(
-  "new_tokens", _D.new_tokens, "Max generated tokens per sequence."
-)
-_TEMPERATURE = flags.DEFINE_float("temperature", _D.temperature, "Sampling temperature.")
-_DTYPE = flags.DEFINE_enum(
-  "compute_dtype", _D.compute_dtype, ["bfloat16", "float32"], "Activation dtype of both paths."
-)
-_TASK = flags.DEFINE_string("task", _D.task, "Built-in task for the warm start and prompts.")
-_DELTA = flags.DEFINE_float(
-  "delta",
-  _D.delta,
-  "Sparse guidance: margin around an E2M1 "
-  "midpoint (grid units); modes['sparse'] is measured at it.",
-)
-_SWEEP = flags.DEFINE_list(
-  "delta_sweep", [str(d) for d in _D.delta_sweep], "Sparse guidance: the deltas of the sweep."
-)
-_QUANTILE = flags.DEFINE_float(
-  "delta_quantile", _D.delta_quantile, "Share of |t_train - t_rollout| the calibrated delta covers."
-)
-_LAYER_SWEEP = flags.DEFINE_bool(
-  "layer_sweep",
-  _D.layer_sweep,
-  "Compact / full by number of guided layers (one training-path compile each).",
-)
-_GEOMETRIES = flags.DEFINE_bool(
-  "geometries",
-  _D.geometries,
-  "Sparse bytes at the Qwen3-30B-A3B and Qwen3.5-35B-A3B geometries (eval_shape traces).",
-)
+# One flag per StudyConfig field, its default and help.
+_CONFIG = config_flags.define_flags(StudyConfig)
 
 
 def plot(results: dict, path: str) -> None:
@@ -179,24 +145,11 @@ def _nll(sft: dict) -> str:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
-  config = StudyConfig(
-    preset=_PRESET.value,
-    task=_TASK.value,
-    seed=_SEED.value,
-    sft_steps=_SFT_STEPS.value,
-    rollouts=_ROLLOUTS.value,
-    new_tokens=_NEW_TOKENS.value,
-    temperature=_TEMPERATURE.value,
-    compute_dtype=_DTYPE.value,
-    fp4_sites=_FP4_SITES.value,
-    fmt=_FMT.value,
-    delta=_DELTA.value,
-    delta_sweep=tuple(float(d) for d in _SWEEP.value),
-    delta_quantile=_QUANTILE.value,
-    geometries=_GEOMETRIES.value,
-    layer_sweep=_LAYER_SWEEP.value,
-  )
-  results = run_study(config)
+  try:
+    config = config_flags.from_flags(StudyConfig, _CONFIG)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  results = run_study(config).to_json()
   png = _PNG.value or os.path.splitext(_JSON.value)[0] + ".png"
   plot(results, png)
   write_json(_JSON.value, results)

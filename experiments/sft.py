@@ -13,8 +13,9 @@ from flax import nnx
 
 from trace_jax.model.config import get_preset
 from trace_jax.model.transformer import Transformer
-from trace_jax.rl import episodes, warmstart
-from trace_jax.rl.trainer import check_workdir
+from trace_jax.rl import episodes
+from trace_jax.run import warmstart
+from trace_jax.run.rundir import check_workdir
 from trace_jax.rollout import RolloutConfig, RolloutEngine, SamplingConfig
 from trace_jax.tasks import CharTokenizer, get_task
 from trace_jax.rl.data import eval_seed, prompt_ids

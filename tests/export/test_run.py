@@ -25,7 +25,7 @@ from trace_jax.export import names as names_lib
 from trace_jax.export.run import export_run, export_settings
 from trace_jax.model.hf import read_safetensors
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MXFP4_RUN = dict(
@@ -49,7 +49,7 @@ EXPORT_FILES = ["config.json", "export_summary.json", "model.safetensors"]
 def mxfp4_run(tmp_path_factory):
   """(workdir, model config, the rollout engine's packed weights {path: QArray})."""
   workdir = tmp_path_factory.mktemp("mxfp4") / "run"
-  with Trainer(RLConfig(**MXFP4_RUN), str(workdir), progress=False) as trainer:
+  with Trainer(RLConfig.from_flat(**MXFP4_RUN), str(workdir), progress=False) as trainer:
     trainer.save()
     flat = nnx.to_flat_state(trainer.engine.params)
     packed = {p: v.get_value() for p, v in flat if isinstance(v.get_value(), fp4.QArray)}
@@ -152,7 +152,7 @@ def test_export_writes_nothing_to_the_run_even_while_it_runs(mxfp4_run, tmp_path
   ],
 )
 def test_export_settings_follow_the_run(run, given, expected):
-  config = RLConfig(preset="small", **run)
+  config = RLConfig.from_flat(preset="small", **run)
   if isinstance(expected, str):
     with pytest.raises(ValueError, match=expected):
       export_settings(config, **given)

@@ -13,7 +13,7 @@ import jax.extend
 from trace_jax import guidance as G
 from trace_jax import model as M
 from trace_jax.model.quant import QuantConfig, Recording
-from trace_jax.rl.plan import _dependent_residual_bytes
+from trace_jax.plan import _dependent_residual_bytes
 from trace_jax.training.forward import training_forward
 
 

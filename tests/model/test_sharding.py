@@ -16,17 +16,18 @@ from trace_jax import model as M
 from trace_jax.model import parameters, sharding
 
 SCRIPT = textwrap.dedent("""
-    import os, json, sys
+    import dataclasses, os, json, sys
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jax, jax.numpy as jnp, numpy as np, optax, chex
     from flax import nnx
     from trace_jax import model as M
     from trace_jax.model import sharding
     from trace_jax.model.quant import QuantConfig
-    from trace_jax.rl import plan
-    from trace_jax.rl.grpo import LossConfig
-    from trace_jax.rl import warmstart
-    from trace_jax.rl.trainer import TrainExample, _old_logprobs, _train_step
+    from trace_jax import plan
+    from trace_jax.rl import step as step_lib
+    from trace_jax.rl.config import RLConfig
+    from trace_jax.rl.episodes import Episodes
+    from trace_jax.run import warmstart
     from trace_jax.training.sft import sft_batch
     from trace_jax.rollout.config import RolloutConfig, SamplingConfig
     from trace_jax.rollout.engine import RolloutEngine
@@ -37,11 +38,14 @@ SCRIPT = textwrap.dedent("""
                                    prompt_bucket=8, guidance="compact", guided_layers="all",
                                    record_routing=True, kernels="xla",
                                    sampling=SamplingConfig(temperature=1.0, max_new_tokens=6))
-    quant = QuantConfig(rounding="guided", guided_layers="all")
-    static = dict(quant=quant.replace(compute_dtype="float32"), replay=True, temperature=1.0)
+    # The training path: guided on every layer with replay, float32, TIS; pi_old's own forward
+    # (`score`, unfused) then the update.
+    config = RLConfig.from_flat(arm="trace-full", preset="tiny", prompts_per_step=2, group_size=4,
+                      temperature=1.0, compute_dtype="float32", correction="tis")
     rng = np.random.default_rng(7)
     prompts = [rng.integers(1, cfg.vocab_size, rng.integers(3, 9)).tolist() for _ in range(8)]
-    advantages = jnp.asarray(rng.normal(size=8), jnp.float32)
+    played = Episodes(rollout=None, rewards=rng.uniform(size=8).astype(np.float32), actions=[],
+                      turns=np.ones(8, np.int32))
     key = jax.random.key(3)
 
     def run(mesh):
@@ -57,15 +61,18 @@ SCRIPT = textwrap.dedent("""
       engine = RolloutEngine(policy, rollout_config, mesh=mesh)
       rollout = engine.generate(prompts, key)
       guidance = rollout.guidance
-      batch = TrainExample(tokens=rollout.tokens, positions=rollout.positions, mask=rollout.mask,
-                           response_mask=rollout.response_mask, rollout_logp=rollout.logprobs,
-                           advantages=advantages)
+      batch = step_lib.TrainExample(tokens=rollout.tokens, positions=rollout.positions,
+                                    mask=rollout.mask, response_mask=rollout.response_mask,
+                                    rollout_logp=rollout.logprobs)
       if mesh is not None:
         batch = jax.tree.map(lambda v: jax.device_put(v, sharding.batch_sharding(mesh, v.ndim)), batch)
-      old_logp = _old_logprobs(policy, batch, guidance, record=False, **static)[0]
-      batch = batch.replace(old_logp=old_logp)
-      loss, stats, norm = _train_step(policy, opt, batch, guidance, None,
-                                      loss_config=LossConfig(rollout_correction="tis"), **static)
+      spec = dataclasses.replace(step_lib.StepSpec.of(config, cfg.num_layers, mesh), fused=False)
+      state = step_lib.RLState(policy=policy, opt=opt)
+      collected = step_lib.Collected(played=played, rollout=rollout, example=batch, guidance=guidance)
+      scored = step_lib.score(spec, state, collected, step=1)
+      old_logp = scored.example.old_logp
+      state, done = step_lib.update(spec, state, scored)
+      loss, norm = done.losses[0], done.grad_norms[0]
       out = dict(tokens=np.asarray(rollout.tokens), rollout_logp=np.asarray(rollout.logprobs),
                  old_logp=np.asarray(old_logp), loss=float(loss), norm=float(norm),
                  params=jax.device_get(nnx.to_pure_dict(nnx.state(policy, nnx.Param))))

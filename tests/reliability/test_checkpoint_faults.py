@@ -16,7 +16,7 @@ import pytest
 from orbax.checkpoint._src.path import atomicity
 
 from tests.reliability.reliability_helpers import fill, full_filesystem
-from trace_jax.rl.checkpoint import CheckpointError, Checkpoints
+from trace_jax.run.checkpoint import CheckpointError, Checkpoints
 
 
 def _state(seed: int) -> dict:

@@ -9,7 +9,7 @@ import sys
 import jax.numpy as jnp
 
 from tests.reliability.reliability_helpers import fill, full_filesystem
-from trace_jax.rl.checkpoint import Checkpoints
+from trace_jax.run.checkpoint import Checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "experiments", "rl.py")

@@ -20,6 +20,7 @@ from trace_jax.model.config import tiny
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.grpo import LossConfig
+from trace_jax.run.policy_source import preflight
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
@@ -177,11 +178,11 @@ def test_unknown_task_option_is_named():
     match=r"task 'arith' has no option 'colour'; its options "
     r"\(with defaults\): terms=2, max_operand=9, ops='\+-'",
   ):
-    RLConfig(task="arith", task_options=(("colour", "red"),))
+    preflight(RLConfig.from_flat(task="arith", task_options=(("colour", "red"),)))
   with pytest.raises(ValueError, match=r"task 'search' has no option 'bitz'"):
     get_task("search", bitz=3)
   with pytest.raises(ValueError, match=r"arith: terms=1"):  # values too, before any work
-    RLConfig(task="arith", task_options=(("terms", 1),))
+    preflight(RLConfig.from_flat(task="arith", task_options=(("terms", 1),)))
 
 
 @pytest.mark.parametrize(
@@ -195,7 +196,7 @@ def test_unknown_task_option_is_named():
 )
 def test_non_finite_or_negative_rates_are_refused(field, value):
   with pytest.raises(ValueError, match=rf"RLConfig.{field}={value!r} must be a finite number > 0"):
-    RLConfig(**{field: value})
+    RLConfig.from_flat(**{field: value})
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from tests.reliability.reliability_helpers import fill, full_filesystem
-from trace_jax.rl.trainer import read_metrics
+from trace_jax.run.rundir import read_metrics
 from trace_jax.utils import append_jsonl, read_jsonl, write_atomic, write_json
 
 

@@ -8,7 +8,7 @@ from flax import nnx
 
 from trace_jax import fp4
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.trainer import Trainer
 
 # arm: (rollout packs FP4 weights, training quantizes, rounding, correction, guidance mode,
 #       guided layers of the tiny model, routing replay)
@@ -118,7 +118,7 @@ CASES = [(arm, "all") for arm in sorted(PROMISES)] + [
 @pytest.mark.parametrize("arm, fp4_sites", CASES)
 def test_one_step_keeps_the_arms_promises(tmp_path, arm, fp4_sites, fmt="nvfp4"):
   packs, quantized, rounding, correction, mode, layers, replay = PROMISES[arm]
-  config = RLConfig(
+  config = RLConfig.from_flat(
     arm=arm,
     task="arith",
     preset="tiny",
@@ -148,7 +148,7 @@ def test_one_step_keeps_the_arms_promises(tmp_path, arm, fp4_sites, fmt="nvfp4")
     assert {q.fmt for q in packed} == {fmt}
     # experts+kv packs only the routed experts (3 per MoE layer); "all" packs 7 per layer.
     assert len(packed) == (6 if fp4_sites == "experts+kv" else 14)
-    assert trainer.engine.config.fp4_sites == fp4_sites
+    assert trainer.engine.config.fp4.sites == fp4_sites
   # The training path's quantization and rounding.
   quant = config.train_quant
   assert (quant is not None) == quantized
@@ -237,10 +237,10 @@ def test_one_step_keeps_the_arms_promises(tmp_path, arm, fp4_sites, fmt="nvfp4")
 
 
 def test_arm_scope_and_format_reach_the_training_path():
-  config = RLConfig(arm="trace", fp4_sites="experts+kv", fmt="mxfp4")
+  config = RLConfig.from_flat(arm="trace", fp4_sites="experts+kv", fmt="mxfp4")
   assert (config.train_quant.sites, config.train_quant.fmt) == ("experts+kv", "mxfp4")
   assert config.train_quant.rounding == "guided"
-  assert RLConfig(arm="fp4-rollout", fmt="mxfp4").train_quant is None
+  assert RLConfig.from_flat(arm="fp4-rollout", fmt="mxfp4").train_quant is None
 
 
 @pytest.mark.slow
@@ -252,7 +252,7 @@ def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, arm, fp4_sites, activati
   """--fmt=mxfp4 end to end: MXFP4 rollout weights (E8M0 scales, no global scale), MXFP4 KV
   cache, MXFP4 QAT, guidance captured in the MXFP4 layout; and W4A8 (--activations=fp8:
   linear inputs in MXFP8 E4M3, guidance on the FP4 KV cache only)."""
-  config = RLConfig(
+  config = RLConfig.from_flat(
     arm=arm,
     task="arith",
     preset="small",
@@ -306,7 +306,7 @@ def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, arm, fp4_sites, activati
 
 def test_mxfp4_on_a_preset_too_narrow_names_the_field_and_presets_that_fit():
   with pytest.raises(ValueError, match=r"fmt='mxfp4'.*preset='tiny' has head_dim=16.*'small'"):
-    RLConfig(preset="tiny", fmt="mxfp4")
+    RLConfig.from_flat(preset="tiny", fmt="mxfp4")
   with pytest.raises(ValueError, match=r"preset='qwen3_5_tiny' has head_dim=16"):
-    RLConfig(preset="qwen3_5_tiny", fmt="mxfp4", fp4_sites="experts+kv")
-  RLConfig(preset="tiny", fmt="nvfp4")  # 16-element NVFP4 blocks fit
+    RLConfig.from_flat(preset="qwen3_5_tiny", fmt="mxfp4", fp4_sites="experts+kv")
+  RLConfig.from_flat(preset="tiny", fmt="nvfp4")  # 16-element NVFP4 blocks fit

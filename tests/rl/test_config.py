@@ -1,7 +1,6 @@
-"""rl/config.py: the arm table (keyword-only, validated, guided layers stated once), the one
+"""rl/arms.py and rl/config.py: the arm table (keyword-only, validated, guided layers stated once), the one
 rollout-correction knob, and experiments/rl.py's flag defaults read from the config classes."""
 
-import dataclasses
 import importlib.util
 import os
 
@@ -9,7 +8,10 @@ import pytest
 from absl import flags
 
 from trace_jax.model.quant import QuantConfig
-from trace_jax.rl.config import ARMS, Arm, RLConfig
+from trace_jax.rl.arms import ARMS, COMPARED, RUNNABLE, Arm
+from trace_jax.rl.config import RLConfig
+from trace_jax.rollout.config import RolloutConfig
+from trace_jax.utils import flags as config_flags
 from trace_jax.rl.grpo import LossConfig
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,38 +19,20 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 def test_arm_table_states_the_method_once():
   # DESIGN.md section 4, written down independently of the table.
-  expected = {  # name: (rollout, training QuantConfig, guidance, replay, correction, deploy)
-    "bf16": ("bf16", None, "none", False, "none", "bf16"),
-    "fp4-rollout": ("fp4", None, "none", False, "tis", "fp4"),
-    "fp4-qat": ("fp4", QuantConfig(), "none", False, "none", "fp4"),
-    "trace": (
-      "fp4",
-      QuantConfig(rounding="guided", guided_layers="last_half"),
-      "compact",
-      True,
-      "none",
-      "fp4",
-    ),
-    "trace-full": (
-      "fp4",
-      QuantConfig(rounding="guided", guided_layers="all"),
-      "full",
-      True,
-      "none",
-      "fp4",
-    ),
-    "trace-sparse": (
-      "fp4",
-      QuantConfig(rounding="guided", guided_layers="all"),
-      "sparse",
-      True,
-      "none",
-      "fp4",
-    ),
-    "ptq": ("bf16", None, "none", False, "none", "fp4"),
+  guided = lambda layers: QuantConfig(rounding="guided", guided_layers=layers)  # noqa: E731
+  expected = {  # name: (rollout, training QuantConfig, guidance, replay, correction, deploy,
+    #                    derived from, block-scale rule)
+    "bf16": ("bf16", None, "none", False, "none", "bf16", None, "standard"),
+    "fp4-rollout": ("fp4", None, "none", False, "tis", "fp4", None, "standard"),
+    "fp4-qat": ("fp4", QuantConfig(), "none", False, "none", "fp4", None, "standard"),
+    "trace": ("fp4", guided("last_half"), "compact", True, "none", "fp4", None, "standard"),
+    "trace-full": ("fp4", guided("all"), "full", True, "none", "fp4", None, "standard"),
+    "trace-sparse": ("fp4", guided("all"), "sparse", True, "none", "fp4", None, "standard"),
+    "ptq": ("bf16", None, "none", False, "none", "fp4", "bf16", "standard"),
+    "ptq-46": ("bf16", None, "none", False, "none", "fp4", "bf16", "4over6"),
   }
   assert sorted(ARMS) == sorted(expected)
-  for name, (rollout, quant, guidance, replay, correction, deploy) in expected.items():
+  for name, row in expected.items():
     arm = ARMS[name]
     assert (
       arm.rollout_precision,
@@ -57,9 +41,38 @@ def test_arm_table_states_the_method_once():
       arm.routing_replay,
       arm.correction,
       arm.deploy,
-    ) == (rollout, quant, guidance, replay, correction, deploy)
-    if quant is not None and quant.rounding == "guided":  # guided layers: one statement
+      arm.derived_from,
+      arm.scale_rule,
+    ) == row, name
+    if arm.train_quant is not None and arm.train_quant.rounding == "guided":  # stated once
       assert arm.train_quant.guided_layers == arm.guided_layers
+  # An RL run reports every arm but ptq-46 (4over6 is evaluated by the comparison); the
+  # comparison runs the method's arms, trace-sparse (beyond the method) on request.
+  assert set(RUNNABLE) == set(expected) - {"ptq-46"}
+  assert COMPARED == ("bf16", "fp4-rollout", "fp4-qat", "trace", "trace-full", "ptq", "ptq-46")
+  with pytest.raises(ValueError, match="arm='ptq-46' packs the bf16 run's policy"):
+    RLConfig.from_flat(arm="ptq-46")
+
+
+def test_each_arm_states_its_rollout():
+  """The rollout an arm runs (precision, capture, guided layers, routing), by hand: FP4
+  arms that train in FP4 capture at least compact guidance on every layer (the per-layer
+  disagreement is measured each step), others capture what they train on."""
+  base = RolloutConfig(max_len=64)
+  expected = {  # name: (precision, guidance captured, its layers, routing recorded)
+    "bf16": ("bf16", "none", "none", False),
+    "fp4-rollout": ("fp4", "none", "none", False),
+    "fp4-qat": ("fp4", "compact", "all", False),
+    "trace": ("fp4", "compact", "all", True),
+    "trace-full": ("fp4", "full", "all", True),
+    "trace-sparse": ("fp4", "sparse", "all", True),
+    "ptq": ("bf16", "none", "none", False),
+    "ptq-46": ("bf16", "none", "none", False),
+  }
+  for name, row in expected.items():
+    r = ARMS[name].rollout(base)
+    assert (r.precision, r.guidance, r.guided_layers, r.record_routing) == row, name
+    assert r.max_len == 64  # the rest is the base's
 
 
 def test_arm_is_keyword_only_and_validated():
@@ -92,8 +105,8 @@ def test_arm_is_keyword_only_and_validated():
 
 
 def test_one_rollout_correction_knob():
-  assert RLConfig(arm="fp4-rollout").loss_config.rollout_correction == "tis"
-  assert RLConfig(arm="trace", correction="mask").loss_config.rollout_correction == "mask"
+  assert RLConfig.from_flat(arm="fp4-rollout").loss_config.rollout_correction == "tis"
+  assert RLConfig.from_flat(arm="trace", correction="mask").loss_config.rollout_correction == "mask"
   with pytest.raises(ValueError, match="one knob, RLConfig.correction"):
     RLConfig(loss=LossConfig(rollout_correction="tis"))
   # A config saved before the knob was one (its LossConfig said "tis") still resumes.
@@ -102,57 +115,76 @@ def test_one_rollout_correction_knob():
   assert RLConfig().differences(saved) == []
 
 
-def test_rl_script_flag_defaults_are_the_config_defaults():
-  spec = importlib.util.spec_from_file_location(
-    "rl_script", os.path.join(_ROOT, "experiments", "rl.py")
+# RLConfig().to_dict() as the flat RLConfig (before the sections) saved it in checkpoints.
+FLAT = {
+  "arm": "trace", "fp4_sites": "all", "fmt": "nvfp4", "activations": "fp4", "sparse_delta": 0.07,
+  "task": "chain", "task_options": [], "preset": "small", "seed": 0, "steps": 100,
+  "prompts_per_step": 8, "group_size": 16, "max_new_tokens": 32, "temperature": 0.7,
+  "learning_rate": 3e-05, "lr_warmup_steps": 0, "minibatches": 1, "epochs": 1,
+  "loss": {
+    "clip_low": 0.2, "clip_high": 0.28, "aggregation": "token", "std_norm": True,
+    "kl_coef": 0.0, "rollout_correction": "none", "tis_threshold": 2.0,
+  },
+  "correction": "auto", "compute_dtype": "bfloat16", "prompt_bucket": 0, "eval_every": 20,
+  "eval_size": 128, "checkpoint_every": 20, "sft_steps": 100, "sft_batch": 32,
+  "sft_learning_rate": 0.003, "mesh": [1, 1, 1], "max_param_abs": 10000.0,
+  "hf_checkpoint": "", "sft_warm_start": None, "prompt_format": "auto", "system_prompt": "",
+  "observation_role": "user", "chat_template_options": [], "remat": False,
+  "reward_control": "none",
+}  # fmt: skip
+
+
+def test_a_config_saved_flat_compares_by_leaf_name():
+  """Run dirs saved before the sections resume: their flat config compares field by field
+  with the nested one, names a changed field by its flat name, and rebuilds the config."""
+  assert RLConfig().differences(FLAT) == []
+  assert RLConfig.from_dict(FLAT) == RLConfig()
+  changed = RLConfig.from_flat(group_size=4, fp4_sites="experts+kv", kl_coef=0.01, mesh=(2, 1, 1))
+  assert changed.differences(FLAT) == ["fp4_sites", "group_size", "kl_coef", "mesh"]
+  assert RLConfig.from_dict(changed.to_dict()) == changed
+  legacy = {**FLAT, "group_size": 4, "fp4_sites": "experts+kv", "mesh": [2, 1, 1]}
+  legacy["loss"] = {**FLAT["loss"], "kl_coef": 0.01}
+  assert RLConfig.from_dict(legacy) == changed and changed.differences(legacy) == []
+  # steps, max_param_abs and remat may change on a resume
+  assert changed.replace(steps=7, remat=True).differences(changed.to_dict()) == []
+
+
+def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
+  leaves = config_flags.flat_fields(RLConfig)
+  assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT))  # the flat config's names
+  assert leaves["fp4_sites"][0] == ("fp4", "sites") and leaves["steps"][0] == ("schedule", "steps")
+  config = RLConfig.from_flat(steps=3, temperature=0.5, preset="tiny")
+  assert (config.schedule.steps, config.sampling.temperature, config.source.preset) == (
+    3,
+    0.5,
+    "tiny",
   )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)  # defines the flags (absl's global FLAGS)
-  del module
-  config, loss = RLConfig(), RLConfig().loss
-  defaults = {
-    name: flags.FLAGS[name].default
-    for name in flags.FLAGS
-    if name
-    in {
-      "arm",
-      "task",
-      "preset",
-      "steps",
-      "seed",
-      "prompts_per_step",
-      "group_size",
-      "max_new_tokens",
-      "temperature",
-      "learning_rate",
-      "minibatches",
-      "epochs",
-      "eval_every",
-      "eval_size",
-      "sft_steps",
-      "checkpoint_every",
-      "compute_dtype",
-      "fp4_sites",
-      "fmt",
-      "clip_low",
-      "clip_high",
-      "aggregation",
-      "std_norm",
-      "kl_coef",
-      "tis_threshold",
-      "rollout_correction",
-      "mesh",
-      "sparse_delta",
-      "reward_control",
-    }
-  }
-  assert len(defaults) == 29
-  for name, value in defaults.items():
-    if name == "rollout_correction":  # the flag is the one knob, RLConfig.correction
-      assert value == config.correction
-    elif name in {f.name for f in dataclasses.fields(LossConfig)}:
-      assert value == getattr(loss, name), name
-    elif name == "mesh":
-      assert tuple(int(m) for m in value) == config.mesh
-    else:
-      assert value == getattr(config, name), name
+  assert config.replace(fmt="nvfp4", group_size=2).sampling.group_size == 2
+  with pytest.raises(ValueError, match=r"has no fields \['stepz'\]"):
+    RLConfig.from_flat(stepz=3)
+  with pytest.raises(ValueError, match="RLConfig.group_size=0 must be >= 1"):
+    RLConfig.from_flat(group_size=0)
+
+
+def _script_flags(name: str) -> dict:
+  """{flag: default} of the flags experiments/<name>.py defines (absl's global FLAGS)."""
+  before = set(flags.FLAGS)
+  spec = importlib.util.spec_from_file_location(
+    f"{name}_script", os.path.join(_ROOT, "experiments", f"{name}.py")
+  )
+  spec.loader.exec_module(importlib.util.module_from_spec(spec))
+  return {n: flags.FLAGS[n].default for n in set(flags.FLAGS) - before}
+
+
+def test_rl_script_flags_are_the_config_fields():
+  """Every flag experiments/rl.py had keeps its name and default; the defaults are the
+  config classes' own (written out here by hand, as the flat RLConfig had them)."""
+  defaults = _script_flags("rl")
+  expected = {k: v for k, v in FLAT.items() if k not in ("loss", "correction", "activations")}
+  expected.update({k: v for k, v in FLAT["loss"].items() if k != "rollout_correction"})
+  expected.update(activations="fp4", rollout_correction="auto", workdir=None)
+  expected.update(coordinator_address=None, num_processes=None, process_id=None)
+  for name, value in expected.items():
+    if isinstance(value, list):  # list flags: strings
+      value = [str(v) for v in value]
+    assert name in defaults and defaults[name] == value, name

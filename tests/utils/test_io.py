@@ -10,8 +10,8 @@ import types
 import jax.numpy as jnp
 import pytest
 
-from trace_jax.rl.checkpoint import Checkpoints
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.checkpoint import Checkpoints
+from trace_jax.run.rundir import RunDir
 from trace_jax.utils import io
 
 
@@ -92,7 +92,7 @@ def test_metrics_rewrite_fsyncs_the_directory(tmp_path, monkeypatch):
   path = tmp_path / "metrics.jsonl"
   path.write_text("".join(json.dumps({"step": s, "loss": s / 7}) + "\n" for s in range(5)))
   recorder = Recorder(monkeypatch)
-  Trainer._truncate_metrics(types.SimpleNamespace(metrics_path=str(path)), 2)  # a resume
+  RunDir._truncate_metrics(types.SimpleNamespace(metrics_path=str(path)), 2)  # a resume
   assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
   recorder.assert_directory_fsynced_after_renames(str(tmp_path))
 

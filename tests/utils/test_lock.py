@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trace_jax.rl.checkpoint import Checkpoints
+from trace_jax.run.checkpoint import Checkpoints
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.trainer import Trainer
 from trace_jax.utils import lock as lock_lib
 from trace_jax.utils.lock import LOCK_FILE, WorkdirBusy, WorkdirLock
 
@@ -146,10 +146,12 @@ def test_released_at_exit_and_when_a_start_fails(tmp_path, caplog):
   # A Trainer that refuses to start (the workdir holds another config's checkpoint) has
   # taken the lock first; it releases it on the way out.
   Checkpoints(str(workdir / "checkpoints")).save(
-    1, {"x": jnp.arange(4.0)}, {"step": 1, "config": RLConfig(preset="tiny", seed=5).to_dict()}
+    1,
+    {"x": jnp.arange(4.0)},
+    {"step": 1, "config": RLConfig.from_flat(preset="tiny", seed=5).to_dict()},
   )
   with pytest.raises(ValueError, match=r"different config; fields that differ: \['seed'\]"):
-    Trainer(RLConfig(preset="tiny", seed=0), str(workdir), progress=False)
+    Trainer(RLConfig.from_flat(preset="tiny", seed=0), str(workdir), progress=False)
   assert not (workdir / LOCK_FILE).exists()
   with WorkdirLock.acquire(str(workdir)):
     pass

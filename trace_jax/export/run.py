@@ -26,29 +26,24 @@ from trace_jax.export import calibration
 from trace_jax.export.compressed_tensors import export_compressed_tensors, tensor_listing
 from trace_jax.model.quant import QuantConfig
 from trace_jax.model.sharding import make_mesh, param_shardings
-from trace_jax.rl import data, episodes, policy_source
-from trace_jax.rl.checkpoint import Checkpoints
+from trace_jax.rl import data, episodes
+from trace_jax.run import policy_source
+from trace_jax.run.checkpoint import Checkpoints
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.grpo import LossConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
 from trace_jax.utils import lock
 
 log = logging.getLogger(__name__)
 
-# RLConfig.activations (how the run's linear inputs ran) -> ExportConfig.activations
+# RLConfig.fp4.activations (how the run's linear inputs ran) -> ExportConfig.activations
 # (compressed-tensors' input scheme), for a run of format `fmt`; None: no such scheme here.
 ACTIVATIONS_OF_RUN = {"fp4": lambda fmt: fmt, "fp8": lambda fmt: None}
 
 
 def config_from_meta(saved: dict) -> RLConfig:
-  """The RLConfig a checkpoint's metadata was written from."""
-  fields = dict(saved)
-  # (configs saved before RLConfig.correction became the one knob hold "tis" here)
-  fields["loss"] = LossConfig(**{**fields["loss"], "rollout_correction": "none"})
-  fields["task_options"] = tuple(tuple(kv) for kv in fields.get("task_options", ()))
-  fields["mesh"] = tuple(fields.get("mesh", (1, 1, 1)))
-  return RLConfig(**fields)
+  """The RLConfig a checkpoint's metadata was written from (nested, or saved flat)."""
+  return RLConfig.from_dict(saved)
 
 
 def export_settings(
@@ -69,28 +64,31 @@ def export_settings(
     ValueError: a setting contradicts the run (naming both values), or the run's
       activations cannot be exported.
   """
-  for name, given, run in (("fmt", fmt, config.fmt), ("fp4_sites", fp4_sites, config.fp4_sites)):
+  for name, given, run in (
+    ("fmt", fmt, config.fp4.fmt),
+    ("fp4_sites", fp4_sites, config.fp4.sites),
+  ):
     if given is not None and given != run:
       raise ValueError(
         f"--{name}={given} contradicts the run's {name}={run!r} (its rollouts and QAT ran "
         f"in {name}={run!r}); leave --{name} unset: the export follows the run"
       )
-  run_acts = ACTIVATIONS_OF_RUN[config.activations](config.fmt)
+  run_acts = ACTIVATIONS_OF_RUN[config.fp4.activations](config.fp4.fmt)
   if activations is None:
     if run_acts is None:
       raise ValueError(
-        f"the run's activations={config.activations!r} (W4A8: linear inputs in MXFP8 "
+        f"the run's activations={config.fp4.activations!r} (W4A8: linear inputs in MXFP8 "
         f"E4M3) has no compressed-tensors export here; --activations=none exports its "
-        f"{config.fmt} weights weight-only (W4A16)"
+        f"{config.fp4.fmt} weights weight-only (W4A16)"
       )
     activations = run_acts
   elif activations not in ("none", run_acts):
     allowed = "none" if run_acts is None else f"{run_acts} (as the run) or none (weight-only)"
     raise ValueError(
       f"--activations={activations} contradicts the run's activations="
-      f"{config.activations!r} with fmt={config.fmt!r}; use {allowed}"
+      f"{config.fp4.activations!r} with fmt={config.fp4.fmt!r}; use {allowed}"
     )
-  return config.fmt, activations, config.fp4_sites
+  return config.fp4.fmt, activations, config.fp4.sites
 
 
 class SavedRun:
@@ -133,7 +131,7 @@ class SavedRun:
   def rollout_tokens(self, seed: int, count: int):
     """Sequences (prompt + sampled response) of `count` of the run's problems, from an FP4
     rollout engine with the run's own settings (format, scope, activations, sampling)."""
-    base = episodes.rollout_base(self.config, self.task, self.source)
+    base = episodes.rollout_configs(self.config, self.task, self.source)[0]
     engine = RolloutEngine(
       self.policy, base.replace(precision="fp4", guidance="none"), mesh=self.mesh
     )
@@ -194,7 +192,7 @@ def export_run(
   fmt, activations, sites = export_settings(
     run.config, fmt=fmt, activations=activations, fp4_sites=fp4_sites
   )
-  quant = QuantConfig(fmt=fmt, sites=sites, activations=run.config.activations)
+  quant = QuantConfig(fmt=fmt, sites=sites, activations=run.config.fp4.activations)
   dtype = jnp.dtype(run.config.compute_dtype)
   scales, distance = None, None
   if activations == "nvfp4":
@@ -209,7 +207,7 @@ def export_run(
   extra = dict(
     step=run.step,
     arm=run.config.arm,
-    preset=run.config.preset,
+    preset=run.config.source.preset,
     fmt=fmt,
     activations=activations,
     fp4_sites=sites,
@@ -220,7 +218,7 @@ def export_run(
   return export_compressed_tensors(
     run.policy,
     out_dir,
-    source=hf_checkpoint or run.config.hf_checkpoint or None,
+    source=hf_checkpoint or run.config.source.hf_checkpoint or None,
     fmt=fmt,
     activations=activations,
     quant=quant,

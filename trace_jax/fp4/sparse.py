@@ -46,7 +46,7 @@ from trace_jax.fp4 import numerics
 from trace_jax.fp4.qarray import QArray, get_format
 
 ENCODINGS = ("bitmap", "runlength", "index_deltas")
-# Calibrated on the mismatch study (`rl.sparse_study.calibrate`; experiments/mismatch.py
+# Calibrated on the mismatch study (`studies.sparse.calibrate`; experiments/mismatch.py
 # --preset=tiny --sft_steps=50 --rollouts=16, 201,984 guided elements of real tokens): with
 # full guidance on every layer, the 0.999 quantile of |t_train - t_rollout| is 0.069 E2M1
 # grid units for the elements and 0.188 E4M3 units for the ideal block scales (global scales

@@ -18,6 +18,7 @@ from trace_jax.model.quant import (
   ACTIVATION_SITES,
   SITE_SCOPES,
   WEIGHT_GROUPS,
+  FP4Scheme,
   QuantConfig,
   Recording,
   SiteQuantizer,

@@ -65,6 +65,7 @@ from trace_jax import fp4, kernels as kernels_lib
 from trace_jax.kernels import layout as kernel_layout
 from trace_jax.model import layers, parameters
 from trace_jax.model.parameters import WEIGHT_GROUPS
+from trace_jax.utils.flags import knob
 from trace_jax.model.sites import (
   SITE_SCOPES,
   SiteKey,
@@ -170,6 +171,40 @@ class Recording:
 
   def covers(self, layer: int) -> bool:
     return self.enabled and (self.layers is None or layer in self.layers)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FP4Scheme:
+  """A run's FP4 scheme, one value held by every config that needs it (RL run, rollout,
+  studies, planner): the format, the scope of sites in FP4, and the format of the
+  linear layers' inputs. `quant()` is the model's QuantConfig of it."""
+
+  fmt: str = knob("nvfp4", "FP4 format: nvfp4 or mxfp4.")
+  sites: str = knob(
+    "all",
+    "FP4 scope: all, or experts+kv (the method's: routed experts and KV cache).",
+    flat="fp4_sites",
+  )
+  activations: str = knob(
+    "fp4",
+    "fp4 (W4A4) or fp8 (W4A8: linear inputs in MXFP8 E4M3 on both paths, KV cache in "
+    "FP4; FP8 sites take nearest rounding, no guidance).",
+  )
+
+  def __post_init__(self):
+    for name, value, allowed in (
+      ("fmt", self.fmt, sorted(fp4.FORMATS)),
+      ("fp4_sites", self.sites, SITE_SCOPES),
+      ("activations", self.activations, ACTIVATION_FORMATS),
+    ):
+      if value not in allowed:
+        raise ValueError(f"{name}={value!r} (FP4Scheme) is not allowed; use one of {allowed}")
+
+  def quant(self, **changes) -> "QuantConfig":
+    return QuantConfig(fmt=self.fmt, sites=self.sites, activations=self.activations, **changes)
+
+  def replace(self, **changes) -> "FP4Scheme":
+    return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,307 +1,234 @@
-"""The RL arms (DESIGN.md section 4) and the run configuration."""
+"""The configuration of an RL run: one frozen dataclass per concern, composed.
+
+  RLConfig                   the arm, the task, the seed, the rollout correction, the mesh
+    source: Source           where the policy starts: a preset or a checkpoint, warm start,
+                             prompt format
+    sampling: Sampling       what a step samples: problems, group size, tokens, temperature
+    loss: LossConfig         the GRPO loss (`rl.grpo`)
+    schedule: Schedule       steps, learning rate and warmup, updates per step, checkpoints
+    evaluation: Evaluation   the greedy evaluation's period and size
+    fp4: FP4Scheme           format, FP4 scope and activation format (`model.quant`)
+
+Validation reads only the values: no task is built and no file is read (the policy source
+checks those before any work: `run.policy_source.preflight`). Every leaf has a flat name,
+unique in the tree (`utils.flags`): the scripts' flags are derived from the fields, and a
+saved config compares by flat name (`differences`), also one saved flat, before the sections.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
-from trace_jax.model.config import PRESETS, get_preset
 from trace_jax import fp4
-from trace_jax.guidance import GUIDANCE_MODES
-from trace_jax.model.quant import ACTIVATION_FORMATS, SITE_SCOPES, GuidedLayers, QuantConfig
+from trace_jax.model.config import PRESETS, get_preset
+from trace_jax.model.quant import FP4Scheme, QuantConfig
+from trace_jax.rl.arms import RUNNABLE, Arm, get_arm
 from trace_jax.rl.grpo import CORRECTIONS, LossConfig
-from trace_jax.rl.policy_source import check_checkpoint_files
-from trace_jax.tasks.registry import get_task, registered
+from trace_jax.tasks.registry import registered
+from trace_jax.utils import flags
+from trace_jax.utils.flags import knob
 
-
-TRAIN_PATHS = ("bf16", "qat", "guided")
 REWARD_CONTROLS = ("none", "shuffle")
-PRECISIONS = ("bf16", "fp4")
+COMPUTE_DTYPES = ("bfloat16", "float32")
+
+
+def _check(where: str, obj, names, ok, what: str) -> None:
+  for name in names:
+    if not ok(getattr(obj, name)):
+      raise ValueError(f"{where}.{name}={getattr(obj, name)!r} {what}")
+
+
+def _finite_positive(value) -> bool:
+  return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _choose(where: str, name: str, value, allowed) -> None:
+  if value not in allowed:
+    raise ValueError(f"{where}.{name}={value!r} is not allowed; use one of {allowed}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Arm:
-  """How one arm rolls out and trains (DESIGN.md section 4).
+class Source:
+  """Where the policy and its tokenizer start (`run.policy_source`)."""
 
-  Attributes:
-    name: the arm's name.
-    rollout_precision: "bf16" or "fp4" (W4A4 + FP4 KV cache).
-    train: the training path: "bf16" (no quantization), "qat" (FP4 QAT, nearest rounding)
-      or "guided" (FP4 QAT rounded by the rollout's guidance at `guided_layers`).
-    guidance: what the rollout captures for the trainer: "none", "compact", "full" or
-      "sparse" (boundary elements and scales only, `fp4.sparse`).
-    guided_layers: the layers guidance covers, stated once: the rollout captures them and
-      the training path rounds by them ("none" without guidance).
-    routing_replay: train with the rollout's experts.
-    correction: the default rollout correction ("tis", "mask", "none").
-    deploy: precision the arm's policy is deployed (and headline-evaluated) in.
-  """
-
-  name: str
-  rollout_precision: str  # "bf16" or "fp4"
-  train: str  # "bf16", "qat" or "guided"
-  guidance: str = "none"  # "none", "compact", "full" or "sparse"
-  guided_layers: GuidedLayers = "none"  # "last_half", "all", "none", a count, or ids
-  routing_replay: bool = False
-  correction: str = "none"  # "tis", "mask" or "none"
-  deploy: str = "fp4"  # "bf16" or "fp4"
+  preset: str = knob("small", "Model preset (random initial weights, character tokenizer).")
+  hf_checkpoint: str = knob("", "Local HF checkpoint directory to start from, not --preset.")
+  sft_warm_start: bool | None = knob(
+    None, "SFT warm start (default: for a preset, not a checkpoint)."
+  )
+  sft_steps: int = knob(100, "Warm-start SFT steps (when the workdir has none).")
+  sft_batch: int = knob(32, "Warm-start demonstrations per step.")
+  sft_learning_rate: float = knob(3e-3, "Warm-start learning rate.")
+  prompt_format: str = knob(
+    "auto",
+    "chat (template), raw, or auto: chat with a checkpoint.",
+    choices=("auto", "chat", "raw"),
+  )
+  system_prompt: str = knob("", "System turn of the chat template (needs --hf_checkpoint).")
+  observation_role: str = knob("user", "Turn of multi-turn observations.", choices=("user", "tool"))
+  chat_template_options: tuple = knob(
+    (), "key=value template variables.", parse=flags.parse_bool_pairs
+  )
+  remat: bool = knob(False, "Recompute each block's activations in the backward pass.")
 
   def __post_init__(self):
-    for field, allowed in (
-      ("rollout_precision", PRECISIONS),
-      ("train", TRAIN_PATHS),
-      ("guidance", GUIDANCE_MODES),
-      ("correction", CORRECTIONS),
-      ("deploy", PRECISIONS),
-    ):
-      if getattr(self, field) not in allowed:
-        raise ValueError(
-          f"Arm.{field}={getattr(self, field)!r} is not allowed; use one of {allowed}"
-        )
-    if not isinstance(self.guided_layers, (str, int)):
-      object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
-    QuantConfig(guided_layers=self.guided_layers)  # validates the layer spec
-    guided = self.guided_layers != "none"
-    if self.train == "guided" and (self.guidance == "none" or not guided):
+    where = "RLConfig"
+    _choose(where, "preset", self.preset, sorted(PRESETS))
+    if self.hf_checkpoint:  # the files are checked by the policy source, before any work
+      object.__setattr__(self, "hf_checkpoint", os.path.abspath(self.hf_checkpoint))
+    flags.check_choices(self, where)
+    _choose(where, "sft_warm_start", self.sft_warm_start, (None, True, False))
+    _check(where, self, ("sft_steps",), lambda v: v >= 0, "must be >= 0")
+    _check(where, self, ("sft_batch",), lambda v: v >= 1, "must be >= 1")
+    _check(where, self, ("sft_learning_rate",), _finite_positive, "must be a finite number > 0")
+    if not self.hf_checkpoint and self.prompt_format == "chat":
       raise ValueError(
-        f"Arm {self.name!r}: train='guided' needs guidance ('compact', 'full' or "
-        f"'sparse') "
-        f"and guided layers; got guidance={self.guidance!r}, "
-        f"guided_layers={self.guided_layers!r}"
+        "RLConfig.prompt_format='chat' needs hf_checkpoint (the built-in character "
+        "tokenizer has no chat template)"
       )
-    if self.train != "guided" and (self.guidance != "none" or guided):
+    if self.system_prompt and not self.chat:
       raise ValueError(
-        f"Arm {self.name!r}: guidance={self.guidance!r} / guided_layers="
-        f"{self.guided_layers!r} are only read by train='guided' (train="
-        f"{self.train!r})"
+        f"RLConfig.system_prompt={self.system_prompt!r} needs a chat template "
+        "(hf_checkpoint with prompt_format auto or chat)"
       )
-    if self.guidance != "none" and self.rollout_precision != "fp4":
-      raise ValueError(
-        f"Arm {self.name!r}: guidance records FP4 rounding; it needs rollout_precision='fp4'"
-      )
+    options = tuple(tuple(kv) for kv in self.chat_template_options)
+    object.__setattr__(self, "chat_template_options", options)
+    if any(len(kv) != 2 or not isinstance(kv[0], str) for kv in options):
+      raise ValueError(f"RLConfig.chat_template_options={options!r} must be (name, value) pairs")
 
   @property
-  def train_quant(self) -> QuantConfig | None:
-    """The training path's QuantConfig (None: bf16, no quantization)."""
-    if self.train == "bf16":
-      return None
-    if self.train == "qat":
-      return QuantConfig()
-    return QuantConfig(rounding="guided", guided_layers=self.guided_layers)
+  def chat(self) -> bool:
+    """Prompts through the checkpoint's chat template ("auto": with a checkpoint)."""
+    return self.prompt_format == "chat" or (
+      self.prompt_format == "auto" and bool(self.hf_checkpoint)
+    )
 
 
-ARMS = {
-  arm.name: arm
-  for arm in (
-    Arm(name="bf16", rollout_precision="bf16", train="bf16", deploy="bf16"),
-    Arm(name="fp4-rollout", rollout_precision="fp4", train="bf16", correction="tis"),
-    Arm(name="fp4-qat", rollout_precision="fp4", train="qat"),
-    Arm(
-      name="trace",
-      rollout_precision="fp4",
-      train="guided",
-      guidance="compact",
-      guided_layers="last_half",
-      routing_replay=True,
-    ),
-    Arm(
-      name="trace-full",
-      rollout_precision="fp4",
-      train="guided",
-      guidance="full",
-      guided_layers="all",
-      routing_replay=True,
-    ),
-    # Beyond the method: sparse guidance (only elements / scales near a rounding boundary)
-    # is cheap enough to cover every layer, so upstream layers stop feeding noise downstream.
-    Arm(
-      name="trace-sparse",
-      rollout_precision="fp4",
-      train="guided",
-      guidance="sparse",
-      guided_layers="all",
-      routing_replay=True,
-    ),
-    # PTQ: trained exactly like bf16; its headline is the FP4 evaluation of that policy.
-    Arm(name="ptq", rollout_precision="bf16", train="bf16"),
-  )
-}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+  """What a step samples."""
+
+  prompts_per_step: int = knob(8, "Distinct problems per step.")
+  group_size: int = knob(16, "Samples per problem (GRPO group).")
+  max_new_tokens: int = knob(32, "Max tokens per turn.")
+  temperature: float = knob(0.7, "Sampling temperature (and the tempered policy trained).")
+  prompt_bucket: int = knob(0, "Pad prompts / observations to a multiple; 0: 16 (8 multi-turn).")
+
+  def __post_init__(self):
+    names = ("prompts_per_step", "group_size", "max_new_tokens")
+    _check("RLConfig", self, names, lambda v: v >= 1, "must be >= 1")
+    _check("RLConfig", self, ("prompt_bucket",), lambda v: v >= 0, "must be >= 0")
+    _check("RLConfig", self, ("temperature",), _finite_positive, "must be a finite number > 0")
 
 
-def get_arm(name: str) -> Arm:
-  if name not in ARMS:
-    raise ValueError(f"arm={name!r} is not known; arms: {sorted(ARMS)}")
-  return ARMS[name]
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Schedule:
+  """How long and how fast the run trains."""
+
+  steps: int = knob(100, "RL steps.")
+  learning_rate: float = knob(3e-5, "Adam learning rate (small: each update's noise costs).")
+  lr_warmup_steps: int = knob(0, "RL steps of linear LR warmup from learning_rate / 10.")
+  minibatches: int = knob(1, "Updates per epoch (1: pi_old is the update's own forward).")
+  epochs: int = knob(1, "Passes over each rollout batch.")
+  checkpoint_every: int = knob(20, "Checkpoint period in steps (and at the last step); 0: never.")
+  max_param_abs: float = knob(1e4, "Divergence guard: stop, saving nothing, past this |param|.")
+
+  def __post_init__(self):
+    names = ("steps", "lr_warmup_steps", "checkpoint_every")
+    _check("RLConfig", self, names, lambda v: v >= 0, "must be >= 0")
+    _check("RLConfig", self, ("minibatches", "epochs"), lambda v: v >= 1, "must be >= 1")
+    names = ("learning_rate", "max_param_abs")
+    _check("RLConfig", self, names, _finite_positive, "must be a finite number > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Evaluation:
+  """The greedy evaluation, in FP4 and in bf16, on held-out problems."""
+
+  eval_every: int = knob(20, "Greedy evaluation period (steps); 0: never.")
+  eval_size: int = knob(128, "Evaluation problems.")
+
+  def __post_init__(self):
+    _check("RLConfig", self, ("eval_every", "eval_size"), lambda v: v >= 0, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RLConfig:
   """One RL run. Everything random derives from `seed` and the step number."""
 
-  arm: str = "trace"
-  fp4_sites: str = "all"  # FP4 scope of rollout and QAT: "all" or "experts+kv" (the method's)
-  fmt: str = "nvfp4"  # FP4 format of rollout, QAT and the FP4 evaluation: "nvfp4" or "mxfp4"
-  activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8: linear inputs in MXFP8 E4M3 on
-  #   both paths, KV cache in FP4; FP8 sites take nearest rounding, no guidance)
-  sparse_delta: float = fp4.DEFAULT_DELTA  # sparse guidance (arm trace-sparse): element
-  #   margin around an E2M1 midpoint in grid units (calibrated: fp4.sparse.DEFAULT_DELTA)
-  task: str = "chain"
-  task_options: tuple = ()  # (name, value) pairs passed to get_task
-  preset: str = "small"
-  seed: int = 0
-  steps: int = 100
-  prompts_per_step: int = 8  # distinct problems per step
-  group_size: int = 16  # samples per problem (GRPO group)
-  max_new_tokens: int = 32  # per turn
-  temperature: float = 0.7  # sampling (and the tempered policy the loss trains)
-  learning_rate: float = 3e-5  # small: each update's noise costs the warm start (README)
-  lr_warmup_steps: int = 0  # RL steps of linear warmup from learning_rate / 10
-  minibatches: int = 1  # optimizer updates per epoch (1: pi_old is the update's own forward)
-  epochs: int = 1
-  loss: LossConfig = LossConfig(rollout_correction="none")  # its rollout_correction is set
-  #   by `correction` (the one knob); leave it "none"
-  correction: str = "auto"  # rollout correction: "auto" = the arm's default, or tis/mask/none
-  compute_dtype: str = "bfloat16"  # activations on both paths
-  prompt_bucket: int = 0  # pad prompts / observations to a multiple; 0 = 16 (8 multi-turn)
-  eval_every: int = 20
-  eval_size: int = 128
-  checkpoint_every: int = 20
-  sft_steps: int = 100  # warm start, when the workdir has none
-  sft_batch: int = 32
-  sft_learning_rate: float = 3e-3
-  mesh: tuple = (1, 1, 1)  # (data, expert, model) devices
-  max_param_abs: float = 1e4  # divergence guard: stop (saving nothing) past this |parameter|
-  # Starting from a local Hugging Face checkpoint (`rl.policy_source`); "" = the preset.
-  hf_checkpoint: str = ""  # directory: config.json, *.safetensors, tokenizer.json, ...
-  sft_warm_start: bool | None = None  # None: for a preset yes, for a checkpoint no
-  prompt_format: str = "auto"  # "chat" (the checkpoint's template), "raw"; auto: chat if hf
-  system_prompt: str = ""  # the chat template's system turn ("" = none)
-  observation_role: str = "user"  # multi-turn observations as "user" or "tool" turns
-  chat_template_options: tuple = ()  # (name, value) template variables, e.g. enable_thinking
-  remat: bool = False  # recompute each block's activations in the backward pass (memory)
-  reward_control: str = "none"  # "shuffle": a placebo run; each step's rewards are permuted
-  #   across the batch before the advantages (the logged rewards are the true ones), so the
-  #   update carries the optimizer's noise and no signal: the real run minus this one is
-  #   what the reward taught
+  arm: str = knob("trace", f"One of {sorted(RUNNABLE)}.")
+  task: str = knob("chain", "Task: chain, arith, coding, search, or rg:<name>.")
+  task_options: tuple = knob(
+    (), "key=value options of the task (numbers parsed).", parse=flags.parse_pairs
+  )
+  seed: int = knob(0, "Seed of everything random.")
+  correction: str = knob(
+    "auto",
+    "Correction on pi_old / pi_rollout (auto: the arm's; TIS for fp4-rollout).",
+    flag="rollout_correction",
+    choices=("auto",) + CORRECTIONS,
+  )
+  reward_control: str = knob(
+    "none",
+    "shuffle: a placebo run, rewards permuted across the batch before the advantages (the "
+    "optimizer's noise, no signal); compare it with the real run.",
+    choices=REWARD_CONTROLS,
+  )
+  sparse_delta: float = knob(
+    fp4.DEFAULT_DELTA,
+    "Arm trace-sparse: margin around an E2M1 midpoint (grid units) within which an "
+    "element's bit is recorded.",
+  )
+  compute_dtype: str = knob("bfloat16", "Activations, both paths.", choices=COMPUTE_DTYPES)
+  mesh: tuple = knob((1, 1, 1), "data,expert,model device counts.", parse=flags.parse_ints)
+  source: Source = Source()
+  sampling: Sampling = Sampling()
+  loss: LossConfig = LossConfig(rollout_correction="none")  # set by `correction`
+  schedule: Schedule = Schedule()
+  evaluation: Evaluation = Evaluation()
+  fp4: FP4Scheme = FP4Scheme()
 
   def __post_init__(self):
-    get_arm(self.arm)
-    if self.fp4_sites not in SITE_SCOPES:
+    get_arm(self.arm, runnable=True)
+    object.__setattr__(self, "task_options", tuple(tuple(kv) for kv in self.task_options))
+    object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
+    if not (self.task in registered() or self.task.startswith("rg:")):
+      raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
+    flags.check_choices(self, "RLConfig")  # correction, reward_control, compute_dtype
+    if self.loss.rollout_correction != "none":
       raise ValueError(
-        f"RLConfig.fp4_sites={self.fp4_sites!r} is not allowed; use one of {SITE_SCOPES}"
+        f"RLConfig.loss.rollout_correction={self.loss.rollout_correction!r}: the rollout "
+        "correction has one knob, RLConfig.correction (auto, tis, mask or none); leave the "
+        "LossConfig's at 'none'"
       )
-    if self.fmt not in fp4.FORMATS:
-      raise ValueError(
-        f"RLConfig.fmt={self.fmt!r} is not allowed; use one of {sorted(fp4.FORMATS)}"
-      )
-    if self.preset not in PRESETS:
-      raise ValueError(f"preset={self.preset!r} is not known; presets: {sorted(PRESETS)}")
-    if self.activations not in ACTIVATION_FORMATS:
-      raise ValueError(
-        f"RLConfig.activations={self.activations!r} is not allowed; use one of {ACTIVATION_FORMATS}"
-      )
-    _check_block_fit(self.preset, self.fmt, self.fp4_sites)
     try:
       self.sparse_spec  # noqa: B018 - validates sparse_delta
     except ValueError as e:
       raise ValueError(f"RLConfig.sparse_delta={self.sparse_delta!r}: {e}") from e
-    if self.arm_spec.guidance == "sparse" and self.fmt != "nvfp4":
+    if self.arm_spec.guidance == "sparse" and self.fp4.fmt != "nvfp4":
       raise ValueError(
-        f"RLConfig.fmt={self.fmt!r}: arm {self.arm!r} (sparse guidance) needs "
+        f"RLConfig.fmt={self.fp4.fmt!r}: arm {self.arm!r} (sparse guidance) needs "
         "fmt='nvfp4' (E4M3 block scales)"
       )
-    if not (self.task in registered() or self.task.startswith("rg:")):
-      raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
-    object.__setattr__(self, "task_options", tuple(tuple(kv) for kv in self.task_options))
-    get_task(self.task, **dict(self.task_options))  # option names and values, before any work
-    object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
-    for name in (
-      "steps",
-      "eval_every",
-      "eval_size",
-      "checkpoint_every",
-      "sft_steps",
-      "prompt_bucket",
-      "lr_warmup_steps",
-    ):
-      if getattr(self, name) < 0:
-        raise ValueError(f"RLConfig.{name}={getattr(self, name)} must be >= 0")
-    for name in (
-      "prompts_per_step",
-      "group_size",
-      "max_new_tokens",
-      "minibatches",
-      "epochs",
-      "sft_batch",
-    ):
-      if getattr(self, name) < 1:
-        raise ValueError(f"RLConfig.{name}={getattr(self, name)} must be >= 1")
-    for name in ("temperature", "learning_rate", "sft_learning_rate", "max_param_abs"):
-      value = getattr(self, name)
-      if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"RLConfig.{name}={value!r} must be a finite number > 0")
-    if self.reward_control not in REWARD_CONTROLS:
+    _check_block_fit(self.source.preset, self.fp4.fmt, self.fp4.sites)
+    batch, minibatches, data = self.batch, self.schedule.minibatches, self.mesh[0]
+    if batch % minibatches:
       raise ValueError(
-        f"RLConfig.reward_control={self.reward_control!r} is not allowed; use one "
-        f"of {REWARD_CONTROLS}"
-      )
-    if self.correction not in ("auto",) + CORRECTIONS:
-      raise ValueError(f"RLConfig.correction={self.correction!r}; use auto, tis, mask or none")
-    if self.loss.rollout_correction != "none":
-      raise ValueError(
-        f"RLConfig.loss.rollout_correction={self.loss.rollout_correction!r}: "
-        f"the rollout correction has one knob, RLConfig.correction (auto, tis, "
-        f"mask or none); leave the LossConfig's at 'none'"
-      )
-    if self.batch % self.minibatches:
-      raise ValueError(
-        f"RLConfig: batch {self.batch} (prompts_per_step x group_size) does not "
-        f"split into {self.minibatches} minibatches"
+        f"RLConfig: batch {batch} (prompts_per_step x group_size) does not split into "
+        f"{minibatches} minibatches"
       )
     if len(self.mesh) != 3 or min(self.mesh) < 1:
       raise ValueError(f"RLConfig.mesh={self.mesh} must be (data, expert, model) sizes >= 1")
-    if self.batch % self.mesh[0] or (self.batch // self.minibatches) % self.mesh[0]:
+    if batch % data or (batch // minibatches) % data:
       raise ValueError(
-        f"RLConfig: batch {self.batch} and its minibatches must divide over "
-        f"{self.mesh[0]} data-parallel devices"
-      )
-    if self.compute_dtype not in ("bfloat16", "float32"):
-      raise ValueError(f"RLConfig.compute_dtype={self.compute_dtype!r}; use bfloat16 or float32")
-    self._check_checkpoint_fields()
-
-  def _check_checkpoint_fields(self):
-    """hf_checkpoint and the prompt options (the files' contents are checked by the Trainer
-    through `policy_source.check`, still before any work)."""
-    if self.hf_checkpoint:
-      object.__setattr__(self, "hf_checkpoint", check_checkpoint_files(self.hf_checkpoint))
-    if self.prompt_format not in ("auto", "chat", "raw"):
-      raise ValueError(f"RLConfig.prompt_format={self.prompt_format!r}; use auto, chat or raw")
-    if self.observation_role not in ("user", "tool"):
-      raise ValueError(f"RLConfig.observation_role={self.observation_role!r}; use user or tool")
-    if self.sft_warm_start not in (None, True, False):
-      raise ValueError(f"RLConfig.sft_warm_start={self.sft_warm_start!r}; use None, True or False")
-    chat = self.prompt_format == "chat" or (self.prompt_format == "auto" and self.hf_checkpoint)
-    if not self.hf_checkpoint and self.prompt_format == "chat":
-      raise ValueError(
-        "RLConfig.prompt_format='chat' needs hf_checkpoint (the built-in "
-        "character tokenizer has no chat template)"
-      )
-    if self.system_prompt and not chat:
-      raise ValueError(
-        f"RLConfig.system_prompt={self.system_prompt!r} needs a chat template "
-        "(hf_checkpoint with prompt_format auto or chat)"
-      )
-    object.__setattr__(
-      self, "chat_template_options", tuple(tuple(kv) for kv in self.chat_template_options)
-    )
-    if any(len(kv) != 2 or not isinstance(kv[0], str) for kv in self.chat_template_options):
-      raise ValueError(
-        f"RLConfig.chat_template_options={self.chat_template_options!r} must be (name, value) pairs"
+        f"RLConfig: batch {batch} and its minibatches must divide over {data} data-parallel devices"
       )
 
   @property
   def batch(self) -> int:
-    return self.prompts_per_step * self.group_size
+    return self.sampling.prompts_per_step * self.sampling.group_size
 
   @property
   def arm_spec(self) -> Arm:
@@ -309,13 +236,11 @@ class RLConfig:
 
   @property
   def train_quant(self) -> QuantConfig | None:
-    """The arm's training-path QuantConfig in this run's FP4 scope and format."""
+    """The arm's training-path QuantConfig in this run's FP4 scheme."""
     quant = self.arm_spec.train_quant
-    return (
-      None
-      if quant is None
-      else quant.replace(sites=self.fp4_sites, fmt=self.fmt, activations=self.activations)
-    )
+    if quant is None:
+      return None
+    return quant.replace(sites=self.fp4.sites, fmt=self.fp4.fmt, activations=self.fp4.activations)
 
   @property
   def sparse_spec(self) -> fp4.SparseSpec:
@@ -327,23 +252,43 @@ class RLConfig:
     correction = self.arm_spec.correction if self.correction == "auto" else self.correction
     return dataclasses.replace(self.loss, rollout_correction=correction)
 
+  @classmethod
+  def from_flat(cls, **values) -> "RLConfig":
+    """An RLConfig from flat field names (`utils.flags`): RLConfig.from_flat(steps=3)."""
+    return flags.from_flat(cls, values)
+
+  def replace(self, **values) -> "RLConfig":
+    """This config with fields changed, by flat name."""
+    return flags.from_flat(RLConfig, values, base=self)
+
   def to_dict(self) -> dict:
-    out = dataclasses.asdict(self)
-    out["task_options"] = [list(kv) for kv in self.task_options]
-    out["mesh"] = list(self.mesh)
-    out["chat_template_options"] = [list(kv) for kv in self.chat_template_options]
+    """JSON-ready and nested like the config (lists for tuples)."""
+    return _jsonish(dataclasses.asdict(self))
+
+  @classmethod
+  def from_dict(cls, saved: dict) -> "RLConfig":
+    """The config a `to_dict` (or a flat config saved before the sections) was made of."""
+    leaves = flags.flat_fields(cls)
+    values = {k: v for k, v in cls.flat_dict(saved).items() if k in leaves}
+    for name in ("task_options", "chat_template_options", "mesh"):
+      if name in values:
+        values[name] = tuple(tuple(v) if isinstance(v, list) else v for v in values[name])
+    return cls.from_flat(**values)
+
+  @staticmethod
+  def flat_dict(saved: dict) -> dict:
+    """A saved config (JSON, nested or flat) by flat name; its LossConfig's correction is
+    "none" (saved before `correction` was the one knob, it may say "tis")."""
+    out = _jsonish(flags.flatten(RLConfig, saved))
+    if "rollout_correction" in out:
+      out["rollout_correction"] = "none"
     return out
 
   def differences(self, other: dict, ignore=("steps", "max_param_abs", "remat")) -> list[str]:
-    """Fields whose values differ from a saved config dict (JSON round-tripped)."""
-    mine = _jsonish(self.to_dict())
-    # A field added after the checkpoint was saved counts as its default there.
-    defaults = {
-      f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING
-    }
-    theirs = _jsonish({**{k: v for k, v in defaults.items() if k not in other}, **other})
-    if isinstance(theirs.get("loss"), dict):  # saved before `correction` was the one knob
-      theirs["loss"] = {**theirs["loss"], "rollout_correction": "none"}
+    """Flat names of the fields whose values differ from a saved config dict (nested or
+    flat); a field the saved config lacks counts as its default there."""
+    mine = self.flat_dict(self.to_dict())
+    theirs = {**self.flat_dict(RLConfig().to_dict()), **self.flat_dict(other)}
     return sorted(
       k for k in set(mine) | set(theirs) if k not in ignore and mine.get(k) != theirs.get(k)
     )
@@ -364,14 +309,14 @@ def _check_block_fit(preset: str, fmt: str, sites: str) -> None:
   ]
   fields = ", ".join(f"{f}={w}" for f, w in misfits.items())
   raise ValueError(
-    f"RLConfig.fmt={fmt!r} quantizes in blocks of {block}, but preset={preset!r} "
-    f"has {fields} (not a multiple of {block}); use a preset that fits, one of "
-    f"{fits}, or fmt='nvfp4'"
+    f"RLConfig.fmt={fmt!r} quantizes in blocks of {block}, but preset={preset!r} has "
+    f"{fields} (not a multiple of {block}); use a preset that fits, one of {fits}, or "
+    "fmt='nvfp4'"
   )
 
 
 def _jsonish(value):
-  """Normalise tuples to lists so a config compares equal to its JSON round trip."""
+  """Tuples as lists, so a config compares equal to its JSON round trip."""
   if isinstance(value, dict):
     return {k: _jsonish(v) for k, v in value.items()}
   if isinstance(value, (list, tuple)):

@@ -38,35 +38,46 @@ def max_len_for(
   return rounded(prompt_len) + task.max_turns * per_turn
 
 
-def rollout_base(config, task: Task, source) -> RolloutConfig:
-  """The rollout settings every engine of a run shares (cache length, prompt bucket,
-  sampling, FP4 format, scope and activations), from its RLConfig and PolicySource; the
-  engines replace precision and capture."""
-  prompt_len = max(len(data.prompt_ids(source.tokenizer, item)) for item in task.sample(0, 64))
-  bucket = config.prompt_bucket or (8 if task.multi_turn else 16)
+def rollout_configs(config, task: Task, source) -> tuple[RolloutConfig, RolloutConfig]:
+  """(sampling, greedy) RolloutConfigs of an RL run (`RLConfig`, and its `PolicySource`)
+  before the arm's settings (`Arm.rollout`): cache slots for the task's longest episode,
+  the run's FP4 scheme. Every engine of the run (and its export's calibration) shares them."""
+  tokenizer, stop_tokens = source.tokenizer, source.stop_tokens
+  observation_len = source.observation_len
+  prompt_len = max(len(data.prompt_ids(tokenizer, item)) for item in task.sample(0, 64))
+  bucket = config.sampling.prompt_bucket or (8 if task.multi_turn else 16)
   max_len = max_len_for(
-    task,
-    prompt_len,
-    config.max_new_tokens,
-    bucket,
-    observation_len=source.observation_len,
+    task, prompt_len, config.sampling.max_new_tokens, bucket, observation_len=observation_len
   )
-  sampling = SamplingConfig(
-    temperature=config.temperature,
-    max_new_tokens=config.max_new_tokens,
-    stop_tokens=source.stop_tokens,
-  )
-  return RolloutConfig(
+  new = config.sampling.max_new_tokens
+  base = RolloutConfig(
     max_len=max_len,
     prompt_bucket=bucket,
-    sampling=sampling,
+    sampling=SamplingConfig(
+      temperature=config.sampling.temperature, max_new_tokens=new, stop_tokens=stop_tokens
+    ),
     compute_dtype=config.compute_dtype,
-    pad_id=source.tokenizer.pad_id,
-    fmt=config.fmt,
-    fp4_sites=config.fp4_sites,
-    activations=config.activations,
+    pad_id=tokenizer.pad_id,
+    fp4=config.fp4,
     sparse=config.sparse_spec,
   )
+  greedy = base.replace(
+    sampling=SamplingConfig(greedy=True, max_new_tokens=new, stop_tokens=stop_tokens),
+    guidance="none",
+    record_routing=False,
+  )
+  return base, greedy
+
+
+def evaluate(
+  engines: dict[str, RolloutEngine], task: Task, tokenizer: Tokenizer, items: Sequence[Item]
+) -> dict[str, float]:
+  """Greedy reward on fixed problems per engine: {"eval/reward_<name>": mean reward}."""
+  out = {}
+  for name, engine in engines.items():
+    played = play(engine, task, tokenizer, items, jax.random.key(0))
+    out[f"eval/reward_{name}"] = float(np.mean(played.rewards))
+  return out
 
 
 def play(

@@ -20,6 +20,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from trace_jax.utils.flags import knob
+
 AGGREGATIONS = ("token", "sequence")
 CORRECTIONS = ("tis", "mask", "none")
 
@@ -28,13 +30,15 @@ CORRECTIONS = ("tis", "mask", "none")
 class LossConfig:
   """Knobs of the GRPO loss."""
 
-  clip_low: float = 0.2  # ratio floor 1 - clip_low
-  clip_high: float = 0.28  # ratio ceiling 1 + clip_high (DAPO clip-higher)
-  aggregation: str = "token"  # "token" or "sequence"
-  std_norm: bool = True  # divide advantages by the group std (False: Dr. GRPO)
-  kl_coef: float = 0.0  # weight of KL(pi || pi_ref); 0 = no reference policy
-  rollout_correction: str = "tis"  # "tis", "mask" or "none", on pi_old / pi_rollout
-  tis_threshold: float = 2.0  # C
+  clip_low: float = knob(0.2, "Ratio clip below: 1 - clip_low.")
+  clip_high: float = knob(0.28, "Ratio clip above: 1 + clip_high (DAPO clip-higher).")
+  aggregation: str = knob("token", "Loss aggregation: token or sequence.", choices=AGGREGATIONS)
+  std_norm: bool = knob(True, "Divide advantages by the group std (off: Dr. GRPO).")
+  kl_coef: float = knob(0.0, "KL-to-reference weight; 0 = no reference policy.")
+  rollout_correction: str = knob(
+    "tis", "tis, mask or none, on pi_old / pi_rollout.", flag=False
+  )  # (an RL run sets it through RLConfig.correction)
+  tis_threshold: float = knob(2.0, "TIS truncation / masking threshold C.")
 
   def __post_init__(self):
     for name in ("clip_low", "clip_high", "kl_coef", "tis_threshold"):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence, Union
 
-from trace_jax import fp4
+from trace_jax.fp4 import SparseSpec
 from trace_jax.guidance import GUIDANCE_MODES
 from trace_jax.kernels import KERNEL_MODES
-from trace_jax.model.quant import ACTIVATION_FORMATS, SITE_SCOPES, QuantConfig, _check_layers_spec
+from trace_jax.model.quant import FP4Scheme, QuantConfig, _check_layers_spec
 
 PRECISIONS = ("bf16", "fp4")
 COMPUTE_DTYPES = ("bfloat16", "float32")
@@ -82,15 +82,13 @@ class RolloutConfig:
 
   precision: str = "fp4"  # "fp4": W4A4 + FP4 KV cache; "bf16": unquantized (weights,
   #   activations and cache in compute_dtype)
-  fmt: str = "nvfp4"  # FP4 format when precision="fp4"
+  fp4: FP4Scheme = FP4Scheme()  # format, FP4 scope and activation format (precision="fp4")
   compute_dtype: str = "bfloat16"  # activations; "float32" for exactness tests
   max_len: int = 256  # KV-cache slots: prompt + all turns' tokens
   sampling: SamplingConfig = SamplingConfig()
-  fp4_sites: str = "all"  # FP4 scope: "all" or "experts+kv" (QuantConfig.sites)
-  activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8; QuantConfig.activations)
   guidance: str = "compact"  # "none", "compact", "full" or "sparse"
   guided_layers: Union[str, int, Sequence[int]] = "last_half"  # "all", "none", count, ids
-  sparse: fp4.SparseSpec = fp4.SparseSpec()  # guidance "sparse": margins (delta) and the
+  sparse: SparseSpec = SparseSpec()  # guidance "sparse": margins (delta) and the
   #   per-row buffer capacity
   record_routing: bool = True  # keep every MoE layer's experts (routing replay)
   pad_id: int = 0  # token written to slots that hold nothing
@@ -103,7 +101,7 @@ class RolloutConfig:
     _require(
       self.precision in PRECISIONS, where, "precision", self.precision, f"use one of {PRECISIONS}"
     )
-    fp4.get_format(self.fmt)
+    _require(isinstance(self.fp4, FP4Scheme), where, "fp4", self.fp4, "use an FP4Scheme")
     _require(
       self.compute_dtype in COMPUTE_DTYPES,
       where,
@@ -112,16 +110,6 @@ class RolloutConfig:
       f"use one of {COMPUTE_DTYPES}",
     )
     _require(self.max_len > 0, where, "max_len", self.max_len, "must be > 0")
-    _require(
-      self.fp4_sites in SITE_SCOPES, where, "fp4_sites", self.fp4_sites, f"use one of {SITE_SCOPES}"
-    )
-    _require(
-      self.activations in ACTIVATION_FORMATS,
-      where,
-      "activations",
-      self.activations,
-      f"use one of {ACTIVATION_FORMATS}",
-    )
     _require(
       self.guidance in GUIDANCE_MODES,
       where,
@@ -137,14 +125,14 @@ class RolloutConfig:
       "a bf16 rollout has no FP4 rounding to record; use 'none'",
     )
     _require(
-      isinstance(self.sparse, fp4.SparseSpec), where, "sparse", self.sparse, "use an fp4.SparseSpec"
+      isinstance(self.sparse, SparseSpec), where, "sparse", self.sparse, "use an fp4.SparseSpec"
     )
     _require(
-      self.guidance != "sparse" or self.fmt == "nvfp4",
+      self.guidance != "sparse" or self.fp4.fmt == "nvfp4",
       where,
       "guidance",
       self.guidance,
-      f"sparse guidance needs fmt='nvfp4' (E4M3 block scales); fmt={self.fmt!r}",
+      f"sparse guidance needs fmt='nvfp4' (E4M3 block scales); fmt={self.fp4.fmt!r}",
     )
     _require(self.prompt_bucket > 0, where, "prompt_bucket", self.prompt_bucket, "must be > 0")
     _require(
@@ -159,9 +147,7 @@ class RolloutConfig:
     """The model QuantConfig of this rollout (rollouts always round to nearest)."""
     if self.precision != "fp4":
       return None
-    return QuantConfig(
-      precision="fp4", fmt=self.fmt, sites=self.fp4_sites, activations=self.activations
-    )
+    return self.fp4.quant(precision="fp4")
 
   def replace(self, **changes) -> "RolloutConfig":
     return dataclasses.replace(self, **changes)

@@ -33,7 +33,7 @@ def summarize(
   summary = {
     "arm": config.arm,
     "task": config.task,
-    "preset": config.preset,
+    "preset": config.source.preset,
     "seed": config.seed,
     "steps": max([m["step"] for m in train], default=0),
   }

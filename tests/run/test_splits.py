@@ -11,10 +11,10 @@ import zlib
 import numpy as np
 import pytest
 
-from trace_jax.rl import trainer as trainer_lib
-from trace_jax.rl import warmstart
+from trace_jax.rl import episodes as episodes_lib
+from trace_jax.run import warmstart
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.trainer import Trainer
 
 _SUM = re.compile(r"^(\d)\+(\d)\+(\d)\+(\d)=$")
 
@@ -45,8 +45,8 @@ def test_sft_and_rl_steps_draw_train_problems_and_the_evaluation_held_out_ones(
     raise _Stop
 
   monkeypatch.setattr(warmstart, "train_sft", sft_spy)
-  monkeypatch.setattr(trainer_lib.episodes_lib, "play", rollout_spy)
-  config = RLConfig(
+  monkeypatch.setattr(episodes_lib, "play", rollout_spy)
+  config = RLConfig.from_flat(
     task="chain",
     preset="tiny",
     arm="bf16",
@@ -63,10 +63,10 @@ def test_sft_and_rl_steps_draw_train_problems_and_the_evaluation_held_out_ones(
 
   # SFT: the prompt part of every demonstration row (valid, not trained on), and the
   # completion it is taught: the sum worked out to its answer.
-  assert len(sft_batches) == config.sft_steps
+  assert len(sft_batches) == config.source.sft_steps
   sft_prompts = []
   for tokens, loss_mask, valid in sft_batches:
-    assert tokens.shape[0] == config.sft_batch
+    assert tokens.shape[0] == config.source.sft_batch
     for row, trained, real in zip(tokens, loss_mask, valid):
       prompt = trainer.tokenizer.decode(row[real & ~trained])
       completion = trainer.tokenizer.decode(row[trained])
@@ -78,10 +78,10 @@ def test_sft_and_rl_steps_draw_train_problems_and_the_evaluation_held_out_ones(
   # RL: the problems of three steps, as the rollout receives them.
   rl_prompts = []
   for step in range(3):
-    trainer.step = step
+    trainer.state = trainer.state.replace(step=step)  # the step whose problems are drawn
     with pytest.raises(_Stop):
       trainer.train_step()
-    assert len(played[-1]) == config.prompts_per_step * config.group_size
+    assert len(played[-1]) == config.batch
     rl_prompts += played[-1]
 
   # Evaluation: what `evaluate` hands the rollout (one engine stands in for the FP4 and
@@ -90,7 +90,7 @@ def test_sft_and_rl_steps_draw_train_problems_and_the_evaluation_held_out_ones(
   with pytest.raises(_Stop):
     trainer.evaluate()
   eval_prompts = played[-1]
-  assert len(eval_prompts) == config.eval_size
+  assert len(eval_prompts) == config.evaluation.eval_size
 
   for name, prompts in (("sft", sft_prompts), ("rl", rl_prompts), ("eval", eval_prompts)):
     assert all(_SUM.match(p) for p in prompts), name

@@ -1,11 +1,11 @@
-"""Where an RL run's policy and tokenizer come from (`RLConfig.hf_checkpoint`):
+"""Where an RL run's policy and tokenizer come from (`RLConfig.source`):
 
 - a built-in preset: random initial weights, the built-in character tokenizer, raw prompts,
   and an SFT warm start on solver demonstrations (a random policy never earns a reward);
 - a local Hugging Face checkpoint directory: the weights through `from_hf`, the checkpoint's
   own tokenizer (tokenizer.json), special and stop tokens (tokenizer_config.json,
   generation_config.json) and chat template (`tasks.chat`); no warm start unless asked for
-  (`RLConfig.sft_warm_start`), since a pretrained policy already answers.
+  (`--sft_warm_start`), since a pretrained policy already answers.
 
 Vocabulary and special ids always come from the tokenizer, never from a preset, and the one
 tokenizer built here serves the rollouts, the reference policy, the warm start and the
@@ -28,6 +28,7 @@ from trace_jax.model.hf import config_from_hf, from_hf
 from trace_jax.model.transformer import Transformer
 from trace_jax.tasks.base import Task
 from trace_jax.tasks.chat import CheckpointTokenizer
+from trace_jax.tasks.registry import get_task
 from trace_jax.tasks.tokenizer import CharTokenizer, Tokenizer
 
 # Observation tokens a turn may add in the raw format (today's budget: <obs>, text, </obs>);
@@ -56,19 +57,26 @@ class PolicySource:
   observation_len: int
 
 
+def preflight(config) -> Task:
+  """The run's task, and the checks of a config that need the task or the disk, before any
+  work: the task's options (names and values) and the checkpoint directory's files."""
+  task = get_task(config.task, **dict(config.task_options))
+  if config.source.hf_checkpoint:
+    check_checkpoint_files(config.source.hf_checkpoint)
+  return task
+
+
 def prompt_format(config) -> str:
-  """ "chat" or "raw": `RLConfig.prompt_format`, with "auto" = chat for a checkpoint."""
-  if config.prompt_format != "auto":
-    return config.prompt_format
-  return "chat" if config.hf_checkpoint else "raw"
+  """ "chat" or "raw": `RLConfig.source.prompt_format`, "auto" = chat for a checkpoint."""
+  return "chat" if config.source.chat else "raw"
 
 
 def warm_start(config) -> bool:
-  """Whether the run makes (or reloads) an SFT warm start: `RLConfig.sft_warm_start`, by
+  """Whether the run makes (or reloads) an SFT warm start: `RLConfig.source.sft_warm_start`, by
   default yes for a preset and no for a pretrained checkpoint."""
-  if config.sft_warm_start is not None:
-    return bool(config.sft_warm_start)
-  return not config.hf_checkpoint
+  if config.source.sft_warm_start is not None:
+    return bool(config.source.sft_warm_start)
+  return not config.source.hf_checkpoint
 
 
 def check_checkpoint_files(directory: str) -> str:
@@ -106,18 +114,18 @@ def _checkpoint_config(path: str) -> ModelConfig:
 
 def check(config, task: Task) -> tuple[Tokenizer, ModelConfig]:
   """The tokenizer and the architecture of a run, every input checked; reads no weights."""
-  if not config.hf_checkpoint:
+  if not config.source.hf_checkpoint:
     tokenizer = CharTokenizer()
-    preset = get_preset(config.preset)
+    preset = get_preset(config.source.preset)
     return tokenizer, preset.replace(vocab_size=max(preset.vocab_size, tokenizer.vocab_size))
-  path = check_checkpoint_files(config.hf_checkpoint)
+  path = check_checkpoint_files(config.source.hf_checkpoint)
   model_cfg = _checkpoint_config(path)
   tokenizer = CheckpointTokenizer(
     path,
     prompt_format=prompt_format(config),
-    system_prompt=config.system_prompt,
-    observation_role=config.observation_role,
-    template_options=dict(config.chat_template_options),
+    system_prompt=config.source.system_prompt,
+    observation_role=config.source.observation_role,
+    template_options=dict(config.source.chat_template_options),
   )
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise ValueError(
@@ -125,7 +133,7 @@ def check(config, task: Task) -> tuple[Tokenizer, ModelConfig]:
       f"checkpoint's embedding has {model_cfg.vocab_size} rows (config.json "
       "vocab_size): the tokenizer belongs to another model"
     )
-  _check_block_fit(path, model_cfg, config.fmt, config.fp4_sites)
+  _check_block_fit(path, model_cfg, config.fp4.fmt, config.fp4.sites)
   # The task's conversation must render (a template may refuse a role) before any work.
   tokenizer.prompt_ids(task.sample(0, 1)[0].prompt)
   if task.multi_turn:
@@ -158,7 +166,7 @@ def _check_block_fit(path: str, model_cfg: ModelConfig, fmt: str, sites: str) ->
 def runtime_fields(config) -> dict:
   """The ModelConfig fields an RLConfig sets on any architecture: how the policy computes
   (per-layer remat), not what it is."""
-  return {"remat": config.remat}
+  return {"remat": config.source.remat}
 
 
 def load(config, task: Task, *, weights: bool = True) -> PolicySource:
@@ -171,20 +179,20 @@ def load(config, task: Task, *, weights: bool = True) -> PolicySource:
   model_cfg = model_cfg.replace(**runtime_fields(config))
   if not weights:  # (from_hf's cfg is the same: config_from_hf + the runtime fields)
     policy = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
-  elif config.hf_checkpoint:
-    policy = from_hf(config.hf_checkpoint, **runtime_fields(config))
+  elif config.source.hf_checkpoint:
+    policy = from_hf(config.source.hf_checkpoint, **runtime_fields(config))
     model_cfg = policy.cfg
   else:
     policy = Transformer(model_cfg, rngs=nnx.Rngs(config.seed))
   observation_len = OBSERVATION_TOKENS
-  if config.hf_checkpoint:
+  if config.source.hf_checkpoint:
     observation_len += len(tokenizer.observation_ids("", turn_closed=False))
   stop_tokens = tuple(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
   return PolicySource(
     tokenizer=tokenizer,
     model_cfg=model_cfg,
     policy=policy,
-    pretrained=bool(config.hf_checkpoint),
+    pretrained=bool(config.source.hf_checkpoint),
     stop_tokens=stop_tokens,
     observation_len=observation_len,
   )

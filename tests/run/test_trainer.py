@@ -1,6 +1,5 @@
 """The RL trainer end to end: each task kind, exact resume, bad input, a device mesh."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -12,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trace_jax.rl import report
-from trace_jax.rl.grpo import LossConfig
+from trace_jax.run import report
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl import trainer as trainer_lib
-from trace_jax.rl.trainer import Trainer, read_metrics
+from trace_jax.rl import step as step_lib
+from trace_jax.run.rundir import read_metrics
+from trace_jax.run.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMING = ("rollout_seconds", "train_seconds")
@@ -37,7 +36,7 @@ def _config(**overrides):
     eval_every=1,
     checkpoint_every=1,
   )
-  return RLConfig(**{**base, **overrides})
+  return RLConfig.from_flat(**{**base, **overrides})
 
 
 # coding and search take 2-3 min each on 2 cores: `pytest -m slow tests/rl/test_trainer.py`.
@@ -49,12 +48,11 @@ def _config(**overrides):
     pytest.param("search", (("bits", 3), ("max_turns", 5)), marks=pytest.mark.slow),
   ],
 )
-def test_short_run_on_each_task_kind(tmp_path, monkeypatch, task, options):
+def test_short_run_on_each_task_kind(tmp_path, task, options):
   """One step (the resume test runs several), with an evaluation before and after it.
   arith and coding share one prompt width, so the second reuses the first's compilations;
   only arith warm-starts (SFT), the others start from the random policy."""
   # coding also trains against a KL reference policy (a copy: the policy's buffers are donated).
-  loss = LossConfig(rollout_correction="none", kl_coef=0.01 if task == "coding" else 0.0)
   # One update per step (the main job's): the fused update, pi_old's forward its own.
   config = _config(
     task=task,
@@ -62,25 +60,18 @@ def test_short_run_on_each_task_kind(tmp_path, monkeypatch, task, options):
     max_new_tokens=4 if task == "search" else 8,
     prompt_bucket=8 if task == "search" else 32,
     sft_steps=3 if task == "arith" else 0,
-    loss=loss,
+    kl_coef=0.01 if task == "coding" else 0.0,
     minibatches=1,
   )
   trainer = Trainer(config, str(tmp_path), progress=False)
-  # The buffers each train step receives (earlier jitted calls, e.g. pi_old's forward, hand
-  # the policy new arrays, so they are taken at the step's boundary).
-  given = []
-  step = trainer_lib._train_step
-
-  def recording_step(policy, opt, *args, **kwargs):
-    assert kwargs["fused"]  # one minibatch: the fused update
-    given.append(jax.tree.leaves((nnx.state(policy, nnx.Param), nnx.state(opt))))
-    return step(policy, opt, *args, **kwargs)
-
-  monkeypatch.setattr(trainer_lib, "_train_step", recording_step)
+  assert trainer.spec.fused  # one minibatch: the fused update, whose forward gives pi_old
+  # The buffers the step's update receives: nothing before it (the step-0 evaluation, the
+  # rollout, the reference's forward) touches the policy's or the optimizer's arrays.
+  given = jax.tree.leaves((nnx.state(trainer.policy, nnx.Param), nnx.state(trainer.state.opt)))
   reference = None if trainer.reference is None else jax.tree.leaves(nnx.state(trainer.reference))
   history = trainer.run()
-  # The train step donated the policy's and the optimizer's buffers (updated in place)...
-  assert len(given) == config.minibatches and all(x.is_deleted() for x in sum(given, []))
+  # The update donated the policy's and the optimizer's buffers (updated in place)...
+  assert given and all(x.is_deleted() for x in given)
   # ...and the KL reference, a copy of its own, is intact.
   assert (reference is not None) == (task == "coding")
   assert reference is None or not any(x.is_deleted() for x in reference)
@@ -135,7 +126,7 @@ def test_resume_continues_exactly(tmp_path):
   config = _config(steps=3, eval_every=0, prompt_bucket=32)
   straight = Trainer(config, str(tmp_path / "straight"), progress=False)
   straight.run()
-  first = Trainer(dataclasses.replace(config, steps=1), str(tmp_path / "resumed"), progress=False)
+  first = Trainer(config.replace(steps=1), str(tmp_path / "resumed"), progress=False)
   first.run()
   resumed = Trainer(config, str(tmp_path / "resumed"), progress=False)
   assert resumed.step == 1 and resumed.warmstart["loaded"]
@@ -189,9 +180,9 @@ MESH_SCRIPT = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, numpy as np
     from trace_jax.rl.config import RLConfig
-    from trace_jax.rl.trainer import Trainer
+    from trace_jax.run.trainer import Trainer
     assert jax.device_count() == 8
-    config = RLConfig(preset="tiny", steps=1, prompts_per_step=4, group_size=4, minibatches=2, max_new_tokens=4,
+    config = RLConfig.from_flat(preset="tiny", steps=1, prompts_per_step=4, group_size=4, minibatches=2, max_new_tokens=4,
                       sft_steps=0, eval_size=8, eval_every=0, checkpoint_every=0,
                       mesh=(8, 1, 1))
     trainer = Trainer(config, sys.argv[1], progress=False)
@@ -241,10 +232,9 @@ def test_learning_rate_warmup():
   gradient (m / sqrt(v) = g / |g| after bias correction): lr / 10 at the first warmup update,
   the full lr once the warmup is over."""
   import jax.numpy as jnp
-  from trace_jax.rl import trainer as trainer_lib
 
   lr, warmup = 1e-3, 4
-  tx = trainer_lib._optimizer(lr, warmup)
+  tx = step_lib.optimizer(lr, warmup)
   grads = {"w": jnp.asarray(np.random.default_rng(248).uniform(0.01, 0.1, 5), jnp.float32)}
   state = tx.init(grads)
   sizes = []
@@ -256,7 +246,7 @@ def test_learning_rate_warmup():
   assert all(a < b for a, b in zip(sizes[:warmup], sizes[1 : warmup + 1]))
 
 
-def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path, monkeypatch):
+def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path):
   """reward_control="shuffle", checked by its properties (not by the permutation the
   trainer draws, which may change): the rewards the advantages come from are the episodes'
   own rearranged (the same multiset, not the same order), by (seed, step) alone; the
@@ -273,48 +263,31 @@ def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path,
     seed=3,
   )
   trainer = Trainer(config, str(tmp_path), progress=False)
-  rewards = {}
-  play_episodes = trainer_lib.episodes_lib.play
-
-  def play(*args, **kwargs):
-    played = play_episodes(*args, **kwargs)
-    n = played.rewards.size  # distinct rewards in a fixed order, unrelated to the episodes
-    played.rewards = (np.random.default_rng(280).permutation(n) / (n - 1)).astype(np.float32)
-    rewards["true"] = played.rewards.copy()
-    return played
-
-  advantage_rewards = trainer.advantage_rewards
-
-  def spy_advantage_rewards(step, given):
-    rewards["used"] = np.asarray(advantage_rewards(step, given)).copy()
-    return rewards["used"]
-
-  seen = []
-  step = trainer_lib._train_step
-
-  def recording_step(policy, opt, example, *args, **kwargs):
-    seen.append(np.asarray(example.advantages))
-    return step(policy, opt, example, *args, **kwargs)
-
-  monkeypatch.setattr(trainer_lib.episodes_lib, "play", play)
-  monkeypatch.setattr(trainer_lib, "_train_step", recording_step)
-  monkeypatch.setattr(trainer, "advantage_rewards", spy_advantage_rewards)
-  metrics = trainer.train_step()
-  true, used = rewards["true"], rewards["used"]
+  spec, state = trainer.spec, trainer.state
+  collected = step_lib.collect(spec, trainer.engine, trainer.task, trainer.tokenizer, step=1)
+  n = collected.played.rewards.size  # distinct rewards in a fixed order, unrelated to the episodes
+  true = (np.random.default_rng(280).permutation(n) / (n - 1)).astype(np.float32)
+  collected.played.rewards = true
+  state, done = step_lib.update(spec, state, step_lib.score(spec, state, collected, step=1))
+  used = np.asarray(step_lib.advantage_rewards(config, 1, true))
   np.testing.assert_array_equal(np.sort(used), np.sort(true))  # the same rewards...
   assert not np.array_equal(used, true)  # ...moved
   # By (seed, step) alone: the same step rearranges the same rewards the same way again,
   # and the steps do not all share one arrangement.
-  np.testing.assert_array_equal(advantage_rewards(1, true), used)
-  assert any(not np.array_equal(advantage_rewards(s, true), used) for s in range(2, 6))
+  np.testing.assert_array_equal(step_lib.advantage_rewards(config, 1, true), used)
+  assert any(
+    not np.array_equal(step_lib.advantage_rewards(config, s, true), used) for s in range(2, 6)
+  )
 
   def grpo_by_hand(r):
-    groups = np.asarray(r, np.float64).reshape(-1, config.group_size)
+    groups = np.asarray(r, np.float64).reshape(-1, config.sampling.group_size)
     centred = groups - groups.mean(axis=1, keepdims=True)
     return (centred / (groups.std(axis=1, keepdims=True) + 1e-6)).reshape(-1)
 
-  assert config.loss.std_norm and len(seen) == 1
-  np.testing.assert_allclose(seen[0], grpo_by_hand(used), atol=1e-5)
-  assert not np.allclose(seen[0], grpo_by_hand(true), atol=1e-3)
+  assert config.loss.std_norm and len(done.losses) == 1
+  advantages = np.asarray(done.scored.example.advantages)
+  np.testing.assert_allclose(advantages, grpo_by_hand(used), atol=1e-5)
+  assert not np.allclose(advantages, grpo_by_hand(true), atol=1e-3)
+  metrics = step_lib.step_metrics(spec, 1, collected, done, trainer.engine)
   assert metrics["rewards/mean"] == pytest.approx(float(np.mean(true)))
   assert metrics["rewards/std"] == pytest.approx(float(np.std(true)))

@@ -1,4 +1,4 @@
-"""RL from a local Hugging Face checkpoint directory (trace_jax/rl/policy_source.py): the tiny
+"""RL from a local Hugging Face checkpoint directory (trace_jax/run/policy_source.py): the tiny
 HF fixtures of every architecture, with a procedural tokenizer and a ChatML template written
 into a copy of each. One representative case runs by default; every architecture x arm, the
 multi-turn task and the forced warm start are slow:
@@ -16,10 +16,11 @@ import pytest
 from flax import nnx
 
 from trace_jax.model.hf import from_hf
-from trace_jax.rl import episodes
-from trace_jax.rl.config import ARMS, RLConfig
-from trace_jax.rl.grpo import LossConfig
-from trace_jax.rl.trainer import Trainer
+from trace_jax.rl import data, episodes
+from trace_jax.rl.arms import RUNNABLE
+from trace_jax.rl.config import RLConfig
+from trace_jax.run import policy_source
+from trace_jax.run.trainer import Trainer
 from trace_jax.tasks.chat import CheckpointTokenizer
 
 HF = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
@@ -68,7 +69,9 @@ def _params(policy):
 
 def _run_two_steps(tmp_path, arch, arm, **overrides):
   path = checkpoint(tmp_path, arch)
-  config = RLConfig(arm=arm, hf_checkpoint=path, system_prompt=SYSTEM, **{**TINY, **overrides})
+  config = RLConfig.from_flat(
+    arm=arm, hf_checkpoint=path, system_prompt=SYSTEM, **{**TINY, **overrides}
+  )
   trainer = Trainer(config, str(tmp_path / "run"), progress=False)
   tok = trainer.tokenizer
   assert isinstance(tok, CheckpointTokenizer)
@@ -81,7 +84,7 @@ def _run_two_steps(tmp_path, arch, arm, **overrides):
   assert trainer.engine.config.pad_id == tok.pad_id
   # prompts: the model's own template, as written out by hand
   items = trainer.task.sample(3, 2)
-  assert trainer._prompt_ids(items) == [tok.encode(_chatml(i.prompt)) for i in items]
+  assert [data.prompt_ids(tok, i) for i in items] == [tok.encode(_chatml(i.prompt)) for i in items]
   # no warm start by default: the policy (and the KL reference) are the checkpoint's weights
   assert trainer.warmstart["skipped"] and not os.path.exists(tmp_path / "run" / "warmstart")
   loaded = _params(from_hf(path))
@@ -108,13 +111,11 @@ def _run_two_steps(tmp_path, arch, arm, **overrides):
 def test_two_rl_steps_from_a_checkpoint(tmp_path):
   """Representative: Qwen3-MoE, the cheapest arm (bf16), a KL reference (which must stay the
   checkpoint's weights while the policy moves)."""
-  _run_two_steps(
-    tmp_path, "qwen3_moe", "bf16", loss=LossConfig(kl_coef=0.01, rollout_correction="none")
-  )
+  _run_two_steps(tmp_path, "qwen3_moe", "bf16", kl_coef=0.01)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arm", sorted(ARMS))
+@pytest.mark.parametrize("arm", sorted(RUNNABLE))
 @pytest.mark.parametrize("arch", sorted(VOCAB))
 def test_two_rl_steps_every_architecture_and_arm(tmp_path, arch, arm):
   # The Qwen3.5 text fixture's 24-wide shared expert does not split into 16-element blocks:
@@ -127,7 +128,7 @@ def test_two_rl_steps_every_architecture_and_arm(tmp_path, arch, arm):
 @pytest.mark.slow
 def test_multi_turn_observations_go_in_as_template_turns(tmp_path):
   path = checkpoint(tmp_path, "qwen3_moe")
-  config = RLConfig(
+  config = RLConfig.from_flat(
     arm="trace",
     hf_checkpoint=path,
     task="search",
@@ -159,7 +160,7 @@ def test_multi_turn_observations_go_in_as_template_turns(tmp_path):
 @pytest.mark.slow
 def test_forced_warm_start_uses_the_checkpoint_tokenizer(tmp_path):
   path = checkpoint(tmp_path, "qwen3_moe")
-  config = RLConfig(
+  config = RLConfig.from_flat(
     arm="bf16", hf_checkpoint=path, sft_warm_start=True, sft_steps=2, sft_batch=4, **TINY
   )
   trainer = Trainer(config, str(tmp_path / "run"), progress=False)
@@ -168,18 +169,23 @@ def test_forced_warm_start_uses_the_checkpoint_tokenizer(tmp_path):
 
 
 def test_errors_before_any_work(tmp_path):
+  # The checkpoint directory's files: checked by the policy source before any work (the
+  # config's validation reads no file).
   with pytest.raises(ValueError, match="is not a directory"):
-    RLConfig(hf_checkpoint=str(tmp_path / "nowhere"))
+    policy_source.preflight(RLConfig.from_flat(hf_checkpoint=str(tmp_path / "nowhere")))
   bare = tmp_path / "bare"
   shutil.copytree(os.path.join(HF, "olmoe"), bare, ignore=shutil.ignore_patterns("expected.npz"))
   with pytest.raises(ValueError, match="lacks tokenizer.json"):
-    RLConfig(hf_checkpoint=str(bare))
+    policy_source.preflight(RLConfig.from_flat(hf_checkpoint=str(bare)))
+  with pytest.raises(ValueError, match="lacks tokenizer.json"):
+    Trainer(RLConfig.from_flat(hf_checkpoint=str(bare)), str(tmp_path / "never"), progress=False)
+  assert not os.path.exists(tmp_path / "never")  # refused before the workdir is made
   with pytest.raises(ValueError, match="prompt_format='chat' needs hf_checkpoint"):
-    RLConfig(prompt_format="chat")
+    RLConfig.from_flat(prompt_format="chat")
   with pytest.raises(ValueError, match="system_prompt=.*needs a chat template"):
-    RLConfig(system_prompt="be brief")
+    RLConfig.from_flat(system_prompt="be brief")
   with pytest.raises(ValueError, match="prompt_format="):
-    RLConfig(prompt_format="jinja")
+    RLConfig.from_flat(prompt_format="jinja")
 
   def refused(config, match):
     workdir = tmp_path / "run"
@@ -192,43 +198,40 @@ def test_errors_before_any_work(tmp_path):
   # a tokenizer larger than the checkpoint's embedding (96 ids, 64 rows)
   big = checkpoint(tmp_path / "big", "qwen3_5_moe_text", vocab_size=96)
   refused(
-    RLConfig(hf_checkpoint=big, **TINY),
+    RLConfig.from_flat(hf_checkpoint=big, **TINY),
     "tokenizer.json has ids up to 95 but the checkpoint's embedding has 64 rows",
   )
   # widths FP4 blocks cannot split (the 24-wide shared expert under fp4_sites="all")
   refused(
-    RLConfig(hf_checkpoint=checkpoint(tmp_path / "wide", "qwen3_5_moe_text"), **TINY),
+    RLConfig.from_flat(hf_checkpoint=checkpoint(tmp_path / "wide", "qwen3_5_moe_text"), **TINY),
     "shared_expert_dim=24 .* not a multiple of 16; RLConfig.fp4_sites='experts\\+kv'",
   )
   # no chat template, when one is needed (the default prompt format of a checkpoint)
   base = checkpoint(tmp_path / "base", "olmoe", chat_template=None)
-  refused(RLConfig(hf_checkpoint=base, **TINY), "no chat template.*--prompt_format=raw")
+  refused(RLConfig.from_flat(hf_checkpoint=base, **TINY), "no chat template.*--prompt_format=raw")
   # a template that refuses the observation role of a multi-turn task
   strict = make_tokenizer.CHAT_TEMPLATE.replace("message.role == 'tool'", "false")
   picky = checkpoint(tmp_path / "picky", "olmoe", chat_template=strict)
   refused(
-    RLConfig(hf_checkpoint=picky, observation_role="tool", **{**TINY, "task": "search"}),
+    RLConfig.from_flat(hf_checkpoint=picky, observation_role="tool", **{**TINY, "task": "search"}),
     "refused the conversation: unknown role tool",
   )
 
 
 def test_a_checkpoint_saved_before_the_new_fields_still_resumes():
   config = RLConfig()
-  saved = {
-    k: v
-    for k, v in config.to_dict().items()
-    if k
-    not in (
-      "hf_checkpoint",
-      "sft_warm_start",
-      "prompt_format",
-      "system_prompt",
-      "observation_role",
-      "chat_template_options",
-    )
-  }
+  new_fields = (
+    "hf_checkpoint",
+    "sft_warm_start",
+    "prompt_format",
+    "system_prompt",
+    "observation_role",
+    "chat_template_options",
+  )
+  saved = {k: v for k, v in RLConfig.flat_dict(config.to_dict()).items() if k not in new_fields}
   assert config.differences(saved) == []
-  assert RLConfig(system_prompt="", prompt_format="raw").differences(saved) == ["prompt_format"]
+  changed = RLConfig.from_flat(system_prompt="", prompt_format="raw")
+  assert changed.differences(saved) == ["prompt_format"]
 
 
 @pytest.mark.parametrize("remat", [False, True])
@@ -236,13 +239,12 @@ def test_load_configures_the_policy(tmp_path, remat):
   """policy_source.load takes the run config and returns the policy configured for it
   (ModelConfig.remat), from a preset and from a checkpoint alike; the weights are the
   checkpoint's either way."""
-  from trace_jax.rl import policy_source
   from trace_jax.tasks.registry import get_task
 
   task = get_task("arith")
-  preset = policy_source.load(RLConfig(preset="tiny", remat=remat, **TINY), task)
+  preset = policy_source.load(RLConfig.from_flat(preset="tiny", remat=remat, **TINY), task)
   assert preset.policy.cfg.remat is remat and preset.model_cfg == preset.policy.cfg
   path = checkpoint(tmp_path, "qwen3_moe")
-  source = policy_source.load(RLConfig(hf_checkpoint=path, remat=remat, **TINY), task)
+  source = policy_source.load(RLConfig.from_flat(hf_checkpoint=path, remat=remat, **TINY), task)
   assert source.policy.cfg.remat is remat and source.model_cfg == source.policy.cfg
   chex.assert_trees_all_equal(_params(source.policy), _params(from_hf(path)))

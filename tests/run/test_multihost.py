@@ -33,10 +33,10 @@ WORKER = textwrap.dedent("""
     from flax import nnx
     from jax.experimental import multihost_utils
     from trace_jax.rl.config import RLConfig
-    from trace_jax.rl.trainer import Trainer
+    from trace_jax.run.trainer import Trainer
     assert multi == (num_processes > 1) and jax.process_count() == num_processes
     assert jax.device_count() == data, jax.devices()
-    config = RLConfig(preset="tiny", arm=arm, steps=2, prompts_per_step=2, group_size=2,
+    config = RLConfig.from_flat(preset="tiny", arm=arm, steps=2, prompts_per_step=2, group_size=2,
                       minibatches=1, max_new_tokens=4, sft_steps=0, eval_every=0,
                       checkpoint_every=2 if multi else 0, compute_dtype="float32",
                       mesh=(data, 1, 1))

@@ -1,7 +1,7 @@
 """The arms compared across tasks and seeds: cells, resumption, intervals, tables, plots.
 
 A comparison is a grid of cells, one per (task, seed, arm). Each cell is one RL run's
-summary (rl/report.py `summarize`, plus its curves), written to
+summary (run/report.py `summarize`, plus its curves), written to
 `<results>/cells/<task>/seed<seed>/<arm>/summary.json` once the run finished, so a rerun
 skips it (`run_cells`). Then:
   1. per arm and task, the mean of the final (deployment-precision) eval reward over seeds
@@ -18,6 +18,7 @@ skips it (`run_cells`). Then:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,13 +31,88 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from trace_jax.rl.arms import ARMS, COMPARED  # noqa: E402
 from trace_jax.utils import markdown_table, write_json  # noqa: E402
 
-TRAINED_ARMS = ("bf16", "fp4-rollout", "fp4-qat", "trace", "trace-full")
-DERIVED_ARMS = ("ptq", "ptq-46")  # the bf16 run's final policy, quantized after training
-ALL_ARMS = TRAINED_ARMS + DERIVED_ARMS
+ALL_ARMS = COMPARED  # the registry's arms the comparison runs by default, in its order
+TRAINED_ARMS = tuple(a for a in ALL_ARMS if not ARMS[a].post_training)
+DERIVED_ARMS = tuple(a for a in ALL_ARMS if ARMS[a].post_training)  # packed after training
 BASELINES = ("bf16", "fp4-qat")
 METRIC = "final_eval_reward"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  """One finished RL run of the grid."""
+
+  arm: str
+  task: str
+  seed: int
+  summary: dict  # the run's summary.json (`run.report.summarize`, plus its curves)
+
+  def value(self, metric: str = METRIC):
+    return self.summary.get(metric)
+
+  def to_json(self) -> dict:
+    return {"arm": self.arm, "task": self.task, "seed": self.seed, "summary": self.summary}
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+  """Mean and confidence interval of the mean over `n` values (NaN bounds below 2)."""
+
+  mean: float
+  lo: float
+  hi: float
+  n: int
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def format(self, digits: int = 3, signed: bool = False) -> str:
+    if self.n == 0 or not math.isfinite(self.mean):
+      return "-"
+    sign = "+" if signed else ""
+    if not math.isfinite(self.lo):
+      return f"{self.mean:{sign}.{digits}f}"
+    return f"{self.mean:{sign}.{digits}f} [{self.lo:{sign}.{digits}f}, {self.hi:{sign}.{digits}f}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One (task, arm) of the table: the aggregates the table and the notebook show."""
+
+  task: str
+  arm: str
+  seeds: int
+  eval_precision: str | None
+  initial: Interval
+  final: Interval
+  gain: Interval  # final - initial, per seed
+  vs_bf16: Interval | None  # paired, on the seeds both ran
+  vs_fp4_qat: Interval | None
+  train_reward: Interval
+  k3: float | None  # geometric mean of the runs' mean k3 KL
+  seconds: float  # mean wall time per cell
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)  # (intervals as dicts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Results:
+  """A comparison: its settings, its cells and its table rows (results.json)."""
+
+  settings: dict
+  cells: list[Cell]
+  rows: list[Row]
+
+  def to_json(self) -> dict:
+    return {
+      "settings": self.settings,
+      "cells": [c.to_json() for c in self.cells],
+      "rows": [r.to_json() for r in self.rows],
+    }
 
 
 def cell_dir(results_dir: str, task: str, seed: int, arm: str) -> str:
@@ -48,13 +124,20 @@ def _jsonish(value):
 
 
 def finished_summary(
-  results_dir: str, task: str, seed: int, arm: str, config: dict, defaults: dict | None = None
+  results_dir: str,
+  task: str,
+  seed: int,
+  arm: str,
+  config: dict,
+  defaults: dict | None = None,
+  normalize: Callable[[dict], dict] = _jsonish,
 ) -> dict | None:
   """The cell's summary if it finished with this config; None if it has not finished.
 
-  A field the saved config lacks counts as equal when the new value is its entry in
-  `defaults` (a field added to the config class later, left at its default, does not
-  invalidate finished cells).
+  Configs compare as `normalize` writes them (e.g. by flat field name, so a cell saved
+  before the config had sections still matches). A field the saved config lacks counts as
+  equal when the new value is its entry in `defaults` (a field added to the config class
+  later, left at its default, does not invalidate finished cells).
 
   Raises:
     ValueError: the cell finished with a different config (mixing them would compare
@@ -65,9 +148,9 @@ def finished_summary(
     return None
   with open(path) as f:
     summary = json.load(f)
-  saved = dict(summary.get("cell_config") or {})
-  mine = _jsonish(config)
-  for key, value in _jsonish(defaults or {}).items():
+  saved = normalize(dict(summary.get("cell_config") or {}))
+  mine = normalize(config)
+  for key, value in normalize(defaults or {}).items():
     if key not in saved and mine.get(key) == value:
       saved[key] = value
   if saved != mine:
@@ -87,7 +170,8 @@ def run_cells(
   *,
   progress: bool = True,
   defaults: dict | None = None,
-) -> list[dict]:
+  normalize: Callable[[dict], dict] = _jsonish,
+) -> list[Cell]:
   """Run every (task, seed, arm) of `plan` not finished yet, in order; returns all cells.
 
   Args:
@@ -95,12 +179,12 @@ def run_cells(
     config_of: (task, seed, arm) -> the JSON-able settings that define the cell; a finished
       cell is reused only if they match.
     runner: (task, seed, arm) -> the cell's summary (runs the cell).
-    defaults: config fields at their defaults (`finished_summary`).
+    defaults, normalize: how configs compare (`finished_summary`).
   """
   cells = []
   for i, (task, seed, arm) in enumerate(plan):
     config = config_of(task, seed, arm)
-    summary = finished_summary(results_dir, task, seed, arm, config, defaults)
+    summary = finished_summary(results_dir, task, seed, arm, config, defaults, normalize)
     if summary is None:
       if progress:
         print(f"[{i + 1}/{len(plan)}] {arm} on {task}, seed {seed}", flush=True)
@@ -110,120 +194,105 @@ def run_cells(
       print(
         f"[{i + 1}/{len(plan)}] {arm} on {task}, seed {seed}: finished before, kept", flush=True
       )
-    cells.append({"arm": arm, "task": task, "seed": seed, "summary": summary})
+    cells.append(Cell(arm=arm, task=task, seed=seed, summary=summary))
   return cells
 
 
-def interval(values: Iterable[float], confidence: float = 0.95) -> dict:
+def interval(values: Iterable[float], confidence: float = 0.95) -> Interval:
   """Mean and Student-t confidence interval of the mean; NaN bounds for fewer than 2 values
   (one run says nothing about its spread)."""
   x = np.asarray([v for v in values if v is not None], np.float64)
   n = int(x.size)
   if n == 0:
-    return {"mean": math.nan, "lo": math.nan, "hi": math.nan, "n": 0}
+    return Interval(math.nan, math.nan, math.nan, 0)
   mean = float(x.mean())
   if n < 2:
-    return {"mean": mean, "lo": math.nan, "hi": math.nan, "n": 1}
+    return Interval(mean, math.nan, math.nan, 1)
   half = float(stats.t.ppf(0.5 + confidence / 2, n - 1) * x.std(ddof=1) / math.sqrt(n))
-  return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
+  return Interval(mean, mean - half, mean + half, n)
 
 
-def _value(cell: dict, metric: str):
-  return cell["summary"].get(metric)
+def by_key(cells: Sequence[Cell]) -> dict[tuple[str, str, int], Cell]:
+  return {(c.task, c.arm, c.seed): c for c in cells}
 
 
-def by_key(cells: Sequence[dict]) -> dict[tuple[str, str, int], dict]:
-  return {(c["task"], c["arm"], c["seed"]): c for c in cells}
+def arm_interval(cells, task: str, arm: str, metric: str = METRIC) -> Interval:
+  return interval(c.value(metric) for c in cells if c.task == task and c.arm == arm)
 
 
-def arm_interval(cells, task: str, arm: str, metric: str = METRIC) -> dict:
-  return interval(_value(c, metric) for c in cells if c["task"] == task and c["arm"] == arm)
-
-
-def paired_difference(cells, task: str, arm: str, baseline: str, metric: str = METRIC) -> dict:
+def paired_difference(cells, task: str, arm: str, baseline: str, metric: str = METRIC) -> Interval:
   """arm - baseline on the seeds both ran, with the interval of the mean difference."""
   index = by_key(cells)
   diffs = []
   for (t, a, seed), cell in sorted(index.items()):
     if t == task and a == arm and (task, baseline, seed) in index:
-      mine, theirs = _value(cell, metric), _value(index[(task, baseline, seed)], metric)
+      mine, theirs = cell.value(metric), index[(task, baseline, seed)].value(metric)
       if mine is not None and theirs is not None:
         diffs.append(mine - theirs)
   return interval(diffs)
 
 
-def _fmt(iv: dict, digits: int = 3) -> str:
-  if iv["n"] == 0 or not math.isfinite(iv["mean"]):
-    return "-"
-  if not math.isfinite(iv["lo"]):
-    return f"{iv['mean']:+.{digits}f}" if iv.get("signed") else f"{iv['mean']:.{digits}f}"
-  sign = "+" if iv.get("signed") else ""
-  return f"{iv['mean']:{sign}.{digits}f} [{iv['lo']:{sign}.{digits}f}, {iv['hi']:{sign}.{digits}f}]"
-
-
 def tasks_and_arms(cells) -> tuple[list[str], list[str]]:
-  tasks = list(dict.fromkeys(c["task"] for c in cells))
-  present = {c["arm"] for c in cells}
+  tasks = list(dict.fromkeys(c.task for c in cells))
+  present = {c.arm for c in cells}
   arms = [a for a in ALL_ARMS if a in present] + sorted(present - set(ALL_ARMS))
   return tasks, arms
 
 
-def table_rows(cells) -> list[dict]:
-  """One row per (task, arm): the aggregates the table and the notebook show."""
+def table_rows(cells) -> list[Row]:
+  """One row per (task, arm)."""
   tasks, arms = tasks_and_arms(cells)
   rows = []
   for task in tasks:
     for arm in arms:
-      mine = [c for c in cells if c["task"] == task and c["arm"] == arm]
+      mine = [c for c in cells if c.task == task and c.arm == arm]
       if not mine:
         continue
-      k3 = [_value(c, "mean_k3_kl") for c in mine if _value(c, "mean_k3_kl") is not None]
+      k3 = [c.value("mean_k3_kl") for c in mine if c.value("mean_k3_kl") is not None]
+      gains = [
+        c.value() - c.value("initial_eval_reward")
+        for c in mine
+        if c.value() is not None and c.value("initial_eval_reward") is not None
+      ]
       rows.append(
-        {
-          "task": task,
-          "arm": arm,
-          "seeds": len(mine),
-          "eval_precision": mine[0]["summary"].get("eval_precision"),
-          "initial": arm_interval(cells, task, arm, "initial_eval_reward"),
-          "final": arm_interval(cells, task, arm),
-          "gain": interval(
-            _value(c, METRIC) - _value(c, "initial_eval_reward")
-            for c in mine
-            if _value(c, METRIC) is not None and _value(c, "initial_eval_reward") is not None
-          ),
-          "vs_bf16": None if arm == "bf16" else paired_difference(cells, task, arm, "bf16"),
-          "vs_fp4_qat": None
-          if arm == "fp4-qat"
-          else paired_difference(cells, task, arm, "fp4-qat"),
-          "train_reward": arm_interval(cells, task, arm, "mean_train_reward"),
-          "k3": float(np.exp(np.mean(np.log(np.maximum(k3, 1e-30))))) if k3 else None,
-          "seconds": float(np.mean([_value(c, "wall_seconds") or 0.0 for c in mine])),
-        }
+        Row(
+          task=task,
+          arm=arm,
+          seeds=len(mine),
+          eval_precision=mine[0].summary.get("eval_precision"),
+          initial=arm_interval(cells, task, arm, "initial_eval_reward"),
+          final=arm_interval(cells, task, arm),
+          gain=interval(gains),
+          vs_bf16=None if arm == "bf16" else paired_difference(cells, task, arm, "bf16"),
+          vs_fp4_qat=None if arm == "fp4-qat" else paired_difference(cells, task, arm, "fp4-qat"),
+          train_reward=arm_interval(cells, task, arm, "mean_train_reward"),
+          k3=float(np.exp(np.mean(np.log(np.maximum(k3, 1e-30))))) if k3 else None,
+          seconds=float(np.mean([c.value("wall_seconds") or 0.0 for c in mine])),
+        )
       )
   return rows
 
 
 def markdown(cells, confidence: float = 0.95) -> str:
   """The comparison table: mean and interval across seeds, paired differences, k3, time."""
-  rows = []
-  for r in table_rows(cells):
-    signed = lambda iv: None if iv is None else dict(iv, signed=True)
-    rows.append(
-      (
-        r["task"],
-        r["arm"],
-        r["seeds"],
-        r["eval_precision"],
-        _fmt(r["initial"]),
-        _fmt(r["final"]),
-        _fmt(signed(r["gain"])),
-        "-" if r["vs_bf16"] is None else _fmt(signed(r["vs_bf16"])),
-        "-" if r["vs_fp4_qat"] is None else _fmt(signed(r["vs_fp4_qat"])),
-        _fmt(r["train_reward"]),
-        "-" if r["k3"] is None else f"{r['k3']:.2e}",
-        f"{r['seconds']:.0f}",
-      )
+  signed = lambda iv: "-" if iv is None else iv.format(signed=True)  # noqa: E731
+  rows = [
+    (
+      r.task,
+      r.arm,
+      r.seeds,
+      r.eval_precision,
+      r.initial.format(),
+      r.final.format(),
+      signed(r.gain),
+      signed(r.vs_bf16),
+      signed(r.vs_fp4_qat),
+      r.train_reward.format(),
+      "-" if r.k3 is None else f"{r.k3:.2e}",
+      f"{r.seconds:.0f}",
     )
+    for r in table_rows(cells)
+  ]
   pct = f"{100 * confidence:.0f}%"
   return markdown_table(
     [
@@ -245,7 +314,7 @@ def markdown(cells, confidence: float = 0.95) -> str:
 
 
 def curve_band(cells, task, arm, key="curve_train", window=5):
-  curves = [c["summary"].get(key) for c in cells if c["task"] == task and c["arm"] == arm]
+  curves = [c.summary.get(key) for c in cells if c.task == task and c.arm == arm]
   curves = [c for c in curves if c and len(c[0])]
   if not curves:
     return None
@@ -299,14 +368,12 @@ def plot(cells, out_dir: str, title: str = "") -> list[str]:
     ax = axes[0, j]
     for i, arm in enumerate(arms):
       iv = arm_interval(cells, task, arm)
-      if iv["n"] == 0:
+      if iv.n == 0:
         continue
-      seeds = [_value(c, METRIC) for c in cells if c["task"] == task and c["arm"] == arm]
+      seeds = [c.value() for c in cells if c.task == task and c.arm == arm]
       ax.scatter([i] * len(seeds), seeds, color=colors.get(arm), alpha=0.5, s=12)
-      err = (
-        None if not math.isfinite(iv["lo"]) else [[iv["mean"] - iv["lo"]], [iv["hi"] - iv["mean"]]]
-      )
-      ax.errorbar([i], [iv["mean"]], yerr=err, fmt="o", color=colors.get(arm), capsize=4)
+      err = None if not math.isfinite(iv.lo) else [[iv.mean - iv.lo], [iv.hi - iv.mean]]
+      ax.errorbar([i], [iv.mean], yerr=err, fmt="o", color=colors.get(arm), capsize=4)
     ax.set_xticks(range(len(arms)), arms, rotation=30)
     ax.set(ylabel="final greedy eval reward", title=f"{task}: mean, 95% CI, seeds as dots")
   paths.append(_save(fig, title, os.path.join(out_dir, "final_reward.png")))
@@ -316,7 +383,7 @@ def plot(cells, out_dir: str, title: str = "") -> list[str]:
     ax = axes[0, j]
     shown = [a for a in arms if a not in DERIVED_ARMS]
     for i, arm in enumerate(shown):
-      k3 = [_value(c, "mean_k3_kl") for c in cells if c["task"] == task and c["arm"] == arm]
+      k3 = [c.value("mean_k3_kl") for c in cells if c.task == task and c.arm == arm]
       k3 = [max(v, 1e-12) for v in k3 if v is not None]
       if k3:
         ax.scatter([i] * len(k3), k3, color=colors.get(arm))
@@ -327,11 +394,11 @@ def plot(cells, out_dir: str, title: str = "") -> list[str]:
   return paths
 
 
-def write_results(results_dir: str, cells, settings: dict, title: str = "") -> dict:
-  """results.json, table.md and the plots; returns the results dict."""
+def write_results(results_dir: str, cells, settings: dict, title: str = "") -> Results:
+  """results.json, table.md and the plots; returns the results."""
   os.makedirs(results_dir, exist_ok=True)
-  results = {"settings": settings, "cells": cells, "rows": table_rows(cells)}
-  write_json(os.path.join(results_dir, "results.json"), _jsonish(results))
+  results = Results(settings=settings, cells=list(cells), rows=table_rows(cells))
+  write_json(os.path.join(results_dir, "results.json"), _jsonish(results.to_json()))
   table = markdown(cells)
   with open(os.path.join(results_dir, "table.md"), "w") as f:
     f.write(f"# {title}\n\n{table}\n" if title else table + "\n")
@@ -339,6 +406,9 @@ def write_results(results_dir: str, cells, settings: dict, title: str = "") -> d
   return results
 
 
-def load_results(results_dir: str) -> dict:
+def load_results(results_dir: str) -> Results:
+  """A comparison's results.json (its rows recomputed from its cells)."""
   with open(os.path.join(results_dir, "results.json")) as f:
-    return json.load(f)
+    saved = json.load(f)
+  cells = [Cell(**c) for c in saved["cells"]]
+  return Results(settings=saved["settings"], cells=cells, rows=table_rows(cells))

@@ -7,7 +7,7 @@ from trace_jax import fp4
 from trace_jax.model.config import get_preset
 from trace_jax.model.quant import QuantConfig
 from trace_jax.model.transformer import Transformer
-from trace_jax.rl import ptq
+from trace_jax.studies import ptq
 from trace_jax.rollout.params import quantize_params
 
 

@@ -71,10 +71,19 @@ from trace_jax.model import sharding
 from trace_jax.model.cache import init_cache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import LayerInputs, rope_tables
-from trace_jax.model.quant import QuantConfig, Recording, SiteQuantizer, call_config, resolve_layers
+from trace_jax.model.quant import (
+  FP4Scheme,
+  QuantConfig,
+  Recording,
+  SiteQuantizer,
+  call_config,
+  resolve_layers,
+)
 from trace_jax.model.transformer import Block, Transformer, attention_mask
 from trace_jax.rollout.params import quantize_params
 from trace_jax.training.forward import token_logprobs
+from trace_jax.utils import flags
+from trace_jax.utils.flags import knob
 
 H200_BYTES = 141e9  # HBM3e of one H200 (141 GB)
 GB = 1e9
@@ -137,17 +146,19 @@ def _dependent_residual_bytes(fn, args, dependent_argnums) -> int:
 class PlanConfig:
   """What to plan for."""
 
-  mesh: tuple = (8, 8, 1)  # (data, expert, model)
-  batch: int = 256  # rollout sequences in flight (global)
-  context: int = 8192  # slots per sequence (prompt + response)
-  micro_batch: int = 0  # training sequences per micro-batch (global); 0 = one per data shard
-  fmt: str = "nvfp4"
-  fp4_sites: str = "all"  # FP4 scope of rollout weights and QAT
-  guidance: str = "compact"
-  guided_layers: str = "last_half"
-  train_records: bool = True  # the update returns the training path's full site records and
-  #   guided fallbacks (an arm whose two paths run FP4: `Trainer.measured`)
-  device_bytes: float = H200_BYTES
+  mesh: tuple = knob((8, 8, 1), "data,expert,model device counts.", parse=flags.parse_ints)
+  batch: int = knob(256, "Rollout sequences in flight (global).")
+  context: int = knob(8192, "Slots per sequence (prompt + response).")
+  micro_batch: int = knob(0, "Training sequences per micro-batch (global); 0 = one per data shard.")
+  fp4: FP4Scheme = FP4Scheme()  # of the rollout weights, the KV cache and QAT
+  guidance: str = knob("compact", "Guidance kind.", choices=("none", "compact", "full"))
+  guided_layers: str = knob("last_half", "Guided layers: last_half, all, none or a count.")
+  train_records: bool = knob(
+    True,
+    "The update returns the training path's full site records and guided fallbacks (an arm "
+    "whose two paths run FP4).",
+  )
+  device_gb: float = knob(H200_BYTES / GB, "Memory of one device, GB.")
 
   def __post_init__(self):
     object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
@@ -165,14 +176,17 @@ class PlanConfig:
       )
     if self.guidance not in ("none", "compact", "full"):
       raise ValueError(f"PlanConfig.guidance={self.guidance!r}; use none, compact or full")
-    QuantConfig(fmt=self.fmt, sites=self.fp4_sites)
+
+  @property
+  def device_bytes(self) -> float:
+    return self.device_gb * GB
 
 
 def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
   """Bytes per device of each item (see the module docstring), and the phase totals."""
   mesh = abstract_mesh(*config.mesh)
   data = config.mesh[0]
-  quant = QuantConfig(fmt=config.fmt, sites=config.fp4_sites)
+  quant = config.fp4.quant()
   cfg = cfg.replace(dtype="bfloat16")
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
@@ -343,7 +357,7 @@ def format_table(name: str, config: PlanConfig, rows: dict[str, float]) -> str:
   lines = [
     f"{name} on mesh (data, expert, model) = {config.mesh}, batch {config.batch}, "
     f"context {config.context}, micro-batch {config.micro_batch or config.mesh[0]}, "
-    f"{config.fmt} ({config.fp4_sites}), guidance {config.guidance}",
+    f"{config.fp4.fmt} ({config.fp4.sites}), guidance {config.guidance}",
     "",
     "| per device | GB |",
     "| --- | ---: |",

@@ -14,13 +14,13 @@ from flax import nnx
 
 from trace_jax import model as M
 from trace_jax.model.config import get_preset
+from trace_jax import plan
 from trace_jax.model.quant import QuantConfig, Recording, call_config
-from trace_jax.rl import plan
-from trace_jax.rl import trainer as T
+from trace_jax.rl import step as T
 from trace_jax.rl.grpo import LossConfig
 from trace_jax.training.forward import training_forward
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_train_peak_against_the_compiled_update():
   guidance = plan.abstract_guidance(cfg.replace(dtype="bfloat16"), config, QuantConfig())
   policy = nnx.eval_shape(lambda: M.Transformer(cfg, rngs=nnx.Rngs(0)))
   opt = nnx.eval_shape(
-    lambda: nnx.Optimizer(M.Transformer(cfg, rngs=nnx.Rngs(0)), T._optimizer(1e-3), wrt=nnx.Param)
+    lambda: nnx.Optimizer(M.Transformer(cfg, rngs=nnx.Rngs(0)), T.optimizer(1e-3), wrt=nnx.Param)
   )
   slots = lambda dtype: jax.ShapeDtypeStruct((batch, context), dtype)
   example = T.TrainExample(

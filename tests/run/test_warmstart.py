@@ -1,4 +1,4 @@
-"""The SFT warm start's batch on a mesh (trace_jax/rl/warmstart.py): padded to the data axis
+"""The SFT warm start's batch on a mesh (trace_jax/run/warmstart.py): padded to the data axis
 with rows that change no loss. (That each device holds its rows is checked on 8 fake
 devices in tests/model/test_sharding.py.)"""
 
@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from trace_jax import model as M
-from trace_jax.rl import warmstart
+from trace_jax.run import warmstart
 from trace_jax.training.sft import sft_batch, sft_loss
 
 

@@ -17,8 +17,6 @@ from trace_jax import fp4
 from trace_jax.model.quant import QuantConfig, quantize_weight_group, scale_groups
 from trace_jax.rl import episodes as episodes_lib
 
-PTQ_SCALE_RULES = {"ptq": "standard", "ptq-46": "4over6"}
-
 
 def packed_policy(policy, quant: QuantConfig, *, scale_rule: str):
   """A copy of `policy` whose FP4 linear weights (in `quant`'s scope) are packed QArrays made

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.trainer import Trainer
+from trace_jax.run.trainer import Trainer
 
 # Compiles whole RL / rollout programs: minutes on 2 cores; `pytest -m slow` runs it.
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ SLOW_ARMS = ["bf16", "fp4-rollout", "fp4-qat", "trace-full", "ptq"]
   "arm", ["trace"] + [pytest.param(a, marks=pytest.mark.slow) for a in SLOW_ARMS]
 )
 def test_one_step_per_arm_on_the_hybrid_preset(tmp_path, arm):
-  config = RLConfig(
+  config = RLConfig.from_flat(
     arm=arm,
     preset="qwen3_5_tiny",
     task="arith",

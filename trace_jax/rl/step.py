@@ -1,0 +1,474 @@
+"""One RL step (DESIGN.md section 4) as functions over typed values:
+
+  1. `collect`: sample `prompts_per_step` problems, `group_size` samples each, and roll them
+     out with the arm's engine (one or more turns), capturing its guidance; the arm's guided
+     layers of it stay on the device (the update consumes them at once);
+  2. `score`: the advantages, the reference policy's log-probs (KL), and pi_old: the
+     training path's log-probs of the sampled tokens with the arm's quantization, guidance
+     and routing replay; the mismatch metrics compare them with the rollout's. A fused step
+     (one minibatch, one epoch) leaves pi_old to the update: its own forward gives it;
+  3. `update`: minibatch GRPO updates (optax) of the policy in `RLState`; each advances the
+     policy version, against which the rollout engines re-make their weights (`rl.sync`);
+  4. `step_metrics`, and `check_update`: the divergence guard, which raises before anything
+     of a bad step is logged or saved.
+
+Everything random derives from (seed, step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import NamedSharding
+
+from trace_jax.guidance import Guidance
+from trace_jax.model.quant import Recording, call_config, resolve_layers
+from trace_jax.model.sharding import batch_sharding, guidance_specs, shard_model, shard_optimizer
+from trace_jax.rl import episodes as episodes_lib
+from trace_jax.rl.arms import Arm
+from trace_jax.rl.config import RLConfig
+from trace_jax.rl.grpo import group_advantages, grpo_loss
+from trace_jax.rl.metrics import (
+  disagreement_metrics,
+  group_reward_metrics,
+  guidance_agreement,
+  mismatch_metrics,
+)
+from trace_jax.rollout.engine import Rollout, RolloutEngine
+from trace_jax.training.forward import token_entropy, training_forward
+from trace_jax.utils import round_up
+from trace_jax.utils.distributed import global_array, host_array
+
+_STATIC = ("quant", "replay", "temperature")
+
+
+class DivergenceError(FloatingPointError):
+  """An update made the loss, the gradient or the parameters non-finite or unbounded."""
+
+
+@struct.dataclass
+class RLState:
+  """What a run updates, one pytree (nnx modules are pytrees). The update donates the
+  policy's and the optimizer's buffers, so whatever shares them is stale after it: the
+  rollout engines re-sync by `version`, and the reference is a copy of its own."""
+
+  policy: Any  # Transformer: the master weights
+  opt: nnx.Optimizer  # Adam over the policy's nnx.Param
+  reference: Any = None  # Transformer: a frozen copy of the initial policy (kl_coef > 0)
+  step: int = 0  # RL steps done
+  version: int = 0  # policy updates done: rollout weights are made per version (`rl.sync`)
+
+
+@struct.dataclass
+class TrainExample:
+  """One step's trajectories, the update's unit (minibatch rows taken by `jax.tree.map`).
+  `old_logp` and `advantages` are filled in by scoring."""
+
+  tokens: jax.Array  # int32 [B, S]
+  positions: jax.Array  # int32 [B, S]
+  mask: jax.Array  # bool [B, S], every real token
+  response_mask: jax.Array  # bool [B, S], the tokens the loss trains
+  rollout_logp: jax.Array  # float32 [B, S], log pi_rollout
+  old_logp: jax.Array | None = None  # float32 [B, S], log pi_old (training path, step start)
+  advantages: jax.Array | None = None  # float32 [B]
+
+
+@struct.dataclass
+class Collected:
+  """What `collect` hands on."""
+
+  played: episodes_lib.Episodes = struct.field(pytree_node=False)  # rewards [B], turns [B]
+  rollout: Rollout = struct.field(pytree_node=False)  # trimmed to the used slots
+  example: TrainExample  # [B, S], on the mesh
+  guidance: Guidance | None  # the arm's guided layers (+ routing); None if it reads none
+
+
+@struct.dataclass
+class Scored:
+  """The batch the update trains on, and what the metrics read of the training path."""
+
+  example: TrainExample  # with advantages [B] (and old_logp [B, S] unless the step is fused)
+  guidance: Guidance | None
+  ref_logp: jax.Array | None  # float32 [B, S], the reference's log-probs (kl_coef > 0)
+  entropy: jax.Array | None  # float32 [B, S], the training path's token entropy
+  fallbacks: dict | None  # {(layer, site): bool [B, S, ...]}, guided elements that fell back
+  train_sites: dict | None  # {(layer, site): fp4.QArray}, training-path records (measured)
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+  """What `update` did, on the host: one entry per optimizer update (epoch x minibatch)."""
+
+  losses: tuple  # float32 scalars
+  stats: tuple  # grpo_loss statistics, dicts of scalars
+  grad_norms: tuple  # float32 scalars
+  params_finite: bool  # every parameter finite after the updates
+  max_param_abs: float  # max |parameter| after the updates
+  scored: Scored  # the batch, with the fused update's pi_old forward filled in
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepSpec:
+  """What the step functions read of a run, fixed for the run (`StepSpec.of`)."""
+
+  config: RLConfig
+  guided_layers: tuple[int, ...]  # the arm's guided layers of this model
+  fused: bool  # one update per step: pi_old is that update's own forward
+  mesh: Any = None  # batch rows over its "data" axis
+
+  @classmethod
+  def of(cls, config: RLConfig, num_layers: int, mesh=None) -> "StepSpec":
+    return cls(
+      config=config,
+      guided_layers=resolve_layers(config.arm_spec.guided_layers, num_layers),
+      fused=config.schedule.minibatches == 1 and config.schedule.epochs == 1,
+      mesh=mesh,
+    )
+
+  @property
+  def arm(self) -> Arm:
+    return self.config.arm_spec
+
+  @property
+  def static(self) -> dict:
+    """The jitted functions' static arguments: the training path's one QuantConfig (the
+    arm's quantization, None for bf16, in the run's compute dtype), replay, temperature."""
+    config = self.config
+    return dict(
+      quant=call_config(config.train_quant, compute_dtype=config.compute_dtype),
+      replay=self.arm.routing_replay,
+      temperature=config.sampling.temperature,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def optimizer(learning_rate: float, warmup_updates: int = 0):
+  """One transformation per (learning rate, warmup), so runs of one config share compiled
+  steps. A linear warmup from lr / 10 over the first `warmup_updates` optimizer updates:
+  Adam's first updates are sign-like (every parameter moves by ~lr whatever its gradient's
+  size), which on a noisy RL gradient undoes part of the warm start."""
+  schedule = learning_rate
+  if warmup_updates > 0:
+    schedule = optax.linear_schedule(learning_rate / 10, learning_rate, warmup_updates)
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
+
+
+def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
+  """A fresh state around `policy` (placed, warm-started): its optimizer (Adam's moments
+  placed like their parameters on a mesh) and, with kl_coef > 0, the reference copy."""
+  reference = None
+  if config.loss.kl_coef > 0:  # its own buffers: the update donates the policy's
+    graphdef, state = nnx.split(policy)
+    reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+  warmup = config.schedule.lr_warmup_steps * config.schedule.minibatches * config.schedule.epochs
+  opt = nnx.Optimizer(policy, optimizer(config.schedule.learning_rate, warmup), wrt=nnx.Param)
+  if mesh is not None:
+    shard_optimizer(opt, policy, mesh)
+  return RLState(policy=policy, opt=opt, reference=reference)
+
+
+def step_key(seed: int, step: int) -> jax.Array:
+  return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def _place(tree, mesh, specs=None):
+  """On a mesh, from host values (each process transfers its own rows, multi-host too): the
+  batch axis of every array over "data", or by `specs` (guidance: `guidance_specs`)."""
+  if mesh is None or tree is None:
+    return tree
+  if specs is None:
+    specs = jax.tree.map(lambda a: batch_sharding(mesh, a.ndim).spec, tree)
+  place = lambda a, s: global_array(host_array(a), NamedSharding(mesh, s))  # noqa: E731
+  return jax.tree.map(place, tree, specs)
+
+
+def collect(spec: StepSpec, engine: RolloutEngine, task, tokenizer, step: int) -> Collected:
+  """Roll out step `step`'s problems with `engine` (synced to the policy: `rl.sync`)."""
+  config, arm = spec.config, spec.arm
+  problems = task.sample(1_000_003 * config.seed + step, config.sampling.prompts_per_step)
+  items = [item for item in problems for _ in range(config.sampling.group_size)]
+  played = episodes_lib.play(engine, task, tokenizer, items, step_key(config.seed, step))
+  slots = round_up(played.rollout.used_slots, 16)
+  rollout = played.rollout.trim(min(slots, played.rollout.tokens.shape[1]))
+  guidance = None
+  if rollout.guidance is not None and (arm.guidance != "none" or arm.routing_replay):
+    guidance = rollout.guidance.select_layers(spec.guided_layers)
+    if spec.mesh is not None:  # the rollout's layout, the planner's bytes
+      guidance = _place(guidance, spec.mesh, guidance_specs(guidance, spec.mesh))
+  arrays = {
+    "tokens": rollout.tokens,
+    "positions": rollout.positions,
+    "mask": rollout.mask,
+    "response_mask": rollout.response_mask,
+    "rollout_logp": rollout.logprobs,
+  }
+  example = TrainExample(**_place(arrays, spec.mesh))
+  return Collected(played=played, rollout=rollout, example=example, guidance=guidance)
+
+
+def advantage_rewards(config: RLConfig, step: int, rewards: np.ndarray) -> np.ndarray:
+  """The rewards the advantages are computed from: the episodes' own, or with
+  `reward_control="shuffle"` the same rewards permuted across the whole batch (by the seed
+  and the step, the same on every process), which keeps their mean and spread and breaks
+  their link to the completions."""
+  if config.reward_control == "shuffle":
+    return np.random.default_rng([config.seed, step]).permutation(rewards)
+  return rewards
+
+
+def score(spec: StepSpec, state: RLState, collected: Collected, step: int) -> Scored:
+  """pi_old (unless fused) and the reference's log-probs on the training path, and the
+  advantages; the training path's site records only where the metrics read them."""
+  config, static, c = spec.config, spec.static, collected
+  old_logp = entropy = fallbacks = train_sites = None  # the fused update gives them
+  if not spec.fused:
+    old_logp, entropy, fallbacks, train_sites = _old_logprobs(
+      state.policy, c.example, c.guidance, record=spec.arm.measured, **static
+    )
+  ref_logp = None
+  if state.reference is not None:
+    ref_logp = _old_logprobs(state.reference, c.example, c.guidance, record=False, **static)[0]
+  advantages = group_advantages(
+    jnp.asarray(advantage_rewards(config, step, c.played.rewards)),
+    config.sampling.group_size,
+    std_norm=config.loss.std_norm,
+  )
+  return Scored(
+    example=c.example.replace(old_logp=old_logp, advantages=_place(advantages, spec.mesh)),
+    guidance=c.guidance,
+    ref_logp=ref_logp,
+    entropy=entropy,
+    fallbacks=fallbacks,
+    train_sites=train_sites,
+  )
+
+
+def update(spec: StepSpec, state: RLState, scored: Scored) -> tuple[RLState, Update]:
+  """The step's GRPO updates of `state` (its policy and optimizer buffers are donated:
+  updated in place); returns the next state (one version on) and what the updates did."""
+  config, static, s = spec.config, spec.static, scored
+  if spec.fused:  # one update: pi_old's forward is the update's own
+    loss, stats, norm, old_logp, entropy, fallbacks, sites = _train_step(
+      state.policy,
+      state.opt,
+      s.example,
+      s.guidance,
+      s.ref_logp,
+      loss_config=config.loss_config,
+      fused=True,
+      record=spec.arm.measured,
+      **static,
+    )
+    s = s.replace(
+      example=s.example.replace(old_logp=old_logp),
+      entropy=entropy,
+      fallbacks=fallbacks,
+      train_sites=sites,
+    )
+    updates = [(loss, stats, norm)]
+  else:
+    updates = []  # (loss, stats, grad norm) per minibatch, left on device until all ran
+    size = config.batch // config.schedule.minibatches
+    for _ in range(config.schedule.epochs):
+      for m in range(config.schedule.minibatches):
+        mini, mini_guidance, mini_ref = s.example, s.guidance, s.ref_logp
+        if config.schedule.minibatches > 1:  # (one minibatch: the whole batch, no gather)
+          rows = np.arange(m * size, (m + 1) * size)
+          mini = jax.tree.map(lambda a: a[rows], s.example)
+          mini_guidance = None if s.guidance is None else s.guidance.take(rows)
+          mini_ref = None if s.ref_logp is None else s.ref_logp[rows]
+        updates.append(
+          _train_step(
+            state.policy,
+            state.opt,
+            mini,
+            mini_guidance,
+            mini_ref,
+            loss_config=config.loss_config,
+            **static,
+          )
+        )
+  (losses, stats, norms), (finite, max_abs) = jax.device_get(
+    (tuple(zip(*updates)), _param_health(state.policy))
+  )
+  if spec.mesh is not None:  # XLA may pick other layouts for the outputs: keep the rules'
+    shard_model(state.policy, spec.mesh)  # (a no-op for every array already placed so)
+    shard_optimizer(state.opt, state.policy, spec.mesh)
+  done = Update(losses, stats, norms, bool(finite), float(max_abs), s)
+  return state.replace(step=state.step + 1, version=state.version + 1), done
+
+
+def check_update(spec: StepSpec, step: int, done: Update, last_good: str) -> None:
+  """Raise DivergenceError if step `step` broke the policy, before it is logged or saved;
+  `last_good` says which checkpoint a rerun resumes from."""
+  limit = spec.config.schedule.max_param_abs
+  problems = []
+  if not np.all(np.isfinite(done.losses)):
+    problems.append(f"the loss is {[float(x) for x in done.losses]}")
+  if not np.all(np.isfinite(done.grad_norms)):
+    problems.append(f"the gradient norm is {[float(x) for x in done.grad_norms]}")
+  if not done.params_finite:
+    problems.append("parameters hold NaN or Inf")
+  elif done.max_param_abs > limit:
+    problems.append(
+      f"max |parameter| is {done.max_param_abs:.3g}, beyond RLConfig.max_param_abs={limit:g}"
+    )
+  if problems:
+    raise DivergenceError(
+      f"step {step} diverged: {'; '.join(problems)}. Nothing of step {step} was saved; "
+      f"{last_good}. Lower --learning_rate (now {spec.config.schedule.learning_rate:g}) and rerun."
+    )
+
+
+def step_metrics(
+  spec: StepSpec, step: int, collected: Collected, done: Update, engine: RolloutEngine
+) -> dict:
+  """The step's metrics line (DESIGN.md section 4 names)."""
+  config, arm, played, rollout = spec.config, spec.arm, collected.played, collected.rollout
+  s, guidance = done.scored, collected.guidance
+  response_mask = host_array(rollout.response_mask)
+  stats = done.stats
+  metrics = {
+    "step": step,
+    "rewards/mean": float(np.mean(played.rewards)),
+    "rewards/std": float(np.std(played.rewards)),
+    "loss": float(np.mean(done.losses)),
+    "grad_norm": float(np.mean(done.grad_norms)),
+    **{name: float(np.mean([x[name] for x in stats])) for name in stats[0]},
+    "entropy": float(np.sum(host_array(s.entropy) * response_mask) / max(response_mask.sum(), 1)),
+    "completions/mean_length": float(response_mask.sum(1).mean()),
+    "episodes/mean_turns": float(played.turns.mean()),
+    # per real token (sparse guidance is measured on its data)
+    "guidance/bytes_per_token": 0.0
+    if guidance is None or arm.guidance == "none"
+    else float(guidance.bytes_per_token(host_array(rollout.mask))),
+    "kernels/rollout": engine.kernels,  # "pallas" or "xla": what ran
+  }
+  if engine.kernels_fallback:
+    metrics["kernels/fallback_reason"] = engine.kernels_fallback
+  metrics.update(group_reward_metrics(played.rewards, config.sampling.group_size))
+  metrics.update(
+    mismatch_metrics(
+      rollout.logprobs,
+      s.example.old_logp,
+      rollout.response_mask,
+      tis_threshold=config.loss.tis_threshold,
+    )
+  )
+  mask = host_array(rollout.mask)
+  fallbacks, train_sites = jax.tree.map(host_array, (s.fallbacks, s.train_sites))
+  metrics.update(guidance_agreement(fallbacks, mask))
+  if guidance is not None and guidance.mode == "sparse":  # densities, overflow
+    sparse = guidance.sparse_stats(mask)
+    metrics.update({k: v for k, v in sparse.items() if k != "per_site"})
+  # Bits and scales always; codes if full (a sparse capture holds neither everywhere).
+  if arm.measured and rollout.guidance is not None and rollout.guidance.mode != "sparse":
+    metrics.update(
+      disagreement_metrics(jax.tree.map(host_array, rollout.guidance.sites), train_sites, mask)
+    )
+  return metrics
+
+
+# --- the jitted training path -----------------------------------------------------------------
+
+
+@functools.partial(nnx.jit, static_argnames=_STATIC + ("record",))
+def _old_logprobs(
+  policy, example: TrainExample, guidance, *, quant, replay, temperature, record: bool
+):
+  """(log pi_old, entropy, guidance fallbacks, training-path site records): the records
+  (full QArrays, for the per-layer disagreement) only when `record`."""
+  if record:
+    quant = quant.replace(recording=Recording(form="full"))
+  logp, out = training_forward(
+    policy,
+    example.tokens,
+    example.positions,
+    example.mask,
+    quant=quant,
+    guidance=guidance,
+    routing_replay=replay,
+    temperature=temperature,
+  )
+  return logp, token_entropy(out.logits, temperature), out.fallbacks, out.sites
+
+
+# The policy's and the optimizer's state are donated: the update writes them in place, so a
+# step holds one copy of parameters and Adam moments, not two.
+@functools.partial(
+  nnx.jit, static_argnames=_STATIC + ("loss_config", "fused", "record"), donate_argnums=(0, 1)
+)
+def _train_step(
+  policy,
+  opt,
+  example: TrainExample,
+  guidance,
+  ref_logp,
+  *,
+  quant,
+  replay,
+  temperature,
+  loss_config,
+  fused: bool = False,
+  record: bool = False,
+):
+  """One GRPO update on `example` (a minibatch): (loss, stats, gradient norm).
+
+  fused: the step's only update (one minibatch, one epoch). pi_old is then the policy this
+  update starts from, so its log-probs are this forward's own, held without gradient
+  (`example.old_logp` is not read and `_old_logprobs` need not run), and the update also
+  returns what `_old_logprobs` would have: log pi_old, token entropy, guidance fallbacks
+  and (with `record`) the training path's site records."""
+  if record:
+    quant = quant.replace(recording=Recording(form="full"))
+
+  def loss_fn(policy):
+    logp, out = training_forward(
+      policy,
+      example.tokens,
+      example.positions,
+      example.mask,
+      quant=quant,
+      guidance=guidance,
+      routing_replay=replay,
+      temperature=temperature,
+    )
+    old_logp = jax.lax.stop_gradient(logp) if fused else example.old_logp
+    loss, stats = grpo_loss(
+      logp,
+      old_logp,
+      example.rollout_logp,
+      example.advantages,
+      example.response_mask,
+      loss_config,
+      ref_logp,
+    )
+    scored = ()
+    if fused:
+      scored = (
+        old_logp,
+        token_entropy(jax.lax.stop_gradient(out.logits), temperature),
+        out.fallbacks,
+        out.sites,
+      )
+    return loss + policy.cfg.router_aux_loss_coef * out.lb_loss, (stats, scored)
+
+  (loss, (stats, scored)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
+  opt.update(policy, grads)
+  return (loss, stats, optax.global_norm(grads)) + tuple(scored)
+
+
+@nnx.jit
+def _param_health(policy) -> tuple[jax.Array, jax.Array]:
+  """(every parameter finite, max |parameter|): the divergence guard's two numbers."""
+  leaves = jax.tree.leaves(nnx.state(policy, nnx.Param))
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  max_abs = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
+  return finite, max_abs

@@ -1,0 +1,169 @@
+"""The files of one RL run's workdir, and what may go wrong with them.
+
+  <workdir>/checkpoints/    orbax checkpoints: policy, optimizer, reference, step (`Checkpoints`)
+  <workdir>/metrics.jsonl   one line per step (and the step-0 evaluation), appended and fsynced
+  <workdir>/warmstart/      the SFT warm start, made once and reused (`run.warmstart`)
+  <workdir>/summary.json    the run's summary (`run.report`)
+  <workdir>/run.lock        held by the run in progress (`utils.lock`: one run per workdir)
+
+Everything is checked before any work: the workdir is writable, a checkpoint there holds the
+same config (else a ValueError naming the fields that differ), metrics.jsonl reads. A resume
+uses the newest checkpoint that restores and verifies, and cuts metrics.jsonl back to the
+steps that checkpoint holds, so every step's line appears exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+
+import jax
+from flax import nnx
+
+from trace_jax.rl.config import RLConfig
+from trace_jax.rl.step import RLState, step_key
+from trace_jax.run import report, warmstart
+from trace_jax.run.checkpoint import Checkpoints
+from trace_jax.utils import append_jsonl, read_jsonl, write_atomic
+from trace_jax.utils.distributed import is_main_process
+from trace_jax.utils.lock import lock_run_workdir
+
+
+def check_workdir(workdir: str) -> str:
+  """An absolute, writable workdir (created), or a ValueError before any work."""
+  path = os.path.abspath(workdir)
+  try:
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, f".write_test.{os.getpid()}")  # one per process (multi-host)
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise ValueError(f"workdir {workdir!r} is not writable: {e}") from e
+  return path
+
+
+def read_metrics(workdir: str) -> list[dict]:
+  """The metrics lines of a run (a torn last line, from an interrupted append, dropped)."""
+  return read_jsonl(os.path.join(os.path.abspath(workdir), "metrics.jsonl"))
+
+
+class RunDir:
+  """One run's workdir (see the module docstring), for the run of `config`.
+
+  The workdir is locked from the first line on (`utils.lock`: a second run on it is refused
+  before anything is written) until `close()`, garbage collection or the process's exit."""
+
+  def __init__(self, workdir: str, config: RLConfig):
+    self._unlock = weakref.finalize(self, _release, lock_run_workdir(workdir))
+    try:
+      self.config = config
+      self.path = check_workdir(workdir)
+      self.checkpoints = Checkpoints(os.path.join(self.path, "checkpoints"))
+      self._check_saved_config()
+      self.metrics_path = os.path.join(self.path, "metrics.jsonl")
+      if os.path.exists(self.metrics_path):  # a damaged log fails here, before any work
+        read_jsonl(self.metrics_path)
+    except BaseException:
+      self.close()
+      raise
+
+  def close(self) -> None:
+    """Release the workdir's lock (idempotent)."""
+    self._unlock()
+
+  def _check_saved_config(self) -> None:
+    """Refuse a resume with another config (from the newest readable checkpoint meta)."""
+    for step in self.checkpoints.all_steps():
+      try:
+        saved = self.checkpoints.read_meta(step)["config"]
+      except Exception:  # noqa: BLE001 - a damaged checkpoint: restore skips it and says so
+        continue
+      differing = self.config.differences(saved)
+      if differing:
+        raise ValueError(
+          f"{self.path} holds a checkpoint of a different config; fields that "
+          f"differ: {differing} (use another --workdir)"
+        )
+      return
+
+  def warm_start(self, policy, task, tokenizer, *, mesh=None, progress: bool = True) -> dict:
+    """Restore <workdir>/warmstart into `policy`, or make it (`warmstart.load_or_train`)."""
+    config = self.config
+    return warmstart.load_or_train(
+      policy,
+      self.path,
+      task,
+      tokenizer,
+      steps=config.source.sft_steps,
+      batch=config.source.sft_batch,
+      seed=config.seed,
+      learning_rate=config.source.sft_learning_rate,
+      progress=progress,
+      mesh=mesh,
+    )
+
+  @staticmethod
+  def _arrays(state: RLState) -> dict:
+    arrays = {"policy": nnx.state(state.policy), "opt": nnx.state(state.opt)}
+    if state.reference is not None:
+      arrays["reference"] = nnx.state(state.reference)
+    return arrays
+
+  def restore(self, state: RLState) -> RLState:
+    """`state` with the newest usable checkpoint restored into it (as it is if none), and
+    metrics.jsonl cut back to the steps it holds."""
+    found = self.checkpoints.restore_latest(self._arrays(state))
+    if found is not None:
+      _, restored, meta = found
+      nnx.update(state.policy, restored["policy"])
+      nnx.update(state.opt, restored["opt"])
+      if state.reference is not None:
+        nnx.update(state.reference, restored["reference"])
+      step = int(meta["step"])
+      state = state.replace(step=step, version=int(meta.get("version", step)))
+    self._truncate_metrics(state.step)
+    return state
+
+  def save(self, state: RLState) -> None:
+    meta = {
+      "step": state.step,
+      "config": self.config.to_dict(),
+      "seed_key": [int(x) for x in jax.random.key_data(step_key(self.config.seed, state.step))],
+      "version": state.version,
+    }
+    self.checkpoints.save(state.step, self._arrays(state), meta)
+
+  def last_good(self) -> str:
+    """Which checkpoint a rerun after a failure of the current step resumes from."""
+    saved = self.checkpoints.latest_step()
+    if saved is None:
+      return "no checkpoint was saved before it"
+    return (
+      f"the latest checkpoint, step {saved} in {self.checkpoints.directory}, is the last "
+      f"good one and a rerun resumes from it"
+    )
+
+  def _truncate_metrics(self, step: int) -> None:
+    """Keep only the metrics lines of the steps the resumed checkpoint holds (none when
+    starting from step 0: the run logs the step-0 evaluation again); a torn last line goes."""
+    if not os.path.exists(self.metrics_path) or not is_main_process():
+      return
+    kept = [r for r in read_jsonl(self.metrics_path) if step > 0 and r.get("step", 0) <= step]
+    write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+
+  def log(self, metrics: dict) -> None:
+    if is_main_process():  # multi-host: one metrics file, written once
+      append_jsonl(self.metrics_path, metrics)
+
+  def read_metrics(self) -> list[dict]:
+    return read_metrics(self.path)
+
+  def write_summary(self, summary: dict) -> None:
+    report.write_summary(self.path, summary)
+
+
+def _release(lock) -> None:
+  if lock is not None:
+    lock.release()

@@ -1,0 +1,166 @@
+"""The RL loop (DESIGN.md section 4), built from `rl.step`'s parts:
+
+  for each step: collect -> score -> update (`rl.step`), with the weight sync (`rl.sync`)
+  before each rollout; the divergence guard (`rl.step.check_update`) before anything of the
+  step is logged or saved; a greedy evaluation in FP4 and in bf16 every `eval_every` steps;
+  a checkpoint every `checkpoint_every` steps (and at the last).
+
+The workdir's files are the `RunDir`'s: a resumed run continues exactly as an uninterrupted
+one, and a fault leaves the latest checkpoint the last good one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from trace_jax.model.sharding import make_mesh, shard_model
+from trace_jax.rl import data, episodes
+from trace_jax.rl import step as step_lib
+from trace_jax.rl.config import RLConfig
+from trace_jax.rl.step import RLState, StepSpec
+from trace_jax.rl.sync import WeightSync
+from trace_jax.rollout.engine import RolloutEngine
+from trace_jax.run import policy_source
+from trace_jax.run.rundir import RunDir
+
+
+class Trainer:
+  """One RL run in `workdir` (resumed if the workdir holds a checkpoint of the same config).
+
+  The workdir is locked for the Trainer's life (`RunDir`); `close()` (or `with Trainer(...)
+  as trainer:`) releases it, as do garbage collection and the process's exit."""
+
+  def __init__(self, config: RLConfig, workdir: str, *, progress: bool = True):
+    self.config, self.progress = config, progress
+    self.task = policy_source.preflight(config)  # the task and the checkpoint's files
+    self.rundir = RunDir(workdir, config)  # locks it: a busy workdir is refused before any write
+    try:
+      self._start(config, progress)
+    except BaseException:
+      self.close()
+      raise
+
+  def close(self) -> None:
+    """Release the workdir (idempotent)."""
+    self.rundir.close()
+
+  def __enter__(self) -> "Trainer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _start(self, config: RLConfig, progress: bool) -> None:
+    # The preset with the character tokenizer, or a checkpoint with its own (policy_source).
+    self.source = policy_source.load(config, self.task)
+    self.tokenizer, self.model_cfg = self.source.tokenizer, self.source.model_cfg
+    self.mesh = make_mesh(*config.mesh) if np.prod(config.mesh) > 1 else None
+    policy = self.source.policy
+    if self.mesh is not None:  # placed before the warm start: its save is then multi-host safe
+      shard_model(policy, self.mesh)
+    if policy_source.warm_start(config):
+      self.warmstart = self.rundir.warm_start(
+        policy, self.task, self.tokenizer, mesh=self.mesh, progress=progress
+      )
+    else:
+      self.warmstart = policy_source.skipped_warm_start(self.task)
+    self.state: RLState = self.rundir.restore(step_lib.init_state(config, policy, mesh=self.mesh))
+    self.spec = StepSpec.of(config, self.model_cfg.num_layers, self.mesh)
+    base, self._greedy = episodes.rollout_configs(config, self.task, self.source)
+    self.sync = WeightSync()
+    self._engine = self.sync.add(
+      RolloutEngine(policy, config.arm_spec.rollout(base), mesh=self.mesh), self.state.version
+    )
+    self.eval_items = self.task.sample(
+      data.eval_seed(config.seed), config.evaluation.eval_size, split="eval"
+    )  # held out, where the task holds any
+
+  # The run's parts, as the scripts and tests read them.
+  workdir = property(lambda self: self.rundir.path)
+  metrics_path = property(lambda self: self.rundir.metrics_path)
+  checkpoints = property(lambda self: self.rundir.checkpoints)
+  policy = property(lambda self: self.state.policy)
+  reference = property(lambda self: self.state.reference)
+  step = property(lambda self: self.state.step)
+  guided_layers = property(lambda self: self.spec.guided_layers)
+
+  def _synced(self, engine: RolloutEngine) -> RolloutEngine:
+    return self.sync(engine, self.state.policy, self.state.version)
+
+  @property
+  def engine(self) -> RolloutEngine:
+    """The arm's rollout engine, holding the current policy's rollout weights."""
+    return self._synced(self._engine)
+
+  @functools.cached_property
+  def eval_engines(self) -> dict[str, RolloutEngine]:
+    """The greedy evaluation engines, FP4 and bf16, made when first used (a run with
+    eval_every=0 never pays their weight packing)."""
+    return {
+      precision: self.sync.add(
+        RolloutEngine(self.policy, self._greedy.replace(precision=precision), mesh=self.mesh),
+        self.state.version,
+      )
+      for precision in ("fp4", "bf16")
+    }
+
+  def evaluate(self) -> dict:
+    """Greedy reward on the fixed evaluation problems, in FP4 and in bf16."""
+    if not self.eval_items:
+      return {}
+    engines = {name: self._synced(engine) for name, engine in self.eval_engines.items()}
+    return episodes.evaluate(engines, self.task, self.tokenizer, self.eval_items)
+
+  def train_step(self) -> dict:
+    """One RL step: collect -> score -> update -> check; returns its metrics."""
+    step, spec = self.state.step + 1, self.spec
+    start = time.time()
+    collected = step_lib.collect(spec, self.engine, self.task, self.tokenizer, step)
+    rollout_seconds = time.time() - start
+    start = time.time()
+    scored = step_lib.score(spec, self.state, collected, step)
+    state, done = step_lib.update(spec, self.state, scored)
+    step_lib.check_update(spec, step, done, self.rundir.last_good())
+    train_seconds = time.time() - start
+    metrics = step_lib.step_metrics(spec, step, collected, done, self._engine)
+    metrics.update(rollout_seconds=rollout_seconds, train_seconds=train_seconds)
+    self.state = state
+    return metrics
+
+  def save(self) -> None:
+    self.rundir.save(self.state)
+
+  def run(self) -> list[dict]:
+    """Train until the schedule's steps; returns the metrics of the steps run now."""
+    steps, every = self.config.schedule.steps, self.config.evaluation.eval_every
+    history = []
+    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+      if self.step == 0 and every:
+        self.rundir.log({"step": 0, **self.evaluate()})
+      bar = tqdm(
+        range(self.step, steps),
+        desc=f"rl {self.config.arm}",
+        disable=not self.progress,
+        initial=self.step,
+        total=steps,
+      )
+      for _ in bar:
+        metrics = self.train_step()
+        last = self.step == steps
+        if every and (self.step % every == 0 or last):
+          metrics.update(self.evaluate())
+        self.rundir.log(metrics)
+        history.append(metrics)
+        bar.set_postfix(
+          reward=f"{metrics['rewards/mean']:.2f}", k3=f"{metrics['mismatch/k3_kl']:.1e}"
+        )
+        checkpoint_every = self.config.schedule.checkpoint_every
+        if checkpoint_every and (self.step % checkpoint_every == 0 or last):
+          self.save()
+    return history

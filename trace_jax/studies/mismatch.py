@@ -1,0 +1,576 @@
+"""The mismatch study: how much training-inference mismatch TRACE guidance removes.
+
+1. Warm-start a policy with SFT on a built-in task, so its distributions are not uniform.
+2. Sample a batch of FP4 rollouts (W4A4 + FP4 KV, decode one token at a time) that capture
+   full guidance on every layer plus routing; every guidance variant studied is derived from
+   this one capture (compact = the codes' mantissa bits; fewer layers = a subset), so all
+   modes score the very same samples. A separate bf16 rollout gives the bf16 floor.
+3. Recompute the sampled tokens' log-probabilities on the training path (whole sequences,
+   prefill shapes) under each mode and compare with what the rollout reported. Modes:
+   "bf16" (both paths bf16), "none" (FP4 QAT, nearest rounding, the path's own routing),
+   "none+replay" (nearest rounding with the rollout's experts: what routing replay alone
+   removes), "compact" and "full" (guided, with replay), "sparse" (guided on every layer at
+   the default `delta`, with replay; `studies.sparse`). Guidance is judged against
+   "none+replay", so it is not credited with what replay removes.
+4. Sparse guidance: calibrate `delta` from the measured |t_train - t_rollout| per site, sweep
+   `delta` (k3, code disagreement, bytes/token, densities, overflow), and scale the measured
+   per-element costs to the Qwen3-30B-A3B and Qwen3.5-35B-A3B geometries.
+
+Each step is a small function over typed values (`Measurement`, `sparse.SparseRow`,
+`LayerRow`, `Targets`, the `MismatchStudy` they make up); `MismatchStudy.to_json()` is the
+JSON experiments/mismatch.py writes.
+
+No noise is injected anywhere: the paths differ only as real systems do (decode vs prefill
+shapes and reduction orders, bf16 rounding, XLA's fusion of the rollout's step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from trace_jax import fp4 as fp4_lib
+from trace_jax.kernels import check_mode as check_kernels
+from trace_jax.model.config import get_preset, qwen3_30b_a3b
+from trace_jax.model.quant import (
+  SITE_SCOPES,
+  FP4Scheme,
+  Recording,
+  call_config,
+  resolve_layers,
+)
+from trace_jax.model.transformer import Transformer
+from trace_jax.rl import data
+from trace_jax.studies import sparse as sparse_study
+from trace_jax.rl.metrics import fp4_disagreement, guidance_agreement, mismatch_metrics
+from trace_jax.rollout.accounting import guidance_bytes_per_token
+from trace_jax.rollout.config import COMPUTE_DTYPES, RolloutConfig, SamplingConfig
+from trace_jax.rollout.engine import RolloutEngine
+from trace_jax.tasks.registry import get_task
+from trace_jax.tasks.tokenizer import CharTokenizer
+from trace_jax.training.forward import training_forward
+from trace_jax.training.sft import sft_batch, train_sft
+from trace_jax.utils import flags, round_up
+from trace_jax.utils.flags import knob
+
+MODES = ("bf16", "none", "none+replay", "compact", "full", "sparse")
+REPORTED = ("k3_kl", "kl", "logp_abs_diff", "prob_diff_mean", "prob_diff_max")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StudyConfig:
+  """The study's knobs (experiments/mismatch.py's flags)."""
+
+  preset: str = knob("small", "Model preset.")
+  task: str = knob("arith", "Built-in task for the warm start and prompts.")
+  seed: int = knob(0, "Seed of the SFT data, init and rollouts.")
+  sft_steps: int = knob(300, "SFT warm-start steps.")
+  sft_batch: int = knob(32, "Warm-start demonstrations per step.")
+  sft_lr: float = knob(3e-3, "Warm-start learning rate.")
+  rollouts: int = knob(64, "Sequences in the studied batch.")
+  new_tokens: int = knob(48, "Max generated tokens per sequence.")
+  temperature: float = knob(1.0, "Sampling temperature.")
+  compute_dtype: str = knob(
+    "bfloat16", "Activation dtype of both paths, as in production.", choices=COMPUTE_DTYPES
+  )
+  fp4: FP4Scheme = FP4Scheme()
+  kernels: str = knob("auto", "The FP4 rollout's implementation: auto, pallas or xla.")
+  delta: float = knob(
+    fp4_lib.DEFAULT_DELTA,
+    "Sparse guidance: margin around an E2M1 midpoint (grid units); modes['sparse'] is "
+    "measured at it.",
+  )
+  delta_sweep: tuple = knob(
+    (0.0, 0.005, 0.01, 0.02, 0.035, 0.05, 0.1, 0.15),
+    "Sparse guidance: the deltas of the sweep.",
+    parse=flags.parse_floats,
+  )
+  delta_quantile: float = knob(0.999, "Share of |t_train - t_rollout| the calibrated delta covers.")
+  geometries: bool = knob(
+    True, "Sparse bytes at the Qwen3-30B-A3B and Qwen3.5-35B-A3B geometries (eval_shape traces)."
+  )
+  layer_sweep: bool = knob(
+    True, "Compact / full by number of guided layers (one training-path compile each)."
+  )
+
+  def __post_init__(self):
+    check_kernels(self.kernels, "StudyConfig.kernels")
+    object.__setattr__(self, "delta_sweep", tuple(float(d) for d in self.delta_sweep))
+    for d in (self.delta, *self.delta_sweep):
+      fp4_lib.SparseSpec(delta=d)  # a ValueError naming delta and its range
+    if not 0 < self.delta_quantile < 1:
+      raise ValueError(f"StudyConfig.delta_quantile={self.delta_quantile} must lie in (0, 1)")
+    for name in ("sft_steps", "sft_batch", "rollouts", "new_tokens"):
+      if getattr(self, name) < (0 if name == "sft_steps" else 1):
+        raise ValueError(f"StudyConfig.{name}={getattr(self, name)} is too small")
+    if self.compute_dtype not in COMPUTE_DTYPES:
+      raise ValueError(f"StudyConfig.compute_dtype={self.compute_dtype!r}; use bfloat16 or float32")
+
+  def to_json(self) -> dict:
+    """By flat name, as the study's JSON always held it (`activations` only when not W4A4)."""
+    out = flags.to_flat(self)
+    if out["activations"] == "fp4":
+      del out["activations"]
+    return out
+
+
+def _sft(policy, task, tokenizer, config: StudyConfig, progress: bool) -> list[float]:
+  pairs = data.demonstration_pairs(task, tokenizer, config.seed, 8)
+  length = max(len(p) + len(c) for p, c in pairs) + 16
+  length = round_up(length, 16)
+
+  def batches(step):
+    pairs = data.demonstration_pairs(
+      task, tokenizer, config.seed * 100_003 + step, config.sft_batch
+    )
+    return sft_batch(pairs, length, tokenizer.pad_id)
+
+  return train_sft(
+    policy, batches, steps=config.sft_steps, learning_rate=config.sft_lr, progress=progress
+  )
+
+
+def _rollout_config(config: StudyConfig, tokenizer, **kwargs) -> RolloutConfig:
+  sampling = SamplingConfig(
+    temperature=config.temperature,
+    max_new_tokens=config.new_tokens,
+    stop_tokens=(tokenizer.eos_id,),
+  )
+  return RolloutConfig(
+    compute_dtype=config.compute_dtype,
+    max_len=16 * 8 + config.new_tokens,
+    prompt_bucket=16,
+    sampling=sampling,
+    **kwargs,
+  )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Measurement:
+  """The training path against the rollout, on the sampled tokens: the mismatch of the
+  log-probabilities (`rl.metrics.mismatch_metrics`), and where both paths quantize, how
+  their FP4 outcomes differ (`fp4_disagreement`) and how guidance was followed."""
+
+  k3_kl: float
+  kl: float
+  logp_abs_diff: float
+  prob_diff_mean: float
+  prob_diff_max: float
+  is_ratio_mean: float
+  is_ratio_max: float
+  is_ratio_min: float
+  tis_clip_frac: float
+  code_disagree_frac: float | None = None  # None: nothing quantized (or no codes recorded)
+  one_step_frac: float | None = None  # of the disagreeing codes, one grid step apart
+  mantissa_disagree_frac: float | None = None
+  scale_disagree_frac: float | None = None
+  per_layer: dict | None = None  # {layer: the four fractions}; None: nothing quantized
+  followed_frac: float | None = None  # None: nothing guided
+  fallbacks: int | None = None
+
+  @classmethod
+  def of(cls, mismatch: dict, disagreement: dict | None, agreement: dict) -> "Measurement":
+    """From `mismatch_metrics`, `fp4_disagreement` (None: bf16) and `guidance_agreement`."""
+    names = ("mismatch/" + n for n in ("k3_kl", "kl", "logp_abs_diff", "prob_diff_mean"))
+    fields = dict(zip(("k3_kl", "kl", "logp_abs_diff", "prob_diff_mean"), names))
+    fields.update(prob_diff_max="mismatch/prob_diff_max", tis_clip_frac="tis/clip_frac")
+    fields.update({f"is_ratio_{s}": f"is_ratio/{s}" for s in ("mean", "max", "min")})
+    out = {field: mismatch[key] for field, key in fields.items()}
+    if disagreement is not None:
+      kinds = ("code_disagree_frac", "one_step_frac", "mantissa_disagree_frac")
+      out.update({k: disagreement[k] for k in kinds + ("scale_disagree_frac", "per_layer")})
+    if agreement:
+      out.update(
+        followed_frac=agreement["guidance/followed_frac"],
+        fallbacks=agreement["guidance/fallbacks"],
+      )
+    return cls(**out)
+
+  def to_json(self) -> dict:
+    out = {name: getattr(self, name) for name in REPORTED}
+    out.update({f"is_ratio/{s}": getattr(self, f"is_ratio_{s}") for s in ("mean", "max", "min")})
+    out["tis/clip_frac"] = self.tis_clip_frac
+    out.update(code_disagree_frac=self.code_disagree_frac, one_step_frac=self.one_step_frac)
+    if self.per_layer is not None:
+      out.update(
+        mantissa_disagree_frac=self.mantissa_disagree_frac,
+        scale_disagree_frac=self.scale_disagree_frac,
+        per_layer=self.per_layer,
+      )
+    if self.followed_frac is not None:
+      out.update({"guidance/followed_frac": self.followed_frac})
+      out.update({"guidance/fallbacks": self.fallbacks})
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerRow:
+  """Compact or full guidance on the top `guided_layers` layers (the layer sweep)."""
+
+  mode: str
+  guided_layers: int
+  k3_kl: float
+  kl: float
+  logp_abs_diff: float
+  prob_diff_max: float
+  code_disagree_frac: float | None
+  bytes_per_token: float
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparseTarget:
+  """Issue 16's target: the cheapest sparse row whose k3 is within 1.5x of compact's."""
+
+  compact_k3: float
+  best: sparse_study.SparseRow | None  # None: no swept row gets there
+  full_over_sparse: float | None = None  # bytes: full guidance (every layer) / the best row
+  compact_over_sparse: float | None = None  # bytes: compact (deeper half) / the best row
+
+  def to_json(self) -> dict:
+    out = {"compact_k3": self.compact_k3, "within_1.5x": None}
+    if self.best is not None:
+      b = self.best
+      out["within_1.5x"] = {
+        "delta": b.delta,
+        "k3_kl": b.k3_kl,
+        "bytes_per_token": b.bytes_per_token,
+        "full_over_sparse": self.full_over_sparse,
+        "compact_over_sparse": self.compact_over_sparse,
+        "site_deltas": b.site_deltas,
+        "costs": {name: cost.to_json() for name, cost in b.costs.items()},
+      }
+      out["met"] = {
+        "full_20x": self.full_over_sparse >= 20,
+        "compact_3x": self.compact_over_sparse >= 3,
+      }
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Targets:
+  """Guidance against nearest rounding *with* routing replay, so that it is not credited
+  with what replay removes (`replay_k3_reduction` shows that part on its own)."""
+
+  full_k3_reduction: float  # k3 none+replay / full
+  compact_k3_reduction: float  # k3 none+replay / compact
+  replay_k3_reduction: float  # k3 none / none+replay
+  bytes_ratio_full_over_compact: float
+  sparse: SparseTarget
+
+  def to_json(self) -> dict:
+    out = {
+      "full_k3_reduction": self.full_k3_reduction,
+      "compact_k3_reduction": self.compact_k3_reduction,
+      "replay_k3_reduction": self.replay_k3_reduction,
+      "bytes_ratio_full_over_compact": self.bytes_ratio_full_over_compact,
+    }
+    out["met"] = {
+      "full_10x": self.full_k3_reduction >= 10,
+      "compact_2x": self.compact_k3_reduction >= 2,
+      "bytes_5.5x": self.bytes_ratio_full_over_compact >= 5.5,
+    }
+    out["sparse"] = self.sparse.to_json()
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MismatchStudy:
+  """The study's results (`to_json()`: the JSON experiments/mismatch.py writes)."""
+
+  config: StudyConfig
+  preset: str
+  layers: int
+  guided_half: tuple[int, ...]
+  modes: dict  # {mode: Measurement, "sparse": SparseRow}, MODES
+  bytes_per_token: dict[str, float]  # compact (deeper half), full (all), sparse (at delta)
+  qwen3_30b_a3b_bytes_per_token: dict  # {scope: {"compact", "full"}}
+  sweep: list[LayerRow]
+  sparse_sweep: list[sparse_study.SparseRow]
+  sparse_calibration: dict[str, sparse_study.Calibration]  # full_guidance, nearest_replay
+  sparse_geometry_bytes_per_token: dict  # {geometry: {scope: sparse.GeometryBytes}}
+  targets: Targets
+  sft_nll: tuple[float | None, float | None]  # the warm start's first and final NLL
+  response_tokens: int
+  fp4_reward_mean: float
+  kernels: tuple[str, str | None]  # the FP4 rollout's implementation, why "auto" fell back
+  seconds: float
+
+  def to_json(self) -> dict:
+    dtype = self.config.compute_dtype
+    return {
+      "config": self.config.to_json(),
+      "model": {
+        "preset": self.preset,
+        "layers": self.layers,
+        "guided_half": list(self.guided_half),
+      },
+      "compute_dtype": {
+        "rollout": f"{dtype} activations, one-token decode steps over the KV cache (FP4 "
+        "weights dequantized on the fly, FP4 KV cache)",
+        "training": f"{dtype} activations, whole-sequence prefill from float32 master weights "
+        "fake-quantized to FP4",
+        "high_precision": "router, norms (float32 inside), attention softmax and LM head in "
+        "float32",
+      },
+      "modes": {mode: row.to_json() for mode, row in self.modes.items()},
+      "bytes_per_token": self.bytes_per_token,
+      "qwen3_30b_a3b_bytes_per_token": self.qwen3_30b_a3b_bytes_per_token,
+      "sweep": [row.to_json() for row in self.sweep],
+      "sparse_sweep": [row.to_json() for row in self.sparse_sweep],
+      "sparse_calibration": {k: c.to_json() for k, c in self.sparse_calibration.items()},
+      "sparse_geometry_bytes_per_token": {
+        name: {scope: b.to_json() for scope, b in scopes.items()}
+        for name, scopes in self.sparse_geometry_bytes_per_token.items()
+      },
+      "targets": self.targets.to_json(),
+      "sft": {
+        "steps": self.config.sft_steps,
+        "first_nll": self.sft_nll[0],
+        "final_nll": self.sft_nll[1],
+      },
+      "rollout": {
+        "sequences": self.config.rollouts,
+        "response_tokens": self.response_tokens,
+        "fp4_reward_mean": self.fp4_reward_mean,
+      },
+      "kernels": {"rollout": self.kernels[0], "fallback_reason": self.kernels[1]},
+      "seconds": self.seconds,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rollouts:
+  """The studied batch: an FP4 rollout capturing full guidance (and every site's input) on
+  every layer, and a bf16 rollout of the same prompts and keys."""
+
+  fp4: Any  # rollout.engine.Rollout
+  bf16: Any
+  kernels: tuple[str, str | None]
+
+  @property
+  def full(self):
+    return self.fp4.guidance
+
+
+def _roll_out(config: StudyConfig, policy, tokenizer, prompts) -> _Rollouts:
+  key = jax.random.key(config.seed)
+  fp4_engine = RolloutEngine(
+    policy,
+    _rollout_config(
+      config,
+      tokenizer,
+      precision="fp4",
+      fp4=config.fp4,
+      guidance="full",
+      guided_layers="all",
+      kernels=config.kernels,
+    ),
+    capture_inputs=True,
+  )  # the sparse records are derived from them
+  fp4_rollout = fp4_engine.generate(prompts, key)
+  bf16_config = _rollout_config(config, tokenizer, precision="bf16", guidance="none")
+  bf16_rollout = RolloutEngine(policy, bf16_config).generate(prompts, key)
+  return _Rollouts(fp4_rollout, bf16_rollout, (fp4_engine.kernels, fp4_engine.kernels_fallback))
+
+
+@functools.partial(nnx.jit, static_argnames=("quant", "replay", "temperature", "inputs"))
+def _training_path(policy, rollout, guidance, *, quant, replay, temperature, inputs):
+  """The training path's log-probs of the rollout's tokens, every site recorded in full
+  (and its input, with `inputs`)."""
+  return training_forward(
+    policy,
+    rollout.tokens,
+    rollout.positions,
+    rollout.mask,
+    guidance=guidance,
+    routing_replay=replay,
+    temperature=temperature,
+    quant=quant.replace(recording=Recording(form="full", inputs=inputs)),
+  )
+
+
+def measure(
+  config: StudyConfig, policy, rollout, full_sites, quant, guidance, replay, inputs=False
+) -> tuple[Measurement, tuple | None]:
+  """The training path under `quant` (None: bf16) against `rollout`, and with `inputs`
+  its (site records, site inputs) for the calibration of sparse guidance's margins."""
+  logp, out = _training_path(
+    policy,
+    rollout.without_cache(),
+    guidance,
+    quant=call_config(quant, compute_dtype=jnp.dtype(config.compute_dtype).name),
+    replay=replay,
+    temperature=config.temperature,
+    inputs=inputs,
+  )
+  mismatch = mismatch_metrics(rollout.logprobs, logp, rollout.response_mask)
+  if quant is None:  # nothing is quantized on either path
+    return Measurement.of(mismatch, None, {}), None
+  disagreement = fp4_disagreement(full_sites, out.sites, rollout.mask)
+  agreement = guidance_agreement(out.fallbacks, rollout.mask)
+  records = (out.sites, out.site_inputs) if inputs else None
+  return Measurement.of(mismatch, disagreement, agreement), records
+
+
+def sparse_targets(
+  compact_k3: float, sparse_sweep: list[sparse_study.SparseRow], bytes_per_token: dict
+) -> SparseTarget:
+  """Issue 16's target: the cheapest sparse row whose k3 is within 1.5x of compact's, and
+  its bytes against full guidance over the same (every) layer and against compact."""
+  within = [r for r in sparse_sweep if r.k3_kl <= 1.5 * compact_k3]
+  if not within:
+    return SparseTarget(compact_k3=compact_k3, best=None)
+  best = min(within, key=lambda r: r.bytes_per_token)
+  return SparseTarget(
+    compact_k3=compact_k3,
+    best=best,
+    full_over_sparse=bytes_per_token["full"] / best.bytes_per_token,
+    compact_over_sparse=bytes_per_token["compact"] / best.bytes_per_token,
+  )
+
+
+def targets(modes: dict, bytes_per_token: dict, sparse_sweep: list) -> Targets:
+  """The study's targets from the modes' k3 and the guidance bytes."""
+  k3 = {m: modes[m].k3_kl for m in MODES}
+  return Targets(
+    full_k3_reduction=k3["none+replay"] / max(k3["full"], 1e-30),
+    compact_k3_reduction=k3["none+replay"] / max(k3["compact"], 1e-30),
+    replay_k3_reduction=k3["none"] / max(k3["none+replay"], 1e-30),
+    bytes_ratio_full_over_compact=bytes_per_token["full"] / bytes_per_token["compact"],
+    sparse=sparse_targets(k3["compact"], sparse_sweep, bytes_per_token),
+  )
+
+
+def geometry_bytes(costs: dict, best: sparse_study.SparseRow | None, fmt: str) -> dict:
+  """{geometry: {scope: GeometryBytes}} at the measured sparse costs, and at the best row's
+  (the cheapest within 1.5x of compact's k3) where there is one."""
+  out = {}
+  for name in sparse_study.GEOMETRIES:
+    out[name] = {}
+    for scope in SITE_SCOPES:
+      row = sparse_study.geometry_bytes(name, scope, costs, fmt)
+      if best is not None:
+        within = sparse_study.geometry_bytes(name, scope, best.costs, fmt).sparse
+        row = dataclasses.replace(row, sparse_within=within)
+      out[name][scope] = row
+  return out
+
+
+def run_study(config: StudyConfig, *, progress: bool = True) -> MismatchStudy:
+  """Run the study (see the module docstring)."""
+  start = time.time()
+  task, tokenizer = get_task(config.task), CharTokenizer()
+  vocab_size = max(get_preset(config.preset).vocab_size, tokenizer.vocab_size)
+  cfg = get_preset(config.preset, vocab_size=vocab_size)
+  policy = Transformer(cfg, rngs=nnx.Rngs(config.seed))
+  sft_losses = _sft(policy, task, tokenizer, config, progress)
+  items = task.sample(config.seed + 10_000, config.rollouts)
+  rollouts = _roll_out(config, policy, tokenizer, [data.prompt_ids(tokenizer, i) for i in items])
+  fp4_rollout, full = rollouts.fp4, rollouts.full
+  compact, half = full.to_compact(), resolve_layers("last_half", cfg.num_layers)
+  path = functools.partial(measure, config, policy, fp4_rollout, full.sites)
+  nearest = config.fp4.quant()
+  guided = lambda layers: nearest.replace(rounding="guided", guided_layers=layers)  # noqa: E731
+
+  modes, records = {}, {}
+  modes["bf16"], _ = measure(config, policy, rollouts.bf16, full.sites, None, None, False)
+  modes["none"], _ = path(nearest, None, False)
+  modes["none+replay"], records["nearest_replay"] = path(
+    nearest, full.select_layers(()), True, inputs=True
+  )
+  modes["compact"], _ = path(guided("last_half"), compact.select_layers(half), True)
+  modes["full"], records["full_guidance"] = path(guided("all"), full, True, inputs=True)
+
+  mask = np.asarray(fp4_rollout.mask)
+  inputs = fp4_rollout.site_inputs
+  calibration = {
+    state: sparse_study.calibrate(full.sites, inputs, *records[state], mask, config.delta_quantile)
+    for state in ("full_guidance", "nearest_replay")
+  }
+  spec = fp4_lib.SparseSpec(delta=config.delta)
+  # Per-site-kind margins from this run's calibration (the paths differ at some sites only).
+  site_specs = [
+    (spec.replace(site_deltas=sparse_study.site_deltas(calibration["full_guidance"], q)), q)
+    for q in (0.99, 0.999, 0.9999)
+  ]
+  deltas = sorted(set(config.delta_sweep) | {config.delta})
+  sparse_sweep = sparse_study.sparse_rows(
+    full, inputs, deltas, spec, mask, lambda g: path(guided("all"), g, True)[0], site_specs
+  )
+  modes["sparse"] = next(r for r in sparse_sweep if r.delta == config.delta and not r.site_deltas)
+  sweep = []
+  for n in range(cfg.num_layers + 1) if config.layer_sweep else ():
+    layers = resolve_layers(n, cfg.num_layers)
+    for mode, guidance in (("compact", compact), ("full", full)):
+      row, _ = path(guided(n), guidance.select_layers(layers), True)
+      sweep.append(
+        LayerRow(
+          mode=mode,
+          guided_layers=n,
+          k3_kl=row.k3_kl,
+          kl=row.kl,
+          logp_abs_diff=row.logp_abs_diff,
+          prob_diff_max=row.prob_diff_max,
+          code_disagree_frac=row.code_disagree_frac,
+          bytes_per_token=guidance.select_layers(layers).bytes_per_token(),
+        )
+      )
+  bytes_per_token = {
+    "compact": compact.select_layers(half).bytes_per_token(),
+    "full": full.bytes_per_token(),
+    "sparse": modes["sparse"].bytes_per_token,
+  }
+  texts = data.decode_responses(tokenizer, fp4_rollout.responses())
+  rewards = [task.score(item, text) for item, text in zip(items, texts)]
+  goals = targets(modes, bytes_per_token, sparse_sweep)
+  geometry = {}
+  if config.geometries:
+    geometry = geometry_bytes(modes["sparse"].costs, goals.sparse.best, config.fp4.fmt)
+  return MismatchStudy(
+    config=config,
+    preset=cfg.name,
+    layers=cfg.num_layers,
+    guided_half=half,
+    modes=modes,
+    bytes_per_token=bytes_per_token,
+    qwen3_30b_a3b_bytes_per_token=scope_bytes(config.fp4.fmt),
+    sweep=sweep,
+    sparse_sweep=sparse_sweep,
+    sparse_calibration=calibration,
+    sparse_geometry_bytes_per_token=geometry,
+    targets=goals,
+    sft_nll=(
+      sft_losses[0] if sft_losses else None,
+      float(np.mean(sft_losses[-10:])) if sft_losses else None,
+    ),
+    response_tokens=int(np.asarray(fp4_rollout.response_mask).sum()),
+    fp4_reward_mean=float(np.mean(rewards)),
+    kernels=rollouts.kernels,
+    seconds=time.time() - start,
+  )
+
+
+def scope_bytes(fmt: str = "nvfp4") -> dict:
+  """Guidance bytes per token at the Qwen3-30B-A3B geometry, by FP4 scope and mode (compact
+  on the deeper half, full on all layers, both with routing), from shapes alone."""
+  cfg = qwen3_30b_a3b()
+  out = {}
+  for sites in SITE_SCOPES:
+    base = RolloutConfig(precision="fp4", fp4=FP4Scheme(fmt=fmt, sites=sites))
+    out[sites] = {
+      "compact": guidance_bytes_per_token(
+        cfg, base.replace(guidance="compact", guided_layers="last_half")
+      ),
+      "full": guidance_bytes_per_token(cfg, base.replace(guidance="full", guided_layers="all")),
+    }
+  return out
