@@ -145,6 +145,8 @@ def test_equals_grpo_loss_bit_for_bit_when_behaviour_is_proximal(jit):
     ("sequence", 0.1, "none", "mask"),
     ("token", 0.0, "none", "clamp"),
   ]
+  if jit:  # the first three already hold each aggregation, KL on and off, each cap mode
+    cases = cases[:3]
   for seed, (aggregation, kl_coef, correction, mode) in enumerate(cases):
     logp, proximal, _, ref, advantages, mask = _inputs(seed=100 + seed)
     lc = LossConfig(aggregation=aggregation, kl_coef=kl_coef, rollout_correction=correction)
