@@ -1,6 +1,7 @@
 """rl/arms.py and rl/config.py: the arm table (keyword-only, validated, guided layers stated once), the one
 rollout-correction knob, and experiments/rl.py's flag defaults read from the config classes."""
 
+import functools
 import importlib.util
 import os
 
@@ -151,7 +152,9 @@ def test_a_config_saved_flat_compares_by_leaf_name():
 
 def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
   leaves = config_flags.flat_fields(RLConfig)
-  assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT))  # the flat config's names
+  # the flat config's names, and the knobs added since (asynchronous RL)
+  added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every"}
+  assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT)) | added
   assert leaves["fp4_sites"][0] == ("fp4", "sites") and leaves["steps"][0] == ("schedule", "steps")
   config = RLConfig.from_flat(steps=3, temperature=0.5, preset="tiny")
   assert (config.schedule.steps, config.sampling.temperature, config.source.preset) == (
@@ -166,6 +169,7 @@ def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
     RLConfig.from_flat(group_size=0)
 
 
+@functools.lru_cache(maxsize=None)  # a script's flags are defined once per process
 def _script_flags(name: str) -> dict:
   """{flag: default} of the flags experiments/<name>.py defines (absl's global FLAGS)."""
   before = set(flags.FLAGS)
@@ -188,3 +192,37 @@ def test_rl_script_flags_are_the_config_fields():
     if isinstance(value, list):  # list flags: strings
       value = [str(v) for v in value]
     assert name in defaults and defaults[name] == value, name
+
+
+def test_asynchronous_rl_knobs_are_flags_and_validate():
+  """--max_staleness, --is_cap, --is_cap_mode and --version_diag_every come from the config
+  fields (defaults: the synchronous loop, AReaL's cap 5 as a mask, no diagnostic); bad
+  values fail naming the field, the value and what is allowed."""
+  defaults = _script_flags("rl")
+  assert {k: defaults[k] for k in ("max_staleness", "is_cap", "is_cap_mode")} == {
+    "max_staleness": 0,
+    "is_cap": 5.0,
+    "is_cap_mode": "mask",
+  }
+  assert defaults["version_diag_every"] == 0
+  assert flags.FLAGS["is_cap_mode"].parser.enum_values == ["mask", "clamp"]
+  config = RLConfig.from_flat(max_staleness=3, is_cap=2.5, is_cap_mode="clamp")
+  assert config.schedule.max_staleness == 3
+  assert (config.decoupled.is_cap, config.decoupled.is_cap_mode) == (2.5, "clamp")
+  cases = [
+    (dict(max_staleness=-1), r"RLConfig.max_staleness=-1 must be >= 0"),
+    (dict(max_staleness=1.5), r"RLConfig.max_staleness=1.5 must be an integer >= 0"),
+    (dict(is_cap=0.0), r"DecoupledConfig.is_cap=0.0 must be a finite number > 0"),
+    (dict(is_cap=float("inf")), r"DecoupledConfig.is_cap=inf must be a finite number > 0"),
+    (dict(is_cap_mode="drop"), r"is_cap_mode='drop' is not allowed; use one of \('mask', "),
+    (dict(version_diag_every=-2), r"RLConfig.version_diag_every=-2 must be >= 0"),
+  ]
+  for values, message in cases:
+    with pytest.raises(ValueError, match=message):
+      RLConfig.from_flat(**values)
+  # A checkpoint saved before the knobs existed resumes (they count as their defaults) and
+  # one of another staleness is refused by name.
+  saved = {k: v for k, v in RLConfig().to_dict().items() if k != "decoupled"}
+  del saved["schedule"]["max_staleness"]
+  assert RLConfig().differences(saved) == []
+  assert RLConfig.from_flat(max_staleness=2).differences(saved) == ["max_staleness"]

@@ -136,7 +136,7 @@ def test_ring_state_round_trips_through_checkpoints(tmp_path):
   """state_dict's params are an orbax pytree (string keys) and the counter JSON metadata."""
   import jax.numpy as jnp
 
-  from trace_jax.rl.checkpoint import Checkpoints
+  from trace_jax.run.checkpoint import Checkpoints
 
   ring = WeightRing(max_staleness=1)
   for v in range(4):

@@ -5,7 +5,10 @@
                              prompt format
     sampling: Sampling       what a step samples: problems, group size, tokens, temperature
     loss: LossConfig         the GRPO loss (`rl.grpo`)
-    schedule: Schedule       steps, learning rate and warmup, updates per step, checkpoints
+    schedule: Schedule       steps, learning rate and warmup, updates per step, checkpoints,
+                             the rollouts' staleness (asynchronous RL)
+    decoupled: DecoupledConfig  the behaviour -> proximal IS cap of asynchronous RL
+                             (`rl.decoupled`)
     evaluation: Evaluation   the greedy evaluation's period and size
     fp4: FP4Scheme           format, FP4 scope and activation format (`model.quant`)
 
@@ -25,6 +28,7 @@ from trace_jax import fp4
 from trace_jax.model.config import PRESETS, get_preset
 from trace_jax.model.quant import FP4Scheme, QuantConfig
 from trace_jax.rl.arms import RUNNABLE, Arm, get_arm
+from trace_jax.rl.decoupled import DecoupledConfig
 from trace_jax.rl.grpo import CORRECTIONS, LossConfig
 from trace_jax.tasks.registry import registered
 from trace_jax.utils import flags
@@ -134,9 +138,16 @@ class Schedule:
   epochs: int = knob(1, "Passes over each rollout batch.")
   checkpoint_every: int = knob(20, "Checkpoint period in steps (and at the last step); 0: never.")
   max_param_abs: float = knob(1e4, "Divergence guard: stop, saving nothing, past this |param|.")
+  max_staleness: int = knob(
+    0,
+    "Asynchronous RL: step j's rollouts come from policy version max(0, j - k), generated "
+    "ahead in a thread, trained with the decoupled loss; 0: the synchronous loop.",
+  )
 
   def __post_init__(self):
-    names = ("steps", "lr_warmup_steps", "checkpoint_every")
+    if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):
+      raise ValueError(f"RLConfig.max_staleness={self.max_staleness!r} must be an integer >= 0")
+    names = ("steps", "lr_warmup_steps", "checkpoint_every", "max_staleness")
     _check("RLConfig", self, names, lambda v: v >= 0, "must be >= 0")
     _check("RLConfig", self, ("minibatches", "epochs"), lambda v: v >= 1, "must be >= 1")
     names = ("learning_rate", "max_param_abs")
@@ -149,9 +160,15 @@ class Evaluation:
 
   eval_every: int = knob(20, "Greedy evaluation period (steps); 0: never.")
   eval_size: int = knob(128, "Evaluation problems.")
+  version_diag_every: int = knob(
+    0,
+    "Asynchronous RL: every N steps split the mismatch into precision and version gaps "
+    "(a training-path forward at the rollout's own weights); 0: never.",
+  )
 
   def __post_init__(self):
-    _check("RLConfig", self, ("eval_every", "eval_size"), lambda v: v >= 0, "must be >= 0")
+    names = ("eval_every", "eval_size", "version_diag_every")
+    _check("RLConfig", self, names, lambda v: v >= 0, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,6 +204,7 @@ class RLConfig:
   sampling: Sampling = Sampling()
   loss: LossConfig = LossConfig(rollout_correction="none")  # set by `correction`
   schedule: Schedule = Schedule()
+  decoupled: DecoupledConfig = DecoupledConfig()
   evaluation: Evaluation = Evaluation()
   fp4: FP4Scheme = FP4Scheme()
 

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax.rl.grpo import LossConfig, aggregate
+from trace_jax.utils.flags import knob
 
 IS_CAP_MODES = ("mask", "clamp")
 
@@ -43,8 +44,12 @@ IS_CAP_MODES = ("mask", "clamp")
 class DecoupledConfig:
   """The behaviour -> proximal importance weight's cap."""
 
-  is_cap: float = 5.0  # cap on w = pi_prox / pi_behav (AReaL's default 5)
-  is_cap_mode: str = "mask"  # "mask": drop tokens with w > is_cap; "clamp": min(w, is_cap)
+  is_cap: float = knob(5.0, "Asynchronous RL: cap on w = pi_prox / pi_behav (AReaL's default 5).")
+  is_cap_mode: str = knob(
+    "mask",
+    "Asynchronous RL: mask drops tokens with w > is_cap; clamp uses min(w, is_cap).",
+    choices=IS_CAP_MODES,
+  )
 
   def __post_init__(self):
     value = self.is_cap

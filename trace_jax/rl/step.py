@@ -34,6 +34,7 @@ from trace_jax.model.sharding import batch_sharding, guidance_specs, shard_model
 from trace_jax.rl import episodes as episodes_lib
 from trace_jax.rl.arms import Arm
 from trace_jax.rl.config import RLConfig
+from trace_jax.rl.decoupled import DecoupledConfig, decoupled_loss
 from trace_jax.rl.grpo import group_advantages, grpo_loss
 from trace_jax.rl.metrics import (
   disagreement_metrics,
@@ -122,6 +123,9 @@ class StepSpec:
   guided_layers: tuple[int, ...]  # the arm's guided layers of this model
   fused: bool  # one update per step: pi_old is that update's own forward
   mesh: Any = None  # batch rows over its "data" axis
+  # Asynchronous RL (max_staleness > 0): the decoupled loss, pi_old the proximal policy and
+  # the rollout's log-probs the behaviour policy (`rl.decoupled`); None: `grpo_loss`.
+  decoupled: DecoupledConfig | None = None
 
   @classmethod
   def of(cls, config: RLConfig, num_layers: int, mesh=None) -> "StepSpec":
@@ -130,6 +134,7 @@ class StepSpec:
       guided_layers=resolve_layers(config.arm_spec.guided_layers, num_layers),
       fused=config.schedule.minibatches == 1 and config.schedule.epochs == 1,
       mesh=mesh,
+      decoupled=config.decoupled if config.schedule.max_staleness > 0 else None,
     )
 
   @property
@@ -264,6 +269,7 @@ def update(spec: StepSpec, state: RLState, scored: Scored) -> tuple[RLState, Upd
       loss_config=config.loss_config,
       fused=True,
       record=spec.arm.measured,
+      **_loss_static(spec),
       **static,
     )
     s = s.replace(
@@ -292,6 +298,7 @@ def update(spec: StepSpec, state: RLState, scored: Scored) -> tuple[RLState, Upd
             mini_guidance,
             mini_ref,
             loss_config=config.loss_config,
+            **_loss_static(spec),
             **static,
           )
         )
@@ -376,7 +383,33 @@ def step_metrics(
   return metrics
 
 
+def version_split(spec: StepSpec, stale_policy, collected: Collected, done: Update) -> dict:
+  """The mismatch split into its two gaps (asynchronous RL): the training path at the
+  rollout's own weights (`stale_policy`, the version that generated the batch) against the
+  behaviour log-probs is the precision gap (the two paths at the same weights: what TRACE
+  removes), and the proximal (current weights) against it the version gap (staleness).
+
+  Returns {"mismatch/precision_k3", "mismatch/version_k3"}: k3 estimates of KL over the
+  response tokens, as `mismatch/k3_kl` (which mixes both)."""
+  stale_logp = _old_logprobs(
+    stale_policy, collected.example, collected.guidance, record=False, **spec.static
+  )[0]
+  mask = collected.example.response_mask
+  precision = mismatch_metrics(collected.example.rollout_logp, stale_logp, mask)
+  version = mismatch_metrics(stale_logp, done.scored.example.old_logp, mask)
+  return {
+    "mismatch/precision_k3": precision["mismatch/k3_kl"],
+    "mismatch/version_k3": version["mismatch/k3_kl"],
+  }
+
+
 # --- the jitted training path -----------------------------------------------------------------
+
+
+def _loss_static(spec: StepSpec) -> dict:
+  """The update's loss choice as static arguments: none for the synchronous loop, so its
+  compiled update is the one it always was."""
+  return {} if spec.decoupled is None else {"decoupled": spec.decoupled}
 
 
 @functools.partial(nnx.jit, static_argnames=_STATIC + ("record",))
@@ -403,7 +436,9 @@ def _old_logprobs(
 # The policy's and the optimizer's state are donated: the update writes them in place, so a
 # step holds one copy of parameters and Adam moments, not two.
 @functools.partial(
-  nnx.jit, static_argnames=_STATIC + ("loss_config", "fused", "record"), donate_argnums=(0, 1)
+  nnx.jit,
+  static_argnames=_STATIC + ("loss_config", "fused", "record", "decoupled"),
+  donate_argnums=(0, 1),
 )
 def _train_step(
   policy,
@@ -418,8 +453,12 @@ def _train_step(
   loss_config,
   fused: bool = False,
   record: bool = False,
+  decoupled: DecoupledConfig | None = None,
 ):
   """One GRPO update on `example` (a minibatch): (loss, stats, gradient norm).
+
+  decoupled: asynchronous RL's loss (`rl.decoupled`), pi_old the proximal policy and the
+  rollout's log-probs the behaviour policy; None: `grpo_loss` with the rollout correction.
 
   fused: the step's only update (one minibatch, one epoch). pi_old is then the policy this
   update starts from, so its log-probs are this forward's own, held without gradient
@@ -441,15 +480,27 @@ def _train_step(
       temperature=temperature,
     )
     old_logp = jax.lax.stop_gradient(logp) if fused else example.old_logp
-    loss, stats = grpo_loss(
-      logp,
-      old_logp,
-      example.rollout_logp,
-      example.advantages,
-      example.response_mask,
-      loss_config,
-      ref_logp,
-    )
+    if decoupled is None:
+      loss, stats = grpo_loss(
+        logp,
+        old_logp,
+        example.rollout_logp,
+        example.advantages,
+        example.response_mask,
+        loss_config,
+        ref_logp,
+      )
+    else:
+      loss, stats = decoupled_loss(
+        logp,
+        old_logp,
+        example.rollout_logp,
+        example.advantages,
+        example.response_mask,
+        loss_config,
+        decoupled,
+        ref_logp,
+      )
     scored = ()
     if fused:
       scored = (

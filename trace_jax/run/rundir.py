@@ -105,16 +105,17 @@ class RunDir:
     )
 
   @staticmethod
-  def _arrays(state: RLState) -> dict:
+  def _arrays(state: RLState, extra: dict | None = None) -> dict:
     arrays = {"policy": nnx.state(state.policy), "opt": nnx.state(state.opt)}
     if state.reference is not None:
       arrays["reference"] = nnx.state(state.reference)
-    return arrays
+    return {**arrays, **(extra or {})}
 
-  def restore(self, state: RLState) -> RLState:
+  def restore(self, state: RLState, extra: dict | None = None) -> RLState:
     """`state` with the newest usable checkpoint restored into it (as it is if none), and
-    metrics.jsonl cut back to the steps it holds."""
-    found = self.checkpoints.restore_latest(self._arrays(state))
+    metrics.jsonl cut back to the steps it holds. `extra`: more nnx.States saved beside the
+    state ({name: state}, restored in place; an asynchronous run's older weight versions)."""
+    found = self.checkpoints.restore_latest(self._arrays(state, extra))
     if found is not None:
       _, restored, meta = found
       nnx.update(state.policy, restored["policy"])
@@ -126,14 +127,15 @@ class RunDir:
     self._truncate_metrics(state.step)
     return state
 
-  def save(self, state: RLState) -> None:
+  def save(self, state: RLState, extra: dict | None = None) -> None:
+    """Checkpoint `state` (and `extra`, as `restore` takes it) at its step."""
     meta = {
       "step": state.step,
       "config": self.config.to_dict(),
       "seed_key": [int(x) for x in jax.random.key_data(step_key(self.config.seed, state.step))],
       "version": state.version,
     }
-    self.checkpoints.save(state.step, self._arrays(state), meta)
+    self.checkpoints.save(state.step, self._arrays(state, extra), meta)
 
   def last_good(self) -> str:
     """Which checkpoint a rerun after a failure of the current step resumes from."""

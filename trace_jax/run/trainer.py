@@ -7,6 +7,12 @@
 
 The workdir's files are the `RunDir`'s: a resumed run continues exactly as an uninterrupted
 one, and a fault leaves the latest checkpoint the last good one.
+
+Asynchronous RL (schedule.max_staleness k > 0): step j + 1 trains on rollouts a background
+thread generated with the weights of version max(0, j - k) (`run.async_rollouts`), with the
+decoupled loss (`rl.decoupled`); the weights are published after each update, and the
+checkpoints hold the older versions the in-flight batches need. k = 0 is the plain loop
+above, unchanged.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from trace_jax.rl.config import RLConfig
 from trace_jax.rl.step import RLState, StepSpec
 from trace_jax.rl.sync import WeightSync
 from trace_jax.rollout.engine import RolloutEngine
-from trace_jax.run import policy_source
+from trace_jax.run import async_rollouts, policy_source
 from trace_jax.run.rundir import RunDir
 
 
@@ -47,8 +53,12 @@ class Trainer:
       raise
 
   def close(self) -> None:
-    """Release the workdir (idempotent)."""
-    self.rundir.close()
+    """Stop the rollout worker (asynchronous RL) and release the workdir (idempotent)."""
+    try:
+      if getattr(self, "_async", None) is not None:
+        self._async.close()
+    finally:
+      self.rundir.close()
 
   def __enter__(self) -> "Trainer":
     return self
@@ -70,13 +80,34 @@ class Trainer:
       )
     else:
       self.warmstart = policy_source.skipped_warm_start(self.task)
-    self.state: RLState = self.rundir.restore(step_lib.init_state(config, policy, mesh=self.mesh))
+    staleness = config.schedule.max_staleness
+    if staleness and jax.process_count() > 1:
+      raise ValueError(
+        f"RLConfig.max_staleness={staleness} runs in one process only (its rollout thread "
+        f"would issue collectives out of step with the learner's); this run has "
+        f"{jax.process_count()} processes: use max_staleness=0"
+      )
+    slots = async_rollouts.initial_slots(policy, staleness) if staleness else None
+    initial = step_lib.init_state(config, policy, mesh=self.mesh)
+    self.state: RLState = self.rundir.restore(initial, slots)
     self.spec = StepSpec.of(config, self.model_cfg.num_layers, self.mesh)
     base, self._greedy = episodes.rollout_configs(config, self.task, self.source)
     self.sync = WeightSync()
     self._engine = self.sync.add(
       RolloutEngine(policy, config.arm_spec.rollout(base), mesh=self.mesh), self.state.version
     )
+    self._async = None
+    if staleness:
+      self._async = async_rollouts.AsyncRollouts(
+        self.spec,
+        policy,
+        self.state.version,
+        slots,
+        config.arm_spec.rollout(base),
+        self.task,
+        self.tokenizer,
+        stop_batch=config.schedule.steps,
+      )
     self.eval_items = self.task.sample(
       data.eval_seed(config.seed), config.evaluation.eval_size, split="eval"
     )  # held out, where the task holds any
@@ -119,6 +150,8 @@ class Trainer:
 
   def train_step(self) -> dict:
     """One RL step: collect -> score -> update -> check; returns its metrics."""
+    if self._async is not None:
+      return self._train_step_async()
     step, spec = self.state.step + 1, self.spec
     start = time.time()
     collected = step_lib.collect(spec, self.engine, self.task, self.tokenizer, step)
@@ -133,14 +166,51 @@ class Trainer:
     self.state = state
     return metrics
 
+  def _train_step_async(self) -> dict:
+    """One step on a batch generated ahead with older weights (`run.async_rollouts`):
+    receive -> score -> update (decoupled loss) -> check -> publish."""
+    step, spec = self.state.step + 1, self.spec
+    start = time.time()
+    received = self._async.next()  # a RolloutWorkerError if its generation failed
+    wait_seconds = time.time() - start
+    collected, rollout_seconds = received.value
+    if received.batch_index != self.state.version:  # cannot happen: one batch per version
+      raise AssertionError(f"batch {received.batch_index} at version {self.state.version}")
+    start = time.time()
+    scored = step_lib.score(spec, self.state, collected, step)
+    state, done = step_lib.update(spec, self.state, scored)
+    step_lib.check_update(spec, step, done, self.rundir.last_good())
+    train_seconds = time.time() - start
+    metrics = step_lib.step_metrics(spec, step, collected, done, self._async.engine)
+    gap = received.version_gap  # one version per batch: every sequence's gap
+    metrics.update(
+      {
+        "async/version_gap": gap,
+        "async/version_gap_mean": float(gap),
+        "async/version_gap_max": gap,
+        "async/rollout_version": received.version,
+        "async/wait_seconds": wait_seconds,
+      }
+    )
+    every = self.config.evaluation.version_diag_every
+    if every and step % every == 0:  # before publishing: the ring still holds the version
+      stale = self._async.policy_at(received.version)
+      metrics.update(step_lib.version_split(spec, stale, collected, done))
+    metrics.update(rollout_seconds=rollout_seconds, train_seconds=train_seconds)
+    self.state = state
+    self._async.publish(state.policy)
+    return metrics
+
   def save(self) -> None:
-    self.rundir.save(self.state)
+    self.rundir.save(self.state, None if self._async is None else self._async.slots())
 
   def run(self) -> list[dict]:
     """Train until the schedule's steps; returns the metrics of the steps run now."""
     steps, every = self.config.schedule.steps, self.config.evaluation.eval_every
     history = []
-    with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+      if self.mesh is not None:
+        stack.enter_context(jax.set_mesh(self.mesh))
       if self.step == 0 and every:
         self.rundir.log({"step": 0, **self.evaluate()})
       bar = tqdm(
@@ -150,6 +220,7 @@ class Trainer:
         initial=self.step,
         total=steps,
       )
+      stack.callback(self._stop_rollouts)
       for _ in bar:
         metrics = self.train_step()
         last = self.step == steps
@@ -164,3 +235,9 @@ class Trainer:
         if checkpoint_every and (self.step % checkpoint_every == 0 or last):
           self.save()
     return history
+
+  def _stop_rollouts(self) -> None:
+    """The rollout worker stops when `run` returns or raises (a later step starts another
+    from the ring's latest version)."""
+    if self._async is not None:
+      self._async.close()

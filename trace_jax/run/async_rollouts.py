@@ -1,0 +1,134 @@
+"""The rollout side of an asynchronous RL run (max_staleness k > 0; issue 26, DESIGN.md
+section 4), on `rl.pipeline`'s WeightRing and RolloutWorker:
+
+1. The ring holds copies of the policy's state at versions v - k .. v (the update donates
+   the policy's buffers, so the ring's are copies of their own).
+2. A background thread generates batch j (step j + 1) with the weights of version
+   max(0, j - k) (fixed lag): its own rollout engine, synced when the version changes, runs
+   `rl.step.collect` with the step's PRNG key, so a batch depends only on (seed, step,
+   version's weights). One generate call plays a whole batch, multi-turn episodes included:
+   an episode never continues across a weight change.
+3. The learner takes batch j at version j, updates, and publishes version j + 1.
+4. Checkpoints hold k slots beside the state: slot i the weights of version
+   max(0, v - k + i) (v the checkpoint's version; early on the first slots repeat version
+   0), so the names are fixed and a restore needs nothing but the config. Rollouts in flight
+   at a crash are not saved: a resume regenerates them, bit for bit the ones the crashed
+   run would have consumed.
+
+What this is not (yet): rollout and learner on disjoint device groups. Here both share the
+process's devices, and the overlap is the rollout thread's host and device time against the
+update's (README "Scale-out").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from trace_jax.rl import step as step_lib
+from trace_jax.rl.pipeline import Rollout, RolloutWorker, WeightRing
+from trace_jax.rl.step import StepSpec
+from trace_jax.rollout.engine import RolloutEngine
+
+
+def copy_state(policy) -> nnx.State:
+  """The policy's whole state in buffers of its own (an update donates the policy's)."""
+  return jax.tree.map(jnp.copy, nnx.state(policy))
+
+
+def slot_names(max_staleness: int) -> tuple[str, ...]:
+  """The checkpoint entries of the ring's older versions."""
+  return tuple(f"ring_{i}" for i in range(max_staleness))
+
+
+def slot_version(slot: int, version: int, max_staleness: int) -> int:
+  """The weight version checkpoint slot `slot` holds at policy version `version`."""
+  return max(0, version - max_staleness + slot)
+
+
+def initial_slots(policy, max_staleness: int) -> dict[str, nnx.State]:
+  """Slots for a fresh run (every one version 0: the policy as it starts), also what a
+  restore fills in place."""
+  return {name: copy_state(policy) for name in slot_names(max_staleness)}
+
+
+class AsyncRollouts:
+  """The ring, the worker and the worker's engine of one run.
+
+  Args:
+    spec: the run's StepSpec (its config's schedule.max_staleness > 0).
+    policy: the policy at `version` (restored or fresh); the ring takes a copy.
+    version: the policy's version (updates done).
+    slots: `initial_slots` after the restore: the older versions' states.
+    rollout_config: the arm's RolloutConfig (the trainer's engine's).
+    task, tokenizer: what `collect` plays.
+    stop_batch: the worker generates batches below this index only (the run's steps).
+  """
+
+  def __init__(
+    self,
+    spec: StepSpec,
+    policy,
+    version: int,
+    slots: dict[str, nnx.State],
+    rollout_config,
+    task,
+    tokenizer,
+    *,
+    stop_batch: int,
+  ):
+    k = spec.config.schedule.max_staleness
+    self.spec, self.task, self.tokenizer, self.stop_batch = spec, task, tokenizer, stop_batch
+    self.graphdef = nnx.graphdef(policy)
+    self.ring = WeightRing(max_staleness=k)
+    names = slot_names(k)
+    for v in range(max(0, version - k), version):
+      self.ring.put(v, slots[names[v - (version - k)]])
+    self.ring.put(version, copy_state(policy))
+    # Its own engine: the trainer's engines sync in the learner's thread.
+    self.engine = RolloutEngine(policy, rollout_config, mesh=spec.mesh)
+    self._engine_version = None  # made from the policy, not from a ring version: sync first
+    self.worker: RolloutWorker | None = None
+
+  def _generate(self, batch_index: int, version: int, params) -> tuple:
+    """(Collected, seconds) of batch `batch_index` (step batch_index + 1) at `version`."""
+    start = time.time()
+    mesh = self.spec.mesh
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+      if self._engine_version != version:
+        self.engine.sync(nnx.merge(self.graphdef, params))
+        self._engine_version = version
+      collected = step_lib.collect(
+        self.spec, self.engine, self.task, self.tokenizer, batch_index + 1
+      )
+    return collected, time.time() - start
+
+  def next(self) -> Rollout:
+    """The next batch (value: (Collected, generate seconds)); starts the worker if none
+    runs (first use, or after `close`: it continues from the ring's latest version)."""
+    if self.worker is None:
+      self.worker = RolloutWorker(self._generate, self.ring, stop_batch=self.stop_batch)
+    return self.worker.next()
+
+  def publish(self, policy) -> int:
+    """Publish the policy just updated (a copy) as the next version."""
+    return self.worker.publish(copy_state(policy))
+
+  def policy_at(self, version: int):
+    """The policy of a version the ring holds (its buffers shared with the ring's)."""
+    return nnx.merge(self.graphdef, self.ring.get(version))
+
+  def slots(self) -> dict[str, nnx.State]:
+    """The checkpoint slots at the ring's latest version (`initial_slots`' names)."""
+    k, latest = self.ring.max_staleness, self.ring.latest_version
+    return {name: self.ring.get(slot_version(i, latest, k)) for i, name in enumerate(slot_names(k))}
+
+  def close(self) -> None:
+    """Stop the worker (idempotent); queued batches are dropped, the ring is kept."""
+    if self.worker is not None:
+      self.worker.close()
+      self.worker = None
