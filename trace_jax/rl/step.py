@@ -383,20 +383,25 @@ def step_metrics(
   return metrics
 
 
-def version_split(spec: StepSpec, stale_policy, collected: Collected, done: Update) -> dict:
+def version_split(spec: StepSpec, stale_policy, policy, collected: Collected) -> dict:
   """The mismatch split into its two gaps (asynchronous RL): the training path at the
   rollout's own weights (`stale_policy`, the version that generated the batch) against the
   behaviour log-probs is the precision gap (the two paths at the same weights: what TRACE
-  removes), and the proximal (current weights) against it the version gap (staleness).
+  removes), and the training path at the current weights (`policy`, the update's start)
+  against it the version gap (staleness).
+
+  Both forwards are one compiled program (`_old_logprobs`), so at gap 0 the version gap is
+  exactly 0: the fused update's own forward (pi_old) is another program, whose bf16
+  reduction order differs and FP4 rounding amplifies (k3 ~2e-5 on the tiny preset).
 
   Returns {"mismatch/precision_k3", "mismatch/version_k3"}: k3 estimates of KL over the
   response tokens, as `mismatch/k3_kl` (which mixes both)."""
-  stale_logp = _old_logprobs(
-    stale_policy, collected.example, collected.guidance, record=False, **spec.static
-  )[0]
-  mask = collected.example.response_mask
-  precision = mismatch_metrics(collected.example.rollout_logp, stale_logp, mask)
-  version = mismatch_metrics(stale_logp, done.scored.example.old_logp, mask)
+  example, guidance = collected.example, collected.guidance
+  logp = lambda p: _old_logprobs(p, example, guidance, record=False, **spec.static)[0]  # noqa: E731
+  stale_logp, current_logp = logp(stale_policy), logp(policy)
+  mask = example.response_mask
+  precision = mismatch_metrics(example.rollout_logp, stale_logp, mask)
+  version = mismatch_metrics(stale_logp, current_logp, mask)
   return {
     "mismatch/precision_k3": precision["mismatch/k3_kl"],
     "mismatch/version_k3": version["mismatch/k3_kl"],

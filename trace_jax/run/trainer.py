@@ -193,9 +193,10 @@ class Trainer:
       }
     )
     every = self.config.evaluation.version_diag_every
-    if every and step % every == 0:  # before publishing: the ring still holds the version
+    if every and step % every == 0:  # before publishing: the ring holds both versions
       stale = self._async.policy_at(received.version)
-      metrics.update(step_lib.version_split(spec, stale, collected, done))
+      current = self._async.policy_at(received.batch_index)  # this update's start
+      metrics.update(step_lib.version_split(spec, stale, current, collected))
     metrics.update(rollout_seconds=rollout_seconds, train_seconds=train_seconds)
     self.state = state
     self._async.publish(state.policy)
