@@ -77,8 +77,10 @@ class Trainer:
     self._engine = self.sync.add(
       RolloutEngine(policy, config.arm_spec.rollout(base), mesh=self.mesh), self.state.version
     )
-    self.eval_items = self.task.sample(
-      data.eval_seed(config.seed), config.evaluation.eval_size, split="eval"
+    # the whole held-out split, each problem once, where the task lists it (chain: 324);
+    # else eval_size distinct problems
+    self.eval_items = self.task.evaluation_items(
+      data.eval_seed(config.seed), config.evaluation.eval_size
     )  # held out, where the task holds any
 
   # The run's parts, as the scripts and tests read them.
