@@ -53,8 +53,9 @@ def main(argv):
     batch=_BATCH.value,
     seed=_SEED.value,
     learning_rate=_LR.value,
+    source=warmstart.source_settings(model=_PRESET.value),  # rl.py's for this preset
   )
-  items = task.sample(eval_seed(_SEED.value), _EVAL.value, split="eval")
+  items = task.evaluation_items(eval_seed(_SEED.value), _EVAL.value)
   prompt_len = max(len(prompt_ids(tokenizer, i)) for i in items)
   max_len = episodes.max_len_for(task, prompt_len, 32, 16)
   for precision in ("fp4", "bf16"):

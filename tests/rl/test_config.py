@@ -127,7 +127,7 @@ FLAT = {
     "kl_coef": 0.0, "rollout_correction": "none", "tis_threshold": 2.0,
   },
   "correction": "auto", "compute_dtype": "bfloat16", "prompt_bucket": 0, "eval_every": 20,
-  "eval_size": 128, "checkpoint_every": 20, "sft_steps": 100, "sft_batch": 32,
+  "eval_size": 512, "checkpoint_every": 20, "sft_steps": 100, "sft_batch": 32,
   "sft_learning_rate": 0.003, "mesh": [1, 1, 1], "max_param_abs": 10000.0,
   "hf_checkpoint": "", "sft_warm_start": None, "prompt_format": "auto", "system_prompt": "",
   "observation_role": "user", "chat_template_options": [], "remat": False,

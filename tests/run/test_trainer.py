@@ -98,6 +98,15 @@ def test_short_run_on_each_task_kind(tmp_path, task, options):
     assert max(m["episodes/mean_turns"] for m in history) > 1
   metrics = read_metrics(str(tmp_path))
   assert "eval/reward_fp4" in metrics[0] and "eval/reward_bf16" in metrics[-1]
+  for m in (metrics[0], metrics[-1]):  # each problem once, with the standard error by hand
+    assert m["eval/problems"] == len(trainer.eval_items) == config.evaluation.eval_size
+    assert len({item.prompt for item in trainer.eval_items}) == len(trainer.eval_items)
+    for precision in ("fp4", "bf16"):
+      p, n = m[f"eval/reward_{precision}"], m["eval/problems"]
+      # arith's rewards are 0 or 1: the sample variance is p (1 - p) n / (n - 1)
+      assert m[f"eval/reward_{precision}_se"] == pytest.approx(
+        np.sqrt(p * (1 - p) * n / (n - 1) / n), abs=1e-6
+      )
   summary = report.summarize(config, metrics, 1.0, trainer.warmstart)
   for key in (
     "arm",
@@ -247,9 +256,10 @@ def test_learning_rate_warmup():
 
 
 def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path):
-  """reward_control="shuffle", checked by its properties (not by the permutation the
-  trainer draws, which may change): the rewards the advantages come from are the episodes'
-  own rearranged (the same multiset, not the same order), by (seed, step) alone; the
+  """reward_control="shuffle" (the matched placebo), checked by its properties (not by the
+  permutation the trainer draws, which may change): the rewards the advantages come from
+  are each group's own rearranged within the group (the same multiset per group, not the
+  same order), by (seed, step) alone, so the same groups carry advantages; the
   advantages the update used are GRPO's of those rewards, by hand (mean and population std
   of each group of consecutive samples), unlike the true rewards' advantages; the logged
   rewards are the episodes' own."""
@@ -270,8 +280,11 @@ def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path)
   collected.played.rewards = true
   state, done = step_lib.update(spec, state, step_lib.score(spec, state, collected, step=1))
   used = np.asarray(step_lib.advantage_rewards(config, 1, true))
-  np.testing.assert_array_equal(np.sort(used), np.sort(true))  # the same rewards...
-  assert not np.array_equal(used, true)  # ...moved
+  g = config.sampling.group_size
+  np.testing.assert_array_equal(  # each group's rewards...
+    np.sort(used.reshape(-1, g), axis=1), np.sort(true.reshape(-1, g), axis=1)
+  )
+  assert not np.array_equal(used, true)  # ...moved within their groups
   # By (seed, step) alone: the same step rearranges the same rewards the same way again,
   # and the steps do not all share one arrangement.
   np.testing.assert_array_equal(step_lib.advantage_rewards(config, 1, true), used)
@@ -291,3 +304,29 @@ def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path)
   metrics = step_lib.step_metrics(spec, 1, collected, done, trainer.engine)
   assert metrics["rewards/mean"] == pytest.approx(float(np.mean(true)))
   assert metrics["rewards/std"] == pytest.approx(float(np.std(true)))
+  # groups with mixed rewards: all here (distinct rewards), the same share the placebo's
+  assert metrics["reward/advantage_mixed_group_frac"] == metrics["reward/mixed_group_frac"] == 1
+
+
+def test_placebos_keep_or_break_the_groups_that_carry_advantages():
+  """Within-group ("shuffle") keeps which groups have mixed rewards; across the batch
+  ("shuffle_batch") gives mixed rewards to groups whose samples all agreed. Rewards by
+  hand: 8 groups of 4, half all-0 or all-1, half mixed."""
+  rng = np.random.default_rng(30)
+  groups = np.zeros((8, 4), np.float32)
+  groups[0:2] = 1.0  # all succeed
+  for i in range(4, 8):  # mixed: one to three successes
+    groups[i, rng.choice(4, size=1 + i % 3, replace=False)] = 1.0
+  rewards = groups.reshape(-1)
+  mixed = lambda r: (r.reshape(-1, 4).max(1) > r.reshape(-1, 4).min(1)).tolist()
+  for seed in range(5):
+    within = _config(group_size=4, prompts_per_step=8, reward_control="shuffle", seed=seed)
+    used = np.asarray(step_lib.advantage_rewards(within, 1, rewards))
+    assert mixed(used) == mixed(rewards) == [False] * 4 + [True] * 4
+    np.testing.assert_array_equal(used.reshape(-1, 4).sum(1), groups.sum(1))
+  batch = _config(group_size=4, prompts_per_step=8, reward_control="shuffle_batch", seed=0)
+  used = np.asarray(step_lib.advantage_rewards(batch, 1, rewards))
+  np.testing.assert_array_equal(np.sort(used), np.sort(rewards))
+  assert sum(mixed(used)) > sum(mixed(rewards))
+  plain = _config(group_size=4, prompts_per_step=8)
+  assert step_lib.advantage_rewards(plain, 1, rewards) is rewards

@@ -32,3 +32,44 @@ def test_padding_rows_change_no_loss():
   want, got = loss(*batch), loss(*padded)
   assert float(want[1]) > 0
   chex.assert_trees_all_close(got, want, rtol=1e-6)
+
+
+def test_a_warm_start_is_reused_only_for_its_own_settings(tmp_path):
+  """Issue 30, 4: the saved warm start carries its settings; the same settings load it
+  (the very parameters), any other setting is refused naming the field and both values,
+  and a warm start saved without settings is refused too, never reused silently."""
+  import json
+
+  import pytest
+
+  from trace_jax.tasks import CharTokenizer, get_task
+
+  task, tokenizer = get_task("arith"), CharTokenizer()
+  cfg = M.tiny(vocab_size=max(M.tiny().vocab_size, tokenizer.vocab_size))
+  source = warmstart.source_settings(model="tiny")
+  make = dict(steps=2, batch=4, seed=1, learning_rate=1e-3, source=source, progress=False)
+  first = M.Transformer(cfg, rngs=nnx.Rngs(1))
+  record = warmstart.load_or_train(first, str(tmp_path), task, tokenizer, **make)
+  assert not record["loaded"] and record["settings"]["sft_steps"] == 2
+  again = M.Transformer(cfg, rngs=nnx.Rngs(2))  # other initial weights: the load replaces them
+  assert warmstart.load_or_train(again, str(tmp_path), task, tokenizer, **make)["loaded"]
+  chex.assert_trees_all_equal(nnx.state(again, nnx.Param), nnx.state(first, nnx.Param))
+  for change, message in (
+    (dict(steps=3), "sft_steps: saved 2, this run 3"),
+    (dict(seed=2), "seed: saved 1, this run 2"),
+    (dict(source=warmstart.source_settings(model="small")), "model: saved 'tiny', this run"),
+    (
+      dict(source=warmstart.source_settings(model="tiny", task_options=(("terms", 3),))),
+      "task_options: saved",
+    ),
+  ):
+    with pytest.raises(ValueError, match=message):
+      warmstart.load_or_train(again, str(tmp_path), task, tokenizer, **{**make, **change})
+  with pytest.raises(ValueError, match="task: saved 'arith', this run 'chain'"):
+    warmstart.load_or_train(again, str(tmp_path), get_task("chain"), tokenizer, **make)
+  path = tmp_path / "warmstart" / "warmstart.json"
+  old = json.loads(path.read_text())
+  del old["settings"]  # as saved before warm starts recorded their settings
+  path.write_text(json.dumps(old))
+  with pytest.raises(ValueError, match="not recorded"):
+    warmstart.load_or_train(again, str(tmp_path), task, tokenizer, **make)

@@ -20,11 +20,15 @@ def test_chain_evaluates_every_held_out_problem_once():
     for v in itertools.product(range(6), repeat=4)
     if zlib.crc32(("+".join(map(str, v)) + "=").encode()) < 2**30
   }
-  items = task.evaluation_items(seed=3, n=128)  # n does not cut a listed split
+  items = task.evaluation_items(seed=3, n=512)  # n covers the split: all of it
   prompts = [item.prompt for item in items]
   assert len(prompts) == len(set(prompts)) == len(held_out)
   assert set(prompts) == held_out
-  assert task.evaluation_items(seed=4, n=7) == items  # the whole split, whatever the seed
+  assert task.evaluation_items(seed=4, n=324) == items  # the whole split, whatever the seed
+  part = task.evaluation_items(seed=4, n=100)  # fewer: distinct, from the split, by the seed
+  assert len({item.prompt for item in part}) == 100 and all(item in items for item in part)
+  assert part == task.evaluation_items(seed=4, n=100) != task.evaluation_items(seed=5, n=100)
+  assert task.evaluation_items(seed=4, n=0) == []
   for item in items:
     assert item.target == sum(int(x) for x in item.prompt[:-1].split("+"))
     assert task.score(item, item.demonstration) == 1.0
@@ -37,7 +41,7 @@ def test_chain_evaluates_every_held_out_problem_once():
 
 def test_arith_without_a_held_out_share_lists_all_its_problems():
   task = get_task("arith")  # two operands 0-9, + and -: 200 problems, no share held out
-  items = task.evaluation_items(seed=0, n=5)
+  items = task.evaluation_items(seed=0, n=200)
   assert len(items) == len({item.prompt for item in items}) == 200
   for item in items:
     a, op, b = item.prompt[0], item.prompt[1], item.prompt[2:-1]
@@ -76,5 +80,5 @@ def test_repeats_are_replaced_by_distinct_problems_and_too_many_are_refused():
   assert sorted(item.prompt for item in task.evaluation_items(seed=0, n=6)) == list("123456")
   with pytest.raises(ValueError, match="7 distinct evaluation problems"):
     task.evaluation_items(seed=0, n=7)
-  with pytest.raises(ValueError, match="n=0"):
-    task.evaluation_items(seed=0, n=0)
+  with pytest.raises(ValueError, match="n=-1"):
+    task.evaluation_items(seed=0, n=-1)

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from trace_jax import fp4
-from trace_jax.fp4 import tiles
+from trace_jax.fp4 import numerics, tiles
 from trace_jax.kernels import dispatch
 
 _F32 = jnp.float32
@@ -114,7 +114,9 @@ def _attention_kernel(
       q_even, k_even.astype(dtype), contract_last, preferred_element_type=_F32
     ) + jax.lax.dot_general(q_odd, k_odd.astype(dtype), contract_last, preferred_element_type=_F32)
     k_scale = jnp.where(keep, load(kg_ref, 1).reshape(chunk), 1.0)
-    scores = scores / k_scale[None, :] * scale  # [rows, chunk]
+    # every division correctly rounded (numerics.true_divide): a plain `/` lowers to
+    # Triton's approximate div.full.f32
+    scores = numerics.true_divide(scores, k_scale[None, :]) * scale  # [rows, chunk]
     m_new = jnp.maximum(m, jnp.max(jnp.where(keep[None, :], scores, _NEG), axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(keep[None, :], jnp.exp(scores - m_new), 0.0)
@@ -122,7 +124,7 @@ def _attention_kernel(
     # Masked slots may hold anything (a NaN global or block scale of a skipped token): zero
     # them before the products, since p = 0 there and 0 * NaN (or 0 / NaN) would be NaN.
     v_scale = jnp.where(keep, load(vg_ref, 1).reshape(chunk), 1.0)
-    pv = (p / v_scale[None, :]).astype(dtype)  # V's global scale, folded
+    pv = numerics.true_divide(p, v_scale[None, :]).astype(dtype)  # V's global scale, folded
     v_even, v_odd = tiles.scaled_pairs_bf16(
       load(vp_ref, dh // 2), load(vs_ref, vs_ref.shape[-1]), fmt, axis=1
     )
@@ -163,7 +165,7 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits, width):
   weight = jnp.where(used, jnp.exp(m - jnp.max(m)), 0.0)
   total = jnp.sum(weight * l)
   out = jnp.sum(weight[:, None] * parts, axis=0, keepdims=True)  # [1, Dh]
-  out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+  out = jnp.where(total > 0, numerics.true_divide(out, jnp.where(total > 0, total, 1.0)), 0.0)
   out_ref[b, pl.ds(h, 1), :] = out.astype(out_ref.dtype)
 
 

@@ -34,7 +34,7 @@ from trace_jax.tasks.registry import registered
 from trace_jax.utils import flags
 from trace_jax.utils.flags import knob
 
-REWARD_CONTROLS = ("none", "shuffle")
+REWARD_CONTROLS = ("none", "shuffle", "shuffle_batch")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 
 
@@ -159,7 +159,11 @@ class Evaluation:
   """The greedy evaluation, in FP4 and in bf16, on held-out problems."""
 
   eval_every: int = knob(20, "Greedy evaluation period (steps); 0: never.")
-  eval_size: int = knob(128, "Evaluation problems.")
+  eval_size: int = knob(
+    512,
+    "Evaluation problems, each once: a held-out split the task lists (chain: 324) whole "
+    "when this covers it, else this many distinct; 0: no evaluation.",
+  )
   version_diag_every: int = knob(
     0,
     "Asynchronous RL: every N steps split the mismatch into precision and version gaps "
@@ -189,8 +193,10 @@ class RLConfig:
   )
   reward_control: str = knob(
     "none",
-    "shuffle: a placebo run, rewards permuted across the batch before the advantages (the "
-    "optimizer's noise, no signal); compare it with the real run.",
+    "shuffle: the matched placebo, each group's rewards permuted within the group before "
+    "the advantages (the same groups carry advantages, which sample earned them is lost); "
+    "shuffle_batch: permuted across the whole batch (nearly every group gets advantages: "
+    "more noise than the real run). Compare either with the real run.",
     choices=REWARD_CONTROLS,
   )
   sparse_delta: float = knob(

@@ -72,12 +72,26 @@ def rollout_configs(config, task: Task, source) -> tuple[RolloutConfig, RolloutC
 def evaluate(
   engines: dict[str, RolloutEngine], task: Task, tokenizer: Tokenizer, items: Sequence[Item]
 ) -> dict[str, float]:
-  """Greedy reward on fixed problems per engine: {"eval/reward_<name>": mean reward}."""
-  out = {}
+  """Greedy reward on fixed problems per engine: {"eval/reward_<name>": mean reward,
+  "eval/reward_<name>_se": its standard error (sample std / sqrt(n)), "eval/problems": n}.
+
+  The standard error treats the problems as a sample of the task's problems: with the
+  whole held-out split it is the spread a fresh split of the same size would show.
+  """
+  out = {"eval/problems": len(items)}
   for name, engine in engines.items():
     played = play(engine, task, tokenizer, items, jax.random.key(0))
     out[f"eval/reward_{name}"] = float(np.mean(played.rewards))
+    out[f"eval/reward_{name}_se"] = standard_error(played.rewards)
   return out
+
+
+def standard_error(values) -> float:
+  """Sample standard deviation (n - 1) over sqrt(n); NaN for fewer than two values."""
+  values = np.asarray(values, np.float64)
+  if values.size < 2:
+    return float("nan")
+  return float(np.std(values, ddof=1) / np.sqrt(values.size))
 
 
 def play(

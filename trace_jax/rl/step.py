@@ -219,13 +219,22 @@ def collect(spec: StepSpec, engine: RolloutEngine, task, tokenizer, step: int) -
 
 
 def advantage_rewards(config: RLConfig, step: int, rewards: np.ndarray) -> np.ndarray:
-  """The rewards the advantages are computed from: the episodes' own, or with
-  `reward_control="shuffle"` the same rewards permuted across the whole batch (by the seed
-  and the step, the same on every process), which keeps their mean and spread and breaks
-  their link to the completions."""
-  if config.reward_control == "shuffle":
-    return np.random.default_rng([config.seed, step]).permutation(rewards)
-  return rewards
+  """The rewards the advantages are computed from: the episodes' own, or a placebo's.
+
+  `reward_control="shuffle"` (the matched placebo) permutes each group's rewards within the
+  group: every group keeps its reward multiset, so the same groups carry advantages of the
+  same sizes as in the real run, and only which sample earned them is lost.
+  `"shuffle_batch"` permutes across the whole batch: almost no group keeps equal rewards,
+  so nearly every group gets advantages, more noise than the real run injects. Both draw
+  from (seed, step) alone, the same on every process.
+  """
+  if config.reward_control == "none":
+    return rewards
+  rng = np.random.default_rng([config.seed, step])
+  if config.reward_control == "shuffle_batch":
+    return rng.permutation(rewards)
+  groups = np.asarray(rewards).reshape(-1, config.sampling.group_size)
+  return rng.permuted(groups, axis=1).reshape(-1)
 
 
 def score(spec: StepSpec, state: RLState, collected: Collected, step: int) -> Scored:
@@ -361,6 +370,10 @@ def step_metrics(
   if engine.kernels_fallback:
     metrics["kernels/fallback_reason"] = engine.kernels_fallback
   metrics.update(group_reward_metrics(played.rewards, config.sampling.group_size))
+  # the groups that carried advantages: a placebo's permuted rewards, not the true ones
+  used = advantage_rewards(config, step, played.rewards)
+  mixed = group_reward_metrics(used, config.sampling.group_size)["reward/mixed_group_frac"]
+  metrics["reward/advantage_mixed_group_frac"] = mixed
   metrics.update(
     mismatch_metrics(
       rollout.logprobs,

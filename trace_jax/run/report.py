@@ -41,9 +41,14 @@ def summarize(
     steps, rewards = eval_curve(metrics, precision)
     summary[f"initial_eval_reward_{precision}"] = rewards[0] if rewards else None
     summary[f"final_eval_reward_{precision}"] = rewards[-1] if rewards else None
+    ses = [m[f"eval/reward_{precision}_se"] for m in metrics if f"eval/reward_{precision}_se" in m]
+    summary[f"final_eval_reward_{precision}_se"] = ses[-1] if ses else None
   summary["eval_precision"] = deploy
   summary["initial_eval_reward"] = summary[f"initial_eval_reward_{deploy}"]
   summary["final_eval_reward"] = summary[f"final_eval_reward_{deploy}"]
+  summary["eval_problems"] = next(
+    (m["eval/problems"] for m in reversed(metrics) if "eval/problems" in m), None
+  )
   mean = lambda key: float(np.mean([m[key] for m in train if key in m])) if train else None
   summary.update(
     {
@@ -64,6 +69,12 @@ def summarize(
   return summary
 
 
+def _advantage_mixed(m: dict) -> float:
+  """The share of groups whose advantages came from mixed rewards (a placebo's permuted
+  rewards where it ran; runs before that metric logged the true rewards' share)."""
+  return m.get("reward/advantage_mixed_group_frac", m.get("reward/mixed_group_frac", np.nan))
+
+
 def plot(metrics: list[dict], workdir: str, title: str) -> list[str]:
   """reward.png (train reward, share of mixed-reward groups, greedy evals) and mismatch.png
   (k3 KL, |dlogp|) over steps."""
@@ -77,8 +88,9 @@ def plot(metrics: list[dict], workdir: str, title: str) -> list[str]:
     window = min(10, len(rewards))
     smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
     ax.plot(steps[window - 1 :], smooth, label=f"train reward, mean of {window}")
-    mixed = np.asarray([m.get("reward/mixed_group_frac", np.nan) for m in train])
-    if np.isfinite(mixed).any():  # groups that carry an advantage (not all-equal rewards)
+    # groups that carry an advantage (not all-equal rewards): a placebo's, not the true ones
+    mixed = np.asarray([_advantage_mixed(m) for m in train])
+    if np.isfinite(mixed).any():
       ax.plot(
         steps[window - 1 :],
         np.convolve(mixed, np.ones(window) / window, mode="valid"),
@@ -115,6 +127,13 @@ def plot(metrics: list[dict], workdir: str, title: str) -> list[str]:
   return paths
 
 
+def _with_se(m: dict, key: str) -> str:
+  if key not in m:
+    return "-"
+  se = m.get(f"{key}_se")
+  return f"{m[key]:.3f}" + ("" if se is None else f" ± {se:.3f}")
+
+
 def final_table(metrics: list[dict]) -> str:
   rows = []
   for m in metrics:
@@ -123,10 +142,10 @@ def final_table(metrics: list[dict]) -> str:
       rows.append(
         (
           m["step"],
-          fmt("eval/reward_fp4"),
-          fmt("eval/reward_bf16"),
+          _with_se(m, "eval/reward_fp4"),
+          _with_se(m, "eval/reward_bf16"),
           fmt("rewards/mean"),
-          fmt("reward/mixed_group_frac", "{:.2f}"),
+          "-" if np.isnan(_advantage_mixed(m)) else f"{_advantage_mixed(m):.2f}",
           fmt("mismatch/k3_kl", "{:.2e}"),
           fmt("mismatch/mantissa_disagree_frac", "{:.4f}"),
         )

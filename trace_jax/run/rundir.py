@@ -100,6 +100,14 @@ class RunDir:
       batch=config.source.sft_batch,
       seed=config.seed,
       learning_rate=config.source.sft_learning_rate,
+      source=warmstart.source_settings(
+        model=config.source.hf_checkpoint or config.source.preset,
+        task_options=config.task_options,
+        prompt_format=config.source.prompt_format,
+        system_prompt=config.source.system_prompt,
+        observation_role=config.source.observation_role,
+        chat_template_options=config.source.chat_template_options,
+      ),
       progress=progress,
       mesh=mesh,
     )

@@ -108,8 +108,10 @@ class Trainer:
         self.tokenizer,
         stop_batch=config.schedule.steps,
       )
-    self.eval_items = self.task.sample(
-      data.eval_seed(config.seed), config.evaluation.eval_size, split="eval"
+    # the whole held-out split, each problem once, where the task lists it (chain: 324);
+    # else eval_size distinct problems
+    self.eval_items = self.task.evaluation_items(
+      data.eval_seed(config.seed), config.evaluation.eval_size
     )  # held out, where the task holds any
 
   # The run's parts, as the scripts and tests read them.

@@ -76,6 +76,37 @@ def run_sft(
   return train_sft(policy, batches, steps=steps, learning_rate=learning_rate, progress=progress)
 
 
+def source_settings(
+  *,
+  model: str,
+  task_options=(),
+  prompt_format: str = "auto",
+  system_prompt: str = "",
+  observation_role: str = "user",
+  chat_template_options=(),
+) -> dict:
+  """What besides the task, seed and SFT settings makes a warm start: the starting model
+  (a preset's name or a checkpoint's path), the task's options and how prompts are
+  rendered. `experiments/sft.py` and the trainer both key their warm starts with it."""
+  return {
+    "model": model,
+    "task_options": task_options,
+    "prompt_format": prompt_format,
+    "system_prompt": system_prompt,
+    "observation_role": observation_role,
+    "chat_template_options": chat_template_options,
+  }
+
+
+def _differences(saved: dict | None, wanted: dict) -> dict:
+  saved = saved or {}
+  return {
+    k: (saved.get(k, "<not recorded>"), wanted[k])
+    for k in sorted(set(saved) | set(wanted))
+    if saved.get(k, "<not recorded>") != wanted.get(k, "<not recorded>")
+  }
+
+
 def load_or_train(
   policy,
   workdir: str,
@@ -86,12 +117,35 @@ def load_or_train(
   batch: int,
   seed: int,
   learning_rate: float,
+  source: dict,
   progress: bool = True,
   mesh=None,
 ) -> dict:
   """Restore `<workdir>/warmstart` into `policy`, or run SFT (batch rows over the mesh's
   "data" axis, `place_sft_batch`) and save it there. Returns the warm start's record
-  (steps, NLLs, whether it was loaded)."""
+  (steps, NLLs, settings, whether it was loaded).
+
+  A warm start is keyed by its settings (task, seed, SFT steps, batch and learning rate,
+  and `source`, from `source_settings`): one saved for other settings is refused, naming
+  what differs, never reused silently (a rerun in the same workdir with another --task
+  or --sft_steps would otherwise start from the wrong policy).
+
+  Raises:
+    ValueError: a damaged warm start, or one made with other settings.
+  """
+  # JSON's view of the settings (tuples as lists): what a saved record compares against
+  settings = json.loads(
+    json.dumps(
+      {
+        "task": task.name,
+        "seed": seed,
+        "sft_steps": steps,
+        "sft_batch": batch,
+        "sft_learning_rate": learning_rate,
+        **source,
+      }
+    )
+  )
   path = os.path.join(os.path.abspath(workdir), WARMSTART_DIR)
   record_path = os.path.join(path, "warmstart.json")
   checkpointer = ocp.StandardCheckpointer()
@@ -100,6 +154,19 @@ def load_or_train(
     try:
       with open(record_path) as f:
         record = json.load(f)
+    except Exception as e:  # noqa: BLE001
+      raise ValueError(
+        f"the warm start in {path} is damaged ({type(e).__name__}: {e}); "
+        f"delete that directory to redo the warm start"
+      ) from e
+    differ = _differences(record.get("settings") if isinstance(record, dict) else None, settings)
+    if differ:
+      listed = "; ".join(f"{k}: saved {a!r}, this run {b!r}" for k, (a, b) in differ.items())
+      raise ValueError(
+        f"the warm start in {path} was made with other settings ({listed}); delete that "
+        f"directory to make one for this run, or use another --workdir"
+      )
+    try:
       restored = checkpointer.restore(os.path.join(path, "params"), nnx.to_pure_dict(state))
     except Exception as e:  # noqa: BLE001 - JSON, orbax and TensorStore errors name no file
       first = (str(e).strip().splitlines() or [""])[0][:200]
@@ -127,6 +194,7 @@ def load_or_train(
   fsync_directory(path)  # orbax renamed params/ into place: durable once path/ is
   record = {
     "task": task.name,
+    "settings": settings,
     "steps": steps,
     "first_nll": losses[0] if losses else None,
     "final_nll": float(np.mean(losses[-10:])) if losses else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import random
 import dataclasses
 from typing import Any
 
@@ -68,18 +69,24 @@ class Task(abc.ABC):
     return None
 
   def evaluation_items(self, seed: int, n: int) -> list[Item]:
-    """The evaluation's problems: the whole held-out split, each once, where the task can
-    list it (`problems("eval")`); otherwise `n` distinct problems drawn with the seed.
+    """The evaluation's problems, `n` at most and each once (no replacement): a held-out
+    split the task can list (`problems("eval")`) whole when `n` covers it, else `n` of it
+    chosen with the seed; a vast problem space's `n` distinct problems drawn with the seed.
 
     Drawing with replacement repeats problems (128 draws from 324 held-out problems hold
     about 105 distinct ones): a repeat adds no information and makes the standard error
-    look smaller than it is.
+    look smaller than it is. `n` = 0: no evaluation.
     """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+      raise ValueError(f"task {self.name!r}: evaluation size n={n!r} must be an int >= 0")
+    if n == 0:
+      return []
     listed = self.problems("eval")
     if listed is not None:
-      return listed
-    if not isinstance(n, int) or n < 1:
-      raise ValueError(f"task {self.name!r}: evaluation size n={n!r} must be an int >= 1")
+      if n >= len(listed):
+        return listed
+      chosen = sorted(random.Random(f"{self.name}:eval:{seed}").sample(range(len(listed)), n))
+      return [listed[i] for i in chosen]
     items, seen, draws = [], set(), 0
     while len(items) < n:
       draws += 1
