@@ -35,6 +35,19 @@ from trace_jax.rl.step import StepSpec
 from trace_jax.rollout.engine import RolloutEngine
 
 
+def check_staleness(config) -> int:
+  """The run's max_staleness; refused (ValueError) for a multi-process run, where the
+  rollout thread would issue collectives out of step with the learner's."""
+  staleness = config.schedule.max_staleness
+  if staleness and jax.process_count() > 1:
+    raise ValueError(
+      f"RLConfig.max_staleness={staleness} runs in one process only (its rollout thread "
+      f"would issue collectives out of step with the learner's); this run has "
+      f"{jax.process_count()} processes: use max_staleness=0"
+    )
+  return staleness
+
+
 def copy_state(policy) -> nnx.State:
   """The policy's whole state in buffers of its own (an update donates the policy's)."""
   return jax.tree.map(jnp.copy, nnx.state(policy))
@@ -66,7 +79,8 @@ class AsyncRollouts:
     slots: `initial_slots` after the restore: the older versions' states.
     rollout_config: the arm's RolloutConfig (the trainer's engine's).
     task, tokenizer: what `collect` plays.
-    stop_batch: the worker generates batches below this index only (the run's steps).
+    stop_batch: the worker generates batches below this index only (default: the run's
+      steps).
   """
 
   def __init__(
@@ -79,9 +93,10 @@ class AsyncRollouts:
     task,
     tokenizer,
     *,
-    stop_batch: int,
+    stop_batch: int | None = None,
   ):
     k = spec.config.schedule.max_staleness
+    stop_batch = spec.config.schedule.steps if stop_batch is None else stop_batch
     self.spec, self.task, self.tokenizer, self.stop_batch = spec, task, tokenizer, stop_batch
     self.graphdef = nnx.graphdef(policy)
     self.ring = WeightRing(max_staleness=k)
@@ -113,6 +128,41 @@ class AsyncRollouts:
     if self.worker is None:
       self.worker = RolloutWorker(self._generate, self.ring, stop_batch=self.stop_batch)
     return self.worker.next()
+
+  def receive(self, version: int) -> tuple:
+    """The batch for the learner at `version`: (Collected, its generate seconds, its
+    async/* metrics); a RolloutWorkerError if its generation failed."""
+    start = time.time()
+    received = self.next()
+    wait_seconds = time.time() - start
+    if received.batch_index != version:  # cannot happen: one batch per version
+      raise AssertionError(f"batch {received.batch_index} at version {version}")
+    self._received = received
+    collected, rollout_seconds = received.value
+    gap = received.version_gap  # one version per batch: every sequence's gap
+    return (
+      collected,
+      rollout_seconds,
+      {
+        "async/version_gap": gap,
+        "async/version_gap_mean": float(gap),
+        "async/version_gap_max": gap,
+        "async/rollout_version": received.version,
+        "async/wait_seconds": wait_seconds,
+      },
+    )
+
+  def version_split(self, step: int, collected) -> dict:
+    """`rl.step.version_split` of the batch just received, every
+    `evaluation.version_diag_every` steps (before the update is published: the ring then
+    holds both the rollout's version and this update's start)."""
+    every = self.spec.config.evaluation.version_diag_every
+    if not every or step % every:
+      return {}
+    received = self._received
+    stale = self.policy_at(received.version)
+    current = self.policy_at(received.batch_index)  # this update's start
+    return step_lib.version_split(self.spec, stale, current, collected)
 
   def publish(self, policy) -> int:
     """Publish the policy just updated (a copy) as the next version."""

@@ -11,8 +11,7 @@ one, and a fault leaves the latest checkpoint the last good one.
 Asynchronous RL (schedule.max_staleness k > 0): step j + 1 trains on rollouts a background
 thread generated with the weights of version max(0, j - k) (`run.async_rollouts`), with the
 decoupled loss (`rl.decoupled`); the weights are published after each update, and the
-checkpoints hold the older versions the in-flight batches need. k = 0 is the plain loop
-above, unchanged.
+checkpoints hold the older versions the in-flight batches need. k = 0: the plain loop.
 """
 
 from __future__ import annotations
@@ -80,39 +79,24 @@ class Trainer:
       )
     else:
       self.warmstart = policy_source.skipped_warm_start(self.task)
-    staleness = config.schedule.max_staleness
-    if staleness and jax.process_count() > 1:
-      raise ValueError(
-        f"RLConfig.max_staleness={staleness} runs in one process only (its rollout thread "
-        f"would issue collectives out of step with the learner's); this run has "
-        f"{jax.process_count()} processes: use max_staleness=0"
-      )
+    staleness = async_rollouts.check_staleness(config)
     slots = async_rollouts.initial_slots(policy, staleness) if staleness else None
     initial = step_lib.init_state(config, policy, mesh=self.mesh)
     self.state: RLState = self.rundir.restore(initial, slots)
     self.spec = StepSpec.of(config, self.model_cfg.num_layers, self.mesh)
     base, self._greedy = episodes.rollout_configs(config, self.task, self.source)
-    self.sync = WeightSync()
-    self._engine = self.sync.add(
-      RolloutEngine(policy, config.arm_spec.rollout(base), mesh=self.mesh), self.state.version
-    )
-    self._async = None
+    self.sync, rollout = WeightSync(), config.arm_spec.rollout(base)
+    self._engine = self.sync.add(RolloutEngine(policy, rollout, mesh=self.mesh), self.state.version)
+    self._async = None  # asynchronous RL: the ring, the worker and its engine
     if staleness:
       self._async = async_rollouts.AsyncRollouts(
-        self.spec,
-        policy,
-        self.state.version,
-        slots,
-        config.arm_spec.rollout(base),
-        self.task,
-        self.tokenizer,
-        stop_batch=config.schedule.steps,
+        self.spec, policy, self.state.version, slots, rollout, self.task, self.tokenizer
       )
-    # the whole held-out split, each problem once, where the task lists it (chain: 324);
-    # else eval_size distinct problems
+    # each once: the whole held-out split where the task lists it (chain: 324), else
+    # eval_size distinct problems
     self.eval_items = self.task.evaluation_items(
       data.eval_seed(config.seed), config.evaluation.eval_size
-    )  # held out, where the task holds any
+    )
 
   # The run's parts, as the scripts and tests read them.
   workdir = property(lambda self: self.rundir.path)
@@ -151,57 +135,27 @@ class Trainer:
     return episodes.evaluate(engines, self.task, self.tokenizer, self.eval_items)
 
   def train_step(self) -> dict:
-    """One RL step: collect -> score -> update -> check; returns its metrics."""
+    """One RL step: collect (asynchronous RL: receive a batch generated ahead with older
+    weights, `run.async_rollouts`) -> score -> update -> check (-> publish); its metrics."""
+    step, spec, extra = self.state.step + 1, self.spec, {}
+    start = time.time()
+    if self._async is None:
+      collected = step_lib.collect(spec, self.engine, self.task, self.tokenizer, step)
+      rollout_seconds, engine = time.time() - start, self._engine
+    else:
+      collected, rollout_seconds, extra = self._async.receive(self.state.version)
+      engine = self._async.engine
+    start = time.time()
+    scored = step_lib.score(spec, self.state, collected, step)
+    state, done = step_lib.update(spec, self.state, scored)
+    step_lib.check_update(spec, step, done, self.rundir.last_good())
+    train_seconds = time.time() - start
+    metrics = step_lib.step_metrics(spec, step, collected, done, engine)
     if self._async is not None:
-      return self._train_step_async()
-    step, spec = self.state.step + 1, self.spec
-    start = time.time()
-    collected = step_lib.collect(spec, self.engine, self.task, self.tokenizer, step)
-    rollout_seconds = time.time() - start
-    start = time.time()
-    scored = step_lib.score(spec, self.state, collected, step)
-    state, done = step_lib.update(spec, self.state, scored)
-    step_lib.check_update(spec, step, done, self.rundir.last_good())
-    train_seconds = time.time() - start
-    metrics = step_lib.step_metrics(spec, step, collected, done, self._engine)
+      metrics.update(extra, **self._async.version_split(step, collected))
+      self._async.publish(state.policy)
     metrics.update(rollout_seconds=rollout_seconds, train_seconds=train_seconds)
     self.state = state
-    return metrics
-
-  def _train_step_async(self) -> dict:
-    """One step on a batch generated ahead with older weights (`run.async_rollouts`):
-    receive -> score -> update (decoupled loss) -> check -> publish."""
-    step, spec = self.state.step + 1, self.spec
-    start = time.time()
-    received = self._async.next()  # a RolloutWorkerError if its generation failed
-    wait_seconds = time.time() - start
-    collected, rollout_seconds = received.value
-    if received.batch_index != self.state.version:  # cannot happen: one batch per version
-      raise AssertionError(f"batch {received.batch_index} at version {self.state.version}")
-    start = time.time()
-    scored = step_lib.score(spec, self.state, collected, step)
-    state, done = step_lib.update(spec, self.state, scored)
-    step_lib.check_update(spec, step, done, self.rundir.last_good())
-    train_seconds = time.time() - start
-    metrics = step_lib.step_metrics(spec, step, collected, done, self._async.engine)
-    gap = received.version_gap  # one version per batch: every sequence's gap
-    metrics.update(
-      {
-        "async/version_gap": gap,
-        "async/version_gap_mean": float(gap),
-        "async/version_gap_max": gap,
-        "async/rollout_version": received.version,
-        "async/wait_seconds": wait_seconds,
-      }
-    )
-    every = self.config.evaluation.version_diag_every
-    if every and step % every == 0:  # before publishing: the ring holds both versions
-      stale = self._async.policy_at(received.version)
-      current = self._async.policy_at(received.batch_index)  # this update's start
-      metrics.update(step_lib.version_split(spec, stale, current, collected))
-    metrics.update(rollout_seconds=rollout_seconds, train_seconds=train_seconds)
-    self.state = state
-    self._async.publish(state.policy)
     return metrics
 
   def save(self) -> None:
