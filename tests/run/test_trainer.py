@@ -100,7 +100,8 @@ def test_short_run_on_each_task_kind(tmp_path, task, options):
   assert "eval/reward_fp4" in metrics[0] and "eval/reward_bf16" in metrics[-1]
   for m in (metrics[0], metrics[-1]):  # each problem once, with the standard error by hand
     assert m["eval/problems"] == len(trainer.eval_items) == config.evaluation.eval_size
-    assert len({item.prompt for item in trainer.eval_items}) == len(trainer.eval_items)
+    problems = {(item.prompt, repr(item.target)) for item in trainer.eval_items}
+    assert len(problems) == len(trainer.eval_items)
     for precision in ("fp4", "bf16"):
       p, n = m[f"eval/reward_{precision}"], m["eval/problems"]
       # arith's rewards are 0 or 1: the sample variance is p (1 - p) n / (n - 1)

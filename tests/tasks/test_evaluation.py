@@ -53,6 +53,13 @@ def test_a_vast_space_is_not_listed():
   assert get_task("coding").problems("eval") is None
 
 
+def test_a_multi_turn_task_tells_problems_apart_by_target_too():
+  """search's prompt is the same for every secret: its problems differ by their target."""
+  task = get_task("search", bits=3, max_turns=5)
+  items = task.evaluation_items(seed=2, n=6)
+  assert len({repr(item.target) for item in items}) == 6
+
+
 def test_a_vast_task_gives_n_distinct_problems_deterministically():
   task = get_task("coding")
   items = task.evaluation_items(seed=5, n=24)

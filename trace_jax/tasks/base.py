@@ -97,8 +97,11 @@ class Task(abc.ABC):
         )
       # the first draw is `seed`'s own problems; more only to replace repeats
       for item in self.sample(seed + (draws - 1) * 1_000_003, n, split="eval"):
-        if item.prompt not in seen and len(items) < n:
-          seen.add(item.prompt)
+        # a problem is its prompt and target (a multi-turn task's prompt may be the same
+        # for every secret)
+        key = (item.prompt, repr(item.target))
+        if key not in seen and len(items) < n:
+          seen.add(key)
           items.append(item)
     return items
 
