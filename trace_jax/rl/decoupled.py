@@ -34,7 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from trace_jax.rl.grpo import LossConfig, aggregate
+from trace_jax.rl.grpo import LossConfig, aggregate, weighted_ppo
 from trace_jax.utils.flags import knob
 
 IS_CAP_MODES = ("mask", "clamp")
@@ -108,26 +108,11 @@ def decoupled_loss(
     (share dropped from the loss: the capped share in "mask" mode, 0 in "clamp" mode).
   """
   mask = response_mask.astype(bool)
-  ratio = jnp.exp(logp - jax.lax.stop_gradient(proximal_logp))
-  adv = advantages[:, None]
-  unclipped = -adv * ratio
-  clipped = -adv * jnp.clip(ratio, 1.0 - loss_config.clip_low, 1.0 + loss_config.clip_high)
-  pg = jnp.maximum(unclipped, clipped)
   weights, w, capped = behaviour_weights(proximal_logp, behaviour_logp, mask, config)
-  token_loss = weights * pg
-  kl = jnp.zeros_like(logp)
-  if loss_config.kl_coef > 0:
-    if ref_logp is None:
-      raise ValueError("LossConfig.kl_coef > 0 needs ref_logp (a reference policy)")
-    delta = jax.lax.stop_gradient(ref_logp) - logp
-    kl = jnp.exp(delta) - delta - 1.0  # k3, >= 0
-    token_loss = token_loss + loss_config.kl_coef * kl
-  loss = aggregate(token_loss, mask, loss_config.aggregation)
+  loss, stats = weighted_ppo(logp, proximal_logp, advantages, weights, mask, loss_config, ref_logp)
   capped_frac = aggregate(capped.astype(jnp.float32), mask, "token")
   stats = {
-    "pg_clipfrac": aggregate((clipped > unclipped).astype(jnp.float32), mask, "token"),
-    "pg_loss": aggregate(weights * pg, mask, loss_config.aggregation),
-    "kl_ref": aggregate(kl, mask, "token"),
+    **stats,
     "decoupled/is_weight_mean": aggregate(w, mask, "token"),
     "decoupled/is_weight_max": jnp.max(jnp.where(mask, w, 0.0)),
     "decoupled/capped_frac": capped_frac,

@@ -97,6 +97,33 @@ def aggregate(token_values, mask, how: str):
   return jnp.sum(per_sequence * has_tokens) / jnp.maximum(jnp.sum(has_tokens), 1.0)
 
 
+def weighted_ppo(logp, anchor_logp, advantages, weights, mask, config: LossConfig, ref_logp):
+  """PPO's clipped objective on the ratio logp / anchor (pi_old, or the decoupled loss's
+  proximal policy), each token's term times `weights` (a rollout correction or capped
+  importance weight), plus the k3 KL to the reference: (loss, {"pg_clipfrac", "pg_loss",
+  "kl_ref"}). `grpo_loss` and `rl.decoupled.decoupled_loss` share it."""
+  ratio = jnp.exp(logp - jax.lax.stop_gradient(anchor_logp))
+  adv = advantages[:, None]
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+  pg = jnp.maximum(unclipped, clipped)
+  token_loss = weights * pg
+  kl = jnp.zeros_like(logp)
+  if config.kl_coef > 0:
+    if ref_logp is None:
+      raise ValueError("LossConfig.kl_coef > 0 needs ref_logp (a reference policy)")
+    delta = jax.lax.stop_gradient(ref_logp) - logp
+    kl = jnp.exp(delta) - delta - 1.0  # k3, >= 0
+    token_loss = token_loss + config.kl_coef * kl
+  loss = aggregate(token_loss, mask, config.aggregation)
+  stats = {
+    "pg_clipfrac": aggregate((clipped > unclipped).astype(jnp.float32), mask, "token"),
+    "pg_loss": aggregate(weights * pg, mask, config.aggregation),
+    "kl_ref": aggregate(kl, mask, "token"),
+  }
+  return loss, stats
+
+
 def grpo_loss(
   logp, old_logp, rollout_logp, advantages, response_mask, config: LossConfig, ref_logp=None
 ):
@@ -114,27 +141,9 @@ def grpo_loss(
     (loss, {"pg_clipfrac", "pg_loss", "kl_ref", "rollout_correction_frac"}).
   """
   mask = response_mask.astype(bool)
-  ratio = jnp.exp(logp - jax.lax.stop_gradient(old_logp))
-  adv = advantages[:, None]
-  unclipped = -adv * ratio
-  clipped = -adv * jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
-  pg = jnp.maximum(unclipped, clipped)
   weights, corrected = correction_weights(
     old_logp, rollout_logp, config.rollout_correction, config.tis_threshold
   )
-  token_loss = weights * pg
-  kl = jnp.zeros_like(logp)
-  if config.kl_coef > 0:
-    if ref_logp is None:
-      raise ValueError("LossConfig.kl_coef > 0 needs ref_logp (a reference policy)")
-    delta = jax.lax.stop_gradient(ref_logp) - logp
-    kl = jnp.exp(delta) - delta - 1.0  # k3, >= 0
-    token_loss = token_loss + config.kl_coef * kl
-  loss = aggregate(token_loss, mask, config.aggregation)
-  stats = {
-    "pg_clipfrac": aggregate((clipped > unclipped).astype(jnp.float32), mask, "token"),
-    "pg_loss": aggregate(weights * pg, mask, config.aggregation),
-    "kl_ref": aggregate(kl, mask, "token"),
-    "rollout_correction_frac": aggregate(corrected.astype(jnp.float32), mask, "token"),
-  }
+  loss, stats = weighted_ppo(logp, old_logp, advantages, weights, mask, config, ref_logp)
+  stats["rollout_correction_frac"] = aggregate(corrected.astype(jnp.float32), mask, "token")
   return loss, stats

@@ -4,12 +4,39 @@ Qwen3-MoE / Mixtral / OLMoE family, read and written."""
 
 from __future__ import annotations
 
-from trace_jax.model.archs.table import linear, plain
+from trace_jax.model.archs.table import experts, linear, plain
 from trace_jax.model.config import ModelConfig, decoder_fields_from_hf
 
 LAYER = "model.layers.{layer}"
 
+
 # Embedding, final norm, LM head, the two pre-norms and softmax attention (with its QK norms).
+def routed_experts(
+  per_expert: str, fused: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+) -> tuple:
+  """The routed experts' gate, up and down weights: one tensor per expert
+  (`{per_expert}.{expert}.<name>.weight`, `names` in that order) or transformers' fused
+  layout (`{fused}.gate_up_proj` [E, 2f, d], `{fused}.down_proj`)."""
+  gate, up, down = names
+  return (
+    experts(
+      "blocks.{layer}.moe.w_gate",
+      f"{per_expert}.{{expert}}.{gate}.weight",
+      fused=(f"{fused}.gate_up_proj", 0, 2),
+    ),
+    experts(
+      "blocks.{layer}.moe.w_up",
+      f"{per_expert}.{{expert}}.{up}.weight",
+      fused=(f"{fused}.gate_up_proj", 1, 2),
+    ),
+    experts(
+      "blocks.{layer}.moe.w_down",
+      f"{per_expert}.{{expert}}.{down}.weight",
+      fused=(f"{fused}.down_proj", 0, 1),
+    ),
+  )
+
+
 DECODER = (
   plain("embed", "model.embed_tokens.weight"),
   plain("final_norm.scale", "model.norm.weight"),

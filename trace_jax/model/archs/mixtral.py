@@ -7,29 +7,21 @@ export writes the first.
 
 from __future__ import annotations
 
-from trace_jax.model.archs.decoder import DECODER, LAYER, moe_config_from_hf, moe_hf_config
-from trace_jax.model.archs.table import Arch, NameTable, experts, linear
+from trace_jax.model.archs.decoder import (
+  DECODER,
+  LAYER,
+  moe_config_from_hf,
+  moe_hf_config,
+  routed_experts,
+)
+from trace_jax.model.archs.table import Arch, NameTable, linear
 from trace_jax.model.config import ModelConfig
 
 _MOE = f"{LAYER}.block_sparse_moe"
 NAMES = NameTable(
   DECODER,
   linear("blocks.{layer}.moe.router", f"{_MOE}.gate.weight", f"{LAYER}.mlp.gate.weight"),
-  experts(
-    "blocks.{layer}.moe.w_gate",
-    f"{_MOE}.experts.{{expert}}.w1.weight",
-    fused=(f"{LAYER}.mlp.experts.gate_up_proj", 0, 2),
-  ),
-  experts(
-    "blocks.{layer}.moe.w_up",
-    f"{_MOE}.experts.{{expert}}.w3.weight",
-    fused=(f"{LAYER}.mlp.experts.gate_up_proj", 1, 2),
-  ),
-  experts(
-    "blocks.{layer}.moe.w_down",
-    f"{_MOE}.experts.{{expert}}.w2.weight",
-    fused=(f"{LAYER}.mlp.experts.down_proj", 0, 1),
-  ),
+  *routed_experts(f"{_MOE}.experts", f"{LAYER}.mlp.experts", ("w1", "w3", "w2")),
 )
 
 

@@ -5,28 +5,20 @@ QK-norm over all heads at once, optional q/k/v clipping, no top-k renormalisatio
 
 from __future__ import annotations
 
-from trace_jax.model.archs.decoder import DECODER, LAYER, moe_config_from_hf, moe_hf_config
-from trace_jax.model.archs.table import Arch, NameTable, experts, linear
+from trace_jax.model.archs.decoder import (
+  DECODER,
+  LAYER,
+  moe_config_from_hf,
+  moe_hf_config,
+  routed_experts,
+)
+from trace_jax.model.archs.table import Arch, NameTable, linear
 from trace_jax.model.config import ModelConfig
 
 NAMES = NameTable(
   DECODER,
   linear("blocks.{layer}.moe.router", f"{LAYER}.mlp.gate.weight"),
-  experts(
-    "blocks.{layer}.moe.w_gate",
-    f"{LAYER}.mlp.experts.{{expert}}.gate_proj.weight",
-    fused=(f"{LAYER}.mlp.experts.gate_up_proj", 0, 2),
-  ),
-  experts(
-    "blocks.{layer}.moe.w_up",
-    f"{LAYER}.mlp.experts.{{expert}}.up_proj.weight",
-    fused=(f"{LAYER}.mlp.experts.gate_up_proj", 1, 2),
-  ),
-  experts(
-    "blocks.{layer}.moe.w_down",
-    f"{LAYER}.mlp.experts.{{expert}}.down_proj.weight",
-    fused=(f"{LAYER}.mlp.experts.down_proj", 0, 1),
-  ),
+  *routed_experts(f"{LAYER}.mlp.experts", f"{LAYER}.mlp.experts"),
 )
 
 

@@ -20,8 +20,14 @@ from __future__ import annotations
 
 import logging
 
-from trace_jax.model.archs.decoder import DECODER, LAYER, check_supported, moe_hf_config
-from trace_jax.model.archs.table import Arch, NameTable, conv1d, experts, linear, plain
+from trace_jax.model.archs.decoder import (
+  DECODER,
+  LAYER,
+  check_supported,
+  moe_hf_config,
+  routed_experts,
+)
+from trace_jax.model.archs.table import Arch, NameTable, conv1d, linear, plain
 from trace_jax.model.config import ModelConfig, decoder_fields_from_hf, hybrid_layer_types
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -125,21 +131,7 @@ NAMES = NameTable(
   # MoE: router, routed experts (one tensor each, or the published fused layout), the gated
   # shared expert.
   linear("blocks.{layer}.moe.router", f"{_MLP}.gate.weight"),
-  experts(
-    "blocks.{layer}.moe.w_gate",
-    f"{_MLP}.experts.{{expert}}.gate_proj.weight",
-    fused=(f"{_MLP}.experts.gate_up_proj", 0, 2),
-  ),
-  experts(
-    "blocks.{layer}.moe.w_up",
-    f"{_MLP}.experts.{{expert}}.up_proj.weight",
-    fused=(f"{_MLP}.experts.gate_up_proj", 1, 2),
-  ),
-  experts(
-    "blocks.{layer}.moe.w_down",
-    f"{_MLP}.experts.{{expert}}.down_proj.weight",
-    fused=(f"{_MLP}.experts.down_proj", 0, 1),
-  ),
+  *routed_experts(f"{_MLP}.experts", f"{_MLP}.experts"),
   linear("blocks.{layer}.moe.shared.w_gate", f"{_MLP}.shared_expert.gate_proj.weight"),
   linear("blocks.{layer}.moe.shared.w_up", f"{_MLP}.shared_expert.up_proj.weight"),
   linear("blocks.{layer}.moe.shared.w_down", f"{_MLP}.shared_expert.down_proj.weight"),
