@@ -116,7 +116,8 @@ def test_one_rollout_correction_knob():
   assert RLConfig().differences(saved) == []
 
 
-# RLConfig().to_dict() as the flat RLConfig (before the sections) saved it in checkpoints.
+# The default RLConfig as the flat RLConfig (before the sections) saved it in checkpoints;
+# the main job's defaults have moved since (SAVED_FLAT: those settings in today's config).
 FLAT = {
   "arm": "trace", "fp4_sites": "all", "fmt": "nvfp4", "activations": "fp4", "sparse_delta": 0.07,
   "task": "chain", "task_options": [], "preset": "small", "seed": 0, "steps": 100,
@@ -133,14 +134,16 @@ FLAT = {
   "observation_role": "user", "chat_template_options": [], "remat": False,
   "reward_control": "none",
 }  # fmt: skip
+SAVED_FLAT = RLConfig.from_flat(learning_rate=3e-5, sft_steps=100, std_norm=True)
 
 
 def test_a_config_saved_flat_compares_by_leaf_name():
   """Run dirs saved before the sections resume: their flat config compares field by field
   with the nested one, names a changed field by its flat name, and rebuilds the config."""
-  assert RLConfig().differences(FLAT) == []
-  assert RLConfig.from_dict(FLAT) == RLConfig()
-  changed = RLConfig.from_flat(group_size=4, fp4_sites="experts+kv", kl_coef=0.01, mesh=(2, 1, 1))
+  assert SAVED_FLAT.differences(FLAT) == []
+  assert RLConfig.from_dict(FLAT) == SAVED_FLAT
+  assert RLConfig().differences(FLAT) == ["learning_rate", "sft_steps", "std_norm"]
+  changed = SAVED_FLAT.replace(group_size=4, fp4_sites="experts+kv", kl_coef=0.01, mesh=(2, 1, 1))
   assert changed.differences(FLAT) == ["fp4_sites", "group_size", "kl_coef", "mesh"]
   assert RLConfig.from_dict(changed.to_dict()) == changed
   legacy = {**FLAT, "group_size": 4, "fp4_sites": "experts+kv", "mesh": [2, 1, 1]}
@@ -152,8 +155,8 @@ def test_a_config_saved_flat_compares_by_leaf_name():
 
 def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
   leaves = config_flags.flat_fields(RLConfig)
-  # the flat config's names, and the knobs added since (asynchronous RL)
-  added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every"}
+  # the flat config's names, and the knobs added since (asynchronous RL, lr_decay)
+  added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every", "lr_decay"}
   assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT)) | added
   assert leaves["fp4_sites"][0] == ("fp4", "sites") and leaves["steps"][0] == ("schedule", "steps")
   config = RLConfig.from_flat(steps=3, temperature=0.5, preset="tiny")
@@ -188,6 +191,7 @@ def test_rl_script_flags_are_the_config_fields():
   expected.update({k: v for k, v in FLAT["loss"].items() if k != "rollout_correction"})
   expected.update(activations="fp4", rollout_correction="auto", workdir=None)
   expected.update(coordinator_address=None, num_processes=None, process_id=None)
+  expected.update(learning_rate=5e-5, sft_steps=150, std_norm=False)  # the main job's, since
   for name, value in expected.items():
     if isinstance(value, list):  # list flags: strings
       value = [str(v) for v in value]

@@ -256,6 +256,34 @@ def test_learning_rate_warmup():
   assert all(a < b for a, b in zip(sizes[:warmup], sizes[1 : warmup + 1]))
 
 
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_learning_rate_decay_by_hand(decay):
+  """After a warmup the learning rate falls to lr / 10 at the last update, by the formula:
+  a constant gradient makes each Adam update lr(t) times its sign, so the update sizes are
+  the schedule."""
+  import jax.numpy as jnp
+
+  lr, warmup, total = 1e-3, 3, 12
+  tx = step_lib.optimizer(lr, warmup, decay, total)
+  grads = {"w": jnp.asarray(np.random.default_rng().uniform(0.01, 0.1, 5), jnp.float32)}
+  state = tx.init(grads)
+  sizes = []
+  for _ in range(total + 2):
+    updates, state = tx.update(grads, state)
+    sizes.append(float(jnp.max(jnp.abs(updates["w"]))))
+  for t, size in enumerate(sizes):
+    if t < warmup:
+      want = lr / 10 + (lr - lr / 10) * t / warmup
+    else:
+      frac = min(t - warmup, total - warmup) / (total - warmup)
+      fall = 0.5 * (1 + np.cos(np.pi * frac)) if decay == "cosine" else 1 - frac
+      want = lr / 10 + (lr - lr / 10) * fall
+    np.testing.assert_allclose(size, want, rtol=1e-3, err_msg=f"update {t}")
+  assert sizes[-1] == pytest.approx(lr / 10, rel=1e-3)
+  with pytest.raises(ValueError, match="lr_decay='step' is not allowed"):
+    step_lib.optimizer(lr, 0, "step", total)
+
+
 def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path):
   """reward_control="shuffle" (the matched placebo), checked by its properties (not by the
   permutation the trainer draws, which may change): the rewards the advantages come from
@@ -272,6 +300,7 @@ def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path)
     minibatches=1,
     reward_control="shuffle",
     seed=3,
+    std_norm=True,  # GRPO's advantages, by hand below
   )
   trainer = Trainer(config, str(tmp_path), progress=False)
   spec, state = trainer.spec, trainer.state

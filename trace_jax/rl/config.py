@@ -62,7 +62,7 @@ class Source:
   sft_warm_start: bool | None = knob(
     None, "SFT warm start (default: for a preset, not a checkpoint)."
   )
-  sft_steps: int = knob(100, "Warm-start SFT steps (when the workdir has none).")
+  sft_steps: int = knob(150, "Warm-start SFT steps (when the workdir has none).")
   sft_batch: int = knob(32, "Warm-start demonstrations per step.")
   sft_learning_rate: float = knob(3e-3, "Warm-start learning rate.")
   prompt_format: str = knob(
@@ -132,8 +132,13 @@ class Schedule:
   """How long and how fast the run trains."""
 
   steps: int = knob(100, "RL steps.")
-  learning_rate: float = knob(3e-5, "Adam learning rate (small: each update's noise costs).")
+  learning_rate: float = knob(5e-5, "Adam learning rate (small: each update's noise costs).")
   lr_warmup_steps: int = knob(0, "RL steps of linear LR warmup from learning_rate / 10.")
+  lr_decay: str = knob(
+    "constant",
+    "After the warmup: constant, or a cosine or linear fall to learning_rate / 10 at the last step.",
+    choices=("constant", "cosine", "linear"),
+  )
   minibatches: int = knob(1, "Updates per epoch (1: pi_old is the update's own forward).")
   epochs: int = knob(1, "Passes over each rollout batch.")
   checkpoint_every: int = knob(20, "Checkpoint period in steps (and at the last step); 0: never.")
@@ -145,6 +150,7 @@ class Schedule:
   )
 
   def __post_init__(self):
+    flags.check_choices(self, "RLConfig")  # lr_decay
     if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):
       raise ValueError(f"RLConfig.max_staleness={self.max_staleness!r} must be an integer >= 0")
     names = ("steps", "lr_warmup_steps", "checkpoint_every", "max_staleness")

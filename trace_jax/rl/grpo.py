@@ -33,7 +33,9 @@ class LossConfig:
   clip_low: float = knob(0.2, "Ratio clip below: 1 - clip_low.")
   clip_high: float = knob(0.28, "Ratio clip above: 1 + clip_high (DAPO clip-higher).")
   aggregation: str = knob("token", "Loss aggregation: token or sequence.", choices=AGGREGATIONS)
-  std_norm: bool = knob(True, "Divide advantages by the group std (off: Dr. GRPO).")
+  std_norm: bool = knob(
+    False, "Divide advantages by the group std (GRPO; off: Dr. GRPO, the main job's best)."
+  )
   kl_coef: float = knob(0.0, "KL-to-reference weight; 0 = no reference policy.")
   rollout_correction: str = knob(
     "tis", "tis, mask or none, on pi_old / pi_rollout.", flag=False

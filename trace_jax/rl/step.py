@@ -153,15 +153,36 @@ class StepSpec:
     )
 
 
+LR_DECAYS = ("constant", "cosine", "linear")
+
+
 @functools.lru_cache(maxsize=None)
-def optimizer(learning_rate: float, warmup_updates: int = 0):
-  """One transformation per (learning rate, warmup), so runs of one config share compiled
-  steps. A linear warmup from lr / 10 over the first `warmup_updates` optimizer updates:
-  Adam's first updates are sign-like (every parameter moves by ~lr whatever its gradient's
-  size), which on a noisy RL gradient undoes part of the warm start."""
+def optimizer(
+  learning_rate: float, warmup_updates: int = 0, decay: str = "constant", total_updates: int = 0
+):
+  """One transformation per schedule, so runs of one config share compiled steps.
+
+  A linear warmup from lr / 10 over the first `warmup_updates` optimizer updates: Adam's
+  first updates are sign-like (every parameter moves by ~lr whatever its gradient's size),
+  which on a noisy RL gradient undoes part of the warm start. Then the learning rate stays
+  (`decay="constant"`) or falls to lr / 10 at update `total_updates` ("cosine", "linear"):
+  the last updates move the policy less, so its final evaluation is less one update's noise.
+  """
+  if decay not in LR_DECAYS:
+    raise ValueError(f"lr_decay={decay!r} is not allowed; use one of {LR_DECAYS}")
+  floor = learning_rate / 10
   schedule = learning_rate
-  if warmup_updates > 0:
-    schedule = optax.linear_schedule(learning_rate / 10, learning_rate, warmup_updates)
+  if decay != "constant" and total_updates > warmup_updates:
+    span = total_updates - warmup_updates
+    if decay == "cosine":
+      schedule = optax.cosine_decay_schedule(learning_rate, span, alpha=0.1)
+    else:
+      schedule = optax.linear_schedule(learning_rate, floor, span)
+    if warmup_updates > 0:
+      warm = optax.linear_schedule(floor, learning_rate, warmup_updates)
+      schedule = optax.join_schedules([warm, schedule], [warmup_updates])
+  elif warmup_updates > 0:
+    schedule = optax.linear_schedule(floor, learning_rate, warmup_updates)
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
 
 
@@ -172,8 +193,15 @@ def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
   if config.loss.kl_coef > 0:  # its own buffers: the update donates the policy's
     graphdef, state = nnx.split(policy)
     reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
-  warmup = config.schedule.lr_warmup_steps * config.schedule.minibatches * config.schedule.epochs
-  opt = nnx.Optimizer(policy, optimizer(config.schedule.learning_rate, warmup), wrt=nnx.Param)
+  schedule = config.schedule
+  per_step = schedule.minibatches * schedule.epochs  # optimizer updates per RL step
+  tx = optimizer(
+    schedule.learning_rate,
+    schedule.lr_warmup_steps * per_step,
+    schedule.lr_decay,
+    schedule.steps * per_step,
+  )
+  opt = nnx.Optimizer(policy, tx, wrt=nnx.Param)
   if mesh is not None:
     shard_optimizer(opt, policy, mesh)
   return RLState(policy=policy, opt=opt, reference=reference)
