@@ -54,6 +54,12 @@ _MINIBATCHES = flags.DEFINE_integer("minibatches", None, "Updates per step (defa
 _PRESET = flags.DEFINE_string("preset", None, "Model preset (default RLConfig's).")
 _FP4_SITES = flags.DEFINE_string("fp4_sites", None, "FP4 scope: all or experts+kv.")
 _FMT = flags.DEFINE_string("fmt", None, "FP4 format: nvfp4 or mxfp4.")
+_STALENESS = flags.DEFINE_integer(
+  "max_staleness", None, "Asynchronous RL: rollouts up to k versions old (default 0: sync)."
+)
+_VERSION_DIAG = flags.DEFINE_integer(
+  "version_diag_every", None, "Asynchronous RL: precision / version k3 split period."
+)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/arms", "Root of the run directories.")
 _RESULTS = flags.DEFINE_string(
   "results",
@@ -78,6 +84,8 @@ def _overrides() -> dict:
     "preset": _PRESET.value,
     "fp4_sites": _FP4_SITES.value,
     "fmt": _FMT.value,
+    "max_staleness": _STALENESS.value,
+    "version_diag_every": _VERSION_DIAG.value,
   }
   out = {k: v for k, v in values.items() if v is not None}
   if _STRESS.value:

@@ -11,6 +11,7 @@ from flax import nnx
 from trace_jax.rl import step as step_lib
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.pipeline import RolloutWorkerError
+from trace_jax.run import report
 from trace_jax.run.rundir import read_metrics
 from trace_jax.run.trainer import Trainer
 
@@ -88,6 +89,15 @@ def test_staleness_three_lags_by_three_and_masks_by_the_cap(tmp_path):
     t for t in threading.enumerate() if t.ident not in before and t.name == "rollout-worker"
   ]
   assert read_metrics(str(tmp_path))[-1]["step"] == 5
+  # The summary's asynchronous figures, from the history by hand.
+  summary = report.summarize(config, read_metrics(str(tmp_path)), 1.0)
+  assert summary["max_version_gap"] == 3 and summary["mean_version_gap"] == pytest.approx(1.8)
+  for key, name in (
+    ("masked_frac", "decoupled/masked_frac"),
+    ("version_k3", "mismatch/version_k3"),
+  ):
+    want = np.mean([m[name] for m in history])
+    assert summary[f"mean_{key}"] == pytest.approx(want, rel=1e-6)
 
 
 @pytest.mark.slow

@@ -66,6 +66,19 @@ def summarize(
       "config": config.to_dict(),
     }
   )
+  if config.schedule.max_staleness:  # asynchronous RL: the gaps and what they cost
+    logged = lambda key: [m[key] for m in train if key in m]
+    mean = lambda key: float(np.mean(logged(key))) if logged(key) else None
+    summary.update(
+      {
+        "mean_version_gap": mean("async/version_gap_mean"),
+        "max_version_gap": max(logged("async/version_gap_max"), default=None),
+        "mean_precision_k3": mean("mismatch/precision_k3"),
+        "mean_version_k3": mean("mismatch/version_k3"),
+        "mean_masked_frac": mean("decoupled/masked_frac"),
+        "mean_followed_frac": mean("guidance/followed_frac"),
+      }
+    )
   return summary
 
 
