@@ -112,9 +112,9 @@ class ArithmeticChain(Arithmetic):
 
   prompt "3+5+0+4=", demonstration "3+5=8;8+0=8;8+4=12;#12". Its three step facts per
   problem come from a table of 96 that every problem shares, so what RL sharpens on the
-  training problems carries over to the held-out ones; a `small` policy after the default
-  warm start solves about a third of the held-out problems greedily, and most of them in
-  16 samples.
+  training problems carries over to the held-out ones. A `small` policy after the default
+  warm start (150 SFT steps) solves 0.66-0.84 of the held-out problems greedily, depending on
+  the seed (0.37-0.43 after 100 steps: the SFT passes a sharp transition in between).
   """
 
   name = "chain"
