@@ -50,7 +50,7 @@ def test_rows_against_a_hand_computation(tmp_path):
   assert len(saved["cells"]) == 7 and [r["seed"] for r in saved["rows"]] == [0, 1, 2]
   assert [r["meets_target"] for r in saved["rows"]] == [expected[s][3] for s in (0, 1, 2)]
   gains = compare.interval(expected[s][0] for s in (0, 1, 2))
-  assert f"gain {gains.format()}" in (out / "table.md").read_text()
+  assert f"gain {gains.format(signed=True)}" in (out / "table.md").read_text()
   assert os.path.getsize(out / "curves.png") > 0
 
 

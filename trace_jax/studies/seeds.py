@@ -119,8 +119,8 @@ def markdown(cells) -> str:
   gains = compare.interval(r.gain for r in rows)
   gaps = compare.interval(r.above_placebo for r in rows)
   return (
-    f"{table}\n\nover {gains.n} seeds (mean, 95% t interval): gain {gains.format()}; "
-    f"above placebo {gaps.format()}"
+    f"{table}\n\nover {gains.n} seeds (mean, 95% t interval): gain "
+    f"{gains.format(signed=True)}; above placebo {gaps.format(signed=True)}"
   )
 
 
