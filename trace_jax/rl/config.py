@@ -35,6 +35,7 @@ from trace_jax.utils import flags
 from trace_jax.utils.flags import knob
 
 REWARD_CONTROLS = ("none", "shuffle", "shuffle_batch")
+LR_DECAYS = ("constant", "cosine", "linear")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 
 
@@ -137,7 +138,7 @@ class Schedule:
   lr_decay: str = knob(
     "constant",
     "After the warmup: constant, or a cosine or linear fall to learning_rate / 10 at the last step.",
-    choices=("constant", "cosine", "linear"),
+    choices=LR_DECAYS,
   )
   minibatches: int = knob(1, "Updates per epoch (1: pi_old is the update's own forward).")
   epochs: int = knob(1, "Passes over each rollout batch.")

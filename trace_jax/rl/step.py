@@ -33,7 +33,7 @@ from trace_jax.model.quant import Recording, call_config, resolve_layers
 from trace_jax.model.sharding import batch_sharding, guidance_specs, shard_model, shard_optimizer
 from trace_jax.rl import episodes as episodes_lib
 from trace_jax.rl.arms import Arm
-from trace_jax.rl.config import RLConfig
+from trace_jax.rl.config import LR_DECAYS, RLConfig
 from trace_jax.rl.decoupled import DecoupledConfig, decoupled_loss
 from trace_jax.rl.grpo import group_advantages, grpo_loss
 from trace_jax.rl.metrics import (
@@ -151,9 +151,6 @@ class StepSpec:
       replay=self.arm.routing_replay,
       temperature=config.sampling.temperature,
     )
-
-
-LR_DECAYS = ("constant", "cosine", "linear")
 
 
 @functools.lru_cache(maxsize=None)

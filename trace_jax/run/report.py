@@ -49,7 +49,8 @@ def summarize(
   summary["eval_problems"] = next(
     (m["eval/problems"] for m in reversed(metrics) if "eval/problems" in m), None
   )
-  mean = lambda key: float(np.mean([m[key] for m in train if key in m])) if train else None
+  logged = lambda key: [m[key] for m in train if key in m]
+  mean = lambda key: float(np.mean(logged(key))) if logged(key) else None  # None: never logged
   summary.update(
     {
       "mean_k3_kl": mean("mismatch/k3_kl"),
@@ -67,8 +68,6 @@ def summarize(
     }
   )
   if config.schedule.max_staleness:  # asynchronous RL: the gaps and what they cost
-    logged = lambda key: [m[key] for m in train if key in m]
-    mean = lambda key: float(np.mean(logged(key))) if logged(key) else None
     summary.update(
       {
         "mean_version_gap": mean("async/version_gap_mean"),

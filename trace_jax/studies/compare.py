@@ -119,7 +119,7 @@ def cell_dir(results_dir: str, task: str, seed: int, arm: str) -> str:
   return os.path.join(results_dir, "cells", task.replace(":", "_"), f"seed{seed}", arm)
 
 
-def _jsonish(value):
+def jsonish(value):
   return json.loads(json.dumps(value))
 
 
@@ -130,7 +130,7 @@ def finished_summary(
   arm: str,
   config: dict,
   defaults: dict | None = None,
-  normalize: Callable[[dict], dict] = _jsonish,
+  normalize: Callable[[dict], dict] = jsonish,
 ) -> dict | None:
   """The cell's summary if it finished with this config; None if it has not finished.
 
@@ -170,7 +170,7 @@ def run_cells(
   *,
   progress: bool = True,
   defaults: dict | None = None,
-  normalize: Callable[[dict], dict] = _jsonish,
+  normalize: Callable[[dict], dict] = jsonish,
 ) -> list[Cell]:
   """Run every (task, seed, arm) of `plan` not finished yet, in order; returns all cells.
 
@@ -188,7 +188,7 @@ def run_cells(
     if summary is None:
       if progress:
         print(f"[{i + 1}/{len(plan)}] {arm} on {task}, seed {seed}", flush=True)
-      summary = dict(runner(task, seed, arm), cell_config=_jsonish(config))
+      summary = dict(runner(task, seed, arm), cell_config=jsonish(config))
       write_json(os.path.join(cell_dir(results_dir, task, seed, arm), "summary.json"), summary)
     elif progress:
       print(
@@ -328,7 +328,7 @@ def curve_band(cells, task, arm, key="curve_train", window=5):
   return steps, values.mean(0), values.min(0), values.max(0)
 
 
-def _save(fig, title: str, path: str) -> str:
+def save_figure(fig, title: str, path: str) -> str:
   """Title, lay out, write and close one figure; returns its path."""
   fig.suptitle(title)
   fig.tight_layout()
@@ -361,7 +361,7 @@ def plot(cells, out_dir: str, title: str = "") -> list[str]:
         ax.fill_between(steps, lo, hi, alpha=0.15, color=colors.get(arm))
       ax.set(xlabel="step", ylabel=label, title=f"{task}: mean over seeds, band = min..max")
       ax.legend(fontsize=7)
-  paths.append(_save(fig, title, os.path.join(out_dir, "reward_curves.png")))
+  paths.append(save_figure(fig, title, os.path.join(out_dir, "reward_curves.png")))
 
   fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
   for j, task in enumerate(tasks):
@@ -376,7 +376,7 @@ def plot(cells, out_dir: str, title: str = "") -> list[str]:
       ax.errorbar([i], [iv.mean], yerr=err, fmt="o", color=colors.get(arm), capsize=4)
     ax.set_xticks(range(len(arms)), arms, rotation=30)
     ax.set(ylabel="final greedy eval reward", title=f"{task}: mean, 95% CI, seeds as dots")
-  paths.append(_save(fig, title, os.path.join(out_dir, "final_reward.png")))
+  paths.append(save_figure(fig, title, os.path.join(out_dir, "final_reward.png")))
 
   fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
   for j, task in enumerate(tasks):
@@ -390,7 +390,7 @@ def plot(cells, out_dir: str, title: str = "") -> list[str]:
     ax.set_yscale("log")
     ax.set_xticks(range(len(shown)), shown, rotation=30)
     ax.set(ylabel="mean k3 KL, rollout vs training path", title=f"{task}: one dot per seed")
-  paths.append(_save(fig, title, os.path.join(out_dir, "k3.png")))
+  paths.append(save_figure(fig, title, os.path.join(out_dir, "k3.png")))
   return paths
 
 
@@ -398,7 +398,7 @@ def write_results(results_dir: str, cells, settings: dict, title: str = "") -> R
   """results.json, table.md and the plots; returns the results."""
   os.makedirs(results_dir, exist_ok=True)
   results = Results(settings=settings, cells=list(cells), rows=table_rows(cells))
-  write_json(os.path.join(results_dir, "results.json"), _jsonish(results.to_json()))
+  write_json(os.path.join(results_dir, "results.json"), jsonish(results.to_json()))
   table = markdown(cells)
   with open(os.path.join(results_dir, "table.md"), "w") as f:
     f.write(f"# {title}\n\n{table}\n" if title else table + "\n")

@@ -15,7 +15,6 @@ the arms comparison's (`compare.run_cells`, `results.json`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 
@@ -138,7 +137,7 @@ def plot(cells, path: str, title: str = "") -> str:
       ax.plot(*curve, style, color=color, marker="o", ms=3, label=f"seed {seed} {cell.arm}")
   ax.set(xlabel="RL step", ylabel="greedy eval reward (held-out, deploy precision)")
   ax.legend(fontsize=7, ncol=2)
-  return compare._save(fig, title, path)
+  return compare.save_figure(fig, title, path)
 
 
 def write_results(results_dir: str, cells, settings: dict, title: str = "") -> list[SeedRow]:
@@ -158,7 +157,7 @@ def write_results(results_dir: str, cells, settings: dict, title: str = "") -> l
       for r in rows
     ],
   }
-  write_json(os.path.join(results_dir, "results.json"), json.loads(json.dumps(saved)))
+  write_json(os.path.join(results_dir, "results.json"), compare.jsonish(saved))
   with open(os.path.join(results_dir, "table.md"), "w") as f:
     f.write(f"# {title}\n\n{markdown(cells)}\n" if title else markdown(cells) + "\n")
   plot(cells, os.path.join(results_dir, "curves.png"), title)
