@@ -16,7 +16,8 @@ results (small files, meant to be committed) to experiments/results/arms/<name>/
 cells/<task>/seed<seed>/<arm>/summary.json, results.json (`cells`: arm, task, seed,
 summary), table.md (mean and 95% interval per arm, paired differences against bf16 and
 fp4-qat, k3, time per cell) and reward_curves.png, final_reward.png, k3.png. A finished cell
-(its summary.json, same settings) is not rerun.
+(its summary.json, same settings) is not rerun, nor is a run that finished in its run directory
+with the cell's config (its summary.json: an `experiments/rl.py` run copied there is read).
 
 --stress: where mismatch is known to bite: twice the steps, learning rate x4 and no rollout
 correction on any arm (fp4-rollout loses its TIS); results under <name> "stress".
@@ -137,11 +138,13 @@ def main(argv):
       and not os.path.exists(os.path.join(path, warmstart.WARMSTART_DIR))
     ):
       shutil.copytree(first, os.path.join(path, warmstart.WARMSTART_DIR))  # one start policy
-    start = time.time()
-    trainer = Trainer(config, path)
-    trainer.run()
+    summary = report.finished_summary(path, config)  # e.g. an rl.py run copied in: read
+    if summary is None:
+      start = time.time()
+      trainer = Trainer(config, path)
+      trainer.run()
+      summary = report.summarize(config, read_metrics(path), time.time() - start, trainer.warmstart)
     metrics = read_metrics(path)
-    summary = report.summarize(config, metrics, time.time() - start, trainer.warmstart)
     train = [m for m in metrics if "rewards/mean" in m]
     summary["curve_train"] = [[m["step"] for m in train], [m["rewards/mean"] for m in train]]
     summary["curve_mixed"] = [

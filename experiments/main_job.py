@@ -36,17 +36,6 @@ _RESULTS = flags.DEFINE_string(
 )
 
 
-def _finished(path: str, config: RLConfig) -> bool:
-  """Whether `path` holds a finished rl.py run (its summary.json) of `config`."""
-  try:
-    with open(os.path.join(path, "summary.json")) as f:
-      summary = json.load(f)
-  except FileNotFoundError:
-    return False
-  saved = summary.get("config") or {}
-  return summary.get("steps") == config.schedule.steps and not config.differences(saved)
-
-
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
@@ -67,7 +56,7 @@ def main(argv):
     in its workdir before with this config is read instead."""
     path = os.path.join(work_root, f"seed{seed}", cell)
     expected = config(seed, cell)
-    if not _finished(path, expected):
+    if report.finished_summary(path, expected) is None:
       start_policy = os.path.join(work_root, f"seed{seed}", "real", warmstart.WARMSTART_DIR)
       mine = os.path.join(path, warmstart.WARMSTART_DIR)
       if cell != "real" and os.path.exists(start_policy) and not os.path.exists(mine):

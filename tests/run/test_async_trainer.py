@@ -98,6 +98,9 @@ def test_staleness_three_lags_by_three_and_masks_by_the_cap(tmp_path):
   ):
     want = np.mean([m[name] for m in history])
     assert summary[f"mean_{key}"] == pytest.approx(want, rel=1e-6)
+  followed = [m["guidance/followed_frac"] for m in history]  # gaps 0, 1, 2, 3, 3
+  want = {"0": followed[0], "1": followed[1], "2": followed[2], "3": np.mean(followed[3:])}
+  assert summary["followed_frac_by_gap"] == pytest.approx(want, rel=1e-6)
 
 
 @pytest.mark.slow
@@ -159,6 +162,13 @@ def test_a_failing_rollout_worker_stops_the_run(tmp_path, monkeypatch):
   metrics = read_metrics(str(tmp_path))
   assert [m["step"] for m in metrics] == [1, 2]
   assert [(m["async/version_gap"], m["async/rollout_version"]) for m in metrics] == [(0, 0), (1, 0)]
+  # the followed share logged again under its batch's gap
+  for m in metrics:
+    by_gap = {k: v for k, v in m.items() if k.startswith("guidance/followed_frac/")}
+    assert by_gap == {
+      f"guidance/followed_frac/gap_{m['async/version_gap']}": m["guidance/followed_frac"]
+    }
+    assert 0.0 < m["guidance/followed_frac"] <= 1.0
   assert all("rollout_correction_frac" not in m for m in metrics)  # the decoupled loss ran
   assert metrics[1]["decoupled/masked_frac"] == metrics[1]["decoupled/capped_frac"] > 0
 

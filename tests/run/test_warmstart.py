@@ -73,3 +73,57 @@ def test_a_warm_start_is_reused_only_for_its_own_settings(tmp_path):
   path.write_text(json.dumps(old))
   with pytest.raises(ValueError, match="not recorded"):
     warmstart.load_or_train(again, str(tmp_path), task, tokenizer, **make)
+
+
+def test_a_warm_start_stops_at_its_target_level(tmp_path, monkeypatch):
+  """Issue 30: --sft_target ends the SFT at the first check (every LEVEL_EVERY steps) whose
+  greedy FP4 reward on training problems reaches it. Unreached, every step runs and each
+  check is recorded, the last one equal to an independent greedy play of the saved policy;
+  reached, the SFT stops there. The target keys the warm start like any setting."""
+  import pytest
+
+  from trace_jax.rl import episodes
+  from trace_jax.rl.config import RLConfig
+  from trace_jax.run import policy_source
+  from trace_jax.rollout.engine import RolloutEngine
+  from trace_jax.tasks import get_task
+
+  config = RLConfig.from_flat(task="arith", preset="tiny", max_new_tokens=8)
+  task = get_task("arith")
+  source = policy_source.load(config, task)
+  _, greedy = episodes.rollout_configs(config, task, source)
+  monkeypatch.setattr(warmstart, "LEVEL_PROBLEMS", 16)
+  seed = int(np.random.default_rng().integers(1 << 20))
+  make = dict(
+    steps=20,
+    batch=4,
+    seed=seed,
+    learning_rate=3e-3,
+    source=warmstart.source_settings(model="tiny"),
+    greedy=greedy,
+    progress=False,
+  )
+  policy = source.policy
+  record = warmstart.load_or_train(
+    policy, str(tmp_path / "unreached"), task, source.tokenizer, target=1.5, **make
+  )
+  assert record["steps"] == 20 and [c[0] for c in record["checks"]] == [10, 20]
+  items = task.sample(seed, 16, "train")
+  engine = RolloutEngine(policy, greedy.replace(precision="fp4"))
+  played = episodes.play(engine, task, source.tokenizer, items, jax.random.key(0))
+  assert record["checks"][-1][1] == pytest.approx(float(np.mean(played.rewards)))
+  with pytest.raises(ValueError, match="sft_target: saved 1.5, this run 0.5"):
+    warmstart.load_or_train(
+      policy, str(tmp_path / "unreached"), task, source.tokenizer, target=0.5, **make
+    )
+  # every answer right: the first check reaches the target, and the SFT ends there
+  monkeypatch.setattr(type(task), "score", lambda self, item, text: 1.0)
+  record = warmstart.load_or_train(
+    policy, str(tmp_path / "reached"), task, source.tokenizer, target=0.5, **make
+  )
+  assert record["steps"] == 10 and record["checks"] == [[10, 1.0]]
+  with pytest.raises(ValueError, match="needs the run's greedy RolloutConfig"):
+    warmstart.load_or_train(
+      policy, str(tmp_path / "none"), task, source.tokenizer, target=0.5, **{**make, "greedy": None}
+    )
+  assert not (tmp_path / "none" / "warmstart").exists()

@@ -66,6 +66,11 @@ class Source:
   sft_steps: int = knob(150, "Warm-start SFT steps (when the workdir has none).")
   sft_batch: int = knob(32, "Warm-start demonstrations per step.")
   sft_learning_rate: float = knob(3e-3, "Warm-start learning rate.")
+  sft_target: float = knob(
+    0.0,
+    "Stop the warm start once its greedy FP4 reward on training problems reaches this "
+    "(checked every 10 steps; 0: run all --sft_steps).",
+  )
   prompt_format: str = knob(
     "auto",
     "chat (template), raw, or auto: chat with a checkpoint.",
@@ -88,6 +93,13 @@ class Source:
     _check(where, self, ("sft_steps",), lambda v: v >= 0, "must be >= 0")
     _check(where, self, ("sft_batch",), lambda v: v >= 1, "must be >= 1")
     _check(where, self, ("sft_learning_rate",), _finite_positive, "must be a finite number > 0")
+    _check(
+      where,
+      self,
+      ("sft_target",),
+      lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0,
+      "must be a finite number >= 0 (0: no target)",
+    )
     if not self.hf_checkpoint and self.prompt_format == "chat":
       raise ValueError(
         "RLConfig.prompt_format='chat' needs hf_checkpoint (the built-in character "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import matplotlib
@@ -76,6 +77,14 @@ def summarize(
         "mean_version_k3": mean("mismatch/version_k3"),
         "mean_masked_frac": mean("decoupled/masked_frac"),
         "mean_followed_frac": mean("guidance/followed_frac"),
+        # {gap: the mean followed share of the steps whose batch had that gap}
+        "followed_frac_by_gap": {
+          key.rsplit("_", 1)[1]: mean(key)
+          for key in sorted(
+            {k for m in train for k in m if k.startswith("guidance/followed_frac/gap_")},
+            key=lambda k: int(k.rsplit("_", 1)[1]),
+          )
+        },
       }
     )
   return summary
@@ -178,3 +187,18 @@ def final_table(metrics: list[dict]) -> str:
 
 def write_summary(workdir: str, summary: dict) -> None:
   write_json(os.path.join(workdir, "summary.json"), summary)
+
+
+def finished_summary(workdir: str, config: RLConfig) -> dict | None:
+  """The summary.json of a run in `workdir` that finished `config` (its steps, and no
+  field that differs, `RLConfig.differences`): a study reads it instead of rerunning the
+  run (its wall time is the run's own). None when there is none, or another config's."""
+  try:
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = json.load(f)
+  except FileNotFoundError:
+    return None
+  saved = summary.get("config") or {}
+  if summary.get("steps") != config.schedule.steps or config.differences(saved):
+    return None
+  return summary

@@ -88,8 +88,11 @@ class RunDir:
         )
       return
 
-  def warm_start(self, policy, task, tokenizer, *, mesh=None, progress: bool = True) -> dict:
-    """Restore <workdir>/warmstart into `policy`, or make it (`warmstart.load_or_train`)."""
+  def warm_start(
+    self, policy, task, tokenizer, *, greedy=None, mesh=None, progress: bool = True
+  ) -> dict:
+    """Restore <workdir>/warmstart into `policy`, or make it (`warmstart.load_or_train`;
+    `greedy`, the run's greedy RolloutConfig, plays its level checks)."""
     config = self.config
     return warmstart.load_or_train(
       policy,
@@ -100,6 +103,8 @@ class RunDir:
       batch=config.source.sft_batch,
       seed=config.seed,
       learning_rate=config.source.sft_learning_rate,
+      target=config.source.sft_target,
+      greedy=greedy,
       source=warmstart.source_settings(
         model=config.source.hf_checkpoint or config.source.preset,
         task_options=config.task_options,

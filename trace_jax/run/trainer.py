@@ -73,9 +73,10 @@ class Trainer:
     policy = self.source.policy
     if self.mesh is not None:  # placed before the warm start: its save is then multi-host safe
       shard_model(policy, self.mesh)
+    base, self._greedy = episodes.rollout_configs(config, self.task, self.source)
     if policy_source.warm_start(config):
       self.warmstart = self.rundir.warm_start(
-        policy, self.task, self.tokenizer, mesh=self.mesh, progress=progress
+        policy, self.task, self.tokenizer, greedy=self._greedy, mesh=self.mesh, progress=progress
       )
     else:
       self.warmstart = policy_source.skipped_warm_start(self.task)
@@ -84,7 +85,6 @@ class Trainer:
     initial = step_lib.init_state(config, policy, mesh=self.mesh)
     self.state: RLState = self.rundir.restore(initial, slots)
     self.spec = StepSpec.of(config, self.model_cfg.num_layers, self.mesh)
-    base, self._greedy = episodes.rollout_configs(config, self.task, self.source)
     self.sync, rollout = WeightSync(), config.arm_spec.rollout(base)
     self._engine = self.sync.add(RolloutEngine(policy, rollout, mesh=self.mesh), self.state.version)
     self._async = None  # asynchronous RL: the ring, the worker and its engine
@@ -153,6 +153,7 @@ class Trainer:
     metrics = step_lib.step_metrics(spec, step, collected, done, engine)
     if self._async is not None:
       metrics.update(extra, **self._async.version_split(step, collected))
+      metrics.update(self._async.followed_by_gap(metrics))
       self._async.publish(state.policy)
     metrics.update(rollout_seconds=rollout_seconds, train_seconds=train_seconds)
     self.state = state

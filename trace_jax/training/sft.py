@@ -74,8 +74,12 @@ def train_sft(
   quant: QuantConfig | None = None,
   progress: bool = True,
   warmup: int = 20,
+  stop: Callable[[int], bool] | None = None,
 ) -> list[float]:
-  """Train `model` in place on `batches(step) -> sft_batch(...)`; returns the NLLs."""
+  """Train `model` in place on `batches(step) -> sft_batch(...)`; returns the NLLs.
+
+  `stop(n)`, asked after each step with the n steps done, ends the training early when it
+  returns True; the learning-rate schedule stays the one for `steps`."""
   if steps < 0:
     raise ValueError(f"steps={steps} must be >= 0")
   opt = nnx.Optimizer(model, _optimizer(learning_rate, steps, warmup), wrt=nnx.Param)
@@ -87,4 +91,6 @@ def train_sft(
       raise FloatingPointError(f"SFT loss became {nll} at step {i}")
     losses.append(nll)
     bar.set_postfix(nll=f"{nll:.3f}")
+    if stop is not None and stop(i + 1):
+      break
   return losses
