@@ -36,6 +36,7 @@ from trace_jax.rl.arms import ARMS
 from trace_jax.rl.config import RLConfig
 from trace_jax.run.rundir import read_metrics
 from trace_jax.run.trainer import Trainer
+from trace_jax.utils import flags as config_flags
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _D = RLConfig()
@@ -55,6 +56,11 @@ _MINIBATCHES = flags.DEFINE_integer("minibatches", None, "Updates per step (defa
 _PRESET = flags.DEFINE_string("preset", None, "Model preset (default RLConfig's).")
 _FP4_SITES = flags.DEFINE_string("fp4_sites", None, "FP4 scope: all or experts+kv.")
 _FMT = flags.DEFINE_string("fmt", None, "FP4 format: nvfp4 or mxfp4.")
+_KV = flags.DEFINE_string("kv_precision", None, "KV cache precision: fp4 or bf16 (ablation).")
+_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", None, "Max tokens per turn.")
+_TASK_OPTIONS = flags.DEFINE_list(
+  "task_options", None, "key=value options of every task (e.g. terms=8 for longer chains)."
+)
 _STALENESS = flags.DEFINE_integer(
   "max_staleness", None, "Asynchronous RL: rollouts up to k versions old (default 0: sync)."
 )
@@ -85,6 +91,13 @@ def _overrides() -> dict:
     "preset": _PRESET.value,
     "fp4_sites": _FP4_SITES.value,
     "fmt": _FMT.value,
+    "kv_precision": _KV.value,
+    "max_new_tokens": _NEW_TOKENS.value,
+    "task_options": (
+      None
+      if _TASK_OPTIONS.value is None
+      else config_flags.parse_pairs("task_options", _TASK_OPTIONS.value)
+    ),
     "max_staleness": _STALENESS.value,
     "version_diag_every": _VERSION_DIAG.value,
   }
@@ -103,7 +116,10 @@ def _rl_config(task: str, seed: int, arm: str, overrides: dict) -> RLConfig:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
-  overrides = _overrides()
+  try:
+    overrides = _overrides()
+  except ValueError as e:  # a malformed --task_options
+    raise app.UsageError(str(e)) from e
   name = _NAME.value or ("stress" if _STRESS.value else "default")
   seeds = [int(s) for s in _SEEDS.value]
   unknown = sorted(set(_ARMS.value) - set(ARMS))

@@ -308,3 +308,30 @@ def test_bf16_records_are_the_fp4_of_the_recorded_inputs_and_capture_changes_not
     quant = M.QuantConfig(recording=Recording(form=form, inputs=True), compute_dtype="bfloat16")
     out = _jitted(model, tokens, quant)
     _assert_records_are_fp4_of_inputs(out, f"training {form}")
+
+
+def test_kv_precision_bf16_leaves_only_the_cache_unquantized(hybrid):
+  """Issue 30's KV ablation (`--kv_precision=bf16`): the K/V sites leave the scope, the cache
+  is bf16, and every other site and weight stays as the scope says: the forward equals the
+  same scope written out as its sites without k and v (an independent spelling), bit for
+  bit in one process, and differs from the FP4-cache forward."""
+  with pytest.raises(ValueError, match="QuantConfig.kv='fp8'"):
+    M.QuantConfig(kv="fp8")
+  with pytest.raises(ValueError, match="kv_precision='int8'"):
+    M.FP4Scheme(kv="int8")
+  tokens = _tokens(int(np.random.default_rng().integers(1 << 20)))
+  for scope in ("all", "experts+kv"):
+    fp4_kv = M.QuantConfig(sites=scope)
+    bf16_kv = M.QuantConfig(sites=scope, kv="bf16")
+    assert M.FP4Scheme(sites=scope, kv="bf16").quant() == bf16_kv
+    assert set(bf16_kv.activation_sites) == set(fp4_kv.activation_sites) - {"k", "v"}
+    assert bf16_kv.weight_groups == fp4_kv.weight_groups
+    cache = M.init_cache(hybrid.cfg, 2, 16, quant=bf16_kv)
+    assert not isinstance(cache.k[0], fp4.QArray)
+    assert isinstance(M.init_cache(hybrid.cfg, 2, 16, quant=fp4_kv).k[0], fp4.QArray)
+    logits, aux = _forward(hybrid, tokens, bf16_kv, record=True)
+    assert not {site for _, site in aux.sites} & {"k", "v"}
+    if scope == "all":  # a tuple of sites quantizes every weight group, as "all" does
+      spelled = M.QuantConfig(sites=bf16_kv.activation_sites)
+      np.testing.assert_array_equal(logits, _forward(hybrid, tokens, spelled)[0])
+    assert not np.array_equal(logits, _forward(hybrid, tokens, fp4_kv)[0])

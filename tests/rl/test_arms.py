@@ -83,7 +83,9 @@ def _fallback_share(fallbacks, mask, layers=None) -> tuple[int, int]:
   return fell, total
 
 
-def _guidance_bytes_per_token(cfg, layers, mode: str, fp4_sites: str, replay: bool) -> int:
+def _guidance_bytes_per_token(
+  cfg, layers, mode: str, fp4_sites: str, replay: bool, fp4_kv: bool = True
+) -> int:
   """Compact or full guidance bytes per token, derived from the model's shapes: per site
   and token, the element bits (1 compact, 4 full), one E4M3 byte per 16 elements and a
   4-byte global scale per row (a token; a (token, KV head); a (token, chosen expert)), and
@@ -99,6 +101,8 @@ def _guidance_bytes_per_token(cfg, layers, mode: str, fp4_sites: str, replay: bo
   }
   if fp4_sites == "experts+kv":
     sites = {k: v for k, v in sites.items() if k not in ("attn_in", "attn_out")}
+  if not fp4_kv:  # --kv_precision=bf16: K and V are not FP4, so not guided
+    sites = {k: v for k, v in sites.items() if k not in ("k", "v")}
   bits = {"compact": 1, "full": 4}[mode]
   per_layer = sum(n * bits // 8 + n // 16 + 4 * rows for n, rows in sites.values())
   routing = cfg.num_moe_layers * cfg.num_experts_per_tok if replay else 0  # int8 ids
@@ -234,6 +238,40 @@ def test_one_step_keeps_the_arms_promises(tmp_path, arm, fp4_sites, fmt="nvfp4")
       ".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(trainer.engine.params)
     }
     assert state["lm_head"].dtype == np.float32 and state["blocks.1.moe.router"].dtype == np.float32
+
+
+def test_a_bf16_kv_cache_reaches_both_paths(tmp_path):
+  """Issue 30's KV ablation, `--kv_precision=bf16` on the method's scope: the rollout's cache
+  is bf16 and K/V are neither FP4 nor guided on either path (the guidance bytes are the
+  experts' alone, from the model's shapes), the experts stay FP4 and guided, and the
+  step runs with guidance followed."""
+  config = RLConfig.from_flat(
+    arm="trace",
+    task="arith",
+    preset="tiny",
+    steps=1,
+    prompts_per_step=2,
+    group_size=4,
+    max_new_tokens=6,
+    sft_steps=0,
+    eval_every=0,
+    eval_size=0,
+    checkpoint_every=0,
+    fp4_sites="experts+kv",
+    kv_precision="bf16",
+  )
+  assert config.train_quant.kv == "bf16" and not config.train_quant.quantizes("k")
+  assert config.train_quant.quantizes("moe_in")
+  with Trainer(config, str(tmp_path), progress=False) as trainer:
+    rollout_quant = trainer.engine.config.quant
+    assert not rollout_quant.quantizes("v") and rollout_quant.quantizes("moe_mid")
+    metrics = trainer.train_step()
+    cfg = trainer.model_cfg
+  _, _, _, _, mode, layers, replay = PROMISES["trace"]
+  want = _guidance_bytes_per_token(cfg, layers, mode, "experts+kv", replay, fp4_kv=False)
+  assert want < _guidance_bytes_per_token(cfg, layers, mode, "experts+kv", replay)
+  assert metrics["guidance/bytes_per_token"] == pytest.approx(want)
+  assert np.isfinite(metrics["loss"]) and metrics["guidance/followed_frac"] > 0.5
 
 
 def test_arm_scope_and_format_reach_the_training_path():

@@ -27,6 +27,9 @@ def test_compare_arms_runs_then_resumes(tmp_path):
     "--eval_every=1",
     "--prompts_per_step=1",
     "--group_size=2",
+    "--task_options=terms=3",
+    "--max_new_tokens=12",
+    "--kv_precision=bf16",
     f"--workdir={tmp_path / 'runs'}",
     f"--results={tmp_path / 'res'}",
   ]
@@ -38,6 +41,9 @@ def test_compare_arms_runs_then_resumes(tmp_path):
     ("ptq", "arith", 0),
     ("ptq-46", "arith", 0),
   ]
+  config = results["cells"][0]["summary"]["config"]  # the setting flags reached the run
+  assert config["task_options"] == [["terms", 3]] and config["fp4"]["kv"] == "bf16"
+  assert config["sampling"]["max_new_tokens"] == 12
   ptq46 = results["cells"][2]["summary"]
   assert 0.0 <= ptq46["final_eval_reward"] <= 1.0 and ptq46["eval_precision"] == "fp4"
   for name in ("table.md", "reward_curves.png", "final_reward.png", "k3.png"):

@@ -92,6 +92,7 @@ GUIDED_LAYER_NAMES = ("last_half", "all", "none")
 # nearest without guidance: full-code guidance would cost 8 bits per element, the FP8
 # activation itself, and an FP8 flip moves a value by at most 1/8 relative (E2M1: 1/2).
 ACTIVATION_FORMATS = ("fp4", "fp8")
+KV_PRECISIONS = ("fp4", "bf16")  # the KV cache's (and the K/V sites') precision in scope
 GuidedLayers = Union[str, int, Sequence[int]]
 
 
@@ -190,18 +191,27 @@ class FP4Scheme:
     "fp4 (W4A4) or fp8 (W4A8: linear inputs in MXFP8 E4M3 on both paths, KV cache in "
     "FP4; FP8 sites take nearest rounding, no guidance).",
   )
+  kv: str = knob(
+    "fp4",
+    "KV cache precision: fp4 (as the scope says) or bf16 (an ablation: the K/V sites and the "
+    "cache unquantized, everything else as the scope says).",
+    flat="kv_precision",
+  )
 
   def __post_init__(self):
     for name, value, allowed in (
       ("fmt", self.fmt, sorted(fp4.FORMATS)),
       ("fp4_sites", self.sites, SITE_SCOPES),
       ("activations", self.activations, ACTIVATION_FORMATS),
+      ("kv_precision", self.kv, KV_PRECISIONS),
     ):
       if value not in allowed:
         raise ValueError(f"{name}={value!r} (FP4Scheme) is not allowed; use one of {allowed}")
 
   def quant(self, **changes) -> "QuantConfig":
-    return QuantConfig(fmt=self.fmt, sites=self.sites, activations=self.activations, **changes)
+    return QuantConfig(
+      fmt=self.fmt, sites=self.sites, activations=self.activations, kv=self.kv, **changes
+    )
 
   def replace(self, **changes) -> "FP4Scheme":
     return dataclasses.replace(self, **changes)
@@ -222,6 +232,7 @@ class QuantConfig:
   guided_layers: GuidedLayers = "last_half"  # which layers `rounding` applies to
   activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8: linear inputs in MXFP8 E4M3,
   #   nearest rounding, no guidance; K/V stay FP4)
+  kv: str = "fp4"  # "fp4": the K/V sites (and the cache) as `sites` says; "bf16": never FP4
   kernels: str = "xla"  # "xla", "pallas" or "auto" (Pallas on GPU): whether packed FP4
   #   weights and the FP4 cache go through `trace_jax.kernels` (forward only: the rollout)
   recording: Recording = Recording()  # what the call records of its sites (ModelOutput.sites)
@@ -233,6 +244,8 @@ class QuantConfig:
         f"QuantConfig.activations={self.activations!r} is not allowed; use one "
         f"of {ACTIVATION_FORMATS}"
       )
+    if self.kv not in KV_PRECISIONS:
+      raise ValueError(f"QuantConfig.kv={self.kv!r} is not allowed; use one of {KV_PRECISIONS}")
     if self.precision not in PRECISIONS:
       raise ValueError(
         f"QuantConfig.precision={self.precision!r} is not allowed; use one of {PRECISIONS}"
@@ -278,10 +291,12 @@ class QuantConfig:
 
   @property
   def activation_sites(self) -> tuple[str, ...]:
-    """The activation sites this config's scope quantizes (whether or not enabled)."""
-    if isinstance(self.sites, str):
-      return _derived("SCOPE_SITES")[self.sites]
-    return self.sites
+    """The activation sites this config's scope quantizes (whether or not enabled); the
+    K/V sites only with `kv` "fp4"."""
+    sites = _derived("SCOPE_SITES")[self.sites] if isinstance(self.sites, str) else self.sites
+    if self.kv == "bf16":
+      sites = tuple(s for s in sites if s not in _derived("KV_SITES"))
+    return sites
 
   @property
   def weight_groups(self) -> tuple[str, ...]:

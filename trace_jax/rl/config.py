@@ -283,7 +283,10 @@ class RLConfig:
     quant = self.arm_spec.train_quant
     if quant is None:
       return None
-    return quant.replace(sites=self.fp4.sites, fmt=self.fp4.fmt, activations=self.fp4.activations)
+    scheme = self.fp4
+    return quant.replace(
+      sites=scheme.sites, fmt=scheme.fmt, activations=scheme.activations, kv=scheme.kv
+    )
 
   @property
   def sparse_spec(self) -> fp4.SparseSpec:
