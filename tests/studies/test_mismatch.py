@@ -47,6 +47,8 @@ def test_study_config_json_keeps_the_flat_keys():
   assert set(config.to_json()) == keys and config.to_json()["fp4_sites"] == "all"
   w4a8 = dataclasses.replace(config, fp4=FP4Scheme(activations="fp8"))
   assert set(w4a8.to_json()) == keys | {"activations"}
+  bf16_kv = dataclasses.replace(config, fp4=FP4Scheme(kv="bf16"))
+  assert set(bf16_kv.to_json()) == keys | {"kv_precision"}
 
 
 def _measurement(rng, quantized: bool, guided: bool) -> mismatch.Measurement:

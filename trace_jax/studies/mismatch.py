@@ -114,10 +114,12 @@ class StudyConfig:
       raise ValueError(f"StudyConfig.compute_dtype={self.compute_dtype!r}; use bfloat16 or float32")
 
   def to_json(self) -> dict:
-    """By flat name, as the study's JSON always held it (`activations` only when not W4A4)."""
+    """By flat name, as the study's JSON always held it (`activations` only when not W4A4,
+    `kv_precision` only when not FP4)."""
     out = flags.to_flat(self)
-    if out["activations"] == "fp4":
-      del out["activations"]
+    for name in ("activations", "kv_precision"):
+      if out[name] == "fp4":
+        del out[name]
     return out
 
 
