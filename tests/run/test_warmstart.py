@@ -93,9 +93,10 @@ def test_a_warm_start_stops_at_its_target_level(tmp_path, monkeypatch):
   source = policy_source.load(config, task)
   _, greedy = episodes.rollout_configs(config, task, source)
   monkeypatch.setattr(warmstart, "LEVEL_PROBLEMS", 16)
+  monkeypatch.setattr(warmstart, "LEVEL_EVERY", 2)  # the test's scale: 4 steps, checks at 2, 4
   seed = int(np.random.default_rng().integers(1 << 20))
   make = dict(
-    steps=20,
+    steps=4,
     batch=4,
     seed=seed,
     learning_rate=3e-3,
@@ -107,7 +108,7 @@ def test_a_warm_start_stops_at_its_target_level(tmp_path, monkeypatch):
   record = warmstart.load_or_train(
     policy, str(tmp_path / "unreached"), task, source.tokenizer, target=1.5, **make
   )
-  assert record["steps"] == 20 and [c[0] for c in record["checks"]] == [10, 20]
+  assert record["steps"] == 4 and [c[0] for c in record["checks"]] == [2, 4]
   items = task.sample(seed, 16, "train")
   engine = RolloutEngine(policy, greedy.replace(precision="fp4"))
   played = episodes.play(engine, task, source.tokenizer, items, jax.random.key(0))
@@ -121,7 +122,7 @@ def test_a_warm_start_stops_at_its_target_level(tmp_path, monkeypatch):
   record = warmstart.load_or_train(
     policy, str(tmp_path / "reached"), task, source.tokenizer, target=0.5, **make
   )
-  assert record["steps"] == 10 and record["checks"] == [[10, 1.0]]
+  assert record["steps"] == 2 and record["checks"] == [[2, 1.0]]
   with pytest.raises(ValueError, match="needs the run's greedy RolloutConfig"):
     warmstart.load_or_train(
       policy, str(tmp_path / "none"), task, source.tokenizer, target=0.5, **{**make, "greedy": None}
