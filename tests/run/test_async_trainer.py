@@ -162,13 +162,11 @@ def test_a_failing_rollout_worker_stops_the_run(tmp_path, monkeypatch):
   metrics = read_metrics(str(tmp_path))
   assert [m["step"] for m in metrics] == [1, 2]
   assert [(m["async/version_gap"], m["async/rollout_version"]) for m in metrics] == [(0, 0), (1, 0)]
-  # the followed share logged again under its batch's gap
-  for m in metrics:
-    by_gap = {k: v for k, v in m.items() if k.startswith("guidance/followed_frac/")}
-    assert by_gap == {
-      f"guidance/followed_frac/gap_{m['async/version_gap']}": m["guidance/followed_frac"]
-    }
-    assert 0.0 < m["guidance/followed_frac"] <= 1.0
+  # the followed share by version gap, in the summary: one step at each gap
+  summary = report.summarize(config, metrics, 1.0)
+  want = {str(m["async/version_gap"]): m["guidance/followed_frac"] for m in metrics}
+  assert summary["followed_frac_by_gap"] == want and set(want) == {"0", "1"}
+  assert all(0.0 < v <= 1.0 for v in want.values())
   assert all("rollout_correction_frac" not in m for m in metrics)  # the decoupled loss ran
   assert metrics[1]["decoupled/masked_frac"] == metrics[1]["decoupled/capped_frac"] > 0
 

@@ -152,17 +152,6 @@ class AsyncRollouts:
       },
     )
 
-  @staticmethod
-  def followed_by_gap(metrics: dict) -> dict:
-    """`guidance/followed_frac/gap_<g>`: the step's followed share (`rl.metrics.
-    guidance_agreement`) under the name of its batch's version gap g (one gap per batch),
-    so that a run's steps at each gap can be averaged apart (`report.summarize`). Empty
-    when nothing was guided."""
-    if "guidance/followed_frac" not in metrics:
-      return {}
-    gap = metrics["async/version_gap"]
-    return {f"guidance/followed_frac/gap_{gap}": metrics["guidance/followed_frac"]}
-
   def version_split(self, step: int, collected) -> dict:
     """`rl.step.version_split` of the batch just received, every
     `evaluation.version_diag_every` steps (before the update is published: the ring then

@@ -69,6 +69,8 @@ def summarize(
     }
   )
   if config.schedule.max_staleness:  # asynchronous RL: the gaps and what they cost
+    gap_key = "async/version_gap"  # one gap per batch
+    guided = [m for m in train if "guidance/followed_frac" in m and gap_key in m]
     summary.update(
       {
         "mean_version_gap": mean("async/version_gap_mean"),
@@ -79,11 +81,10 @@ def summarize(
         "mean_followed_frac": mean("guidance/followed_frac"),
         # {gap: the mean followed share of the steps whose batch had that gap}
         "followed_frac_by_gap": {
-          key.rsplit("_", 1)[1]: mean(key)
-          for key in sorted(
-            {k for m in train for k in m if k.startswith("guidance/followed_frac/gap_")},
-            key=lambda k: int(k.rsplit("_", 1)[1]),
+          str(gap): float(
+            np.mean([m["guidance/followed_frac"] for m in guided if m[gap_key] == gap])
           )
+          for gap in sorted({m[gap_key] for m in guided})
         },
       }
     )

@@ -153,7 +153,6 @@ class Trainer:
     metrics = step_lib.step_metrics(spec, step, collected, done, engine)
     if self._async is not None:
       metrics.update(extra, **self._async.version_split(step, collected))
-      metrics.update(self._async.followed_by_gap(metrics))
       self._async.publish(state.policy)
     metrics.update(rollout_seconds=rollout_seconds, train_seconds=train_seconds)
     self.state = state
