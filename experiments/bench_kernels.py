@@ -29,7 +29,7 @@ from trace_jax import fp4, kernels
 from trace_jax.kernels import quantize_lib
 from trace_jax.model import layers
 from trace_jax.model.attention import attend
-from trace_jax.model.quant import quantize_weight_group
+from trace_jax.model.quantizer import quantize_weight_group
 from trace_jax.utils import markdown_table, time_jitted
 
 _SMOKE = flags.DEFINE_bool("smoke", None, "Tiny shapes (default: on unless on a GPU).")

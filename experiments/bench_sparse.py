@@ -3,7 +3,7 @@
   python experiments/bench_sparse.py                  # decode step: 64 tokens x 2048
   python experiments/bench_sparse.py --rows=256 --width=768
 
-Times one jitted site quantization (values and record, as `model.quant.quantize_site` runs it
+Times one jitted site quantization (values and record, as `model.quantizer.quantize_site` runs it
 in a decode step) per record form, median of --repeats, and prints the ratio to compact:
 whether the sparse capture is hot enough to deserve a fused Pallas kernel.
 """
@@ -16,7 +16,7 @@ import numpy as np
 from absl import app, flags
 
 from trace_jax import fp4
-from trace_jax.model.quant import quantize_site
+from trace_jax.model.quantizer import quantize_site
 from trace_jax.utils import markdown_table
 
 _ROWS = flags.DEFINE_integer("rows", 64, "Rows (tokens of a decode step).")

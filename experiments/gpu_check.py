@@ -57,7 +57,7 @@ from trace_jax import model as M
 from trace_jax.kernels import dispatch, moe_lib
 from trace_jax.model import moe as moe_module
 from trace_jax.model.cache import init_cache
-from trace_jax.model.quant import quantize_weight_group
+from trace_jax.model.quantizer import quantize_weight_group
 from trace_jax.rollout.params import fuse_for_kernels, quantize_params
 from trace_jax.utils import markdown_table
 from trace_jax.utils.device_time import device_time, device_time_carried

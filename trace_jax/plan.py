@@ -71,14 +71,8 @@ from trace_jax.model import sharding
 from trace_jax.model.cache import init_cache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import LayerInputs, rope_tables
-from trace_jax.model.quant import (
-  FP4Scheme,
-  QuantConfig,
-  Recording,
-  SiteQuantizer,
-  call_config,
-  resolve_layers,
-)
+from trace_jax.model.quant import FP4Scheme, QuantConfig, Recording, call_config, resolve_layers
+from trace_jax.model.quantizer import SiteQuantizer
 from trace_jax.model.transformer import Block, Transformer, attention_mask
 from trace_jax.rollout.params import quantize_params
 from trace_jax.training.forward import token_logprobs

@@ -35,7 +35,7 @@ So the guard now has two parts:
    compute XLA may skip the rounding to bf16 inside the quantizing fusion (excess
    precision), so before the fix of issue 27's defect 4 the quantizer saw another value
    than the stored one; now every site quantizes and returns one materialised float32
-   value (`quant.site_input`), so the bf16 cases hold bit for bit too. Two checks have
+   value (`quantizer.site_input`), so the bf16 cases hold bit for bit too. Two checks have
    tolerances, not bits: guided training falls back at under 1% of the elements, and its
    log-probs stay within 1e-2 of the rollout's on average.
 The first guard ran at XLA's default optimisation, in a subprocess, only because its
@@ -198,7 +198,7 @@ def test_forward_records_are_the_fp4_of_the_inputs_it_returns(name):
   assert set(out.sites) == expected and set(out.site_inputs) == expected
   for key in sorted(expected):
     x = out.site_inputs[key]
-    assert x.dtype == jnp.float32, key  # as the quantizer read it (quant.site_input)
+    assert x.dtype == jnp.float32, key  # as the quantizer read it (quantizer.site_input)
     want = fp4.quantize(x, global_group="row")
     if form == "compact":
       want = fp4.compact_guidance(want)

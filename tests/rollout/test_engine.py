@@ -12,7 +12,7 @@ from flax import nnx
 from trace_jax import fp4
 from trace_jax import model as M
 from trace_jax import rollout as R
-from trace_jax.model.quant import SiteQuantizer
+from trace_jax.model.quantizer import SiteQuantizer
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 7, 61, 8, 30], [100]]
 

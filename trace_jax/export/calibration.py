@@ -26,7 +26,8 @@ import numpy as np
 from flax import nnx
 
 from trace_jax import fp4
-from trace_jax.model.quant import QuantConfig, Recording, site_spec
+from trace_jax.model.quant import QuantConfig, Recording
+from trace_jax.model.sites import site_spec
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.params import quantize_params
 

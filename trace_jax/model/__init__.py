@@ -21,15 +21,17 @@ from trace_jax.model.quant import (
   FP4Scheme,
   QuantConfig,
   Recording,
-  SiteQuantizer,
   call_config,
   layer_sites,
   is_quantized_weight,
-  quantize_weight,
-  quantize_weight_group,
   resolve_layers,
   scale_groups,
   weight_group,
+)
+from trace_jax.model.quantizer import (
+  SiteQuantizer,
+  quantize_weight,
+  quantize_weight_group,
   weight_layout,
 )
 from trace_jax.model.sites import Site, declare_site

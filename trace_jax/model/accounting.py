@@ -8,7 +8,8 @@ from flax import nnx
 
 from trace_jax.model.cache import init_cache
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.quant import QuantConfig, is_quantized_weight, quantize_weight
+from trace_jax.model.quant import QuantConfig, is_quantized_weight
+from trace_jax.model.quantizer import quantize_weight
 from trace_jax.model.transformer import Transformer
 
 

@@ -16,7 +16,7 @@ from trace_jax.model import cache as kv_cache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import LayerInputs, RMSNorm, apply_rope
 from trace_jax.model.parameters import normal_param
-from trace_jax.model.quant import SiteQuantizer
+from trace_jax.model.quantizer import SiteQuantizer
 from trace_jax.model.sites import Site, declare_site, sow_cache_entry, sow_site
 
 # The token mixer's sites (softmax attention here; Gated DeltaNet layers have them too).

@@ -19,7 +19,7 @@ from trace_jax.kernels import layout as kernel_layout
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import matmul, swiglu
 from trace_jax.model.parameters import normal_param
-from trace_jax.model.quant import SiteQuantizer
+from trace_jax.model.quantizer import SiteQuantizer
 from trace_jax.model.sites import Site, declare_site, sow_site
 
 _MOE = lambda cfg, layer: layer not in cfg.dense_layers  # noqa: E731

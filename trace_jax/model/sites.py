@@ -145,7 +145,7 @@ class SiteRecord:
     record: the site's quantization outcome in guidance form (`fp4.QArray` for "full",
       `fp4.CompactGuidance` for "compact", `fp4.SparseGuidance` for "sparse"), or None.
     fallback: bool, input-shaped: where guided rounding fell back (guided sites), or None.
-    input: the activation as the quantizer read it, float32 (`quant.site_input`; with
+    input: the activation as the quantizer read it, float32 (`quantizer.site_input`; with
       `Recording.inputs`), or None: `fp4.quantize` of it is the record, bit for bit.
   """
 
@@ -156,7 +156,7 @@ class SiteRecord:
 
 def sow_site(module: nnx.Module, sq, x: jax.Array, *, layer: int, site: Site) -> jax.Array:
   """Quantize activation site `site` of `module` at `layer` through the forward's
-  `quant.SiteQuantizer` `sq`; sow its record (if any) into
+  `quantizer.SiteQuantizer` `sq`; sow its record (if any) into
   the `nnx.Intermediate` collection, which `Transformer.__call__` captures."""
   values, record = sq.site(x, layer, site.name)
   if record is not None:

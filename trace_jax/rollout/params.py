@@ -9,13 +9,8 @@ from flax import nnx
 from trace_jax import fp4
 from trace_jax.kernels import layout, moe as moe_kernels
 from trace_jax.model import parameters
-from trace_jax.model.quant import (
-  QuantConfig,
-  is_quantized_weight,
-  quantize_weight_group,
-  scale_groups,
-  weight_group,
-)
+from trace_jax.model.quant import QuantConfig, is_quantized_weight, scale_groups, weight_group
+from trace_jax.model.quantizer import quantize_weight_group
 
 
 def quantize_params(

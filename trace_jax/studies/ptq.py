@@ -14,7 +14,8 @@ import numpy as np
 from flax import nnx
 
 from trace_jax import fp4
-from trace_jax.model.quant import QuantConfig, quantize_weight_group, scale_groups
+from trace_jax.model.quant import QuantConfig, scale_groups
+from trace_jax.model.quantizer import quantize_weight_group
 from trace_jax.rl import episodes as episodes_lib
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import guidance as guidance_lib
-from trace_jax.model import quant as quant_lib
+from trace_jax.model import sites as sites_lib
 from trace_jax.model.quant import QuantConfig, layer_sites
 from trace_jax.model.transformer import ModelOutput, Transformer, check_token_ids
 
@@ -64,7 +64,7 @@ def check_guidance(
       (layer, s) for layer in quant.guided_layer_ids(cfg.num_layers) for s in sites[layer]
     }
     # Sites whose rows are (token, chosen expert): their guidance only fits the rollout's experts.
-    routed = sorted(key for key in required if quant_lib.site_spec(key[1]).routed)
+    routed = sorted(key for key in required if sites_lib.site_spec(key[1]).routed)
     if routed and not routing_replay:
       raise ValueError(
         f"guided rounding at routed-expert sites {routed[:4]} needs routing_replay=True: the "
