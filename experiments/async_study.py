@@ -1,0 +1,179 @@
+"""Asynchronous RL across staleness on the main job's setting, resumable.
+
+  python experiments/async_study.py          # fp4-qat, trace, trace-full x k = 0, 1, 3 x seeds 0-2
+  python experiments/async_study.py --seeds=0 --staleness=0,3 --arms=trace
+
+For each k > 0: `experiments/compare_arms.py --name=staleness<k> --max_staleness=<k>
+--version_diag_every=<n>` on the main job's task (results in <results>/staleness<k>/, runs in
+<workdir>/staleness<k>/), cell by cell, so a killed study resumes where it stopped. k = 0 is the
+synchronous loop: on the main job's setting its cells are read from the arms comparison
+(--sync_results, the chain sweep) where it has them; the missing ones (all of them with
+--setting) run as <results>/staleness0/. --setting=key=value,... passes flags to every
+compare_arms.py run (e.g. a tiny smoke: preset=tiny,steps=2,sft_steps=4). Each run starts from its seed's warm start copied from --warmstarts_from
+(a directory of compare_arms runs: <task>/seed<S>/bf16/warmstart) when one is there; warm starts
+are keyed by their settings, so one made for anything else is rebuilt, never reused.
+
+Then <results>/study/: results.json (`settings`, `cells` with their `staleness`, `rows`),
+table.md (per arm and k: gain with its 95% interval, paired difference against k = 0, total /
+precision / version k3, masked share, largest gap, followed share by gap) and study.png.
+Run it alone on the machine: the cells' wall times are reported.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from absl import app, flags
+
+from trace_jax.rl.arms import ARMS
+from trace_jax.rl.config import RLConfig
+from trace_jax.run import warmstart
+from trace_jax.studies import compare, staleness
+from trace_jax.utils import flags as config_flags
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
+_STALENESS = flags.DEFINE_list(
+  "staleness", [str(k) for k in staleness.STALENESS], "Max staleness values (0: synchronous)."
+)
+_ARMS = flags.DEFINE_list("arms", list(staleness.STUDY_ARMS), "Trained arms.")
+_DIAG = flags.DEFINE_integer(
+  "version_diag_every", 20, "Steps between precision / version k3 diagnostics (k > 0)."
+)
+_SETTING = flags.DEFINE_list(
+  "setting",
+  [],
+  "key=value flags for compare_arms.py at every k (e.g. preset=tiny,steps=3); default: the "
+  "main job's setting. The k = 0 cells read from --sync_results must share it.",
+)
+_WORKDIR = flags.DEFINE_string("workdir", "runs/async", "Root of this study's run directories.")
+_WARMSTARTS = flags.DEFINE_string(
+  "warmstarts_from", "runs/arms/chain", "compare_arms runs whose warm starts to copy (if there)."
+)
+_SYNC = flags.DEFINE_string(
+  "sync_results",
+  os.path.join(_ROOT, "experiments", "results", "arms", "chain"),
+  "An arms comparison on the same setting whose cells serve as k = 0.",
+)
+_RESULTS = flags.DEFINE_string(
+  "results", os.path.join(_ROOT, "experiments", "results", "async"), "Results root."
+)
+
+
+def _parse() -> tuple[list[int], list[int], list[str]]:
+  """Seeds, staleness values and arms, or a UsageError naming the bad value."""
+  try:
+    seeds = [int(s) for s in _SEEDS.value]
+    ks = sorted({int(k) for k in _STALENESS.value})
+  except ValueError as e:
+    raise app.UsageError(f"--seeds and --staleness take integers: {e}") from e
+  if any(k < 0 for k in ks):
+    raise app.UsageError(f"--staleness={ks}: each k must be >= 0")
+  trained = [a for a, spec in ARMS.items() if not spec.post_training]
+  bad = sorted(set(_ARMS.value) - set(trained))
+  if bad:
+    raise app.UsageError(f"--arms: {bad} are not trained arms; trained arms: {trained}")
+  try:
+    config_flags.parse_pairs("setting", _SETTING.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  reserved = {"max_staleness", "version_diag_every", "name", "seeds", "arms", "tasks"}
+  clash = sorted(reserved & {pair.split("=", 1)[0] for pair in _SETTING.value})
+  if clash:
+    raise app.UsageError(f"--setting: {clash} are set by the study itself; use its own flags")
+  if _DIAG.value < 1:
+    raise app.UsageError(f"--version_diag_every={_DIAG.value} must be >= 1")
+  return seeds, ks, [a for a in trained if a in _ARMS.value]
+
+
+def _read(results_dir: str, task: str, seed: int, arm: str) -> compare.Cell | None:
+  path = os.path.join(compare.cell_dir(results_dir, task, seed, arm), "summary.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return compare.Cell(arm=arm, task=task, seed=seed, summary=json.load(f))
+
+
+def _compare_arms(name: str, k: int, seeds, arms, work_root, results_root) -> None:
+  command = [
+    sys.executable,
+    os.path.join(_ROOT, "experiments", "compare_arms.py"),
+    f"--name={name}",
+    f"--tasks={RLConfig().task}",
+    f"--seeds={','.join(map(str, seeds))}",
+    f"--arms={','.join(arms)}",
+    f"--workdir={work_root}",
+    f"--results={results_root}",
+  ] + [f"--{pair}" for pair in _SETTING.value]
+  if k:
+    command += [f"--max_staleness={k}", f"--version_diag_every={_DIAG.value}"]
+  subprocess.run(command, check=True)
+
+
+def _copy_warmstarts(name: str, task: str, seeds, arms, work_root: str) -> None:
+  """Each run's seed's warm start from --warmstarts_from, where it is and the run has none."""
+  for seed in seeds:
+    source = os.path.join(
+      os.path.abspath(_WARMSTARTS.value),
+      task.replace(":", "_"),
+      f"seed{seed}",
+      "bf16",
+      warmstart.WARMSTART_DIR,
+    )
+    for arm in arms:
+      target = os.path.join(
+        work_root, name, task.replace(":", "_"), f"seed{seed}", arm, warmstart.WARMSTART_DIR
+      )
+      if os.path.exists(source) and not os.path.exists(target):
+        shutil.copytree(source, target)
+
+
+def main(argv):
+  del argv
+  seeds, ks, arms = _parse()
+  task = RLConfig().task
+  work_root = os.path.abspath(_WORKDIR.value)
+  results_root = os.path.abspath(_RESULTS.value)
+  sync_results = os.path.abspath(_SYNC.value)
+  cells_by_k = {}
+  for k in ks:
+    name = f"staleness{k}"
+    own = os.path.join(results_root, name)
+    if k == 0:  # the comparison's synchronous cells where it has them
+      from_sync = {  # only on the main job's setting, which the comparison ran
+        (s, a): None if _SETTING.value else _read(sync_results, task, s, a)
+        for s in seeds
+        for a in arms
+      }
+      missing = sorted({s for (s, a), cell in from_sync.items() if cell is None})
+      if missing:
+        _copy_warmstarts(name, task, missing, arms, work_root)
+        _compare_arms(name, 0, missing, arms, work_root, results_root)
+      cells = [from_sync[(s, a)] or _read(own, task, s, a) for s in seeds for a in arms]
+    else:
+      _copy_warmstarts(name, task, seeds, arms, work_root)
+      _compare_arms(name, k, seeds, arms, work_root, results_root)
+      cells = [_read(own, task, s, a) for s in seeds for a in arms]
+    cells_by_k[k] = cells
+  settings = {
+    "task": task,
+    "seeds": seeds,
+    "staleness": ks,
+    "arms": arms,
+    "setting": _SETTING.value,
+  }
+  settings["version_diag_every"] = _DIAG.value
+  title = f"asynchronous RL on {task}: {len(arms)} arms x k = {ks} x {len(seeds)} seeds"
+  try:
+    staleness.write_results(os.path.join(results_root, "study"), cells_by_k, settings, title)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  print()
+  print(staleness.markdown(cells_by_k))
+  print(f"\nwrote {results_root}/study/results.json, table.md, study.png")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,117 @@
+"""The staleness study's aggregates against hand computations on random cells."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from trace_jax.rl.config import RLConfig
+from trace_jax.studies import compare, staleness
+
+ARMS = ("fp4-qat", "trace")
+SEEDS = (0, 1, 2, 3)
+KS = (0, 1, 3)
+
+
+def _cell(rng, arm, seed, k, initial, **config):
+  summary = {
+    "config": RLConfig.from_flat(
+      arm=arm, seed=seed, max_staleness=k, version_diag_every=20 if k else 0, **config
+    ).to_dict(),
+    "initial_eval_reward": initial,
+    "final_eval_reward": float(initial + rng.normal(0.1, 0.05)),
+    "mean_k3_kl": float(10.0 ** rng.uniform(-5, -2)),
+    "wall_seconds": float(rng.uniform(400, 600)),
+  }
+  if k:
+    gaps = range(k + 1)
+    summary.update(
+      mean_precision_k3=float(10.0 ** rng.uniform(-5, -3)),
+      mean_version_k3=float(10.0 ** rng.uniform(-5, -1)),
+      mean_masked_frac=float(rng.uniform(0, 1e-3)),
+      max_version_gap=k,
+      followed_frac_by_gap={str(g): float(rng.uniform(0.99, 1.0)) for g in gaps},
+    )
+  return compare.Cell(arm=arm, task="chain", seed=seed, summary=summary)
+
+
+def _grid(rng):
+  initial = {s: float(rng.uniform(0.4, 0.8)) for s in SEEDS}  # one warm start per seed
+  return {k: [_cell(rng, a, s, k, initial[s]) for s in SEEDS for a in ARMS] for k in KS}
+
+
+def _t_interval(x):
+  x = np.asarray(x, np.float64)
+  half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+  return x.mean(), x.mean() - half, x.mean() + half
+
+
+def test_rows_match_a_hand_computation():
+  rng = np.random.default_rng()
+  grid = _grid(rng)
+  table = {(r.arm, r.staleness): r for r in staleness.rows(grid)}
+  assert list(table) == [(a, k) for a in ARMS for k in KS]
+  get = lambda k, arm, key: [c.summary.get(key) for c in grid[k] if c.arm == arm]  # noqa: E731
+  for arm in ARMS:
+    for k in KS:
+      row = table[(arm, k)]
+      gains = np.subtract(get(k, arm, "final_eval_reward"), get(k, arm, "initial_eval_reward"))
+      np.testing.assert_allclose(
+        (row.gain.mean, row.gain.lo, row.gain.hi), _t_interval(gains), rtol=1e-12
+      )
+      total = get(k, arm, "mean_k3_kl")
+      np.testing.assert_allclose(row.total_k3, np.prod(total) ** (1 / len(total)), rtol=1e-9)
+      assert row.seeds == len(SEEDS)
+      if k == 0:
+        assert row.vs_sync is None and row.version_k3 is None
+        assert row.precision_k3 == pytest.approx(row.total_k3)  # no version gap in sync
+        assert row.max_version_gap == 0 and row.followed_by_gap == {}
+        continue
+      diffs = np.subtract(get(k, arm, "final_eval_reward"), get(0, arm, "final_eval_reward"))
+      np.testing.assert_allclose(
+        (row.vs_sync.mean, row.vs_sync.lo, row.vs_sync.hi), _t_interval(diffs), rtol=1e-12
+      )
+      version = get(k, arm, "mean_version_k3")
+      np.testing.assert_allclose(row.version_k3, np.prod(version) ** (1 / len(version)), rtol=1e-9)
+      assert row.masked_frac == pytest.approx(np.mean(get(k, arm, "mean_masked_frac")))
+      assert row.max_version_gap == k
+      shares = get(k, arm, "followed_frac_by_gap")
+      assert list(row.followed_by_gap) == [str(g) for g in range(k + 1)]
+      for gap, mean in row.followed_by_gap.items():
+        assert mean == pytest.approx(np.mean([s[gap] for s in shares]))
+
+
+def test_unmatched_cells_are_refused_naming_the_difference():
+  rng = np.random.default_rng()
+  grid = _grid(rng)
+  grid[3][1] = _cell(rng, "trace", 0, 3, 0.5, learning_rate=1e-4)
+  with pytest.raises(ValueError, match=r"trace seed 0.*staleness 3.*learning_rate"):
+    staleness.rows(grid)
+  grid = _grid(rng)
+  grid[1] = grid[3]  # cells that ran at k = 3 listed as k = 1
+  with pytest.raises(ValueError, match="listed at staleness 1 but ran at max_staleness=3"):
+    staleness.rows(grid)
+
+
+def test_write_results_writes_the_table_the_json_and_the_plot(tmp_path):
+  rng = np.random.default_rng()
+  grid = _grid(rng)
+  out = str(tmp_path / "study")
+  table = staleness.write_results(out, grid, {"seeds": list(SEEDS)}, "a study")
+  with open(os.path.join(out, "results.json")) as f:
+    saved = json.load(f)
+  assert [c["staleness"] for c in saved["cells"]] == [k for k in KS for _ in SEEDS for _ in ARMS]
+  assert [(r["arm"], r["staleness"]) for r in saved["rows"]] == [
+    (r.arm, r.staleness) for r in table
+  ]
+  text = open(os.path.join(out, "table.md")).read()
+  assert text.startswith("# a study") and "0 (sync)" in text
+  assert text.count("\n| fp4-qat |") == len(KS)
+  assert os.path.getsize(os.path.join(out, "study.png")) > 0
+  grid[1][0] = _cell(rng, "fp4-qat", 0, 1, 0.5, group_size=4)
+  with pytest.raises(ValueError):  # unmatched: nothing (re)written
+    staleness.write_results(str(tmp_path / "other"), grid, {})
+  assert not os.path.exists(tmp_path / "other")

@@ -1,0 +1,276 @@
+"""Asynchronous RL across staleness: what a version gap costs each arm, and what guidance
+recorded under old weights still does.
+
+The study runs the arms fp4-qat, trace and trace-full at staleness k = 0, 1, 3 on the same
+seeds and setting (one `compare_arms.py` results directory per k; k = 0 is the synchronous
+loop, so its cells may be the arms comparison's own). Per (arm, k), over seeds:
+  1. the gain of the greedy evaluation (final - initial) with its 95% Student-t interval, and
+     the paired difference of the final evaluation against the same arm at k = 0 on the same
+     seed (one warm start per seed, so the initial evaluations are equal and the difference
+     is the difference in gain);
+  2. the mismatch: total k3 (proximal vs behaviour, the run's `mismatch/k3_kl`), and its two
+     parts from the diagnostic steps, precision k3 (training path vs rollout path at the
+     rollout's weights) and version k3 (the training path at the rollout's weights vs at
+     the learner's); geometric means over seeds, since k3 spans decades. At k = 0 there is
+     no version gap: the total is the precision part;
+  3. the decoupled objective's masked share, the largest version gap consumed, and the
+     guidance's followed share by version gap (the mean over seeds of each run's
+     `followed_frac_by_gap`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from trace_jax.rl.config import RLConfig  # noqa: E402
+from trace_jax.studies import compare  # noqa: E402
+from trace_jax.utils import markdown_table, write_json  # noqa: E402
+
+STUDY_ARMS = ("fp4-qat", "trace", "trace-full")
+STALENESS = (0, 1, 3)
+# The fields that may differ between the cells of one (arm, seed) across k.
+ASYNC_FIELDS = ("max_staleness", "version_diag_every")
+
+
+@dataclasses.dataclass(frozen=True)
+class StalenessRow:
+  """One (arm, k): the aggregates over its seeds."""
+
+  arm: str
+  staleness: int
+  seeds: int
+  gain: compare.Interval  # final - initial eval, per seed
+  vs_sync: compare.Interval | None  # final(k) - final(0), paired by seed; None at k = 0
+  total_k3: float | None  # geometric means over seeds of each run's mean
+  precision_k3: float | None
+  version_k3: float | None
+  masked_frac: float | None  # mean over seeds
+  max_version_gap: int | None
+  followed_by_gap: dict[str, float]  # {gap: mean over seeds}
+  seconds: float  # mean wall time per cell
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def staleness_of(cell: compare.Cell) -> int:
+  """The cell's max_staleness, from the config its run saved."""
+  return int(RLConfig.flat_dict(cell.summary["config"]).get("max_staleness", 0))
+
+
+def check_matched(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> None:
+  """Every cell ran at its k, and the cells of one (arm, seed) differ only in the
+  asynchronous fields (a staleness effect is otherwise confounded).
+
+  Raises:
+    ValueError: naming the cell and the fields that differ.
+  """
+  first: dict[tuple[str, int], tuple[int, dict]] = {}
+  for k, cells in sorted(cells_by_k.items()):
+    for cell in cells:
+      ran = staleness_of(cell)
+      if ran != k:
+        raise ValueError(
+          f"{cell.arm} seed {cell.seed}: listed at staleness {k} but ran at max_staleness={ran}"
+        )
+      config = {
+        name: value
+        for name, value in RLConfig.flat_dict(cell.summary["config"]).items()
+        if name not in ASYNC_FIELDS
+      }
+      key = (cell.arm, cell.seed)
+      if key not in first:
+        first[key] = (k, config)
+        continue
+      k0, config0 = first[key]
+      differing = sorted(n for n in set(config) | set(config0) if config.get(n) != config0.get(n))
+      if differing:
+        raise ValueError(
+          f"{cell.arm} seed {cell.seed}: the staleness {k} run differs from the staleness {k0} "
+          f"run in {differing}; only {list(ASYNC_FIELDS)} may differ"
+        )
+
+
+def _geo_mean(values) -> float | None:
+  values = [v for v in values if v is not None]
+  if not values:
+    return None
+  return float(np.exp(np.mean(np.log(np.maximum(values, 1e-30)))))
+
+
+def _mean(values) -> float | None:
+  values = [v for v in values if v is not None]
+  return float(np.mean(values)) if values else None
+
+
+def _gain(cell: compare.Cell) -> float | None:
+  final, initial = cell.value(), cell.value("initial_eval_reward")
+  return None if final is None or initial is None else final - initial
+
+
+def rows(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> list[StalenessRow]:
+  """One row per (arm, k), arms in the registry's order, then k ascending."""
+  check_matched(cells_by_k)
+  present = {c.arm for cells in cells_by_k.values() for c in cells}
+  arms = [a for a in compare.ALL_ARMS if a in present] + sorted(present - set(compare.ALL_ARMS))
+  sync = {(c.arm, c.seed): c for c in cells_by_k.get(0, ())}
+  out = []
+  for arm in arms:
+    for k in sorted(cells_by_k):
+      mine = sorted((c for c in cells_by_k[k] if c.arm == arm), key=lambda c: c.seed)
+      if not mine:
+        continue
+      if k == 0:
+        vs_sync, precision, version = None, [c.value("mean_k3_kl") for c in mine], []
+      else:
+        vs_sync = compare.interval(
+          c.value() - sync[(arm, c.seed)].value()
+          for c in mine
+          if (arm, c.seed) in sync
+          and c.value() is not None
+          and sync[(arm, c.seed)].value() is not None
+        )
+        precision = [c.value("mean_precision_k3") for c in mine]
+        version = [c.value("mean_version_k3") for c in mine]
+      by_gap: dict[str, list[float]] = {}
+      for c in mine:
+        for gap, share in (c.value("followed_frac_by_gap") or {}).items():
+          by_gap.setdefault(str(gap), []).append(share)
+      gaps = [c.value("max_version_gap") for c in mine if c.value("max_version_gap") is not None]
+      out.append(
+        StalenessRow(
+          arm=arm,
+          staleness=k,
+          seeds=len(mine),
+          gain=compare.interval(_gain(c) for c in mine),
+          vs_sync=vs_sync,
+          total_k3=_geo_mean(c.value("mean_k3_kl") for c in mine),
+          precision_k3=_geo_mean(precision),
+          version_k3=_geo_mean(version),
+          masked_frac=_mean(c.value("mean_masked_frac") for c in mine),
+          max_version_gap=max(gaps) if gaps else (0 if k == 0 else None),
+          followed_by_gap={g: float(np.mean(v)) for g, v in sorted(by_gap.items(), key=_gap)},
+          seconds=float(np.mean([c.value("wall_seconds") or 0.0 for c in mine])),
+        )
+      )
+  return out
+
+
+def _gap(item) -> int:
+  return int(item[0])
+
+
+def _sci(value: float | None) -> str:
+  return "-" if value is None else f"{value:.1e}"
+
+
+def markdown(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> str:
+  """The study's table: gain, paired difference against k = 0, the k3 split, the masked
+  share, the largest gap and the followed share per gap."""
+  signed = lambda iv: "-" if iv is None else iv.format(signed=True)  # noqa: E731
+  body = [
+    (
+      r.arm,
+      r.staleness,
+      r.seeds,
+      signed(r.gain),
+      signed(r.vs_sync),
+      _sci(r.total_k3),
+      _sci(r.precision_k3),
+      "0 (sync)" if r.staleness == 0 else _sci(r.version_k3),
+      _sci(r.masked_frac),
+      "-" if r.max_version_gap is None else r.max_version_gap,
+      ", ".join(f"{g}: {v:.5f}" for g, v in r.followed_by_gap.items()) or "-",
+      f"{r.seconds:.0f}",
+    )
+    for r in rows(cells_by_k)
+  ]
+  return markdown_table(
+    [
+      "arm",
+      "k",
+      "seeds",
+      "gain (mean [95% CI])",
+      "vs k = 0 (paired)",
+      "total k3",
+      "precision k3",
+      "version k3",
+      "masked share",
+      "max gap",
+      "followed by gap",
+      "s per cell",
+    ],
+    body,
+  )
+
+
+def plot(cells_by_k: Mapping[int, Sequence[compare.Cell]], path: str, title: str = "") -> str:
+  """Left: each arm's gain against k (mean, 95% interval, seeds as dots). Right: its
+  precision and version k3 against k (log axis)."""
+  table = rows(cells_by_k)
+  arms = list(dict.fromkeys(r.arm for r in table))
+  colors = {arm: plt.cm.tab10(i) for i, arm in enumerate(compare.ALL_ARMS)}
+  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+  for j, arm in enumerate(arms):
+    mine = [r for r in table if r.arm == arm]
+    ks = np.asarray([r.staleness for r in mine], np.float64) + 0.08 * (j - 1)
+    for x, k in zip(ks, (r.staleness for r in mine)):
+      dots = [_gain(c) for c in cells_by_k[k] if c.arm == arm]
+      left.scatter([x] * len(dots), dots, color=colors.get(arm), alpha=0.4, s=10)
+    means = [r.gain.mean for r in mine]
+    err = np.asarray(
+      [
+        [r.gain.mean - r.gain.lo if math.isfinite(r.gain.lo) else 0.0 for r in mine],
+        [r.gain.hi - r.gain.mean if math.isfinite(r.gain.hi) else 0.0 for r in mine],
+      ]
+    )
+    left.errorbar(ks, means, yerr=err, fmt="o-", color=colors.get(arm), capsize=4, label=arm)
+    precision = [r.precision_k3 or math.nan for r in mine]
+    version = [math.nan if r.staleness == 0 else (r.version_k3 or math.nan) for r in mine]
+    right.plot(ks, precision, "o-", color=colors.get(arm), label=f"{arm} precision")
+    right.plot(ks, version, "s--", color=colors.get(arm), label=f"{arm} version")
+  ks = sorted(cells_by_k)
+  left.axhline(0.0, color="grey", lw=0.5)
+  left.set(xlabel="max staleness k", ylabel="eval gain (final - initial)", xticks=ks)
+  left.set_title("gain: mean, 95% CI, seeds as dots")
+  right.set_yscale("log")
+  right.set(xlabel="max staleness k", ylabel="k3 (geo. mean over seeds)", xticks=ks)
+  right.set_title("mismatch split: precision (solid), version (dashed)")
+  left.legend(fontsize=7)
+  right.legend(fontsize=6, ncol=2)
+  return compare.save_figure(fig, title, path)
+
+
+def write_results(
+  results_dir: str,
+  cells_by_k: Mapping[int, Sequence[compare.Cell]],
+  settings: dict,
+  title: str = "",
+) -> list[StalenessRow]:
+  """results.json (`settings`, `cells` with their `staleness`, `rows`), table.md and
+  study.png in `results_dir`; returns the rows. Nothing is written if the cells are not
+  matched (`check_matched`)."""
+  table = rows(cells_by_k)
+  os.makedirs(results_dir, exist_ok=True)
+  saved = {
+    "settings": settings,
+    "cells": [
+      dict(c.to_json(), staleness=k) for k, cells in sorted(cells_by_k.items()) for c in cells
+    ],
+    "rows": [r.to_json() for r in table],
+  }
+  write_json(os.path.join(results_dir, "results.json"), compare.jsonish(saved))
+  text = markdown(cells_by_k)
+  with open(os.path.join(results_dir, "table.md"), "w") as f:
+    f.write(f"# {title}\n\n{text}\n" if title else text + "\n")
+  plot(cells_by_k, os.path.join(results_dir, "study.png"), title)
+  return table
