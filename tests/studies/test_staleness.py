@@ -91,6 +91,12 @@ def test_unmatched_cells_are_refused_naming_the_difference():
   with pytest.raises(ValueError, match=r"trace seed 0.*staleness 3.*learning_rate"):
     staleness.rows(grid)
   grid = _grid(rng)
+  source = grid[3][0].summary["config"]["source"]
+  del source["sft_target"]  # a run saved before the field existed: its default, matched
+  assert len(staleness.rows(grid)) == len(ARMS) * len(KS)
+  source["sft_target"] = 0.5  # the same field, not at its default
+  with pytest.raises(ValueError, match=r"fp4-qat seed 0.*\['sft_target'\]"):
+    staleness.rows(grid)
   grid[1] = grid[3]  # cells that ran at k = 3 listed as k = 1
   with pytest.raises(ValueError, match="listed at staleness 1 but ran at max_staleness=3"):
     staleness.rows(grid)

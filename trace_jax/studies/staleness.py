@@ -69,12 +69,14 @@ def staleness_of(cell: compare.Cell) -> int:
 
 def check_matched(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> None:
   """Every cell ran at its k, and the cells of one (arm, seed) differ only in the
-  asynchronous fields (a staleness effect is otherwise confounded).
+  asynchronous fields (a staleness effect is otherwise confounded). A field a saved config
+  lacks (added to RLConfig after that run) counts as its default.
 
   Raises:
     ValueError: naming the cell and the fields that differ.
   """
   first: dict[tuple[str, int], tuple[int, dict]] = {}
+  defaults = RLConfig.flat_dict(RLConfig().to_dict())
   for k, cells in sorted(cells_by_k.items()):
     for cell in cells:
       ran = staleness_of(cell)
@@ -82,11 +84,8 @@ def check_matched(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> None:
         raise ValueError(
           f"{cell.arm} seed {cell.seed}: listed at staleness {k} but ran at max_staleness={ran}"
         )
-      config = {
-        name: value
-        for name, value in RLConfig.flat_dict(cell.summary["config"]).items()
-        if name not in ASYNC_FIELDS
-      }
+      saved = {**defaults, **RLConfig.flat_dict(cell.summary["config"])}  # a field added
+      config = {n: v for n, v in saved.items() if n not in ASYNC_FIELDS}  # later: its default
       key = (cell.arm, cell.seed)
       if key not in first:
         first[key] = (k, config)
