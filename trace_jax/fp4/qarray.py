@@ -160,12 +160,13 @@ def mantissa_bits(q: QArray) -> jax.Array:
   return numerics.pack_bits(codes(q) & 1, q.axis)
 
 
-def compact_guidance(q: QArray) -> CompactGuidance:
-  """The compact guidance a rollout records for a quantized activation."""
+def compact_guidance(q: QArray, bits: jax.Array | None = None) -> CompactGuidance:
+  """The compact guidance a rollout records for a quantized activation; `bits`: its
+  mantissa bits when a kernel already emitted them (else derived from the codes)."""
   return CompactGuidance(
     global_scale=q.global_scale,
     scales=q.scales,
-    mantissa_bits=mantissa_bits(q),
+    mantissa_bits=mantissa_bits(q) if bits is None else bits,
     fmt=q.fmt,
     axis=q.axis,
   )

@@ -170,11 +170,9 @@ def quantize_site(
   if kernel:
     q, bits = kernels_lib.quantize(xq.astype(x.dtype), fmt)  # exact: xq holds x's values
     values = fp4.dequantize(q, x.dtype)
-    record = q if form in ("full", "sparse") else None
+    record = None if form == "none" else q  # full, sparse: the codes
     if form == "compact":
-      record = fp4.CompactGuidance(
-        global_scale=q.global_scale, scales=q.scales, mantissa_bits=bits, fmt=q.fmt, axis=q.axis
-      )
+      record = fp4.compact_guidance(q, bits)
   elif form == "none":
     values, record = fp4.fake_quant(xq, fmt, global_group="row", **rounding), None
   else:
@@ -208,13 +206,7 @@ def cache_entry(
   if form == "full":
     record = q
   elif form == "compact":
-    record = (
-      fp4.compact_guidance(q)
-      if bits is None
-      else fp4.CompactGuidance(
-        global_scale=q.global_scale, scales=q.scales, mantissa_bits=bits, fmt=q.fmt, axis=q.axis
-      )
-    )
+    record = fp4.compact_guidance(q, bits)
   elif form == "sparse":
     record = fp4.sparse_guidance(xq, q, sparse or fp4.SparseSpec())
   return q, record, xq
