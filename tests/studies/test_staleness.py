@@ -117,6 +117,12 @@ def test_write_results_writes_the_table_the_json_and_the_plot(tmp_path):
   assert text.startswith("# a study") and "0 (sync)" in text
   assert text.count("\n| fp4-qat |") == len(KS)
   assert os.path.getsize(os.path.join(out, "study.png")) > 0
+  settings, loaded = staleness.load_results(out)
+  assert settings == {"seeds": list(SEEDS)}
+  assert loaded == {
+    k: [compare.Cell(**json.loads(json.dumps(c.to_json()))) for c in grid[k]] for k in KS
+  }
+  assert staleness.markdown(loaded) == staleness.markdown(grid)
   grid[1][0] = _cell(rng, "fp4-qat", 0, 1, 0.5, group_size=4)
   with pytest.raises(ValueError):  # unmatched: nothing (re)written
     staleness.write_results(str(tmp_path / "other"), grid, {})

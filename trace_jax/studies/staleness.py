@@ -21,6 +21,7 @@ loop, so its cells may be the arms comparison's own). Per (arm, k), over seeds:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from typing import Mapping, Sequence
@@ -273,3 +274,15 @@ def write_results(
     f.write(f"# {title}\n\n{text}\n" if title else text + "\n")
   plot(cells_by_k, os.path.join(results_dir, "study.png"), title)
   return table
+
+
+def load_results(results_dir: str) -> tuple[dict, dict[int, list[compare.Cell]]]:
+  """A study's results.json: its settings and its cells by staleness (what `write_results`
+  saved; the rows are `rows(cells_by_k)` again)."""
+  with open(os.path.join(results_dir, "results.json")) as f:
+    saved = json.load(f)
+  cells_by_k: dict[int, list[compare.Cell]] = {}
+  for c in saved["cells"]:
+    k = int(c.pop("staleness"))
+    cells_by_k.setdefault(k, []).append(compare.Cell(**c))
+  return saved["settings"], dict(sorted(cells_by_k.items()))
