@@ -24,6 +24,8 @@ def _cell(rng, arm, seed, k, initial, **config):
     "initial_eval_reward": initial,
     "final_eval_reward": float(initial + rng.normal(0.1, 0.05)),
     "mean_k3_kl": float(10.0 ** rng.uniform(-5, -2)),
+    "mean_train_reward": float(rng.uniform(0.3, 0.9)),
+    "curve_eval": [[0, 20, 40], [initial, *rng.uniform(0.2, 0.9, 2).tolist()]],
     "wall_seconds": float(rng.uniform(400, 600)),
   }
   if k:
@@ -62,6 +64,14 @@ def test_rows_match_a_hand_computation():
       np.testing.assert_allclose(
         (row.gain.mean, row.gain.lo, row.gain.hi), _t_interval(gains), rtol=1e-12
       )
+      train = get(k, arm, "mean_train_reward")
+      np.testing.assert_allclose(
+        (row.train_reward.mean, row.train_reward.lo, row.train_reward.hi),
+        _t_interval(train),
+        rtol=1e-12,
+      )
+      lowest = [min(curve[1]) for curve in get(k, arm, "curve_eval")]
+      assert row.lowest_eval == pytest.approx(np.mean(lowest))
       total = get(k, arm, "mean_k3_kl")
       np.testing.assert_allclose(row.total_k3, np.prod(total) ** (1 / len(total)), rtol=1e-9)
       assert row.seeds == len(SEEDS)

@@ -7,7 +7,9 @@ loop, so its cells may be the arms comparison's own). Per (arm, k), over seeds:
   1. the gain of the greedy evaluation (final - initial) with its 95% Student-t interval, and
      the paired difference of the final evaluation against the same arm at k = 0 on the same
      seed (one warm start per seed, so the initial evaluations are equal and the difference
-     is the difference in gain);
+     is the difference in gain); the lowest point of each run's evaluation curve (a run that
+     dips and recovers ends where a steady one does), and the mean sampled train reward over
+     the run's steps, with its interval (less noisy than one final evaluation);
   2. the mismatch: total k3 (proximal vs behaviour, the run's `mismatch/k3_kl`), and its two
      parts from the diagnostic steps, precision k3 (training path vs rollout path at the
      rollout's weights) and version k3 (the training path at the rollout's weights vs at
@@ -51,6 +53,8 @@ class StalenessRow:
   seeds: int
   gain: compare.Interval  # final - initial eval, per seed
   vs_sync: compare.Interval | None  # final(k) - final(0), paired by seed; None at k = 0
+  lowest_eval: float | None  # mean over seeds of each run's lowest evaluation (its dips)
+  train_reward: compare.Interval  # each run's mean sampled reward over its steps
   total_k3: float | None  # geometric means over seeds of each run's mean
   precision_k3: float | None
   version_k3: float | None
@@ -153,6 +157,10 @@ def rows(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> list[StalenessRow]
           seeds=len(mine),
           gain=compare.interval(_gain(c) for c in mine),
           vs_sync=vs_sync,
+          lowest_eval=_mean(_lowest(c) for c in mine),
+          train_reward=compare.interval(
+            c.value("mean_train_reward") for c in mine if c.value("mean_train_reward") is not None
+          ),
           total_k3=_geo_mean(c.value("mean_k3_kl") for c in mine),
           precision_k3=_geo_mean(precision),
           version_k3=_geo_mean(version),
@@ -163,6 +171,12 @@ def rows(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> list[StalenessRow]
         )
       )
   return out
+
+
+def _lowest(cell: compare.Cell) -> float | None:
+  """The lowest point of the run's evaluation curve (`curve_eval`: steps, values)."""
+  curve = cell.value("curve_eval")
+  return float(min(curve[1])) if curve and curve[1] else None
 
 
 def _gap(item) -> int:
@@ -184,6 +198,8 @@ def markdown(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> str:
       r.seeds,
       signed(r.gain),
       signed(r.vs_sync),
+      "-" if r.lowest_eval is None else f"{r.lowest_eval:.3f}",
+      r.train_reward.format(),
       _sci(r.total_k3),
       _sci(r.precision_k3),
       "0 (sync)" if r.staleness == 0 else _sci(r.version_k3),
@@ -201,6 +217,8 @@ def markdown(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> str:
       "seeds",
       "gain (mean [95% CI])",
       "vs k = 0 (paired)",
+      "lowest eval",
+      "mean train reward",
       "total k3",
       "precision k3",
       "version k3",
