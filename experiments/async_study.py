@@ -19,7 +19,6 @@ precision / version k3, masked share, largest gap, followed share by gap) and st
 Run it alone on the machine: the cells' wall times are reported.
 """
 
-import json
 import os
 import shutil
 import subprocess
@@ -89,11 +88,8 @@ def _parse() -> tuple[list[int], list[int], list[str]]:
 
 
 def _read(results_dir: str, task: str, seed: int, arm: str) -> compare.Cell | None:
-  path = os.path.join(compare.cell_dir(results_dir, task, seed, arm), "summary.json")
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return compare.Cell(arm=arm, task=task, seed=seed, summary=json.load(f))
+  summary = compare.read_summary(results_dir, task, seed, arm)
+  return None if summary is None else compare.Cell(arm=arm, task=task, seed=seed, summary=summary)
 
 
 def _compare_arms(name: str, k: int, seeds, arms, work_root, results_root) -> None:

@@ -123,6 +123,15 @@ def jsonish(value):
   return json.loads(json.dumps(value))
 
 
+def read_summary(results_dir: str, task: str, seed: int, arm: str) -> dict | None:
+  """The cell's saved summary.json as it is (no config check), or None if it has none."""
+  path = os.path.join(cell_dir(results_dir, task, seed, arm), "summary.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
 def finished_summary(
   results_dir: str,
   task: str,
@@ -143,11 +152,10 @@ def finished_summary(
     ValueError: the cell finished with a different config (mixing them would compare
       unlike runs; choose another --name).
   """
-  path = os.path.join(cell_dir(results_dir, task, seed, arm), "summary.json")
-  if not os.path.exists(path):
+  summary = read_summary(results_dir, task, seed, arm)
+  if summary is None:
     return None
-  with open(path) as f:
-    summary = json.load(f)
+  path = os.path.join(cell_dir(results_dir, task, seed, arm), "summary.json")
   saved = normalize(dict(summary.get("cell_config") or {}))
   mine = normalize(config)
   for key, value in normalize(defaults or {}).items():
