@@ -47,6 +47,9 @@ _ARMS = flags.DEFINE_list("arms", list(compare.ALL_ARMS), "Arms (ptq arms need b
 _STRESS = flags.DEFINE_bool("stress", False, "Stress setting: 2x steps, LR x4, no correction.")
 _STEPS = flags.DEFINE_integer("steps", None, "RL steps (default RLConfig's; x2 with --stress).")
 _SFT = flags.DEFINE_integer("sft_steps", None, "Warm-start steps (default RLConfig's).")
+_SFT_TARGET = flags.DEFINE_float(
+  "sft_target", None, "Stop the warm start at this greedy FP4 train reward (default RLConfig's)."
+)
 _LR = flags.DEFINE_float("learning_rate", None, "Learning rate (default RLConfig's; x4 stress).")
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", None, "Eval problems (default RLConfig's).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", None, "Eval period (default RLConfig's).")
@@ -82,6 +85,7 @@ def _overrides() -> dict:
   values = {
     "steps": _STEPS.value,
     "sft_steps": _SFT.value,
+    "sft_target": _SFT_TARGET.value,
     "learning_rate": _LR.value,
     "eval_size": _EVAL_SIZE.value,
     "eval_every": _EVAL_EVERY.value,

@@ -23,6 +23,7 @@ def test_compare_arms_runs_then_resumes(tmp_path):
     "--preset=tiny",
     "--steps=1",
     "--sft_steps=2",
+    "--sft_target=0.9",
     "--eval_size=4",
     "--eval_every=1",
     "--prompts_per_step=1",
@@ -43,7 +44,7 @@ def test_compare_arms_runs_then_resumes(tmp_path):
   ]
   config = results["cells"][0]["summary"]["config"]  # the setting flags reached the run
   assert config["task_options"] == [["terms", 3]] and config["fp4"]["kv"] == "bf16"
-  assert config["sampling"]["max_new_tokens"] == 12
+  assert config["sampling"]["max_new_tokens"] == 12 and config["source"]["sft_target"] == 0.9
   ptq46 = results["cells"][2]["summary"]
   assert 0.0 <= ptq46["final_eval_reward"] <= 1.0 and ptq46["eval_precision"] == "fp4"
   for name in ("table.md", "reward_curves.png", "final_reward.png", "k3.png"):
