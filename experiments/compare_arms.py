@@ -4,6 +4,11 @@
   python experiments/compare_arms.py --seeds=0,1,2 --tasks=arith --stress   # stress
   python experiments/compare_arms.py --name=smoke --seeds=0 --tasks=arith,coding --preset=tiny \
       --steps=3 --sft_steps=10 --eval_size=16 --eval_every=3                  # a quick smoke
+  python experiments/compare_arms.py --name=long --tasks=chain --arms=bf16,fp4-qat,trace,trace-full \
+      --fp4_sites=experts+kv --task_options=terms=8 --max_new_tokens=64 --sft_steps=400 \
+      --sft_target=0.6 --steps=60 --workdir=runs/arms                         # the long setting
+  python experiments/compare_arms.py --results=experiments/results/arms/long --name=kv_bf16 \
+      --arms=trace --kv_precision=bf16 --warmstarts_from=runs/arms/long ...  # + its KV ablation
 
 Arms: bf16, fp4-rollout, fp4-qat, trace, trace-full (trained), then ptq and ptq-46 (the bf16
 run's final policy quantized to FP4 after training, with the standard and the "4over6"
@@ -12,6 +17,9 @@ arms start from one SFT warm start (made by the bf16 run, copied) and see the sa
 and sampling keys, so differences on the same seed are paired.
 
 Runs go to <workdir>/<name>/<task>/seed<seed>/<arm> (checkpoints: a killed cell resumes);
+--warmstarts_from=<workdir>/<other name> starts each seed from another comparison's warm start
+(its <task>/seed<seed>/bf16/warmstart; warm starts are keyed by their settings, so one made for
+anything else is rebuilt, never reused);
 results (small files, meant to be committed) to experiments/results/arms/<name>/: per-cell
 cells/<task>/seed<seed>/<arm>/summary.json, results.json (`cells`: arm, task, seed,
 summary), table.md (mean and 95% interval per arm, paired differences against bf16 and
@@ -71,6 +79,12 @@ _VERSION_DIAG = flags.DEFINE_integer(
   "version_diag_every", None, "Asynchronous RL: precision / version k3 split period."
 )
 _WORKDIR = flags.DEFINE_string("workdir", "runs/arms", "Root of the run directories.")
+_WARMSTARTS = flags.DEFINE_string(
+  "warmstarts_from",
+  None,
+  "Another comparison's run directories (<workdir>/<name>) whose seeds' warm starts to start "
+  "from, where this one has none (an ablation starts where its comparison did).",
+)
 _RESULTS = flags.DEFINE_string(
   "results",
   os.path.join(_ROOT, "experiments", "results", "arms"),
@@ -152,12 +166,17 @@ def main(argv):
     config = _rl_config(task, seed, arm, overrides)
     path = workdir(task, seed, arm)
     first = os.path.join(workdir(task, seed, "bf16"), warmstart.WARMSTART_DIR)
-    if (
-      arm != "bf16"
-      and os.path.exists(first)
-      and not os.path.exists(os.path.join(path, warmstart.WARMSTART_DIR))
-    ):
-      shutil.copytree(first, os.path.join(path, warmstart.WARMSTART_DIR))  # one start policy
+    if not os.path.exists(first) and _WARMSTARTS.value:  # keyed: other settings are rebuilt
+      first = os.path.join(
+        os.path.abspath(_WARMSTARTS.value),
+        task.replace(":", "_"),
+        f"seed{seed}",
+        "bf16",
+        warmstart.WARMSTART_DIR,
+      )
+    target = os.path.join(path, warmstart.WARMSTART_DIR)
+    if first != target and os.path.exists(first) and not os.path.exists(target):
+      shutil.copytree(first, target)  # one start policy
     summary = report.finished_summary(path, config)  # e.g. an rl.py run copied in: read
     if summary is None:
       start = time.time()

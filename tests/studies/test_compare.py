@@ -149,3 +149,33 @@ def test_write_results(tmp_path):
   assert loaded.settings == {"name": "synthetic"} and loaded.cells == cells
   assert [r.to_json() for r in loaded.rows] == results["rows"]  # (3 seeds: finite bounds)
   assert results["rows"][0]["final"].keys() == {"mean", "lo", "hi", "n"}
+
+
+def test_ablation_pairs_the_variant_with_its_arm_by_hand():
+  rng = np.random.default_rng(46)
+  cells = _cells(rng, arms=("bf16", "trace"), seeds=(0, 1, 2, 3))
+  variant = _cells(rng, arms=("trace",), seeds=(0, 1, 3))  # seed 2 missing: left out
+  merged = compare.with_variant(cells, variant, "trace", "trace, bf16 KV")
+  assert len(merged) == len(cells) + 3 and cells == merged[: len(cells)]
+  mine = {c.seed: c.summary for c in cells if c.arm == "trace"}
+  theirs = {c.seed: c.summary for c in variant}
+  for key, f in (
+    ("final", lambda s: s["final_eval_reward"]),
+    ("gain", lambda s: s["final_eval_reward"] - s["initial_eval_reward"]),
+  ):
+    diffs = [f(theirs[s]) - f(mine[s]) for s in (0, 1, 3)]
+    half = T_975_DF2 * np.std(diffs, ddof=1) / math.sqrt(3)
+    want = f"{np.mean(diffs):+.3f} [{np.mean(diffs) - half:+.3f}, {np.mean(diffs) + half:+.3f}]"
+    assert want in compare.ablation_markdown(merged, "trace", "trace, bf16 KV"), key
+  iv = compare.paired_difference(merged, "arith", "trace, bf16 KV", "trace")
+  assert iv.n == 3 and iv.mean == pytest.approx(
+    np.mean([theirs[s]["final_eval_reward"] - mine[s]["final_eval_reward"] for s in (0, 1, 3)])
+  )
+  k3 = [theirs[s]["mean_k3_kl"] for s in (0, 1, 3)]
+  assert f"{math.exp(np.mean(np.log(k3))):.2e}" in compare.ablation_markdown(
+    merged, "trace", "trace, bf16 KV"
+  )
+  with pytest.raises(ValueError, match="arm='fp4-qat' has no cells"):
+    compare.with_variant(cells, variant, "fp4-qat", "x")
+  with pytest.raises(ValueError, match="variant='bf16' is already an arm"):
+    compare.with_variant(cells, variant, "trace", "bf16")

@@ -240,6 +240,12 @@ def paired_difference(cells, task: str, arm: str, baseline: str, metric: str = M
   return interval(diffs)
 
 
+def geometric_mean(values: Iterable[float | None]) -> float | None:
+  """The geometric mean of the values that are not None (k3 spans decades); None if none."""
+  x = [v for v in values if v is not None]
+  return float(np.exp(np.mean(np.log(np.maximum(x, 1e-30))))) if x else None
+
+
 def tasks_and_arms(cells) -> tuple[list[str], list[str]]:
   tasks = list(dict.fromkeys(c.task for c in cells))
   present = {c.arm for c in cells}
@@ -256,7 +262,6 @@ def table_rows(cells) -> list[Row]:
       mine = [c for c in cells if c.task == task and c.arm == arm]
       if not mine:
         continue
-      k3 = [c.value("mean_k3_kl") for c in mine if c.value("mean_k3_kl") is not None]
       gains = [
         c.value() - c.value("initial_eval_reward")
         for c in mine
@@ -274,7 +279,7 @@ def table_rows(cells) -> list[Row]:
           vs_bf16=None if arm == "bf16" else paired_difference(cells, task, arm, "bf16"),
           vs_fp4_qat=None if arm == "fp4-qat" else paired_difference(cells, task, arm, "fp4-qat"),
           train_reward=arm_interval(cells, task, arm, "mean_train_reward"),
-          k3=float(np.exp(np.mean(np.log(np.maximum(k3, 1e-30))))) if k3 else None,
+          k3=geometric_mean(c.value("mean_k3_kl") for c in mine),
           seconds=float(np.mean([c.value("wall_seconds") or 0.0 for c in mine])),
         )
       )
@@ -316,6 +321,66 @@ def markdown(cells, confidence: float = 0.95) -> str:
       "mean train reward",
       "k3 KL (geo. mean)",
       "s per cell",
+    ],
+    rows,
+  )
+
+
+def with_variant(cells, variant_cells, arm: str, variant: str) -> list[Cell]:
+  """`cells` plus the runs of `arm` in `variant_cells` renamed `variant`: an ablation (the
+  same arm with one setting changed, from the same warm starts on the same seeds) read as one
+  more arm, so that `paired_difference(cells, task, variant, arm)` pairs it seed by seed."""
+  renamed = [dataclasses.replace(c, arm=variant) for c in variant_cells if c.arm == arm]
+  if not renamed:
+    found = sorted({c.arm for c in variant_cells})
+    raise ValueError(f"with_variant: arm={arm!r} has no cells in the variant (its arms: {found})")
+  if variant in {c.arm for c in cells}:
+    raise ValueError(f"with_variant: variant={variant!r} is already an arm of the comparison")
+  return [*cells, *renamed]
+
+
+def ablation_markdown(cells, arm: str, variant: str) -> str:
+  """`variant` against `arm` (cells from `with_variant`), per task: the seeds both ran, each
+  one's final evaluation, and the paired differences (variant - arm, same seed) of the
+  initial evaluation, the final evaluation and the gain, with mean train reward and k3."""
+  index = by_key(cells)
+  rows = []
+  for task in tasks_and_arms(cells)[0]:
+    seeds = sorted(s for (t, a, s) in index if t == task and a == arm and (t, variant, s) in index)
+    if not seeds:
+      continue
+    pairs = [(index[(task, arm, s)], index[(task, variant, s)]) for s in seeds]
+    diff = lambda f: interval(f(v) - f(a) for a, v in pairs).format(signed=True)  # noqa: E731
+    gain = lambda c: c.value() - c.value("initial_eval_reward")  # noqa: E731
+    k3 = lambda cs: "-" if geometric_mean(cs) is None else f"{geometric_mean(cs):.2e}"  # noqa: E731
+    rows.append(
+      (
+        task,
+        len(seeds),
+        interval(a.value() for a, _ in pairs).format(),
+        interval(v.value() for _, v in pairs).format(),
+        diff(lambda c: c.value("initial_eval_reward")),
+        diff(lambda c: c.value()),
+        diff(gain),
+        interval(a.value("mean_train_reward") for a, _ in pairs).format(),
+        interval(v.value("mean_train_reward") for _, v in pairs).format(),
+        k3([a.value("mean_k3_kl") for a, _ in pairs]),
+        k3([v.value("mean_k3_kl") for _, v in pairs]),
+      )
+    )
+  return markdown_table(
+    [
+      "task",
+      "seeds",
+      f"{arm} final eval",
+      f"{variant} final eval",
+      "initial: variant - arm (paired)",
+      "final: variant - arm (paired)",
+      "gain: variant - arm (paired)",
+      f"{arm} train reward",
+      f"{variant} train reward",
+      f"{arm} k3",
+      f"{variant} k3",
     ],
     rows,
   )
