@@ -9,8 +9,9 @@ For each k > 0: `experiments/compare_arms.py --name=staleness<k> --max_staleness
 synchronous loop: on the main job's setting its cells are read from the arms comparison
 (--sync_results, the chain sweep) where it has them; the missing ones (all of them with
 --setting) run as <results>/staleness0/. --setting=key=value,... passes flags to every
-compare_arms.py run (e.g. a tiny smoke: preset=tiny,steps=2,sft_steps=4). Each run starts from its seed's warm start copied from --warmstarts_from
-(a directory of compare_arms runs: <task>/seed<S>/bf16/warmstart) when one is there; warm starts
+compare_arms.py run (e.g. a tiny smoke: preset=tiny,steps=2,sft_steps=4). Each run starts from
+its seed's warm start in --warmstarts_from (a directory of compare_arms runs:
+<task>/seed<S>/bf16/warmstart; compare_arms' flag of that name) when one is there; warm starts
 are keyed by their settings, so one made for anything else is rebuilt, never reused.
 
 Then <results>/study/: results.json (`settings`, `cells` with their `staleness`, `rows`),
@@ -20,7 +21,6 @@ Run it alone on the machine: the cells' wall times are reported.
 """
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -28,7 +28,6 @@ from absl import app, flags
 
 from trace_jax.rl.arms import ARMS
 from trace_jax.rl.config import RLConfig
-from trace_jax.run import warmstart
 from trace_jax.studies import compare, staleness
 from trace_jax.utils import flags as config_flags
 
@@ -102,28 +101,11 @@ def _compare_arms(name: str, k: int, seeds, arms, work_root, results_root) -> No
     f"--arms={','.join(arms)}",
     f"--workdir={work_root}",
     f"--results={results_root}",
+    f"--warmstarts_from={os.path.abspath(_WARMSTARTS.value)}",
   ] + [f"--{pair}" for pair in _SETTING.value]
   if k:
     command += [f"--max_staleness={k}", f"--version_diag_every={_DIAG.value}"]
   subprocess.run(command, check=True)
-
-
-def _copy_warmstarts(name: str, task: str, seeds, arms, work_root: str) -> None:
-  """Each run's seed's warm start from --warmstarts_from, where it is and the run has none."""
-  for seed in seeds:
-    source = os.path.join(
-      os.path.abspath(_WARMSTARTS.value),
-      task.replace(":", "_"),
-      f"seed{seed}",
-      "bf16",
-      warmstart.WARMSTART_DIR,
-    )
-    for arm in arms:
-      target = os.path.join(
-        work_root, name, task.replace(":", "_"), f"seed{seed}", arm, warmstart.WARMSTART_DIR
-      )
-      if os.path.exists(source) and not os.path.exists(target):
-        shutil.copytree(source, target)
 
 
 def main(argv):
@@ -145,11 +127,9 @@ def main(argv):
       }
       missing = sorted({s for (s, a), cell in from_sync.items() if cell is None})
       if missing:
-        _copy_warmstarts(name, task, missing, arms, work_root)
         _compare_arms(name, 0, missing, arms, work_root, results_root)
       cells = [from_sync[(s, a)] or _read(own, task, s, a) for s in seeds for a in arms]
     else:
-      _copy_warmstarts(name, task, seeds, arms, work_root)
       _compare_arms(name, k, seeds, arms, work_root, results_root)
       cells = [_read(own, task, s, a) for s in seeds for a in arms]
     cells_by_k[k] = cells
