@@ -24,7 +24,14 @@ from jax.experimental.pallas import triton as pl_triton
 from trace_jax import fp4, kernels
 from trace_jax import model as M
 from trace_jax.fp4 import numerics
-from trace_jax.kernels import cuda_lowering, dispatch, gemm_lib, layout, routing
+from trace_jax.kernels import (
+  cuda_lowering,
+  dispatch,
+  gemm_lib,
+  grouped_gemm_lib,
+  layout,
+  routing,
+)
 from trace_jax.rollout.lowering import lower_decode_step
 
 S = jax.ShapeDtypeStruct
@@ -90,7 +97,7 @@ def test_moe_experts_lower_to_two_expert_major_launches(batch):
   )
   calls = cuda_lowering.triton_calls(lowered)
   assert [c.name for c in calls] == ["fp4_grouped_gemm"] * 2
-  block_m = gemm_lib.grouped_tile_rows(batch * TOP_K, EXPERTS)
+  block_m = grouped_gemm_lib.grouped_tile_rows(batch * TOP_K, EXPERTS)
   tiles = routing.max_tiles(batch * TOP_K, EXPERTS, block_m)
   assert calls[0].grid == (tiles, FFN // 64, 1) and calls[1].grid == (tiles, D_MODEL // 64, 1)
   assert cuda_lowering.op_counts(lowered).loops_and_sorts == 0

@@ -6,7 +6,9 @@ kernels the model dequantizes and runs XLA dots (`experiments/bench_kernels.py` 
 
   gemm              the FP4 GEMM: x quantized per token in its prologue (with its guidance
                     record), FP4 weight decoded in registers; dense (q|k|v fused, split-K
-                    at decode) and grouped over experts (expert-major, SwiGLU epilogue)
+                    at decode)
+  grouped_gemm      the same kernel body grouped over experts (expert-major, SwiGLU epilogue)
+  gemm_body         that shared kernel body, its operand checks, tilings and records
   routing           sort-free expert-major tiles of routed rows (for the grouped GEMM)
   moe               a MoE layer's routed experts: two grouped GEMMs
   decode_attention  one query token over the FP4 KV cache, flash-decoding for any length
@@ -22,13 +24,15 @@ lowers them for CUDA, and compiles them to sm_90 cubins, on a machine without a 
 
 from trace_jax.kernels import decode_attention as decode_attention_lib
 from trace_jax.kernels import gemm as gemm_lib
+from trace_jax.kernels import grouped_gemm as grouped_gemm_lib
 from trace_jax.kernels import kv_write as kv_write_lib
 from trace_jax.kernels import layout, routing
 from trace_jax.kernels import moe as moe_lib
 from trace_jax.kernels import quantize as quantize_lib
 from trace_jax.kernels.decode_attention import decode_attention
 from trace_jax.kernels.dispatch import KERNEL_MODES, check_mode, resolve, resolve_with_reason
-from trace_jax.kernels.gemm import fp4_gemm, fp4_grouped_gemm
+from trace_jax.kernels.gemm import fp4_gemm
+from trace_jax.kernels.grouped_gemm import fp4_grouped_gemm
 from trace_jax.kernels.kv_write import write_kv
 from trace_jax.kernels.moe import moe_experts
 from trace_jax.kernels.quantize import quantize

@@ -113,7 +113,7 @@ def tie_oracle(interpret: bool | None = None, rows: int = 96) -> dict[str, str |
   # Imported here: the kernel modules import this one.
   from trace_jax import fp4  # noqa: PLC0415
   from trace_jax.fp4 import ties  # noqa: PLC0415
-  from trace_jax.kernels import gemm, kv_write, quantize_lib, routing  # noqa: PLC0415
+  from trace_jax.kernels import gemm, grouped_gemm, kv_write, quantize_lib, routing  # noqa: PLC0415
 
   x_host = ties.tie_rows(rows=rows)
   x = jnp.asarray(x_host)
@@ -151,7 +151,9 @@ def tie_oracle(interpret: bool | None = None, rows: int = 96) -> dict[str, str |
       experts = jnp.stack([jnp.arange(rows) % 3, (jnp.arange(rows) + 1) % 3], axis=1)
       we = fp4.quantize(jnp.ones((3, width, 32), jnp.float32), fmt, axis=1, global_group=0)
       tiles = routing.route_tiles(experts, 3, 16)
-      _, r = gemm.fp4_grouped_gemm(x, we, tiles, quantize=fmt, record="full", interpret=interpret)
+      _, r = grouped_gemm.fp4_grouped_gemm(
+        x, we, tiles, quantize=fmt, record="full", interpret=interpret
+      )
       r = jax.tree.map(tiles.first_slots, r)
       compare(
         "pallas grouped gemm prologue",

@@ -4,8 +4,8 @@
   y[r] = h[r] @ w_down[e]
 
 1. `routing.route_tiles`: expert-major tiles of the routed rows (prefix sums, no sort);
-2. gate|up: one `gemm.fp4_grouped_gemm` over the fused gate|up weight, x quantized per token
-   in its prologue (moe_in), SwiGLU in its epilogue, h written in tile order;
+2. gate|up: one `grouped_gemm.fp4_grouped_gemm` over the fused gate|up weight, x quantized
+   per token in its prologue (moe_in), SwiGLU in its epilogue, h written in tile order;
 3. down: one grouped GEMM over h in tile order, each routed row quantized in the prologue
    (moe_mid);
 4. y back in row order (one gather), as the caller weights and sums each token's slots.
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax import fp4
-from trace_jax.kernels import gemm, layout, routing
+from trace_jax.kernels import grouped_gemm, layout, routing
 
 
 def moe_experts(
@@ -54,13 +54,13 @@ def moe_experts(
   n, top_k = experts.shape
   num_experts = w_down.packed.shape[0]
   tiles = routing.route_tiles(
-    experts, num_experts, block_m or gemm.grouped_tile_rows(n * top_k, num_experts)
+    experts, num_experts, block_m or grouped_gemm.grouped_tile_rows(n * top_k, num_experts)
   )
   launch = dict(interpret=interpret, poison=poison, out_dtype=out_dtype)
-  h, rec_in = gemm.fp4_grouped_gemm(
+  h, rec_in = grouped_gemm.fp4_grouped_gemm(
     x, w_gate_up, tiles, quantize=quantize_in, record=record if quantize_in else "none", **launch
   )
-  y, rec_mid = gemm.fp4_grouped_gemm(
+  y, rec_mid = grouped_gemm.fp4_grouped_gemm(
     h, w_down, tiles, quantize=quantize_mid, record=record if quantize_mid else "none", **launch
   )
   f, d = h.shape[-1], y.shape[-1]
@@ -79,13 +79,13 @@ def moe_experts_bf16(x, experts, w_gate, w_up, w_down, *, interpret=None, block_
   n, top_k = experts.shape
   num_experts, _, f = w_gate.shape
   tiles = routing.route_tiles(
-    experts, num_experts, block_m or gemm.grouped_tile_rows(n * top_k, num_experts)
+    experts, num_experts, block_m or grouped_gemm.grouped_tile_rows(n * top_k, num_experts)
   )
   tile = swiglu_tile(f)
   gate_up = layout.fuse_arrays([w_gate, w_up], tile)
   launch = dict(interpret=interpret, out_dtype=x.dtype)
-  h, _ = gemm.fp4_grouped_gemm(x, gate_up, tiles, swiglu_tile=tile, **launch)
-  y, _ = gemm.fp4_grouped_gemm(h, w_down, tiles, **launch)
+  h, _ = grouped_gemm.fp4_grouped_gemm(x, gate_up, tiles, swiglu_tile=tile, **launch)
+  y, _ = grouped_gemm.fp4_grouped_gemm(h, w_down, tiles, **launch)
   return tiles.to_rows(y).reshape(n, top_k, -1)
 
 
@@ -101,10 +101,10 @@ def reference(
   (gate and up in `out_dtype`, SwiGLU, h in `out_dtype`)."""
   n, top_k = experts.shape
   pair = layout.fuse([w_gate, w_up], tile=swiglu_tile(w_gate.packed.shape[-1]))
-  h, _ = gemm.grouped_reference(
+  h, _ = grouped_gemm.grouped_reference(
     x, pair, experts, row_div=top_k, quantize=quantize_in, out_dtype=out_dtype
   )
-  y, _ = gemm.grouped_reference(
+  y, _ = grouped_gemm.grouped_reference(
     h, w_down, experts, row_div=1, quantize=quantize_mid, out_dtype=out_dtype
   )
   return y.reshape(n, top_k, -1), h.reshape(n, top_k, -1)
