@@ -155,8 +155,8 @@ def main(argv):
     raise app.UsageError(str(e)) from e
   results_dir = os.path.join(os.path.abspath(_RESULTS.value), name)
   work_root = os.path.join(os.path.abspath(_WORKDIR.value), name)
-  workdir = lambda task, seed, arm: os.path.join(
-    work_root, task.replace(":", "_"), f"seed{seed}", arm
+  workdir = lambda task, seed, arm, root=work_root: os.path.join(
+    root, task.replace(":", "_"), f"seed{seed}", arm
   )
 
   def config_of(task, seed, arm):
@@ -167,13 +167,8 @@ def main(argv):
     path = workdir(task, seed, arm)
     first = os.path.join(workdir(task, seed, "bf16"), warmstart.WARMSTART_DIR)
     if not os.path.exists(first) and _WARMSTARTS.value:  # keyed: other settings are rebuilt
-      first = os.path.join(
-        os.path.abspath(_WARMSTARTS.value),
-        task.replace(":", "_"),
-        f"seed{seed}",
-        "bf16",
-        warmstart.WARMSTART_DIR,
-      )
+      root = os.path.abspath(_WARMSTARTS.value)
+      first = os.path.join(workdir(task, seed, "bf16", root), warmstart.WARMSTART_DIR)
     target = os.path.join(path, warmstart.WARMSTART_DIR)
     if first != target and os.path.exists(first) and not os.path.exists(target):
       shutil.copytree(first, target)  # one start policy

@@ -326,6 +326,10 @@ def markdown(cells, confidence: float = 0.95) -> str:
   )
 
 
+def _k3(value: float | None) -> str:
+  return "-" if value is None else f"{value:.2e}"
+
+
 def with_variant(cells, variant_cells, arm: str, variant: str) -> list[Cell]:
   """`cells` plus the runs of `arm` in `variant_cells` renamed `variant`: an ablation (the
   same arm with one setting changed, from the same warm starts on the same seeds) read as one
@@ -352,7 +356,6 @@ def ablation_markdown(cells, arm: str, variant: str) -> str:
     pairs = [(index[(task, arm, s)], index[(task, variant, s)]) for s in seeds]
     diff = lambda f: interval(f(v) - f(a) for a, v in pairs).format(signed=True)  # noqa: E731
     gain = lambda c: c.value() - c.value("initial_eval_reward")  # noqa: E731
-    k3 = lambda cs: "-" if geometric_mean(cs) is None else f"{geometric_mean(cs):.2e}"  # noqa: E731
     rows.append(
       (
         task,
@@ -364,8 +367,8 @@ def ablation_markdown(cells, arm: str, variant: str) -> str:
         diff(gain),
         interval(a.value("mean_train_reward") for a, _ in pairs).format(),
         interval(v.value("mean_train_reward") for _, v in pairs).format(),
-        k3([a.value("mean_k3_kl") for a, _ in pairs]),
-        k3([v.value("mean_k3_kl") for _, v in pairs]),
+        _k3(geometric_mean(a.value("mean_k3_kl") for a, _ in pairs)),
+        _k3(geometric_mean(v.value("mean_k3_kl") for _, v in pairs)),
       )
     )
   return markdown_table(

@@ -104,13 +104,6 @@ def check_matched(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> None:
         )
 
 
-def _geo_mean(values) -> float | None:
-  values = [v for v in values if v is not None]
-  if not values:
-    return None
-  return float(np.exp(np.mean(np.log(np.maximum(values, 1e-30)))))
-
-
 def _mean(values) -> float | None:
   values = [v for v in values if v is not None]
   return float(np.mean(values)) if values else None
@@ -161,9 +154,9 @@ def rows(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> list[StalenessRow]
           train_reward=compare.interval(
             c.value("mean_train_reward") for c in mine if c.value("mean_train_reward") is not None
           ),
-          total_k3=_geo_mean(c.value("mean_k3_kl") for c in mine),
-          precision_k3=_geo_mean(precision),
-          version_k3=_geo_mean(version),
+          total_k3=compare.geometric_mean(c.value("mean_k3_kl") for c in mine),
+          precision_k3=compare.geometric_mean(precision),
+          version_k3=compare.geometric_mean(version),
           masked_frac=_mean(c.value("mean_masked_frac") for c in mine),
           max_version_gap=max(gaps) if gaps else (0 if k == 0 else None),
           followed_by_gap={g: float(np.mean(v)) for g, v in sorted(by_gap.items(), key=_gap)},
