@@ -18,6 +18,7 @@ import os
 
 from absl import app, flags
 
+from trace_jax.rl.config import RLConfig
 from trace_jax.studies import compare
 
 _ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
@@ -50,6 +51,16 @@ def check_settings(base: dict, variant: dict, changed) -> dict:
   return differ
 
 
+def _shown(differ: dict, cells, arm: str) -> str:
+  """The changed settings as "name: base -> variant"; a flag the base left at its default
+  is shown as the value its runs resolved it to (e.g. kv_precision fp4 under experts+kv)."""
+  config = next((c.value("config") for c in cells if c.arm == arm), None)
+  resolved = RLConfig.flat_dict(config) if config else {}  # older summaries: no config
+  return ", ".join(
+    f"{k}: {resolved.get(k, 'default') if a is None else a} -> {b}" for k, (a, b) in differ.items()
+  )
+
+
 def _recipe(cell) -> dict:
   """What made a run's warm start (its settings and length), not whether it was loaded."""
   return {k: v for k, v in (cell.value("warmstart") or {}).items() if k != "loaded"}
@@ -80,7 +91,7 @@ def main(argv):
   pair = [c for c in cells if c.arm in (_ARM.value, _LABEL.value)]
   out = os.path.join(os.path.abspath(_VARIANT.value), "ablation")
   os.makedirs(out, exist_ok=True)
-  title = f"{_LABEL.value} against {_ARM.value} ({differ})"
+  title = f"{_LABEL.value} against {_ARM.value} ({_shown(differ, cells, _ARM.value)})"
   seeds = [
     f"- {t}, seed {s}: {_ARM.value} {c.value('initial_eval_reward'):.3f} -> {c.value():.3f}, "
     f"{_LABEL.value} {index[(t, _LABEL.value, s)].value('initial_eval_reward'):.3f} -> "

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 
+from trace_jax.rl.config import RLConfig
 from trace_jax.studies import compare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -15,6 +16,7 @@ WARM = {"settings": {"seed": 0, "sft_steps": 400}, "steps": 240}
 
 
 def _write(path, rng, arms, overrides, warm=WARM, loaded=False):
+  config = RLConfig.from_flat(**overrides).to_dict()
   cells = [
     compare.Cell(
       arm=arm,
@@ -30,6 +32,7 @@ def _write(path, rng, arms, overrides, warm=WARM, loaded=False):
         "curve_eval": [[0, 20], rng.uniform(size=2).tolist()],
         "curve_train": [[1, 2, 3], rng.uniform(size=3).tolist()],
         "warmstart": {**warm, "loaded": loaded},
+        "config": config,
       },
     )
     for seed in (0, 1, 2)
@@ -58,7 +61,9 @@ def test_kv_ablation_writes_the_paired_table_and_refuses_other_changes(tmp_path)
     variant[("trace", s)]["final_eval_reward"] - base[("trace", s)]["final_eval_reward"]
     for s in range(3)
   ]
-  assert f"{np.mean(diffs):+.3f} [" in table and "'kv_precision': (None, 'bf16')" in table
+  # the base left kv_precision at its default: the title shows what it resolved to (FP4 under
+  # experts+kv), not the missing flag
+  assert f"{np.mean(diffs):+.3f} [" in table and "(kv_precision: fp4 -> bf16)" in table
   s1 = base[("trace", 1)]
   assert f"seed 1: trace {s1['initial_eval_reward']:.3f} -> {s1['final_eval_reward']:.3f}" in table
   for name in ("reward_curves.png", "final_reward.png", "k3.png"):
