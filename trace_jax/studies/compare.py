@@ -286,6 +286,10 @@ def table_rows(cells) -> list[Row]:
   return rows
 
 
+def _k3(value: float | None) -> str:
+  return "-" if value is None else f"{value:.2e}"
+
+
 def markdown(cells, confidence: float = 0.95) -> str:
   """The comparison table: mean and interval across seeds, paired differences, k3, time."""
   signed = lambda iv: "-" if iv is None else iv.format(signed=True)  # noqa: E731
@@ -301,7 +305,7 @@ def markdown(cells, confidence: float = 0.95) -> str:
       signed(r.vs_bf16),
       signed(r.vs_fp4_qat),
       r.train_reward.format(),
-      "-" if r.k3 is None else f"{r.k3:.2e}",
+      _k3(r.k3),
       f"{r.seconds:.0f}",
     )
     for r in table_rows(cells)
@@ -324,10 +328,6 @@ def markdown(cells, confidence: float = 0.95) -> str:
     ],
     rows,
   )
-
-
-def _k3(value: float | None) -> str:
-  return "-" if value is None else f"{value:.2e}"
 
 
 def with_variant(cells, variant_cells, arm: str, variant: str) -> list[Cell]:
