@@ -1,8 +1,10 @@
 """One arm with one setting changed, against the comparison it came from, paired seed by seed:
 the KV-cache precision ablation of the long setting by default (trace with an FP4 KV cache,
-the comparison's own cells, against trace with a bf16 KV cache).
+the comparison's own cells on five seeds in long/seeds5, against trace with a bf16 KV cache).
 
   python experiments/compare_arms.py --name=long ...              # the comparison (see its doc)
+  python experiments/compare_arms.py --results=experiments/results/arms/long --name=seeds5 \\
+      --arms=fp4-qat,trace --seeds=0,1,2,3,4 ...                  # trace on five seeds
   python experiments/compare_arms.py --results=experiments/results/arms/long --name=kv_bf16 \\
       --arms=trace --kv_precision=bf16 --warmstarts_from=runs/arms/long ...   # the same flags
   python experiments/kv_ablation.py                              # the paired table and curves
@@ -23,7 +25,9 @@ from trace_jax.studies import compare
 
 _ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
 _BASE = flags.DEFINE_string(
-  "base", os.path.join(_ROOT, "results", "arms", "long"), "The comparison's results."
+  "base",
+  os.path.join(_ROOT, "results", "arms", "long", "seeds5"),
+  "The comparison's results (default: the long setting's trace on five seeds).",
 )
 _VARIANT = flags.DEFINE_string(
   "variant", os.path.join(_ROOT, "results", "arms", "long", "kv_bf16"), "The ablation's results."
