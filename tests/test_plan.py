@@ -125,9 +125,8 @@ def test_train_peak_against_the_compiled_update():
     log pi_old and entropy (f32 per slot) and a few scalars (< 4 KiB);
   - temporaries: at least the planner's remat activations plus the gradients. Only a lower
     bound: XLA:CPU does not realise remat's savings (its temporaries are the same with and
-    without jax.checkpoint, for an 8-layer MLP too), and it lowers ragged_dot densely over
-    the experts, so its temporaries exceed even the planner's no-remat activations. How
-    close the remat row comes on a GPU is not checked here.
+    without jax.checkpoint, for an 8-layer MLP too). How close the remat row comes on a GPU
+    is not checked here.
   """
   batch, context = 8, 256
   cfg = M.tiny(remat=True)

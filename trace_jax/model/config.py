@@ -55,7 +55,7 @@ class ModelConfig:
   max_seq_len: int = 2048  # default KV-cache length
   router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in training
   dtype: str = "float32"  # compute dtype, "float32" or "bfloat16"; parameters stay float32
-  dispatch: str = "grouped"  # "grouped" (sorted tokens, ragged_dot) or "dense" (reference)
+  dispatch: str = "grouped"  # "grouped" (sorted tokens, ragged_matmul) or "dense" (reference)
   init_std: float = 0.02  # normal init of weight matrices
   # Hybrid layers (Qwen3.5-MoE). Empty `layer_types`: every layer is full attention.
   layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "linear_attention"

@@ -1,8 +1,9 @@
 """Mixture-of-Experts feed-forward: softmax router, top-k, SwiGLU experts, shared expert.
 
 Two dispatch paths that compute the same function:
-  grouped  tokens sorted by expert and multiplied with `jax.lax.ragged_dot`; the work grows
-           with k, not with the number of experts (the production path);
+  grouped  tokens sorted by expert and multiplied tile by tile (`layers.ragged_matmul`,
+           ragged_dot's function); the work grows with k, not with the number of experts
+           (the production path);
   dense    every expert on every token, combined with a [N, E] weight matrix (a reference).
 Routed-expert activations are quantized per (token, expert) row, so a row's FP4 values do
 not depend on which other rows share its expert, and padding never feeds another row's scale.
@@ -271,7 +272,7 @@ class MoE(nnx.Module):
     return y
 
   def _grouped(self, xq, experts, *, layer: int, sq: SiteQuantizer, tokens_shape):
-    """Sorted-by-expert dispatch with ragged_dot: xq [N, d], experts int32 [N, k], N the
+    """Sorted-by-expert dispatch (`layers.ragged_matmul`): xq [N, d], experts int32 [N, k], N the
     B * T tokens of `tokens_shape`. Returns y [N, k, d] in (token, slot) order."""
     w_gate, w_up, w_down = self._weights()
     n, k = experts.shape
