@@ -133,7 +133,10 @@ def _params(trainer):
 
 
 def test_resume_continues_exactly(tmp_path):
-  config = _config(steps=3, eval_every=0, prompt_bucket=32)
+  # A constant learning rate: a decaying one spans the run's steps, so a run stopped by
+  # --steps=1 and extended to 3 took its first updates on another schedule than the straight
+  # run (an interrupted run resumed with its own steps continues exactly either way).
+  config = _config(steps=3, eval_every=0, prompt_bucket=32, lr_decay="constant")
   straight = Trainer(config, str(tmp_path / "straight"), progress=False)
   straight.run()
   first = Trainer(config.replace(steps=1), str(tmp_path / "resumed"), progress=False)
@@ -235,6 +238,19 @@ def test_main_job_script(tmp_path):
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["arm"] == "trace" and summary["steps"] == 4
   assert (tmp_path / "reward.png").exists() and (tmp_path / "mismatch.png").exists()
+
+
+def test_init_state_commits_every_array():
+  """jit compiles anew when an input turns from uncommitted to committed, as the first
+  update's outputs are: a fresh state (a policy just made, Adam's step counters) holds only
+  committed arrays, so the second update and rollout reuse the first's compilations."""
+  from trace_jax import model as M
+
+  policy = M.Transformer(M.tiny(), rngs=nnx.Rngs(0))
+  arrays = lambda tree: [a for a in jax.tree.leaves(nnx.state(tree)) if isinstance(a, jax.Array)]  # noqa: E731
+  assert not all(a.committed for a in arrays(policy))  # made uncommitted: what the test is about
+  state = step_lib.init_state(RLConfig.from_flat(preset="tiny"), policy)
+  assert all(a.committed for a in arrays(state.policy) + arrays(state.opt))
 
 
 def test_learning_rate_warmup():

@@ -201,7 +201,23 @@ def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
   opt = nnx.Optimizer(policy, tx, wrt=nnx.Param)
   if mesh is not None:
     shard_optimizer(opt, policy, mesh)
+  else:  # jit compiles anew when an input turns from uncommitted (the optimizer's step
+    # counters; the policy after a warm start made in this process) to committed, as the
+    # first update's outputs are: the second update and rollout would compile again
+    _commit(policy)
+    _commit(opt)
   return RLState(policy=policy, opt=opt, reference=reference)
+
+
+def _commit(module) -> None:
+  """Commit every array of `module` to the device it lives on (in place)."""
+
+  def place(a):
+    if not isinstance(a, jax.Array) or a.committed:
+      return a
+    return jax.device_put(a, next(iter(a.devices())))
+
+  nnx.update(module, jax.tree.map(place, nnx.state(module)))
 
 
 def step_key(seed: int, step: int) -> jax.Array:
