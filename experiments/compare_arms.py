@@ -59,6 +59,10 @@ _SFT_TARGET = flags.DEFINE_float(
   "sft_target", None, "Stop the warm start at this greedy FP4 train reward (default RLConfig's)."
 )
 _LR = flags.DEFINE_float("learning_rate", None, "Learning rate (default RLConfig's; x4 stress).")
+_LR_DECAY = flags.DEFINE_enum(
+  "lr_decay", None, ["constant", "cosine", "linear"], "Learning-rate decay (default RLConfig's)."
+)
+_TEMPERATURE = flags.DEFINE_float("temperature", None, "Sampling temperature (default RLConfig's).")
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", None, "Eval problems (default RLConfig's).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", None, "Eval period (default RLConfig's).")
 _PROMPTS = flags.DEFINE_integer("prompts_per_step", None, "Problems per step.")
@@ -101,6 +105,8 @@ def _overrides() -> dict:
     "sft_steps": _SFT.value,
     "sft_target": _SFT_TARGET.value,
     "learning_rate": _LR.value,
+    "lr_decay": _LR_DECAY.value,
+    "temperature": _TEMPERATURE.value,
     "eval_size": _EVAL_SIZE.value,
     "eval_every": _EVAL_EVERY.value,
     "prompts_per_step": _PROMPTS.value,

@@ -134,7 +134,9 @@ FLAT = {
   "observation_role": "user", "chat_template_options": [], "remat": False,
   "reward_control": "none",
 }  # fmt: skip
-SAVED_FLAT = RLConfig.from_flat(learning_rate=3e-5, sft_steps=100, std_norm=True)
+SAVED_FLAT = RLConfig.from_flat(
+  learning_rate=3e-5, sft_steps=100, std_norm=True, steps=100, temperature=0.7
+).replace(sft_target=0.0, lr_decay="constant")  # (BEFORE_ADDED: what FLAT ran with)
 
 
 def test_a_config_saved_flat_compares_by_leaf_name():
@@ -142,7 +144,14 @@ def test_a_config_saved_flat_compares_by_leaf_name():
   with the nested one, names a changed field by its flat name, and rebuilds the config."""
   assert SAVED_FLAT.differences(FLAT) == []
   assert RLConfig.from_dict(FLAT) == SAVED_FLAT
-  assert RLConfig().differences(FLAT) == ["learning_rate", "sft_steps", "std_norm"]
+  assert RLConfig().differences(FLAT) == [
+    "learning_rate",
+    "lr_decay",
+    "sft_steps",
+    "sft_target",
+    "std_norm",
+    "temperature",
+  ]
   changed = SAVED_FLAT.replace(group_size=4, fp4_sites="experts+kv", kl_coef=0.01, mesh=(2, 1, 1))
   assert changed.differences(FLAT) == ["fp4_sites", "group_size", "kl_coef", "mesh"]
   assert RLConfig.from_dict(changed.to_dict()) == changed
@@ -192,7 +201,8 @@ def test_rl_script_flags_are_the_config_fields():
   expected.update({k: v for k, v in FLAT["loss"].items() if k != "rollout_correction"})
   expected.update(activations="fp4", rollout_correction="auto", workdir=None)
   expected.update(coordinator_address=None, num_processes=None, process_id=None)
-  expected.update(learning_rate=5e-5, sft_steps=150, std_norm=False)  # the main job's, since
+  expected.update(learning_rate=8e-5, sft_steps=150, std_norm=False)  # the main job's, since
+  expected.update(steps=120, temperature=1.0, sft_target=0.65, lr_decay="cosine")
   for name, value in expected.items():
     if isinstance(value, list):  # list flags: strings
       value = [str(v) for v in value]

@@ -102,9 +102,15 @@ def test_unmatched_cells_are_refused_naming_the_difference():
     staleness.rows(grid)
   grid = _grid(rng)
   source = grid[3][0].summary["config"]["source"]
-  del source["sft_target"]  # a run saved before the field existed: its default, matched
+  del source["sft_target"]  # a run saved before the field existed ran without a target (0)
+  with pytest.raises(ValueError, match=r"fp4-qat seed 0.*\['sft_target'\]"):
+    staleness.rows(grid)
+  for cells in grid.values():  # every cell run without a target: the old run matches them
+    for cell in cells:
+      cell.summary["config"]["source"]["sft_target"] = 0.0
+  del source["sft_target"]
   assert len(staleness.rows(grid)) == len(ARMS) * len(KS)
-  source["sft_target"] = 0.5  # the same field, not at its default
+  source["sft_target"] = 0.5  # the same field at another value
   with pytest.raises(ValueError, match=r"fp4-qat seed 0.*\['sft_target'\]"):
     staleness.rows(grid)
   grid[1] = grid[3]  # cells that ran at k = 3 listed as k = 1

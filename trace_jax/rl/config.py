@@ -35,6 +35,9 @@ from trace_jax.utils import flags
 from trace_jax.utils.flags import knob
 
 REWARD_CONTROLS = ("none", "shuffle", "shuffle_batch")
+# What a run saved before a field existed ran with, where that is not the field's default
+# now: a saved config that lacks the field reads as this value, not as today's default.
+BEFORE_ADDED = {"sft_target": 0.0, "lr_decay": "constant"}
 LR_DECAYS = ("constant", "cosine", "linear")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 
@@ -67,7 +70,7 @@ class Source:
   sft_batch: int = knob(32, "Warm-start demonstrations per step.")
   sft_learning_rate: float = knob(3e-3, "Warm-start learning rate.")
   sft_target: float = knob(
-    0.0,
+    0.65,
     "Stop the warm start once its greedy FP4 reward on training problems reaches this "
     "(checked every 10 steps; 0: run all --sft_steps).",
   )
@@ -130,7 +133,7 @@ class Sampling:
   prompts_per_step: int = knob(8, "Distinct problems per step.")
   group_size: int = knob(16, "Samples per problem (GRPO group).")
   max_new_tokens: int = knob(32, "Max tokens per turn.")
-  temperature: float = knob(0.7, "Sampling temperature (and the tempered policy trained).")
+  temperature: float = knob(1.0, "Sampling temperature (and the tempered policy trained).")
   prompt_bucket: int = knob(0, "Pad prompts / observations to a multiple; 0: 16 (8 multi-turn).")
 
   def __post_init__(self):
@@ -144,11 +147,11 @@ class Sampling:
 class Schedule:
   """How long and how fast the run trains."""
 
-  steps: int = knob(100, "RL steps.")
-  learning_rate: float = knob(5e-5, "Adam learning rate (small: each update's noise costs).")
+  steps: int = knob(120, "RL steps.")
+  learning_rate: float = knob(8e-5, "Adam learning rate (small: each update's noise costs).")
   lr_warmup_steps: int = knob(0, "RL steps of linear LR warmup from learning_rate / 10.")
   lr_decay: str = knob(
-    "constant",
+    "cosine",
     "After the warmup: constant, or a cosine or linear fall to learning_rate / 10 at the last step.",
     choices=LR_DECAYS,
   )
@@ -326,6 +329,7 @@ class RLConfig:
     """A saved config (JSON, nested or flat) by flat name; its LossConfig's correction is
     "none" (saved before `correction` was the one knob, it may say "tis")."""
     out = _jsonish(flags.flatten(RLConfig, saved))
+    out = {**BEFORE_ADDED, **out}
     if "rollout_correction" in out:
       out["rollout_correction"] = "none"
     return out
