@@ -41,7 +41,7 @@ from trace_jax.model.transformer import Transformer  # noqa: F401  (the policy c
 from trace_jax.studies import compare, ptq
 from trace_jax.run import report, warmstart
 from trace_jax.rl.arms import ARMS
-from trace_jax.rl.config import RLConfig
+from trace_jax.rl.config import LR_DECAYS, RLConfig
 from trace_jax.run.rundir import read_metrics
 from trace_jax.run.trainer import Trainer
 from trace_jax.utils import flags as config_flags
@@ -60,7 +60,7 @@ _SFT_TARGET = flags.DEFINE_float(
 )
 _LR = flags.DEFINE_float("learning_rate", None, "Learning rate (default RLConfig's; x4 stress).")
 _LR_DECAY = flags.DEFINE_enum(
-  "lr_decay", None, ["constant", "cosine", "linear"], "Learning-rate decay (default RLConfig's)."
+  "lr_decay", None, list(LR_DECAYS), "Learning-rate decay (default RLConfig's)."
 )
 _TEMPERATURE = flags.DEFINE_float("temperature", None, "Sampling temperature (default RLConfig's).")
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", None, "Eval problems (default RLConfig's).")
