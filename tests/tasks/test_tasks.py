@@ -163,3 +163,59 @@ def test_unknown_task_lists_the_registered_ones():
   with pytest.raises(ValueError, match="arith.*coding.*search"):
     get_task("chess")
   assert {"arith", "coding", "search"} <= set(registered())
+
+
+def test_a_flawed_teacher_writes_its_wrong_facts_one_too_high_and_carries_them_on():
+  """`flawed_facts`/`flaw_rate`: each demonstration is a consistent chain (every step starts
+  from the sum written before it); a step is written one too high only for a fact the
+  teacher has wrong, and then at about `flaw_rate` of the times; the target (the reward)
+  stays the true sum, which the teacher's wrong answers miss."""
+  task = get_task("chain", flawed_facts=0.2, flaw_rate=0.7)
+  counts = {"flawed": 0, "wrong": 0}
+  for item in task.sample(5, 1500):
+    values = [int(v) for v in item.prompt[:-1].split("+")]
+    *steps, answer = item.demonstration.split(";")
+    shown = values[0]
+    for step, v in zip(steps, values[1:]):
+      fact, written = step.split("=")
+      assert fact == f"{shown}+{v}"
+      assert int(written) in (shown + v, shown + v + 1)
+      if task.is_flawed(fact):
+        counts["flawed"] += 1
+        counts["wrong"] += int(written) == shown + v + 1
+      else:
+        assert int(written) == shown + v
+      shown = int(written)
+    assert answer == f"#{shown}" and item.target == sum(values)
+    assert task.score(item, item.demonstration) == float(shown == sum(values))
+  rate = counts["wrong"] / counts["flawed"]
+  assert counts["flawed"] > 300 and abs(rate - 0.7) < 4 * (0.7 * 0.3 / counts["flawed"]) ** 0.5
+
+
+def test_flawed_facts_is_a_share_of_facts_and_the_listed_problems_stay_true():
+  task = get_task("arith", terms=2, max_operand=60, ops="+", flawed_facts=0.25, flaw_rate=1.0)
+  facts = [f"{a}+{b}" for a in range(61) for b in range(61)]
+  share = np.mean([task.is_flawed(f) for f in facts])
+  assert abs(share - 0.25) < 0.03
+  assert all(task.is_flawed(f) == get_task("chain", flawed_facts=0.25).is_flawed(f) for f in facts)
+  wrong = [i for i in task.sample(0, 300) if task.is_flawed(i.prompt[:-1])]
+  assert wrong and all(task.score(i, i.demonstration) == 0.0 for i in wrong)  # rate 1: always
+  listed = get_task("chain", flawed_facts=0.5, flaw_rate=1.0).problems("eval")
+  assert all(get_task("chain").score(i, i.demonstration) == 1.0 for i in listed)
+
+
+def test_without_flaws_the_sampler_draws_what_it_always_drew():
+  """flawed_facts=0 (or flaw_rate=0) takes no extra draws: the same problems as before."""
+  plain = [(i.prompt, i.demonstration) for i in get_task("chain").sample(9, 200)]
+  assert plain == [
+    (i.prompt, i.demonstration) for i in get_task("chain", flaw_rate=0.7).sample(9, 200)
+  ]
+  flawed = get_task("chain", flawed_facts=0.2, flaw_rate=0.0).sample(9, 200)
+  assert [i.prompt for i in flawed] != [p for p, _ in plain]  # draws taken, none wrong
+  assert all(get_task("chain").score(i, i.demonstration) == 1.0 for i in flawed)
+
+
+@pytest.mark.parametrize("name, value", [("flawed_facts", 1.5), ("flaw_rate", -0.1), ("flaw_rate", True)])
+def test_flaw_options_out_of_range_are_named(name, value):
+  with pytest.raises(ValueError, match=f"{name}={value!r} must be a number in \\[0, 1\\]"):
+    get_task("chain", **{name: value})

@@ -13,10 +13,20 @@ Held-out problems: with `eval_share` > 0 a fixed share of all problems (by a has
 prompt) is drawn only by `sample(..., split="eval")`, never for training (SFT or RL), so the
 evaluation measures what carries over to problems the policy never saw. With 0 (the
 default) both splits draw from every problem, by different seeds.
+
+A flawed teacher: with `flawed_facts` > 0 a fixed share of the step facts ("3+4", by a hash,
+the same on every machine) is one the teacher has wrong: each time such a step comes up in
+a drawn demonstration, it is written one too high with probability `flaw_rate`, and the
+teacher carries its own wrong sum on ("3+4=8;8+2=10;#10"). The item's target, and so the
+reward, stays the true answer. SFT on these demonstrations learns the teacher's mistakes as
+the likelier answer of those facts, with the right one still sampled (1 - `flaw_rate`): what
+a verifiable reward can correct and imitation cannot. Listed problems (`problems`, the whole
+evaluation split) carry the true solution as their demonstration.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 import re
@@ -32,7 +42,13 @@ class Arithmetic(Task):
   kind = "reasoning"
 
   def __init__(
-    self, terms: int = 2, max_operand: int = 9, ops: str = "+-", eval_share: float = 0.0
+    self,
+    terms: int = 2,
+    max_operand: int = 9,
+    ops: str = "+-",
+    eval_share: float = 0.0,
+    flawed_facts: float = 0.0,
+    flaw_rate: float = 0.0,
   ):
     if not isinstance(terms, int) or terms < 2:
       raise ValueError(f"arith: terms={terms!r} must be an int >= 2")
@@ -42,13 +58,24 @@ class Arithmetic(Task):
       raise ValueError(f"arith: ops={ops!r} must be a non-empty string over '+-*'")
     if not isinstance(eval_share, (int, float)) or not 0.0 <= eval_share < 1.0:
       raise ValueError(f"arith: eval_share={eval_share!r} must be a number in [0, 1)")
+    for name, value in (("flawed_facts", flawed_facts), ("flaw_rate", flaw_rate)):
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"arith: {name}={value!r} must be a number in [0, 1]")
     self.terms, self.max_operand, self.ops = terms, max_operand, ops
     self.eval_share = float(eval_share)
+    self.flawed_facts, self.flaw_rate = float(flawed_facts), float(flaw_rate)
 
   def split_of(self, prompt: str) -> str:
     """The split a problem belongs to: "eval" for a fixed share `eval_share` of prompts
     (by CRC-32, the same on every machine and Python), else "train"."""
     return "eval" if zlib.crc32(prompt.encode()) < self.eval_share * 2**32 else "train"
+
+  def is_flawed(self, fact: str) -> bool:
+    """Whether the teacher has the step fact `fact` ("3+4") wrong: a fixed share
+    `flawed_facts` of facts, by SHA-256 (the same on every machine and Python; CRC-32, fine
+    for whole prompts, clusters on strings this short)."""
+    digest = hashlib.sha256(f"flawed:{fact}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < self.flawed_facts * 2**64
 
   def problems(self, split: str) -> list[Item] | None:
     """Every problem of the split in a fixed order (operands, then operators, ascending);
@@ -65,16 +92,24 @@ class Arithmetic(Task):
           items.append(self._item(prompt, values, ops))
     return items
 
-  def _item(self, prompt: str, values, ops) -> Item:
-    steps, acc = [], values[0]
+  def _item(self, prompt: str, values, ops, teacher: random.Random | None = None) -> Item:
+    """The problem, its true answer, and a demonstration: the true solution, or with
+    `teacher` (the sampler's generator) and `flawed_facts` > 0 the flawed teacher's (its
+    wrong facts one too high with probability `flaw_rate`, its own sums carried on)."""
+    steps, acc, shown = [], values[0], values[0]
     for op, v in zip(ops, values[1:]):
-      new = acc + v if op == "+" else acc - v if op == "-" else acc * v
-      steps.append(f"{acc}{op}{v}={new}")
-      acc = new
+      acc = _apply(acc, op, v)
+      written = _apply(shown, op, v)
+      fact = f"{shown}{op}{v}"
+      # the draw only for a flawed fact: a task without flaws samples as it always did
+      if teacher is not None and self.is_flawed(fact) and teacher.random() < self.flaw_rate:
+        written += 1
+      steps.append(f"{fact}={written}")
+      shown = written
     return Item(
       prompt=prompt,
       target=acc,
-      demonstration=";".join(steps) + f";#{acc}",
+      demonstration=";".join(steps) + f";#{shown}",
       meta={"terms": self.terms},
     )
 
@@ -95,7 +130,7 @@ class Arithmetic(Task):
       prompt = str(values[0]) + "".join(f"{o}{v}" for o, v in zip(ops, values[1:])) + "="
       if self.eval_share and self.split_of(prompt) != split:
         continue
-      items.append(self._item(prompt, values, ops))
+      items.append(self._item(prompt, values, ops, teacher=rng))
     return items
 
   def score(self, item: Item, completion: str) -> float:
@@ -104,6 +139,10 @@ class Arithmetic(Task):
       return 1.0 if found and int(found[-1]) == int(item.target) else 0.0
     except Exception:  # a scorer never raises on model text
       return 0.0
+
+
+def _apply(acc: int, op: str, v: int) -> int:
+  return acc + v if op == "+" else acc - v if op == "-" else acc * v
 
 
 class ArithmeticChain(Arithmetic):
@@ -120,6 +159,19 @@ class ArithmeticChain(Arithmetic):
   name = "chain"
 
   def __init__(
-    self, terms: int = 4, max_operand: int = 5, ops: str = "+", eval_share: float = 0.25
+    self,
+    terms: int = 4,
+    max_operand: int = 5,
+    ops: str = "+",
+    eval_share: float = 0.25,
+    flawed_facts: float = 0.0,
+    flaw_rate: float = 0.0,
   ):
-    super().__init__(terms=terms, max_operand=max_operand, ops=ops, eval_share=eval_share)
+    super().__init__(
+      terms=terms,
+      max_operand=max_operand,
+      ops=ops,
+      eval_share=eval_share,
+      flawed_facts=flawed_facts,
+      flaw_rate=flaw_rate,
+    )
