@@ -219,3 +219,19 @@ def test_without_flaws_the_sampler_draws_what_it_always_drew():
 def test_flaw_options_out_of_range_are_named(name, value):
   with pytest.raises(ValueError, match=f"{name}={value!r} must be a number in \\[0, 1\\]"):
     get_task("chain", **{name: value})
+
+
+def test_chain_flawed_is_chain_taught_by_a_flawed_teacher():
+  """The main job's task: `chain`'s problems and held-out split, a fifth of its 96 step facts
+  flawed at rate 0.7, so a third or more of its demonstrations end on a wrong answer while
+  every target stays the true sum."""
+  task, chain = get_task("chain_flawed"), get_task("chain")
+  assert [i.prompt for i in task.problems("eval")] == [i.prompt for i in chain.problems("eval")]
+  facts = [f"{a}+{b}" for a in range(16) for b in range(6)]
+  assert sum(map(task.is_flawed, facts)) == 23  # of 96 (SHA-256 of each fact: fixed)
+  items = task.sample(4, 1000)
+  assert all(i.target == sum(int(v) for v in i.prompt[:-1].split("+")) for i in items)
+  wrong = np.mean([task.score(i, i.demonstration) == 0.0 for i in items])
+  assert 0.3 < wrong < 0.6, wrong
+  assert not any(map(chain.is_flawed, facts))  # chain itself: no flaws
+  assert all(chain.score(i, i.demonstration) == 1.0 for i in chain.sample(4, 300))

@@ -175,3 +175,39 @@ class ArithmeticChain(Arithmetic):
       flawed_facts=flawed_facts,
       flaw_rate=flaw_rate,
     )
+
+
+class FlawedChain(ArithmeticChain):
+  """The main job's task: `chain` taught by a flawed teacher. A fifth of the step facts
+  (`flawed_facts=0.2`, 23 of the 96 that four-term sums of 0-5 use) are ones the teacher has
+  wrong: in a drawn demonstration such a step is written one too high 70% of the time
+  (`flaw_rate=0.7`), and carried on ("3+4=8;8+2=10;#10"). The reward and the held-out
+  evaluation score the true sum.
+
+  Why: SFT on the clean `chain` passes a sharp transition whose step depends on the seed and
+  the machine, so where RL starts, and how much room it has, was the seed's draw (0.53-0.84
+  greedily after the same warm start). Here imitation learns the teacher's mistakes as the
+  likelier answers (about two thirds of the held-out problems touch a flawed fact), while the
+  true answer is still sampled about 30% of the time: a verifiable reward can correct what
+  imitation cannot, on every seed.
+  """
+
+  name = "chain_flawed"
+
+  def __init__(
+    self,
+    terms: int = 4,
+    max_operand: int = 5,
+    ops: str = "+",
+    eval_share: float = 0.25,
+    flawed_facts: float = 0.2,
+    flaw_rate: float = 0.6,
+  ):
+    super().__init__(
+      terms=terms,
+      max_operand=max_operand,
+      ops=ops,
+      eval_share=eval_share,
+      flawed_facts=flawed_facts,
+      flaw_rate=flaw_rate,
+    )

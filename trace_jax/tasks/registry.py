@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from trace_jax.tasks.arithmetic import Arithmetic, ArithmeticChain
+from trace_jax.tasks.arithmetic import Arithmetic, ArithmeticChain, FlawedChain
 from trace_jax.tasks.base import Task
 from trace_jax.tasks.coding import Coding
 from trace_jax.tasks.search import Search
@@ -13,6 +13,7 @@ from trace_jax.tasks.search import Search
 _REGISTRY: dict[str, Callable[..., Task]] = {
   "arith": Arithmetic,  # reasoning
   "chain": ArithmeticChain,  # reasoning: arith's 4-term chains, held-out evaluation
+  "chain_flawed": FlawedChain,  # the main job's: chain taught by a flawed teacher
   "coding": Coding,  # coding
   "search": Search,  # long-horizon, multi-turn
 }
