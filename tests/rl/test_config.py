@@ -135,7 +135,7 @@ FLAT = {
   "reward_control": "none",
 }  # fmt: skip
 SAVED_FLAT = RLConfig.from_flat(
-  learning_rate=3e-5, sft_steps=100, std_norm=True, steps=100, temperature=0.7
+  task="chain", learning_rate=3e-5, sft_steps=100, std_norm=True, steps=100, temperature=0.7
 ).replace(sft_target=0.0, lr_decay="constant")  # (BEFORE_ADDED: what FLAT ran with)
 
 
@@ -148,8 +148,8 @@ def test_a_config_saved_flat_compares_by_leaf_name():
     "learning_rate",
     "lr_decay",
     "sft_steps",
-    "sft_target",
     "std_norm",
+    "task",
     "temperature",
   ]
   changed = SAVED_FLAT.replace(group_size=4, fp4_sites="experts+kv", kl_coef=0.01, mesh=(2, 1, 1))
@@ -202,7 +202,8 @@ def test_rl_script_flags_are_the_config_fields():
   expected.update(activations="fp4", rollout_correction="auto", workdir=None)
   expected.update(coordinator_address=None, num_processes=None, process_id=None)
   expected.update(learning_rate=8e-5, sft_steps=150, std_norm=False)  # the main job's, since
-  expected.update(steps=120, temperature=1.0, sft_target=0.65, lr_decay="cosine")
+  expected.update(steps=150, temperature=1.0, sft_target=0.0, lr_decay="cosine")
+  expected.update(task="chain_flawed")
   for name, value in expected.items():
     if isinstance(value, list):  # list flags: strings
       value = [str(v) for v in value]

@@ -70,7 +70,7 @@ class Source:
   sft_batch: int = knob(32, "Warm-start demonstrations per step.")
   sft_learning_rate: float = knob(3e-3, "Warm-start learning rate.")
   sft_target: float = knob(
-    0.65,
+    0.0,
     "Stop the warm start once its greedy FP4 reward on training problems reaches this "
     "(checked every 10 steps; 0: run all --sft_steps).",
   )
@@ -147,7 +147,7 @@ class Sampling:
 class Schedule:
   """How long and how fast the run trains."""
 
-  steps: int = knob(120, "RL steps.")
+  steps: int = knob(150, "RL steps.")
   learning_rate: float = knob(8e-5, "Adam learning rate (small: each update's noise costs).")
   lr_warmup_steps: int = knob(0, "RL steps of linear LR warmup from learning_rate / 10.")
   lr_decay: str = knob(
@@ -202,7 +202,9 @@ class RLConfig:
   """One RL run. Everything random derives from `seed` and the step number."""
 
   arm: str = knob("trace", f"One of {sorted(RUNNABLE)}.")
-  task: str = knob("chain", "Task: chain, arith, coding, search, or rg:<name>.")
+  task: str = knob(
+    "chain_flawed", "Task: chain_flawed, chain, arith, coding, search, or rg:<name>."
+  )
   task_options: tuple = knob(
     (), "key=value options of the task (numbers parsed).", parse=flags.parse_pairs
   )
