@@ -1,6 +1,6 @@
 """The main job: RL of a small MoE policy from FP4 rollouts, with TRACE guidance by default.
 
-  python experiments/rl.py                 # small, chain (held-out eval), arm trace, ~9-11 min on 2 cores
+  python experiments/rl.py                 # small, chain_flawed (held-out eval), arm trace, ~5 min on 2 cores
   python experiments/rl.py --arm=fp4-qat --seed=1 --steps=30
   python experiments/rl.py --arm=trace --fp4_sites=experts+kv --fmt=mxfp4 --steps=30
   python experiments/rl.py --arm=trace --fmt=mxfp4 --activations=fp8 --steps=30  # W4A8

@@ -179,17 +179,18 @@ class ArithmeticChain(Arithmetic):
 
 class FlawedChain(ArithmeticChain):
   """The main job's task: `chain` taught by a flawed teacher. A fifth of the step facts
-  (`flawed_facts=0.2`, 23 of the 96 that four-term sums of 0-5 use) are ones the teacher has
-  wrong: in a drawn demonstration such a step is written one too high 70% of the time
-  (`flaw_rate=0.7`), and carried on ("3+4=8;8+2=10;#10"). The reward and the held-out
-  evaluation score the true sum.
+  (`flawed_facts=0.2`: 23 of the 96 that four-term sums of 0-5 use) are ones the teacher has
+  wrong: in a drawn demonstration such a step is written one too high 60% of the time
+  (`flaw_rate=0.6`), and carried on ("3+4=8;8+2=10;#10"). The reward and the held-out
+  evaluation score the true sum; 68% of the held-out problems touch a flawed fact.
 
   Why: SFT on the clean `chain` passes a sharp transition whose step depends on the seed and
-  the machine, so where RL starts, and how much room it has, was the seed's draw (0.53-0.84
-  greedily after the same warm start). Here imitation learns the teacher's mistakes as the
-  likelier answers (about two thirds of the held-out problems touch a flawed fact), while the
-  true answer is still sampled about 30% of the time: a verifiable reward can correct what
-  imitation cannot, on every seed.
+  the machine, so where RL started, and how much room it had, was the seed's draw (0.53-0.84
+  greedily after the same warm start, gains from +0.03 to +0.23). Here imitation learns the
+  teacher's mistakes as the likelier answers while the true one is still sampled about 40% of
+  the time: a verifiable reward corrects what imitation cannot, and a greedy answer flips
+  once its fact's true sum passes 50%, a small move. At rate 0.7 the same RL gained about
+  +0.14 in 120-150 steps (the wrong answer's lead is twice as large); at 0.6, +0.23 to +0.26.
   """
 
   name = "chain_flawed"
