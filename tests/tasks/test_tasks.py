@@ -215,7 +215,9 @@ def test_without_flaws_the_sampler_draws_what_it_always_drew():
   assert all(get_task("chain").score(i, i.demonstration) == 1.0 for i in flawed)
 
 
-@pytest.mark.parametrize("name, value", [("flawed_facts", 1.5), ("flaw_rate", -0.1), ("flaw_rate", True)])
+@pytest.mark.parametrize(
+  "name, value", [("flawed_facts", 1.5), ("flaw_rate", -0.1), ("flaw_rate", True)]
+)
 def test_flaw_options_out_of_range_are_named(name, value):
   with pytest.raises(ValueError, match=f"{name}={value!r} must be a number in \\[0, 1\\]"):
     get_task("chain", **{name: value})
