@@ -146,14 +146,14 @@ def _apply(acc: int, op: str, v: int) -> int:
 
 
 class ArithmeticChain(Arithmetic):
-  """The main job's task: four-term sums of operands 0-5, worked out step by step, with a
-  quarter of the 1,296 problems held out for the evaluation.
+  """Four-term sums of operands 0-5, worked out step by step, with a quarter of the 1,296
+  problems held out for the evaluation (the main job's task before `chain_flawed`).
 
   prompt "3+5+0+4=", demonstration "3+5=8;8+0=8;8+4=12;#12". Its three step facts per
   problem come from a table of 96 that every problem shares, so what RL sharpens on the
-  training problems carries over to the held-out ones. A `small` policy after the default
-  warm start (150 SFT steps) solves 0.66-0.84 of the held-out problems greedily, depending on
-  the seed (0.37-0.43 after 100 steps: the SFT passes a sharp transition in between).
+  training problems carries over to the held-out ones. A `small` policy after a warm start
+  of 150 SFT steps solves 0.66-0.84 of the held-out problems greedily, depending on the seed
+  and the machine (0.37-0.43 after 100 steps: the SFT passes a sharp transition in between).
   """
 
   name = "chain"

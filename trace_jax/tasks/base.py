@@ -16,7 +16,8 @@ class Item:
     prompt: the text the policy sees first.
     target: what the scorer needs (the answer, hidden tests, the secret...).
     demonstration: a solver's completion that scores 1.0 (single-turn), or for multi-turn
-      tasks the solver's actions, one string per turn.
+      tasks the solver's actions, one string per turn; a task may teach a flawed solver's
+      instead (`arith`'s `flawed_facts`: the score still checks the true answer).
     meta: anything else (difficulty, seed).
   """
 
