@@ -197,7 +197,8 @@ def test_flawed_facts_is_a_share_of_facts_and_the_listed_problems_stay_true():
   facts = [f"{a}+{b}" for a in range(61) for b in range(61)]
   share = np.mean([task.is_flawed(f) for f in facts])
   assert abs(share - 0.25) < 0.03
-  assert all(task.is_flawed(f) == get_task("chain", flawed_facts=0.25).is_flawed(f) for f in facts)
+  chain = get_task("chain", flawed_facts=0.25)  # the same facts, whatever the task
+  assert all(task.is_flawed(f) == chain.is_flawed(f) for f in facts)
   wrong = [i for i in task.sample(0, 300) if task.is_flawed(i.prompt[:-1])]
   assert wrong and all(task.score(i, i.demonstration) == 0.0 for i in wrong)  # rate 1: always
   listed = get_task("chain", flawed_facts=0.5, flaw_rate=1.0).problems("eval")
@@ -225,8 +226,9 @@ def test_flaw_options_out_of_range_are_named(name, value):
 
 def test_chain_flawed_is_chain_taught_by_a_flawed_teacher():
   """The main job's task: `chain`'s problems and held-out split, a fifth of its 96 step facts
-  flawed at rate 0.7, so a third or more of its demonstrations end on a wrong answer while
-  every target stays the true sum."""
+  flawed at rate 0.6, so about a third or more of its demonstrations end on a wrong answer
+  while every target stays the true sum."""
+  assert (get_task("chain_flawed").flawed_facts, get_task("chain_flawed").flaw_rate) == (0.2, 0.6)
   task, chain = get_task("chain_flawed"), get_task("chain")
   assert [i.prompt for i in task.problems("eval")] == [i.prompt for i in chain.problems("eval")]
   facts = [f"{a}+{b}" for a in range(16) for b in range(6)]

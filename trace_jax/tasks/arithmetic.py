@@ -102,7 +102,8 @@ class Arithmetic(Task):
       written = _apply(shown, op, v)
       fact = f"{shown}{op}{v}"
       # the draw only for a flawed fact: a task without flaws samples as it always did
-      if teacher is not None and self.is_flawed(fact) and teacher.random() < self.flaw_rate:
+      flawed = teacher is not None and self.flawed_facts > 0 and self.is_flawed(fact)
+      if flawed and teacher.random() < self.flaw_rate:
         written += 1
       steps.append(f"{fact}={written}")
       shown = written
