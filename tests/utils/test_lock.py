@@ -200,3 +200,58 @@ def test_a_multi_host_job_locks_on_process_0_only(tmp_path, monkeypatch):
   lock = lock_lib.lock_run_workdir(str(tmp_path))
   assert told[-1] == 1 and (tmp_path / LOCK_FILE).exists()  # told the others it got it
   lock.release()
+
+
+# Runs that start in the same instant on a filesystem without flock (flock patched to
+# answer "not supported", as ENOLCK does): the holder record decides, and exactly one wins.
+RACER = textwrap.dedent("""
+    import importlib.util, sys, time
+    spec = importlib.util.spec_from_file_location("lock", sys.argv[3])
+    lock_lib = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lock_lib)
+    lock_lib._try_flock = lambda fd: None  # this filesystem has no flock
+    time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # all start together
+    try:
+      lock_lib.WorkdirLock.acquire(sys.argv[1])
+      print("won", flush=True)
+      time.sleep(1.0)  # held while the others try
+    except lock_lib.WorkdirBusy as e:
+      print("busy", e, flush=True)
+""")
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_without_flock_exactly_one_of_simultaneous_starts_wins(tmp_path, trial):
+  import time
+
+  workdir = tmp_path / f"race{trial}"
+  start = time.time() + 1.5  # after every racer's interpreter is up
+  racers = [
+    subprocess.Popen(
+      [sys.executable, "-c", RACER, str(workdir), str(start), lock_lib.__file__],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for _ in range(6)
+  ]
+  outputs = [racer.communicate(timeout=60) for racer in racers]
+  said = [out.split(" ", 1)[0].strip() for out, _ in outputs]
+  assert said.count("won") == 1, (said, [err for _, err in outputs])
+  assert said.count("busy") == 5
+  assert not [p for p in os.listdir(workdir) if p.endswith(".tmp")]  # no staged records left
+
+
+def test_without_flock_a_dead_holders_record_is_taken_over(tmp_path, monkeypatch):
+  monkeypatch.setattr(lock_lib, "_try_flock", lambda fd: None)
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  dead = {"host": socket.gethostname(), "pid": 2**22 + 12345, "since": "then"}
+  (workdir / LOCK_FILE).write_text(json.dumps(dead))
+  lock = WorkdirLock.acquire(str(workdir))
+  try:
+    record = json.loads((workdir / LOCK_FILE).read_text())
+    assert record["pid"] == os.getpid()
+  finally:
+    lock.release()
+  assert not (workdir / LOCK_FILE).exists()

@@ -5,17 +5,25 @@
   <workdir>/warmstart/      the SFT warm start, made once and reused (`run.warmstart`)
   <workdir>/summary.json    the run's summary (`run.report`)
   <workdir>/run.lock        held by the run in progress (`utils.lock`: one run per workdir)
+  <workdir>/run.json        the run's config, recorded when it starts (`RUN_RECORD`)
 
-Everything is checked before any work: the workdir is writable, a checkpoint there holds the
-same config (else a ValueError naming the fields that differ), metrics.jsonl reads. A resume
-uses the newest checkpoint that restores and verifies, and cuts metrics.jsonl back to the
-steps that checkpoint holds, so every step's line appears exactly once.
+Everything is checked before any work, on every start: the workdir is writable; the config
+recorded in run.json, and the one in each readable checkpoint, is this run's (else a
+ValueError naming the fields that differ, so a second run never takes over a finished one's
+files, with or without checkpoints); `steps` may change only where the learning-rate
+schedule does not depend on it (lr_decay="constant"); `checkpoints` is a directory;
+metrics.jsonl reads and every line's step is an integer. A workdir that holds a run's files
+but no record of its config (written before run.json existed, or by something else) is
+refused unless a checkpoint there holds the config. A resume uses the newest checkpoint that
+restores and verifies, and cuts metrics.jsonl back to the steps that checkpoint holds, so
+every step's line appears exactly once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import weakref
 
 import jax
@@ -28,6 +36,12 @@ from trace_jax.run.checkpoint import Checkpoints
 from trace_jax.utils import append_jsonl, read_jsonl, write_atomic
 from trace_jax.utils.distributed import is_main_process
 from trace_jax.utils.lock import lock_run_workdir
+
+RUN_RECORD = "run.json"
+# Files of a run: a workdir holding any of them without a record of its config is refused.
+RUN_FILES = ("metrics.jsonl", "summary.json")
+# Fields a resume may change: how the run computes, not what it computes.
+RESUMABLE_FIELDS = ("max_param_abs", "remat")
 
 
 def check_workdir(workdir: str) -> str:
@@ -60,11 +74,23 @@ class RunDir:
     try:
       self.config = config
       self.path = check_workdir(workdir)
-      self.checkpoints = Checkpoints(os.path.join(self.path, "checkpoints"))
-      self._check_saved_config()
+      checkpoints = os.path.join(self.path, "checkpoints")
+      if os.path.lexists(checkpoints) and not os.path.isdir(checkpoints):
+        raise ValueError(
+          f"{checkpoints} is not a directory; a run keeps its checkpoints there (move it "
+          "away, or use another --workdir)"
+        )
       self.metrics_path = os.path.join(self.path, "metrics.jsonl")
       if os.path.exists(self.metrics_path):  # a damaged log fails here, before any work
-        read_jsonl(self.metrics_path)
+        _check_steps(self.metrics_path, read_jsonl(self.metrics_path))
+      recorded = self._check_record()
+      self.checkpoints = Checkpoints(checkpoints)
+      self._check_saved_config(recorded)
+      if is_main_process():
+        write_atomic(
+          os.path.join(self.path, RUN_RECORD),
+          json.dumps({"config": config.to_dict()}, indent=1) + "\n",
+        )
     except BaseException:
       self.close()
       raise
@@ -73,20 +99,69 @@ class RunDir:
     """Release the workdir's lock (idempotent)."""
     self._unlock()
 
-  def _check_saved_config(self) -> None:
-    """Refuse a resume with another config (from the newest readable checkpoint meta)."""
-    for step in self.checkpoints.all_steps():
+  def _refuse_other(self, saved: dict, where: str) -> None:
+    """A ValueError if the config `saved` (from `where`) is not this run's."""
+    differing = self.config.differences(saved, ignore=RESUMABLE_FIELDS + ("steps",))
+    if differing:
+      raise ValueError(
+        f"{self.path} holds {where} of a different config; fields that "
+        f"differ: {differing} (use another --workdir)"
+      )
+    saved_steps = RLConfig.flat_dict(saved).get("steps")
+    steps, decay = self.config.schedule.steps, self.config.schedule.lr_decay
+    if saved_steps is not None and saved_steps != steps and decay != "constant":
+      raise ValueError(
+        f"{self.path} holds {where} of a run of steps={saved_steps}, and its lr_decay="
+        f"{decay!r} schedule is built from steps; resume it with --steps={saved_steps}, "
+        "or use another --workdir"
+      )
+
+  def _check_record(self) -> bool:
+    """Refuse a start whose config is not the one run.json records; whether there is one."""
+    path = os.path.join(self.path, RUN_RECORD)
+    if not os.path.exists(path):
+      return False
+    try:
+      with open(path, "rb") as f:
+        record = json.loads(f.read())
+      saved = record["config"]
+      if not isinstance(saved, dict):
+        raise TypeError(f"its config is a {type(saved).__name__}, not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise ValueError(
+        f"{path} does not read as this workdir's run record ({type(e).__name__}: {e}); "
+        "nothing of the run there can be checked (use another --workdir)"
+      ) from e
+    self._refuse_other(saved, f"a run record ({RUN_RECORD})")
+    return True
+
+  def _check_saved_config(self, recorded: bool) -> None:
+    """Refuse a resume with another config (from the newest readable checkpoint meta); with
+    no run.json and no readable checkpoint meta, refuse a workdir holding a run's files, or
+    say that nothing could be compared."""
+    steps = self.checkpoints.all_steps()
+    for step in steps:
       try:
         saved = self.checkpoints.read_meta(step)["config"]
       except Exception:  # noqa: BLE001 - a damaged checkpoint: restore skips it and says so
         continue
-      differing = self.config.differences(saved)
-      if differing:
-        raise ValueError(
-          f"{self.path} holds a checkpoint of a different config; fields that "
-          f"differ: {differing} (use another --workdir)"
-        )
+      self._refuse_other(saved, f"a checkpoint (step {step})")
       return
+    if recorded:
+      return
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(self.path, name))]
+    if found:
+      raise ValueError(
+        f"{self.path} holds {', '.join(found)} of a run whose config is recorded nowhere "
+        f"(no {RUN_RECORD}, no readable checkpoint); starting here would overwrite them "
+        "(use another --workdir)"
+      )
+    if steps:
+      print(
+        f"{self.path}: none of the checkpoints {sorted(steps)} has readable metadata and "
+        f"there is no {RUN_RECORD}: nothing could be compared with this run's config",
+        file=sys.stderr,
+      )
 
   def warm_start(
     self, policy, task, tokenizer, *, greedy=None, mesh=None, progress: bool = True
@@ -177,6 +252,17 @@ class RunDir:
 
   def write_summary(self, summary: dict) -> None:
     report.write_summary(self.path, summary)
+
+
+def _check_steps(path: str, records: list[dict]) -> None:
+  """A ValueError naming the line of metrics.jsonl whose record has no integer step."""
+  for number, record in enumerate(records, 1):
+    step = record.get("step") if isinstance(record, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+      raise ValueError(
+        f"{path}: record {number} has step={step!r}; every line of a run's metrics is a "
+        "JSON object with an integer step >= 0 (move the file away, or use another --workdir)"
+      )
 
 
 def _release(lock) -> None:

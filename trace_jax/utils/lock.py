@@ -18,9 +18,12 @@ line naming the holder.
 - A multi-host job is one run: process 0 takes the lock for all (`lock_run_workdir`); the
   others learn by a broadcast whether it did, so the whole job stops on a busy workdir.
 - On a filesystem without flock (ENOLCK / EOPNOTSUPP: some NFS or Lustre mounts) the file's
-  own record decides: a live holder on this host, or any holder on another (which cannot be
-  checked from here), refuses; a dead one on this host is taken over. Two runs starting in
-  the same instant can both pass there; flock has no such window.
+  own record decides, and the record is made whole before it is published: written to a
+  file of its own, then linked to the lock file's name (`link()` fails where the name
+  exists), so of runs starting together exactly one wins. An existing record of a live
+  holder on this host, or of any holder on another (which cannot be checked from here),
+  refuses; one of a dead holder on this host (or an empty file) is removed, after it is read
+  again to be sure it is still the same, and the link is tried again.
 """
 
 from __future__ import annotations
@@ -195,6 +198,8 @@ def _try_flock(fd: int) -> bool | None:
 
 def _lock_file(workdir: str, path: str) -> int:
   """Open, lock and stamp the lock file; the fd that holds the lock."""
+  if not _has_flock(workdir):
+    return _link_record(workdir, path)
   deadline = time.monotonic() + _BUSY_RETRY_S
   while True:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -206,26 +211,100 @@ def _lock_file(workdir: str, path: str) -> int:
       previous = _read_holder(fd)
       if got is False:
         raise WorkdirBusy(_busy(workdir, previous))
-      if got is None and previous is not None and holder_alive(previous) is not False:
-        raise WorkdirBusy(_busy(workdir, previous, no_flock=True))
-      if got and os.fstat(fd).st_ino != _inode(path):
+      if os.fstat(fd).st_ino != _inode(path):
         os.close(fd)  # its holder deleted the file as we locked it: lock the new one
         continue
-      if previous is not None:
-        log.warning(
-          "workdir %s: taking over the lock left by %s, which ended without releasing it (%s)",
-          workdir,
-          describe(previous),
-          "no longer running" if holder_alive(previous) is False else "lock not held",
-        )
+      _say_taken_over(workdir, previous)
       record = json.dumps(_me()).encode()
       os.ftruncate(fd, 0)
       os.pwrite(fd, record, 0)
       os.fsync(fd)
       return fd
     except BaseException:
-      os.close(fd)
+      _close_quietly(fd)
       raise
+
+
+def _has_flock(workdir: str) -> bool:
+  """Whether the workdir's filesystem has flock (probed on the directory, which creates no
+  file: without flock the lock file's name is published only by `link`)."""
+  fd = os.open(workdir, os.O_RDONLY)
+  try:
+    got = _try_flock(fd)
+    if got:
+      fcntl.flock(fd, fcntl.LOCK_UN)
+    return got is not None
+  finally:
+    os.close(fd)
+
+
+def _close_quietly(fd: int) -> None:
+  try:
+    os.close(fd)
+  except OSError:
+    pass
+
+
+def _say_taken_over(workdir: str, previous: dict | None) -> None:
+  if previous is not None:
+    log.warning(
+      "workdir %s: taking over the lock left by %s, which ended without releasing it (%s)",
+      workdir,
+      describe(previous),
+      "no longer running" if holder_alive(previous) is False else "lock not held",
+    )
+
+
+def _read_record(path: str) -> tuple[dict | None, bytes | None]:
+  """The holder record at `path` and its raw bytes ((None, None): no file)."""
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except FileNotFoundError:
+    return None, None
+  try:
+    raw = os.pread(fd, 4096, 0)
+    return _read_holder(fd), raw
+  finally:
+    os.close(fd)
+
+
+def _link_record(workdir: str, path: str) -> int:
+  """Without flock: publish this process's record at `path` by `link()`, which exactly one
+  of several runs starting together wins; the fd of the published file."""
+  record = json.dumps(_me()).encode()
+  staged = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+  fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+  try:
+    os.write(fd, record)
+    os.fsync(fd)
+    while True:
+      try:
+        os.link(staged, path)
+        return fd
+      except FileExistsError:
+        pass
+      previous, raw = _read_record(path)
+      if raw is None:
+        continue  # removed meanwhile: try again
+      if previous is not None and holder_alive(previous) is not False:
+        raise WorkdirBusy(_busy(workdir, previous, no_flock=True))
+      # A dead holder's record (or an empty file): remove it if it is still the same file.
+      again, raw_again = _read_record(path)
+      if raw_again != raw:
+        continue
+      try:
+        os.unlink(path)
+      except FileNotFoundError:
+        pass
+      _say_taken_over(workdir, previous)
+  except BaseException:
+    os.close(fd)
+    raise
+  finally:
+    try:
+      os.unlink(staged)  # the published name holds the record (or another run's)
+    except OSError:
+      pass
 
 
 def _inode(path: str) -> int | None:
