@@ -104,13 +104,7 @@ def _report(config: RLConfig, trainer: Trainer, start: float) -> None:
   plots = report.plot(metrics, trainer.workdir, f"{config.arm} on {config.task} ({model})")
   print()
   print(report.final_table(metrics))
-  print(
-    f"\n{config.arm} on {config.task}: greedy {summary['eval_precision']} eval reward "
-    f"{summary['initial_eval_reward']} -> {summary['final_eval_reward']}, mean k3_kl "
-    f"{summary['mean_k3_kl']:.3e}, guidance {summary['guidance_bytes_per_token']:.0f} B/token, "
-    f"rollout {summary['rollout_seconds']:.0f} s, train {summary['train_seconds']:.0f} s, "
-    f"wall {summary['wall_seconds']:.0f} s"
-  )
+  print(f"\n{config.arm} on {config.task}: {report.final_line(summary)}")
   print(
     f"wrote {os.path.join(trainer.workdir, 'summary.json')}, metrics.jsonl, "
     f"{', '.join(os.path.basename(p) for p in plots)}"

@@ -364,3 +364,36 @@ def format_table(name: str, config: PlanConfig, rows: dict[str, float]) -> str:
   lines.append("")
   lines.append(f"H200 ({limit / GB:.0f} GB): " + "; ".join(verdicts))
   return "\n".join(lines)
+
+
+def batch_lower_bound_bytes(
+  cfg: ModelConfig, batch: int, context: int, *, data: int = 1, minibatch: int | None = None
+) -> dict[str, float]:
+  """What a rollout batch needs per device at least, from shapes alone (milliseconds, unlike
+  `plan`): its bf16 KV cache (or recurrent state) for `batch` sequences of `context` slots,
+  and the float32 logits of one training minibatch of `minibatch` sequences; both split over
+  `data` devices. A run whose figure exceeds a device's memory cannot run."""
+  cache = jax.eval_shape(lambda: init_cache(cfg, batch, context, None, dtype=jnp.bfloat16))
+  cache_bytes = sum(
+    math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(cache)
+  )
+  logits = (minibatch or batch) * context * cfg.vocab_size * 4
+  return {"KV cache (bf16)": cache_bytes / data, "minibatch logits (f32)": logits / data}
+
+
+def device_memory_bytes() -> float | None:
+  """Memory of one local device: its allocator's limit on a GPU or TPU, the machine's
+  physical memory on CPU (None if unknown)."""
+  device = jax.local_devices()[0]
+  try:
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+  except Exception:  # noqa: BLE001 - a backend without memory_stats
+    limit = None
+  if limit:
+    return float(limit)
+  try:
+    import os
+
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+  except (ValueError, OSError, AttributeError):
+    return None

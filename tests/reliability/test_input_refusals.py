@@ -211,3 +211,73 @@ def test_non_finite_or_negative_rates_are_refused(field, value):
 def test_loss_knobs_out_of_range_are_refused(field, value, match):
   with pytest.raises(ValueError, match=match):
     LossConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+  "field, value, match",
+  [
+    ("mesh", (), r"RLConfig\.mesh=\(\) must be three device counts"),
+    ("mesh", (1, 1), r"RLConfig\.mesh=\(1, 1\) must be three device counts"),
+    ("mesh", (0, 1, 1), r"RLConfig\.mesh=\(0, 1, 1\) must be three device counts"),
+    ("seed", 2**63, r"RLConfig\.seed=9223372036854775808 must be an integer that fits in int64"),
+    ("seed", -(2**63) - 1, r"RLConfig\.seed=-9223372036854775809 must be an integer"),
+  ],
+)
+def test_mesh_and_seed_out_of_range_are_named(field, value, match):
+  with pytest.raises(ValueError, match=match):
+    RLConfig.from_flat(**{field: value})
+
+
+def test_extreme_seeds_within_int64_are_kept():
+  assert RLConfig.from_flat(seed=2**63 - 1).seed == 2**63 - 1
+  assert RLConfig.from_flat(seed=-(2**63)).seed == -(2**63)
+
+
+def test_max_new_tokens_beyond_the_model_s_positions_is_refused_before_any_work():
+  from trace_jax.model.config import get_preset
+  from trace_jax.run import policy_source
+
+  limit = get_preset("tiny").max_seq_len
+  config = RLConfig.from_flat(preset="tiny", task="arith", max_new_tokens=limit)
+  with pytest.raises(ValueError, match=rf"max_new_tokens={limit}: .* max_seq_len={limit}"):
+    policy_source.check_fits(config, policy_source.preflight(config))
+  ok = RLConfig.from_flat(preset="tiny", task="arith", max_new_tokens=limit // 4)
+  policy_source.check_fits(ok, policy_source.preflight(ok))
+
+
+def test_a_batch_that_cannot_fit_a_device_is_refused_by_the_estimate(monkeypatch):
+  from trace_jax import plan
+  from trace_jax.model.config import get_preset
+  from trace_jax.run import policy_source
+
+  config = RLConfig.from_flat(preset="tiny", task="arith", prompts_per_step=64, group_size=4)
+  task = policy_source.preflight(config)
+  policy_source.check_fits(config, task)  # fits this machine
+  cfg = get_preset("tiny")
+  # The estimate's KV cache by hand: K and V, bf16, per layer, per slot, per sequence (and
+  # the cache's few bytes of positions and lengths per slot).
+  need = plan.batch_lower_bound_bytes(cfg, 256, 48)
+  per_slot = 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+  assert 256 * 48 * per_slot <= need["KV cache (bf16)"] <= 256 * 48 * (per_slot + 8)
+  assert need["minibatch logits (f32)"] == 256 * 48 * cfg.vocab_size * 4
+  monkeypatch.setattr(plan, "device_memory_bytes", lambda: 1e5)
+  with pytest.raises(ValueError, match=r"prompts_per_step=64 x group_size=4 = 256 sequences"):
+    policy_source.check_fits(config, task)
+
+
+def test_the_final_line_of_a_run_without_steps_names_what_was_not_logged():
+  from trace_jax.run import report
+
+  summary = {
+    "eval_precision": "fp4",
+    "initial_eval_reward": 0.25,
+    "final_eval_reward": 0.25,
+    "mean_k3_kl": None,
+    "guidance_bytes_per_token": None,
+    "rollout_seconds": 0.0,
+    "train_seconds": 0.0,
+    "wall_seconds": 3.0,
+  }
+  line = report.final_line(summary)
+  assert "eval reward 0.25 -> 0.25" in line and "mean k3_kl n/a" in line
+  assert "guidance n/a B/token" in line

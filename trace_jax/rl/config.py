@@ -242,6 +242,16 @@ class RLConfig:
     get_arm(self.arm, runnable=True)
     object.__setattr__(self, "task_options", tuple(tuple(kv) for kv in self.task_options))
     object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
+    if len(self.mesh) != 3 or min(self.mesh) < 1:
+      raise ValueError(
+        f"RLConfig.mesh={self.mesh} must be three device counts (data, expert, model), "
+        "each >= 1, e.g. --mesh=1,1,1"
+      )
+    if not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63:
+      raise ValueError(
+        f"RLConfig.seed={self.seed!r} must be an integer that fits in int64 "
+        f"([-2**63, 2**63 - 1]): every random key derives from it"
+      )
     if not (self.task in registered() or self.task.startswith("rg:")):
       raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
     flags.check_choices(self, "RLConfig")  # correction, reward_control, compute_dtype
@@ -267,8 +277,6 @@ class RLConfig:
         f"RLConfig: batch {batch} (prompts_per_step x group_size) does not split into "
         f"{minibatches} minibatches"
       )
-    if len(self.mesh) != 3 or min(self.mesh) < 1:
-      raise ValueError(f"RLConfig.mesh={self.mesh} must be (data, expert, model) sizes >= 1")
     if batch % data or (batch // minibatches) % data:
       raise ValueError(
         f"RLConfig: batch {batch} and its minibatches must divide over {data} data-parallel devices"

@@ -38,17 +38,23 @@ def max_len_for(
   return rounded(prompt_len) + task.max_turns * per_turn
 
 
-def rollout_configs(config, task: Task, source) -> tuple[RolloutConfig, RolloutConfig]:
-  """(sampling, greedy) RolloutConfigs of an RL run (`RLConfig`, and its `PolicySource`)
-  before the arm's settings (`Arm.rollout`): cache slots for the task's longest episode,
-  the run's FP4 scheme. Every engine of the run (and its export's calibration) shares them."""
-  tokenizer, stop_tokens = source.tokenizer, source.stop_tokens
-  observation_len = source.observation_len
+def episode_len(config, task: Task, tokenizer: Tokenizer, observation_len: int) -> tuple[int, int]:
+  """(cache slots, prompt bucket) of an RL run's episodes: `max_len_for` the task's longest
+  prompt among its first 64 problems."""
   prompt_len = max(len(data.prompt_ids(tokenizer, item)) for item in task.sample(0, 64))
   bucket = config.sampling.prompt_bucket or (8 if task.multi_turn else 16)
   max_len = max_len_for(
     task, prompt_len, config.sampling.max_new_tokens, bucket, observation_len=observation_len
   )
+  return max_len, bucket
+
+
+def rollout_configs(config, task: Task, source) -> tuple[RolloutConfig, RolloutConfig]:
+  """(sampling, greedy) RolloutConfigs of an RL run (`RLConfig`, and its `PolicySource`)
+  before the arm's settings (`Arm.rollout`): cache slots for the task's longest episode,
+  the run's FP4 scheme. Every engine of the run (and its export's calibration) shares them."""
+  tokenizer, stop_tokens = source.tokenizer, source.stop_tokens
+  max_len, bucket = episode_len(config, task, tokenizer, source.observation_len)
   new = config.sampling.max_new_tokens
   base = RolloutConfig(
     max_len=max_len,

@@ -22,10 +22,11 @@ import os
 
 from flax import nnx
 
-from trace_jax import fp4
+from trace_jax import fp4, plan
 from trace_jax.model.config import ModelConfig, get_preset
 from trace_jax.model.hf import config_from_hf, from_hf
 from trace_jax.model.transformer import Transformer
+from trace_jax.rl import episodes
 from trace_jax.tasks.base import Task
 from trace_jax.tasks.chat import CheckpointTokenizer
 from trace_jax.tasks.registry import get_task
@@ -184,9 +185,6 @@ def load(config, task: Task, *, weights: bool = True) -> PolicySource:
     model_cfg = policy.cfg
   else:
     policy = Transformer(model_cfg, rngs=nnx.Rngs(config.seed))
-  observation_len = OBSERVATION_TOKENS
-  if config.source.hf_checkpoint:
-    observation_len += len(tokenizer.observation_ids("", turn_closed=False))
   stop_tokens = tuple(getattr(tokenizer, "stop_ids", (tokenizer.eos_id,)))
   return PolicySource(
     tokenizer=tokenizer,
@@ -194,8 +192,46 @@ def load(config, task: Task, *, weights: bool = True) -> PolicySource:
     policy=policy,
     pretrained=bool(config.source.hf_checkpoint),
     stop_tokens=stop_tokens,
-    observation_len=observation_len,
+    observation_len=observation_len(config, tokenizer),
   )
+
+
+def observation_len(config, tokenizer: Tokenizer) -> int:
+  """Tokens one observation may take between two turns: the raw budget, plus a chat
+  template's scaffolding around it."""
+  if config.source.hf_checkpoint:
+    return OBSERVATION_TOKENS + len(tokenizer.observation_ids("", turn_closed=False))
+  return OBSERVATION_TOKENS
+
+
+def check_fits(config, task: Task) -> None:
+  """A ValueError before any work (no weight read, no workdir touched) if the run's episodes
+  do not fit the model (`max_new_tokens` beyond `max_seq_len`) or its rollout batch cannot
+  fit a device (`plan.batch_lower_bound_bytes` against the device's memory); renders the
+  task's first prompt through the tokenizer on the way (`check`)."""
+  tokenizer, model_cfg = check(config, task)
+  max_len, _ = episodes.episode_len(config, task, tokenizer, observation_len(config, tokenizer))
+  if max_len > model_cfg.max_seq_len:
+    raise ValueError(
+      f"RLConfig.max_new_tokens={config.sampling.max_new_tokens}: an episode of task "
+      f"{config.task!r} then needs {max_len} positions (prompt + {task.max_turns} turn(s)), "
+      f"but the model holds max_seq_len={model_cfg.max_seq_len}; lower max_new_tokens"
+    )
+  data = config.mesh[0]
+  minibatch = config.batch // config.schedule.minibatches
+  need = plan.batch_lower_bound_bytes(
+    model_cfg, config.batch, max_len, data=data, minibatch=minibatch
+  )
+  memory = plan.device_memory_bytes()
+  if memory is not None and sum(need.values()) > memory:
+    parts = ", ".join(f"{name} {value / 1e9:.1f} GB" for name, value in need.items())
+    raise ValueError(
+      f"RLConfig.prompts_per_step={config.sampling.prompts_per_step} x group_size="
+      f"{config.sampling.group_size} = {config.batch} sequences of {max_len} slots need at "
+      f"least {sum(need.values()) / 1e9:.1f} GB per device ({parts}; {data} data-parallel "
+      f"device(s)), more than a device's {memory / 1e9:.1f} GB; lower prompts_per_step or "
+      "group_size, or add data-parallel devices (--mesh)"
+    )
 
 
 def skipped_warm_start(task: Task) -> dict:

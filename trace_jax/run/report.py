@@ -22,6 +22,23 @@ def eval_curve(metrics: list[dict], precision: str):
   return [r[0] for r in rows], [r[1] for r in rows]
 
 
+def final_line(summary: dict) -> str:
+  """The summary's headline figures; a figure the run never logged (no RL step, no
+  evaluation) reads "n/a"."""
+
+  def show(key, spec=""):
+    value = summary.get(key)
+    return "n/a" if value is None else format(value, spec)
+
+  return (
+    f"greedy {summary['eval_precision']} eval reward {show('initial_eval_reward')} -> "
+    f"{show('final_eval_reward')}, mean k3_kl {show('mean_k3_kl', '.3e')}, guidance "
+    f"{show('guidance_bytes_per_token', '.0f')} B/token, rollout "
+    f"{show('rollout_seconds', '.0f')} s, train {show('train_seconds', '.0f')} s, "
+    f"wall {show('wall_seconds', '.0f')} s"
+  )
+
+
 def summarize(
   config: RLConfig, metrics: list[dict], wall_seconds: float, warmstart: dict | None = None
 ) -> dict:

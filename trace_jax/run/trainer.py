@@ -44,6 +44,7 @@ class Trainer:
   def __init__(self, config: RLConfig, workdir: str, *, progress: bool = True):
     self.config, self.progress = config, progress
     self.task = policy_source.preflight(config)  # the task and the checkpoint's files
+    policy_source.check_fits(config, self.task)  # the first prompt renders, the batch fits
     self.rundir = RunDir(workdir, config)  # locks it: a busy workdir is refused before any write
     try:
       self._start(config, progress)
