@@ -387,7 +387,7 @@ def export_compressed_tensors(
       summary["copied"].append(name)
     if summary_extra is not None:
       summary.update(summary_extra)
-      write_json(os.path.join(staging, "export_summary.json"), summary)
+      write_json(os.path.join(staging, SUMMARY_FILE), summary)
   return summary
 
 
