@@ -13,10 +13,12 @@ scales calibrated on the run's own rollouts; MXFP4: dynamic); --activations=none
 weight-only (W4A16), the only export of a W4A8 run. Per quantized linear `weight_packed` /
 `weight_scale` / `weight_global_scale` (the rollout's bytes exactly), the rest in bf16,
 config.json with quantization_config, and (with --hf_checkpoint, or the run's own) the
-source's config, tokenizer and generation files. The run's workdir is only read; --out is
-written whole or not at all (an earlier export there is replaced whole). Prints the tensor
-listing and, for NVFP4 W4A4, how far the calibrated static activation scales are from the
-per-token ones the policy trained with.
+source's config, tokenizer and generation files (each must be a file inside the source
+folder: a link that leads elsewhere is refused). The run's workdir is only read; --out is
+written whole or not at all: it must be new, empty, or an earlier export of this script
+(with its export_summary.json), which is replaced whole; any other folder, or a symbolic
+link, is refused before any work. Prints the tensor listing and, for NVFP4 W4A4, how far
+the calibrated static activation scales are from the per-token ones the policy trained with.
 """
 
 import sys
@@ -42,7 +44,9 @@ _ACTS = flags.DEFINE_enum(
   "none: weight-only W4A16; nvfp4 / mxfp4: W4A4 (default: the run's).",
 )
 _CALIB = flags.DEFINE_integer(
-  "calibration_prompts", 64, "Rollouts that calibrate (and, as many again, measure) W4A4 scales."
+  "calibration_prompts",
+  64,
+  "Rollouts (>= 1) that calibrate (and, as many again, measure) W4A4 scales.",
 )
 _LIST = flags.DEFINE_bool("list", True, "Print the tensor listing.")
 flags.mark_flags_as_required(["workdir", "out"])

@@ -135,3 +135,54 @@ def test_atomic_directory_replaces_a_folder_whole(tmp_path, monkeypatch):
       io.write_atomic(os.path.join(staging, "a.bin"), b"never")
       raise RuntimeError("half way")
   assert _files(out) == {"a.bin": b"new"} and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_resolve_inside_follows_links_that_stay_in_the_folder_only(tmp_path):
+  ckpt = tmp_path / "ckpt"
+  (ckpt / "sub").mkdir(parents=True)
+  (ckpt / "sub" / "tok.json").write_text("{}")
+  (ckpt / "tokenizer.json").symlink_to(os.path.join("sub", "tok.json"))
+  (tmp_path / "secret").write_text("key")
+  (ckpt / "vocab.json").symlink_to(tmp_path / "secret")
+  (ckpt / "merges.txt").symlink_to(os.path.join("..", "secret"))
+  via_link = tmp_path / "ckpt_link"
+  via_link.symlink_to(ckpt)  # the folder itself may be a link: its real path counts
+  assert io.resolve_inside(str(via_link), "tokenizer.json") == str(ckpt / "sub" / "tok.json")
+  assert io.resolve_inside(str(ckpt), "absent.json") == str(ckpt / "absent.json")
+  for name in ("vocab.json", "merges.txt", os.path.join("..", "secret"), str(tmp_path / "secret")):
+    with pytest.raises(ValueError, match=f"leads to {tmp_path / 'secret'}, outside the checkpoint"):
+      io.resolve_inside(str(ckpt), name)
+  with pytest.raises(ValueError, match="outside"):
+    io.resolve_inside(str(ckpt), ".")  # the folder itself is no file of it
+  # The hub cache's layout: snapshots/<rev>/ files link to the repo's blobs/, and only there.
+  repo = tmp_path / "models--org--m"
+  (repo / "snapshots" / "rev").mkdir(parents=True)
+  (repo / "blobs").mkdir()
+  (repo / "blobs" / "ab12").write_text("{}")
+  (repo / "snapshots" / "rev" / "config.json").symlink_to(os.path.join("..", "..", "blobs", "ab12"))
+  (repo / "other").write_text("{}")
+  (repo / "snapshots" / "rev" / "vocab.json").symlink_to(os.path.join("..", "..", "other"))
+  assert io.resolve_inside(str(repo / "snapshots" / "rev"), "config.json") == str(
+    repo / "blobs" / "ab12"
+  )
+  with pytest.raises(ValueError, match="outside"):
+    io.resolve_inside(str(repo / "snapshots" / "rev"), "vocab.json")
+
+
+def test_atomic_directory_refuses_a_symlink_and_write_atomic_follows_the_umask(tmp_path):
+  real = tmp_path / "real"
+  real.mkdir()
+  (real / "kept.bin").write_bytes(b"kept")
+  (tmp_path / "link").symlink_to(real)
+  with pytest.raises(ValueError, match="link is a symbolic link"):
+    with io.atomic_directory(str(tmp_path / "link")):
+      raise AssertionError("entered")
+  assert os.path.islink(tmp_path / "link") and _files(real) == {"kept.bin": b"kept"}
+  assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+  previous = os.umask(0o026)
+  try:
+    io.write_atomic(str(tmp_path / "a.json"), "{}")
+  finally:
+    os.umask(previous)
+  assert os.stat(tmp_path / "a.json").st_mode & 0o777 == 0o640
+  assert sorted(os.listdir(tmp_path)) == ["a.json", "link", "real"]  # no temporary file left

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 from typing import Any, Mapping
 
@@ -48,7 +49,7 @@ from trace_jax.model import parameters
 from trace_jax.model.quant import QuantConfig
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.params import quantize_params
-from trace_jax.utils.io import atomic_directory, write_atomic, write_json
+from trace_jax.utils.io import atomic_directory, resolve_inside, write_atomic, write_json
 
 FORMATS = ("nvfp4", "mxfp4")
 ACTIVATIONS = ("none", "nvfp4", "mxfp4")
@@ -64,6 +65,13 @@ COPIED_FILES = (
   "merges.txt",
   "tokenizer.model",
 )
+# The file that marks a folder as this tool's export (`export_compressed_tensors` with
+# summary_extra, as experiments/export.py writes), and the fields every such summary holds.
+SUMMARY_FILE = "export_summary.json"
+_SUMMARY_KEYS = ("out_dir", "files", "copied", "tensors", "bytes", "quantization_config")
+# Every name an export writes in its folder.
+_EXPORT_NAMES = ("config.json", "model.safetensors.index.json", SUMMARY_FILE, *COPIED_FILES)
+_SHARD_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 _SAFETENSORS_DTYPES = {
   np.dtype(np.float32): "F32",
   np.dtype(ml_dtypes.bfloat16): "BF16",
@@ -304,12 +312,16 @@ def export_compressed_tensors(
   """Write `policy` as a compressed-tensors FP4 checkpoint directory.
 
   The folder is written whole or not at all (`utils.io.atomic_directory`): built beside
-  `out_dir`, fsynced, then renamed into place. An earlier export there is replaced whole,
-  so no shard or index file of it survives; a folder that holds anything else is refused.
+  `out_dir`, fsynced, then renamed into place. An earlier export there (one that carries
+  its export_summary.json) is replaced whole, so no shard or index file of it survives;
+  a folder that holds anything else, or a symbolic link, is refused (`check_out_dir`).
+  Every file read from `source` must resolve inside it (`utils.io.resolve_inside`): a link
+  to a file elsewhere is refused, never copied into the export.
 
   Args:
     policy: the trained Transformer.
-    out_dir: output directory: new, empty, or an earlier export (replaced whole).
+    out_dir: output directory: new, empty, or an earlier export with its summary file
+      (replaced whole).
     source: the HF checkpoint directory the policy came from: its config.json is the base
       of ours, and its tokenizer / generation / chat-template files are copied. Without it,
       config.json is made from the ModelConfig (`names.hf_config`).
@@ -332,15 +344,15 @@ def export_compressed_tensors(
     unquantized_dtype=unquantized_dtype,
     max_shard_bytes=max_shard_bytes,
   )
-  if source is not None and not os.path.exists(os.path.join(source, "config.json")):
-    raise ValueError(f"source={source!r} has no config.json")
+  check_out_dir(out_dir, source)
+  copied = {}  # name -> the resolved file it is copied from
   if source is not None:
-    with open(os.path.join(source, "config.json")) as f:
+    copied = source_files(source)
+    with open(copied.pop("config.json")) as f:
       hf = json.load(f)
     hf.pop("quantization_config", None)
   else:
     hf = names_lib.hf_config(policy.cfg)
-  _check_out_dir(out_dir, source)
   tensors, ignore = hf_tensors(policy, config, quant=quant, input_scales=input_scales)
   hf["quantization_config"] = quantization_config(config, ignore)
   shards = _shards(tensors, config.max_shard_bytes)
@@ -370,39 +382,106 @@ def export_compressed_tensors(
         {"metadata": {"total_size": summary["bytes"]}, "weight_map": weight_map},
       )
     write_json(os.path.join(staging, "config.json"), hf)
-    if source is not None:
-      for name in COPIED_FILES:
-        if os.path.exists(os.path.join(source, name)):
-          shutil.copyfile(os.path.join(source, name), os.path.join(staging, name))
-          summary["copied"].append(name)
+    for name, path in copied.items():
+      shutil.copyfile(path, os.path.join(staging, name))
+      summary["copied"].append(name)
     if summary_extra is not None:
       summary.update(summary_extra)
-      write_json(os.path.join(staging, "export_summary.json"), summary)
+      write_json(os.path.join(staging, SUMMARY_FILE), summary)
   return summary
 
 
-def _is_export(folder: str) -> bool:
-  """Whether `folder` holds a compressed-tensors checkpoint (config.json with a
-  quantization_config): an earlier export, safe to replace."""
+def _source_file(source: str, name: str) -> str | None:
+  """The resolved path of the source's file `name`, None where it has none.
+
+  Raises:
+    ValueError: the file leads outside the source folder (`resolve_inside`), or is not a
+      regular file (a dangling link, a folder, a device).
+  """
+  if not os.path.lexists(os.path.join(source, name)):
+    return None
+  path = resolve_inside(source, name)
+  if not os.path.isfile(path):
+    raise ValueError(
+      f"{os.path.join(source, name)} is not a regular file (it resolves to {path}); the "
+      "export copies it from the source: replace it with the file itself or remove it"
+    )
+  return path
+
+
+def source_files(source: str) -> dict[str, str]:
+  """The files an export reads from `source`, by name, each resolved (`resolve_inside`):
+  config.json, then those of COPIED_FILES it has.
+
+  Raises:
+    ValueError: no config.json, or a file that leads outside `source` or is not a regular
+      file (naming it).
+  """
+  files = {n: p for n in ("config.json", *COPIED_FILES) if (p := _source_file(source, n))}
+  if "config.json" not in files:
+    raise ValueError(f"source={source!r} has no config.json")
+  return files
+
+
+def _foreign_entries(folder: str) -> list[str] | None:
+  """None when `folder` holds no export of this tool (no readable summary file with the
+  fields it writes); else the entries in it that no export writes (empty for an export
+  left as it was written)."""
   try:
-    with open(os.path.join(folder, "config.json")) as f:
-      return "quantization_config" in json.load(f)
+    with open(os.path.join(folder, SUMMARY_FILE)) as f:
+      summary = json.load(f)
   except (OSError, ValueError):
-    return False
+    return None
+  if not isinstance(summary, dict) or not all(k in summary for k in _SUMMARY_KEYS):
+    return None
+  return sorted(
+    entry
+    for entry in os.listdir(folder)
+    if not (
+      os.path.isfile(os.path.join(folder, entry))
+      and (entry in _EXPORT_NAMES or _SHARD_NAME.fullmatch(entry))
+    )
+  )
 
 
-def _check_out_dir(out_dir: str, source: str | None) -> None:
-  """The output folder is replaced whole: refuse one that holds anything but an earlier
-  export, or holds the source checkpoint."""
-  out = os.path.realpath(out_dir)
+def check_out_dir(out_dir: str, source: str | None = None) -> None:
+  """Refuse an output folder that the export may not replace whole; nothing is written.
+
+  Allowed: a folder that does not exist yet, an empty one, or an earlier export of this
+  tool holding only the files an export writes (it carries `export_summary.json`). A
+  folder holding anything else (a downloaded checkpoint, quantized or not, notes added
+  to an export) is refused, as are a symbolic link (the export is renamed into place,
+  which would replace the link), a file, and a folder that holds the source checkpoint.
+
+  Raises:
+    ValueError: naming `out_dir` and what in it is refused.
+  """
+  path = os.path.abspath(out_dir)
+  if os.path.islink(path):
+    raise ValueError(
+      f"out_dir={out_dir!r} is a symbolic link (to {os.readlink(path)}); the export is "
+      f"renamed into place, which would replace the link: give the folder itself, "
+      f"{os.path.realpath(path)}"
+    )
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise ValueError(f"out_dir={out_dir!r} exists and is not a folder; use a new or empty one")
+  out = os.path.realpath(path)
   if source is not None:
     src = os.path.realpath(source)
     if src == out or src.startswith(out + os.sep):
       raise ValueError(f"out_dir={out_dir!r} holds the source checkpoint {source!r}")
-  if os.path.isdir(out) and os.listdir(out) and not _is_export(out):
+  if not os.path.isdir(out) or not os.listdir(out):
+    return
+  foreign = _foreign_entries(out)
+  if foreign is None:
     raise ValueError(
-      f"out_dir={out_dir!r} exists and holds files but no earlier export (config.json with "
-      "a quantization_config); the export replaces its folder whole: use a new or empty one"
+      f"out_dir={out_dir!r} exists and holds files but no earlier export of this tool (no "
+      f"{SUMMARY_FILE} in it); the export replaces its folder whole: use a new or empty one"
+    )
+  if foreign:
+    raise ValueError(
+      f"out_dir={out_dir!r} is an earlier export but also holds {foreign}, which no export "
+      "writes; the export replaces its folder whole: move them out, or use a new folder"
     )
 
 

@@ -23,7 +23,12 @@ import numpy as np
 from flax import nnx
 
 from trace_jax.export import calibration
-from trace_jax.export.compressed_tensors import export_compressed_tensors, tensor_listing
+from trace_jax.export.compressed_tensors import (
+  check_out_dir,
+  export_compressed_tensors,
+  source_files,
+  tensor_listing,
+)
 from trace_jax.model.quant import QuantConfig
 from trace_jax.model.sharding import make_mesh, param_shardings
 from trace_jax.rl import data, episodes
@@ -150,13 +155,15 @@ def _mesh(config: RLConfig):
 
 
 def _check_out_dir(out_dir: str, workdir: str) -> None:
-  """The export folder is replaced whole: it must not hold the run."""
+  """The export folder is replaced whole: it must not hold the run, nor anything but an
+  earlier export (`compressed_tensors.check_out_dir`)."""
   out, run = os.path.realpath(out_dir), os.path.realpath(workdir)
   if run == out or run.startswith(out + os.sep):
     raise ValueError(
       f"out={out_dir!r} holds the run's workdir {workdir!r}; the export replaces its folder "
       f"whole: use a folder of its own, e.g. {os.path.join(workdir, 'export')}"
     )
+  check_out_dir(out_dir)
 
 
 def export_run(
@@ -177,7 +184,22 @@ def export_run(
   the run's task, and their distance from per-token quantization is measured on as many
   held-out ones. `out_dir` is written whole or not at all (an earlier export there is
   replaced, none of its files left); nothing in `workdir` is written.
+
+  Raises:
+    ValueError: before the policy is loaded or calibrated, for an `out_dir` that may not
+      be replaced (`compressed_tensors.check_out_dir`, or one holding the run) or a
+      `calibration_prompts` below 1; and for any setting `export_settings` refuses.
   """
+  if isinstance(calibration_prompts, bool) or not isinstance(calibration_prompts, int):
+    raise ValueError(
+      f"calibration_prompts={calibration_prompts!r} is not a whole number; use one >= 1"
+    )
+  if calibration_prompts < 1:
+    raise ValueError(
+      f"calibration_prompts={calibration_prompts} is not allowed: use a whole number >= 1 "
+      "(the rollouts that calibrate the NVFP4 W4A4 input scales, and as many again that "
+      "measure them)"
+    )
   _check_out_dir(out_dir, workdir)
   busy = lock.current_holder(workdir)
   run = SavedRun(workdir)
@@ -192,6 +214,10 @@ def export_run(
   fmt, activations, sites = export_settings(
     run.config, fmt=fmt, activations=activations, fp4_sites=fp4_sites
   )
+  source = hf_checkpoint or run.config.source.hf_checkpoint or None
+  check_out_dir(out_dir, source)  # the source is known now: checked before calibrating
+  if source is not None:
+    source_files(source)  # every file it gives resolves inside it
   quant = QuantConfig(fmt=fmt, sites=sites, activations=run.config.fp4.activations)
   dtype = jnp.dtype(run.config.compute_dtype)
   scales, distance = None, None
@@ -218,7 +244,7 @@ def export_run(
   return export_compressed_tensors(
     run.policy,
     out_dir,
-    source=hf_checkpoint or run.config.source.hf_checkpoint or None,
+    source=source,
     fmt=fmt,
     activations=activations,
     quant=quant,

@@ -5,7 +5,10 @@ file, fsynced and renamed into place, so a reader sees the old file or the new o
 is an update of the directory, which the kernel may still hold in memory when the power
 goes: every rename that publishes a file or folder is followed by an fsync of its directory
 (`fsync_directory`), or the new file can vanish (or the old one return) after a power loss.
-Folders are published the same way (`atomic_directory`). An append-only log (metrics.jsonl)
+Folders are published the same way (`atomic_directory`); a staging folder that a killed
+writer left behind carries its pid, and the next writer to the same folder removes it. Files
+written whole get the mode a plain `open` would give them (0666 less the umask). An
+append-only log (metrics.jsonl)
 cannot be renamed on every line; instead each line is fsynced, and the reader drops a torn
 last line (an append that never finished) and says so, while a damaged line anywhere else is
 an error naming the file and the line.
@@ -15,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import math
 import os
+import re
 import shutil
-import tempfile
+import socket
 import uuid
 from typing import Any, Iterator
 
@@ -91,7 +96,13 @@ def write_atomic(path: str, data: bytes | str) -> None:
   tmp = None
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    # Created with 0666 (the kernel applies the umask), as `open` would; mkstemp's 0600
+    # would make written files private while copied ones are not.
+    candidate = os.path.join(
+      os.path.dirname(path), f".{os.path.basename(path)[:200]}.{uuid.uuid4().hex[:12]}.tmp"
+    )
+    fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    tmp = candidate
     with os.fdopen(fd, "wb") as f:
       f.write(data.encode() if isinstance(data, str) else data)
       f.flush()
@@ -120,6 +131,44 @@ def _fsync_tree(root: str) -> None:
     fsync_directory(folder)
 
 
+def _host_tag() -> str:
+  """8 hex digits naming this host, so that a writer on another host sharing the folder
+  (its pids are not ours to check) never has its staging folder removed from here."""
+  return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # alive, another user's
+  return True
+
+
+def _remove_stale(parent: str, name: str) -> None:
+  """Remove what writers of `<parent>/<name>` that died on this host left beside it: their
+  staging folders (`.<name>.tmp-<pid>-...`), and their set-aside old folders
+  (`.<name>.old-<pid>-...`) once `name` itself is in place. A live writer's folders (its pid
+  runs), and those of other hosts, are left alone."""
+  pattern = re.compile(rf"\.{re.escape(name)}\.(tmp|old)-(\d+)-({_host_tag()})-[0-9a-f]{{12}}")
+  published = os.path.isdir(os.path.join(parent, name))
+  for entry in sorted(os.listdir(parent)):
+    match = pattern.fullmatch(entry)
+    if match is None or _pid_alive(int(match[2])):
+      continue
+    if match[1] == "old" and not published:
+      continue  # a crash between the two renames: the old folder is the one there is
+    log.warning(
+      "removing %s, left by a writer of %s that ended before it finished (pid %s)",
+      os.path.join(parent, entry),
+      name,
+      match[2],
+    )
+    shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str) -> Iterator[str]:
   """Yield a new empty folder beside `path` to fill; when the block ends without an error,
@@ -129,21 +178,35 @@ def atomic_directory(path: str) -> Iterator[str]:
 
   A folder cannot be renamed over a non-empty one, so an old `path` is first renamed aside
   (`.<name>.old-*`), then the new one into place, then the old one deleted: a crash between
-  the two renames leaves no `path` but both whole folders beside it, never a mixture.
+  the two renames leaves no `path` but both whole folders beside it, never a mixture. Both
+  names carry the writer's pid and host; folders of a writer on this host that no longer
+  runs (killed mid-write) are removed when the next one starts.
+
+  Raises:
+    ValueError: `path` is a symbolic link (the renames would replace the link, not the
+      folder it names) or exists and is not a folder; before anything is written.
   """
   path = os.path.abspath(path)
   parent, name = os.path.split(path)
+  if os.path.islink(path):
+    raise ValueError(
+      f"{path} is a symbolic link (to {os.readlink(path)}); a folder replaced whole is "
+      f"renamed into place, which would replace the link: give the folder itself, "
+      f"{os.path.realpath(path)}"
+    )
   if os.path.exists(path) and not os.path.isdir(path):
     raise ValueError(f"{path} exists and is not a folder")
   os.makedirs(parent, exist_ok=True)
-  staging = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+  _remove_stale(parent, name)
+  tag = f"{os.getpid()}-{_host_tag()}"
+  staging = os.path.join(parent, f".{name}.tmp-{tag}-{uuid.uuid4().hex[:12]}")
   os.mkdir(staging)  # (mkdtemp's mode is 0700; this one follows the umask like makedirs)
   try:
     yield staging
     _fsync_tree(staging)
     old = None
     if os.path.exists(path):
-      old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
+      old = os.path.join(parent, f".{name}.old-{tag}-{uuid.uuid4().hex[:12]}")
       os.rename(path, old)
     os.rename(staging, path)
     fsync_directory(parent)
@@ -152,6 +215,36 @@ def atomic_directory(path: str) -> Iterator[str]:
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
+
+
+def resolve_inside(directory: str, name: str) -> str:
+  """The real path of the file `name` of `directory`, refusing one that leads outside it.
+
+  A checkpoint folder's files may be symbolic links. Following one that points elsewhere
+  (a key file, /etc/passwd) would read a file that is no part of the checkpoint, and an
+  export would publish it. Links that stay inside the folder (its real path) are followed,
+  and so are those of the Hugging Face hub cache's own layout: the files of
+  `<repo>/snapshots/<revision>/` link to `<repo>/blobs/`.
+
+  Returns:
+    The resolved path (which need not exist; the caller checks).
+
+  Raises:
+    ValueError: naming the file, where it leads, and the folder it must stay in.
+  """
+  root = os.path.realpath(directory)
+  real = os.path.realpath(os.path.join(root, name))
+  allowed = [root]
+  snapshots = os.path.dirname(root)
+  if os.path.basename(snapshots) == "snapshots":
+    allowed.append(os.path.join(os.path.dirname(snapshots), "blobs"))
+  for folder in allowed:
+    if real != folder and os.path.commonpath([real, folder]) == folder:
+      return real
+  raise ValueError(
+    f"{os.path.join(directory, name)} leads to {real}, outside the checkpoint folder "
+    f"{root}; refusing to read it: put the file itself in the folder"
+  )
 
 
 def append_jsonl(path: str, record: dict) -> None:
