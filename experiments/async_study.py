@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 
+import matplotlib
 from absl import app, flags
 
 from trace_jax.rl.arms import ARMS
@@ -109,6 +110,7 @@ def _compare_arms(name: str, k: int, seeds, arms, work_root, results_root) -> No
 
 
 def main(argv):
+  matplotlib.use("Agg")  # files, not windows: the script chooses the backend
   del argv
   seeds, ks, arms = _parse()
   task = RLConfig().task

@@ -35,6 +35,7 @@ import os
 import shutil
 import time
 
+import matplotlib
 from absl import app, flags, logging
 
 from trace_jax.model.transformer import Transformer  # noqa: F401  (the policy class)
@@ -138,6 +139,7 @@ def _rl_config(task: str, seed: int, arm: str, overrides: dict) -> RLConfig:
 
 
 def main(argv):
+  matplotlib.use("Agg")  # files, not windows: the script chooses the backend
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
   try:

@@ -18,6 +18,7 @@ each seed) and reward_curves.png, final_reward.png, k3.png of the two.
 
 import os
 
+import matplotlib
 from absl import app, flags
 
 from trace_jax.rl.config import RLConfig
@@ -71,6 +72,7 @@ def _recipe(cell) -> dict:
 
 
 def main(argv):
+  matplotlib.use("Agg")  # files, not windows: the script chooses the backend
   del argv
   base = compare.load_results(os.path.abspath(_BASE.value))
   variant = compare.load_results(os.path.abspath(_VARIANT.value))

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 
+import matplotlib
 from absl import app, flags, logging
 
 from trace_jax.rl.config import RLConfig
@@ -37,6 +38,7 @@ _RESULTS = flags.DEFINE_string(
 
 
 def main(argv):
+  matplotlib.use("Agg")  # files, not windows: the script chooses the backend
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
   try:

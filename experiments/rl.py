@@ -28,6 +28,7 @@ import os
 import sys
 import time
 
+import matplotlib
 from absl import app, flags, logging
 
 from trace_jax.rl.config import RLConfig
@@ -52,6 +53,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process
 
 
 def main(argv):
+  matplotlib.use("Agg")  # files, not windows: the script chooses the backend
   with _run_errors():
     _main(argv)
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 import numpy as np  # noqa: E402
 
 from trace_jax.rl.config import RLConfig  # noqa: E402

@@ -24,10 +24,7 @@ import math
 import os
 from typing import Callable, Iterable, Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 

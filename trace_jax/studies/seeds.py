@@ -18,10 +18,7 @@ import dataclasses
 import math
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 from trace_jax.studies import compare  # noqa: E402
 from trace_jax.utils import markdown_table, write_json  # noqa: E402

@@ -1,4 +1,4 @@
-"""The sparse-guidance part of the mismatch study (issue 16): calibrating `delta` from the
+"""The sparse-guidance part of the mismatch study: calibrating `delta` from the
 measured rollout/training value differences, and bytes at published geometries.
 
 1. Calibration. For every guided site, |t_train - t_rollout|: the distance between the two

@@ -28,10 +28,7 @@ import math
 import os
 from typing import Mapping, Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 import numpy as np  # noqa: E402
 
 from trace_jax.rl.config import RLConfig  # noqa: E402

@@ -1,0 +1,32 @@
+"""Library modules say what the code does and leave the caller's choices alone: none names
+the work item that asked for it, and none picks matplotlib's backend (a notebook user's
+inline backend would be switched off at import); scripts choose one."""
+
+import pathlib
+import re
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "trace_jax"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+ISSUE = re.compile(r"\bissues? \d+|\bissue \d+'s|\(issue\b", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_library_module_names_no_issue_and_sets_no_backend(path):
+  text = path.read_text()
+  assert not ISSUE.findall(text), f"{path} names an issue: {ISSUE.findall(text)}"
+  assert "matplotlib.use(" not in text, f"{path} sets matplotlib's backend"
+
+
+def test_importing_the_report_keeps_the_backend(tmp_path):
+  import subprocess
+  import sys
+
+  code = (
+    "import matplotlib; matplotlib.use('svg'); import trace_jax.run.report, "
+    "trace_jax.studies.compare, trace_jax.studies.seeds, trace_jax.studies.staleness; "
+    "print(matplotlib.get_backend())"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "svg"
