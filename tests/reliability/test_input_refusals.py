@@ -20,7 +20,7 @@ from trace_jax.model.config import tiny
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.grpo import LossConfig
-from trace_jax.run.policy_source import preflight
+from trace_jax.run.policy_source import check, preflight
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
@@ -211,3 +211,68 @@ def test_non_finite_or_negative_rates_are_refused(field, value):
 def test_loss_knobs_out_of_range_are_refused(field, value, match):
   with pytest.raises(ValueError, match=match):
     LossConfig(**{field: value})
+
+
+def _write_header(path, header, data_bytes):
+  """A safetensors file whose header is `header` as given (hostile or not)."""
+  blob = json.dumps(header).encode()
+  path.write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(data_bytes))
+
+
+_F32_4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+
+
+@pytest.mark.parametrize(
+  "entry, match",
+  [
+    ({**_F32_4, "data_offsets": "0,16"}, r"data_offsets '0,16'; data_offsets is a list of two"),
+    ({**_F32_4, "data_offsets": [0]}, r"data_offsets \[0\]; data_offsets is a list of two"),
+    ({**_F32_4, "data_offsets": [0, 16.0]}, r"data_offsets \[0, 16.0\]; data_offsets is a list"),
+    ({**_F32_4, "data_offsets": {"a": 0, "b": 16}}, r"data_offsets \{'a': 0, 'b': 16\}"),
+    ({**_F32_4, "data_offsets": [0, 8, 16]}, r"data_offsets \[0, 8, 16\]"),
+    ({**_F32_4, "dtype": ["F32"]}, r"unsupported dtype \['F32'\]; supported: \["),
+    ({**_F32_4, "shape": "4"}, r"shape '4'; a shape is a list of integers >= 0"),
+    ({**_F32_4, "shape": [-1, -4]}, r"shape \[-1, -4\]; a shape is a list of integers >= 0"),
+    ({**_F32_4, "shape": [True, 4]}, r"shape \[True, 4\]; a shape is a list of integers >= 0"),
+    ([0, 16], r"a malformed header entry \[0, 16\]"),
+  ],
+)
+def test_a_hostile_safetensors_header_names_the_file_and_tensor(tmp_path, entry, match):
+  path = tmp_path / "model.safetensors"
+  _write_header(path, {"w": entry, "ok": {**_F32_4, "data_offsets": [16, 32]}}, 32)
+  with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: tensor 'w' has " + match):
+    hf.read_safetensors(str(path))
+
+
+@pytest.mark.parametrize(
+  "index, match",
+  [
+    ({"metadata": {}}, r"weight_map is None; it must be an object"),
+    ({"weight_map": ["a.safetensors"]}, r"weight_map is \['a.safetensors'\]; it must be an object"),
+    ({"weight_map": {"w": 7}}, r"weight_map\['w'\] is 7; it must be a shard file name"),
+    ({"weight_map": {"w": "gone.safetensors"}}, r"weight_map names 'gone.safetensors', which is"),
+  ],
+)
+def test_a_damaged_index_is_named(tmp_path, index, match):
+  path = _hf_copy(tmp_path)
+  (path / "model.safetensors.index.json").write_text(json.dumps(index))
+  index_path = path / "model.safetensors.index.json"
+  with pytest.raises(ValueError, match=rf"^{re.escape(str(index_path))}: " + match):
+    hf.from_hf(str(path))
+
+
+@pytest.mark.parametrize("config", [[1, 2], 7, "qwen3_moe", None])
+def test_a_config_that_is_not_an_object_is_named(tmp_path, config):
+  path = _hf_copy(tmp_path)
+  (path / "config.json").write_text(json.dumps(config))
+  message = rf"^{re.escape(str(path / 'config.json'))} is not a JSON object"
+  with pytest.raises(ValueError, match=message):
+    hf.from_hf(str(path))
+  with pytest.raises(ValueError, match=message):  # the run's checks, before any weight
+    check(RLConfig.from_flat(hf_checkpoint=str(path)), None)
+
+
+def test_a_config_field_of_the_wrong_type_is_named(tmp_path):
+  path = _hf_copy(tmp_path, lambda c: c.update(rope_parameters=["default"]))
+  with pytest.raises(ValueError, match=rf"^{re.escape(str(path / 'config.json'))}: "):
+    hf.from_hf(str(path))

@@ -13,7 +13,9 @@ Each family's tensor names and config.json fields live in its module of `model.a
 from __future__ import annotations
 
 import json
+import math
 import os
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -42,7 +44,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-  """Tensors of one .safetensors file as read-only NumPy views of a memory map.
+  """Tensors of one .safetensors file as read-only NumPy views of a memory map (the
+  header is read; no tensor's data is, until it is used).
 
   Raises:
     ValueError: naming the file (and the tensor) when it is not a whole safetensors file.
@@ -82,35 +85,81 @@ def _safetensors_header(path: str, raw) -> tuple[dict, int]:
   return header, 8 + header_len
 
 
+def _is_index_list(value) -> bool:
+  """A JSON list of integers >= 0 (a shape, or data offsets); JSON's true/false are not."""
+  return isinstance(value, list) and all(
+    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+  )
+
+
 def _check_tensor_entry(path: str, name: str, info, data_bytes: int) -> None:
   """A header entry that the file can actually back (dtype, shape, offsets in range)."""
+  where = f"{path}: tensor {name!r}"
   if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-    raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r}")
-  if info["dtype"] not in _DTYPES:
-    raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-  start, end = info["data_offsets"]
-  expected = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_DTYPES[info["dtype"]]).itemsize
+    raise ValueError(
+      f"{where} has a malformed header entry {repr(info)[:200]} (an entry holds "
+      "'dtype', 'shape' and 'data_offsets')"
+    )
+  dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+  if not isinstance(dtype, str) or dtype not in _DTYPES:
+    raise ValueError(f"{where} has unsupported dtype {dtype}; supported: {sorted(_DTYPES)}")
+  if not _is_index_list(shape):
+    raise ValueError(f"{where} has shape {repr(shape)[:200]}; a shape is a list of integers >= 0")
+  if not _is_index_list(offsets) or len(offsets) != 2:
+    raise ValueError(
+      f"{where} has data_offsets {repr(offsets)[:200]}; data_offsets is a list of two "
+      "integers [start, end] >= 0"
+    )
+  start, end = offsets
+  expected = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize
   if not 0 <= start <= end <= data_bytes or end - start != expected:
     raise ValueError(
-      f"{path}: tensor {name!r} ({info['dtype']} {info['shape']}, {expected} bytes) "
+      f"{where} ({dtype} {shape}, {expected} bytes) "
       f"has data offsets [{start}, {end}) but the file holds {data_bytes} data "
       f"bytes (truncated or damaged file)"
     )
 
 
-def _read_checkpoint(path: str) -> dict[str, np.ndarray]:
+def _index_files(index_path: str) -> list[str]:
+  """The shard file names a model.safetensors.index.json names, or a ValueError naming it."""
+  weight_map = read_json_object(index_path).get("weight_map")
+  if not isinstance(weight_map, dict):
+    raise ValueError(
+      f"{index_path}: weight_map is {repr(weight_map)[:80]}; it must be an object "
+      "of tensor name -> shard file name"
+    )
+  for tensor, file in weight_map.items():
+    if not isinstance(file, str) or not file:
+      raise ValueError(
+        f"{index_path}: weight_map[{tensor!r}] is {repr(file)[:80]}; it must be a shard file name"
+      )
+  return sorted(set(weight_map.values()))
+
+
+def _read_checkpoint_files(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """(every tensor of a checkpoint directory by name, the file each came from)."""
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.exists(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
+    files = _index_files(index)
   else:
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
   if not files:
     raise ValueError(f"{path} holds no *.safetensors files")
-  tensors = {}
+  tensors, origin = {}, {}
   for name in files:
-    tensors.update(read_safetensors(os.path.join(path, name)))
-  return tensors
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+      raise ValueError(f"{index}: weight_map names {name!r}, which is not a file in {path}")
+    for tensor, array in read_safetensors(file).items():
+      if tensor in origin:
+        raise ValueError(f"tensor {tensor!r} is in both {origin[tensor]} and {file}")
+      tensors[tensor], origin[tensor] = array, file
+  return tensors, origin
+
+
+def _read_checkpoint(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of a checkpoint directory (one file, or shards through the index)."""
+  return _read_checkpoint_files(path)[0]
 
 
 def config_from_hf(hf: dict, dtype=jnp.float32) -> ModelConfig:
@@ -119,14 +168,19 @@ def config_from_hf(hf: dict, dtype=jnp.float32) -> ModelConfig:
   return detect_arch(hf).config_from_hf(hf, dtype_name)
 
 
-def _read_config(config_path: str, dtype) -> tuple[ModelConfig, dict]:
-  """config_from_hf of a config.json file, and the file's dict, with errors that name it."""
+def read_config(config_path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
+  """config_from_hf of a config.json file, and the file's dict, with errors that name it.
+
+  Raises:
+    ValueError: naming the file: not a JSON object, a required field missing, a field of
+      the wrong type or value.
+  """
   hf = read_json_object(config_path)
   try:
     return config_from_hf(hf, dtype), hf
   except KeyError as e:
     raise ValueError(f"{config_path} lacks the required field {e.args[0]!r}") from e
-  except (ValueError, TypeError) as e:
+  except (ValueError, TypeError, AttributeError) as e:  # e.g. a list where an object belongs
     raise ValueError(f"{config_path}: {e}") from e
 
 
@@ -148,7 +202,7 @@ def from_hf(path: str, dtype=jnp.float32, **overrides) -> Transformer:
   config_path = os.path.join(path, "config.json")
   if not os.path.exists(config_path):
     raise ValueError(f"{path} has no config.json")
-  cfg, hf = _read_config(config_path, dtype)
+  cfg, hf = read_config(config_path, dtype)
   cfg = cfg.replace(**overrides)
   arch = get_arch(cfg.arch)
   tensors = compressed.decompress(hf, _read_checkpoint(path))  # FP4 checkpoints: dequantized

@@ -17,14 +17,13 @@ conversation) is a ValueError raised by `check` before any weight is read.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from flax import nnx
 
 from trace_jax import fp4
 from trace_jax.model.config import ModelConfig, get_preset
-from trace_jax.model.hf import config_from_hf, from_hf
+from trace_jax.model.hf import from_hf, read_config
 from trace_jax.model.transformer import Transformer
 from trace_jax.tasks.base import Task
 from trace_jax.tasks.chat import CheckpointTokenizer
@@ -102,14 +101,7 @@ def check_checkpoint_files(directory: str) -> str:
 
 
 def _checkpoint_config(path: str) -> ModelConfig:
-  config_path = os.path.join(path, "config.json")
-  try:
-    with open(config_path) as f:
-      return config_from_hf(json.load(f))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"{config_path} is not valid JSON ({e})") from e
-  except KeyError as e:
-    raise ValueError(f"{config_path} lacks the required field {e.args[0]!r}") from e
+  return read_config(os.path.join(path, "config.json"))[0]
 
 
 def check(config, task: Task) -> tuple[Tokenizer, ModelConfig]:
