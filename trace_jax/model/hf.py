@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -25,7 +26,7 @@ from trace_jax.model import compressed
 from trace_jax.model.archs import Checkpoint, detect_arch, get_arch
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.transformer import Transformer
-from trace_jax.utils.io import read_json_object
+from trace_jax.utils.io import read_json_object, resolve_inside
 
 _DTYPES = {
   "F64": np.float64,
@@ -136,20 +137,59 @@ def _index_files(index_path: str) -> list[str]:
   return sorted(set(weight_map.values()))
 
 
+def checkpoint_file(directory: str, name: str) -> str:
+  """`directory/name`, once it is checked to resolve inside the checkpoint directory.
+
+  A checkpoint reads only its own files: a name (an index entry) with "..", an absolute
+  one, or a symlink out of the directory is refused. One layout links out by design: a
+  Hugging Face hub cache snapshot (`<repo>/snapshots/<revision>/<name>`) links each file
+  to `<repo>/blobs/`; those links are followed.
+
+  Raises:
+    ValueError: naming the file and where it resolves to.
+  """
+  try:
+    resolve_inside(directory, name)
+  except ValueError as e:
+    snapshot = pathlib.Path(directory).resolve()
+    target = (snapshot / name).resolve()
+    in_hub_cache = snapshot.parent.name == "snapshots" and os.path.basename(name) == name
+    if not (in_hub_cache and target.parent == snapshot.parent.parent / "blobs"):
+      raise ValueError(f"{directory}: {e} (a checkpoint reads only its own files)") from e
+  return os.path.join(directory, name)
+
+
+def shard_files(path: str) -> list[str]:
+  """The paths of a checkpoint directory's safetensors files: the ones its
+  model.safetensors.index.json names, else every *.safetensors file in it.
+
+  Raises:
+    ValueError: a damaged index, a shard it names that is missing, or a file that
+      resolves outside the directory (`checkpoint_file`), named.
+  """
+  index = os.path.join(path, "model.safetensors.index.json")
+  if not os.path.exists(index):
+    names = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    return [checkpoint_file(path, name) for name in names]
+  files = []
+  for name in _index_files(checkpoint_file(path, "model.safetensors.index.json")):
+    try:
+      file = checkpoint_file(path, name)
+    except ValueError as e:
+      raise ValueError(f"{index}: weight_map names {name!r}: {e}") from e
+    if not os.path.isfile(file):
+      raise ValueError(f"{index}: weight_map names {name!r}, which is not a file in {path}")
+    files.append(file)
+  return files
+
+
 def _read_checkpoint_files(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
   """(every tensor of a checkpoint directory by name, the file each came from)."""
-  index = os.path.join(path, "model.safetensors.index.json")
-  if os.path.exists(index):
-    files = _index_files(index)
-  else:
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+  files = shard_files(path)
   if not files:
     raise ValueError(f"{path} holds no *.safetensors files")
   tensors, origin = {}, {}
-  for name in files:
-    file = os.path.join(path, name)
-    if not os.path.isfile(file):
-      raise ValueError(f"{index}: weight_map names {name!r}, which is not a file in {path}")
+  for file in files:
     for tensor, array in read_safetensors(file).items():
       if tensor in origin:
         raise ValueError(f"tensor {tensor!r} is in both {origin[tensor]} and {file}")
@@ -199,9 +239,9 @@ def from_hf(path: str, dtype=jnp.float32, **overrides) -> Transformer:
       tensor of the wrong shape, or tensors in the checkpoint that nothing loads.
   """
   path = os.path.abspath(path)
-  config_path = os.path.join(path, "config.json")
-  if not os.path.exists(config_path):
+  if not os.path.exists(os.path.join(path, "config.json")):
     raise ValueError(f"{path} has no config.json")
+  config_path = checkpoint_file(path, "config.json")
   cfg, hf = read_config(config_path, dtype)
   cfg = cfg.replace(**overrides)
   arch = get_arch(cfg.arch)

@@ -23,7 +23,7 @@ from flax import nnx
 
 from trace_jax import fp4
 from trace_jax.model.config import ModelConfig, get_preset
-from trace_jax.model.hf import from_hf, read_config
+from trace_jax.model.hf import checkpoint_file, from_hf, read_config, shard_files
 from trace_jax.model.transformer import Transformer
 from trace_jax.tasks.base import Task
 from trace_jax.tasks.chat import CheckpointTokenizer
@@ -78,9 +78,13 @@ def warm_start(config) -> bool:
   return not config.source.hf_checkpoint
 
 
+# The files of a checkpoint directory that the policy source reads, beside the weights.
+_READ_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
 def check_checkpoint_files(directory: str) -> str:
   """The absolute directory, or a ValueError naming what is missing (config.json, weights,
-  tokenizer.json)."""
+  tokenizer.json) or what resolves outside the directory."""
   path = os.path.abspath(directory)
   if not os.path.isdir(path):
     raise ValueError(f"hf_checkpoint={directory!r} is not a directory")
@@ -89,7 +93,9 @@ def check_checkpoint_files(directory: str) -> str:
     for name in ("config.json", "tokenizer.json")
     if not os.path.exists(os.path.join(path, name))
   ]
-  if not any(name.endswith(".safetensors") for name in os.listdir(path)):
+  if not any(
+    name.endswith((".safetensors", ".safetensors.index.json")) for name in os.listdir(path)
+  ):
     missing.append("*.safetensors")
   if missing:
     raise ValueError(
@@ -97,6 +103,10 @@ def check_checkpoint_files(directory: str) -> str:
       "directory holds config.json, *.safetensors, tokenizer.json, "
       "tokenizer_config.json and generation_config.json)"
     )
+  for name in _READ_FILES:  # none may resolve outside the directory (a symlink out, say)
+    if os.path.lexists(os.path.join(path, name)):
+      checkpoint_file(path, name)
+  shard_files(path)  # the index and each shard it names, the same way
   return path
 
 

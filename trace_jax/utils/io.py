@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import pathlib
 import shutil
 import tempfile
 import uuid
@@ -170,6 +171,23 @@ def append_jsonl(path: str, record: dict) -> None:
       fsync_directory(os.path.dirname(os.path.abspath(path)))
   except OSError as e:
     raise _with_path(e, path, "append to") from e
+
+
+def resolve_inside(directory: str | os.PathLike, name: str) -> pathlib.Path:
+  """The real path of file `name` of `directory`, refusing one that resolves outside it.
+
+  A name with "..", an absolute name, or a symlink (of the file or of a folder on the way)
+  whose target lies outside `directory` would read another file than the directory's own;
+  a symlink that stays inside is fine.
+
+  Raises:
+    ValueError: naming `name`, where it resolves to, and the directory.
+  """
+  root = pathlib.Path(directory).resolve()
+  target = (root / name).resolve()
+  if target != root and root not in target.parents:
+    raise ValueError(f"{name!r} resolves to {target}, outside the directory {root}")
+  return target
 
 
 def read_json_object(path: str) -> dict:
