@@ -148,3 +148,42 @@ def test_unused_tensors_are_an_error(tmp_path):
   )
   with pytest.raises(ValueError, match="nothing loads.*shared_expert"):
     hf.from_hf(str(path))
+
+
+def _lie(path, **fields):
+  config = json.loads((path / "config.json").read_text())
+  text = config.get("text_config", config)
+  text.update(fields)
+  (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+  "arch, fields, match",
+  [
+    # 10000 claimed layers used to keep the abstract model's construction busy for minutes.
+    ("olmoe", {"num_hidden_layers": 10000}, r"num_hidden_layers=10000 but the files hold 3 "),
+    ("olmoe", {"num_hidden_layers": 2}, r"num_hidden_layers=2 but the files hold 3 \(model"),
+    ("mixtral", {"num_local_experts": 4000}, r"num_local_experts=4000 but the files hold 4 exp"),
+    ("olmoe", {"num_experts": 3}, r"num_experts=3 but the files hold 4 experts"),
+    ("olmoe", {"hidden_size": 48}, r"hidden_size=48 but model.embed_tokens.weight is \[96, 32\]"),
+    ("qwen3_moe", {"vocab_size": 97}, r"vocab_size=97 but model.embed_tokens.weight is \[96, 32"),
+    (
+      "qwen3_5_moe",  # the published layout: nested config, fused experts, renamed layers
+      {"num_hidden_layers": 10000, "num_experts": 7},
+      r"text_config.num_hidden_layers=10000 but the files hold 4 \(model.layers.0 to 3\); "
+      r"text_config.num_experts=7 but the files hold 6 experts",
+    ),
+  ],
+)
+def test_a_config_the_tensors_contradict_is_refused_before_anything_is_built(
+  tmp_path, monkeypatch, arch, fields, match
+):
+  path = _copy(arch, tmp_path)
+  _lie(path, **fields)
+
+  def never(*args, **kwargs):
+    raise AssertionError("the model was built before the config was checked")
+
+  monkeypatch.setattr(nnx, "eval_shape", never)
+  with pytest.raises(ValueError, match=rf"^{path / 'config.json'}: " + match):
+    hf.from_hf(str(path))

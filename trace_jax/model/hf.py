@@ -16,6 +16,7 @@ import json
 import math
 import os
 import pathlib
+import re
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -224,6 +225,54 @@ def read_config(config_path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]
     raise ValueError(f"{config_path}: {e}") from e
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"model\.layers\.\d+\..*\.experts\.(\d+)\.")
+_FUSED_EXPERTS = re.compile(r"model\.layers\.\d+\..*\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _check_config_claims(config_path: str, hf: dict, cfg: ModelConfig, tensors: dict) -> None:
+  """Refuse a config.json whose sizes the checkpoint's tensors contradict: the number of
+  layers and of routed experts (from the tensor names), the hidden size and the vocabulary
+  (from the embedding's shape). Only the safetensors headers are read, and nothing is
+  built: a config claiming 10000 layers over files holding 2 would otherwise keep the
+  abstract model's construction busy for minutes before the first tensor is compared.
+
+  Raises:
+    ValueError: naming config.json, each field, its value and what the files hold.
+  """
+  text = hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
+  field = lambda name: f"text_config.{name}" if text is not hf else name  # noqa: E731
+  problems = []
+  layers = [int(m.group(1)) for n in tensors if (m := _LAYER.match(n))]
+  held = max(layers) + 1 if layers else 0
+  if held != cfg.num_layers:
+    holds = f"{held} (model.layers.0 to {held - 1})" if held else "no model.layers.* tensors"
+    problems.append(f"{field('num_hidden_layers')}={cfg.num_layers} but the files hold {holds}")
+  experts = [int(m.group(1)) + 1 for n in tensors if (m := _EXPERT.match(n))]
+  experts += [
+    tensors[n].shape[0] for n in tensors if _FUSED_EXPERTS.match(n) and tensors[n].ndim == 3
+  ]
+  if experts and max(experts) != cfg.num_experts:
+    name = "num_experts" if "num_experts" in text else "num_local_experts"
+    problems.append(f"{field(name)}={cfg.num_experts} but the files hold {max(experts)} experts")
+  embed = tensors.get("model.embed_tokens.weight")
+  if embed is not None and embed.ndim == 2:
+    vocab, width = embed.shape
+    if width != cfg.d_model:
+      problems.append(
+        f"{field('hidden_size')}={cfg.d_model} but model.embed_tokens.weight is [{vocab}, {width}]"
+      )
+    if vocab != cfg.vocab_size:
+      problems.append(
+        f"{field('vocab_size')}={cfg.vocab_size} but model.embed_tokens.weight is "
+        f"[{vocab}, {width}]"
+      )
+  if problems:
+    raise ValueError(
+      f"{config_path}: {'; '.join(problems)} ; the config does not describe these weights"
+    )
+
+
 def from_hf(path: str, dtype=jnp.float32, **overrides) -> Transformer:
   """A Transformer with the weights of a local Hugging Face checkpoint directory.
 
@@ -245,8 +294,9 @@ def from_hf(path: str, dtype=jnp.float32, **overrides) -> Transformer:
   cfg, hf = read_config(config_path, dtype)
   cfg = cfg.replace(**overrides)
   arch = get_arch(cfg.arch)
-  tensors = compressed.decompress(hf, _read_checkpoint(path))  # FP4 checkpoints: dequantized
-  checkpoint = Checkpoint(arch.text_tensors(tensors))  # e.g. Qwen3.5's published layout
+  tensors = arch.text_tensors(_read_checkpoint(path))  # e.g. Qwen3.5's published layout
+  _check_config_claims(config_path, hf, cfg, tensors)  # headers only, before anything is built
+  checkpoint = Checkpoint(compressed.decompress(hf, tensors))  # FP4 checkpoints: dequantized
 
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
