@@ -187,3 +187,48 @@ def test_a_config_the_tensors_contradict_is_refused_before_anything_is_built(
   monkeypatch.setattr(nnx, "eval_shape", never)
   with pytest.raises(ValueError, match=rf"^{path / 'config.json'}: " + match):
     hf.from_hf(str(path))
+
+
+def _relabel(file, name, dtype, shape=None):
+  """Rewrite one header entry's dtype (and shape) over the same bytes."""
+  raw = file.read_bytes()
+  size = int.from_bytes(raw[:8], "little")
+  header = json.loads(raw[8 : 8 + size])
+  header[name]["dtype"] = dtype
+  header[name]["shape"] = shape or header[name]["shape"]
+  blob = json.dumps(header).encode()
+  file.write_bytes(len(blob).to_bytes(8, "little") + blob + raw[8 + size :])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_weight_is_refused_naming_the_tensor(tmp_path, bad):
+  path = _copy("olmoe", tmp_path)
+  rng = np.random.default_rng(0)
+  poisoned = "model.layers.1.mlp.experts.2.down_proj.weight"
+
+  def poison(t):
+    array = t[poisoned]
+    array[tuple(int(rng.integers(0, n)) for n in array.shape)] = bad
+
+  _rewrite(path, poison)
+  with pytest.raises(
+    ValueError,
+    match=rf"^tensor '{poisoned}' in {path / 'model.safetensors'} holds 1 NaN or Inf values "
+    r"\(read as blocks.1.moe.w_down\): non-finite weights are refused",
+  ):
+    hf.from_hf(str(path))
+  loaded = hf.from_hf(str(path), allow_nonfinite=True)  # for debugging, as it is
+  assert np.count_nonzero(~np.isfinite(loaded.blocks[1].moe.w_down.get_value())) == 1
+
+
+@pytest.mark.parametrize("dtype, shape", [("I32", None), ("U8", [96, 128]), ("BOOL", [96, 128])])
+def test_a_weight_labelled_as_integers_is_refused(tmp_path, dtype, shape):
+  # The bytes are the F32 lm_head's; an integer label used to load them as integers.
+  path = _copy("qwen3_moe", tmp_path)
+  _relabel(path / "model.safetensors", "lm_head.weight", dtype, shape)
+  with pytest.raises(
+    ValueError,
+    match=rf"^{path / 'model.safetensors'}: tensor 'lm_head.weight' has dtype {dtype}; a "
+    r"weight must be stored as one of \['F64', 'F32', 'F16', 'BF16', 'F8_E4M3'\]",
+  ):
+    hf.from_hf(str(path))

@@ -42,6 +42,8 @@ _DTYPES = {
   "BOOL": np.bool_,
   "F8_E4M3": ml_dtypes.float8_e4m3fn,
 }
+_LABELS = {np.dtype(t): label for label, t in _DTYPES.items()}
+_FLOAT_LABELS = ("F64", "F32", "F16", "BF16", "F8_E4M3")  # what a weight may be stored as
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -273,19 +275,47 @@ def _check_config_claims(config_path: str, hf: dict, cfg: ModelConfig, tensors: 
     )
 
 
-def from_hf(path: str, dtype=jnp.float32, **overrides) -> Transformer:
+def _nonfinite_count(array) -> int:
+  """NaN and Inf values of an array as float32 (what the loader keeps)."""
+  return int(np.size(array) - np.isfinite(np.asarray(array, np.float32)).sum())
+
+
+def _check_float_weights(hf: dict, tensors: dict, file_of) -> None:
+  """Refuse a tensor stored as an integer or boolean dtype: every weight this loader reads
+  is a float (an I32-labelled lm_head would otherwise load its float bytes as integers);
+  a compressed-tensors checkpoint's packed fields are checked by `compressed`."""
+  packed = compressed.quantized_format(hf) is not None
+  for name, array in tensors.items():
+    if name.endswith(_IGNORED_SUFFIXES) or (
+      packed and name.rsplit(".", 1)[-1] in compressed.FIELDS
+    ):
+      continue
+    label = _LABELS.get(array.dtype, str(array.dtype))
+    if label not in _FLOAT_LABELS:
+      raise ValueError(
+        f"{file_of(name)}: tensor {name!r} has dtype {label}; a weight must be stored as "
+        f"one of {list(_FLOAT_LABELS)}"
+      )
+
+
+def from_hf(
+  path: str, dtype=jnp.float32, *, allow_nonfinite: bool = False, **overrides
+) -> Transformer:
   """A Transformer with the weights of a local Hugging Face checkpoint directory.
 
   Args:
     path: directory with config.json and *.safetensors (sharded index too); a
       compressed-tensors FP4 checkpoint loads dequantized (`model.compressed`).
     dtype: parameter and compute dtype (float32 or bfloat16).
+    allow_nonfinite: load weights that hold NaN or Inf (for debugging a damaged
+      checkpoint); refused by default, naming the tensor.
     **overrides: ModelConfig fields a checkpoint does not hold, how this run computes
       (e.g. remat=True); they change no weight's shape.
 
   Raises:
-    ValueError: unknown architecture (listing the supported ones), a missing tensor, a
-      tensor of the wrong shape, or tensors in the checkpoint that nothing loads.
+    ValueError: unknown architecture (listing the supported ones), a config.json the
+      tensors contradict, a missing tensor, a tensor of the wrong shape or of a dtype that
+      is not a float, a non-finite weight, or tensors in the checkpoint that nothing loads.
   """
   path = os.path.abspath(path)
   if not os.path.exists(os.path.join(path, "config.json")):
@@ -294,8 +324,17 @@ def from_hf(path: str, dtype=jnp.float32, **overrides) -> Transformer:
   cfg, hf = read_config(config_path, dtype)
   cfg = cfg.replace(**overrides)
   arch = get_arch(cfg.arch)
-  tensors = arch.text_tensors(_read_checkpoint(path))  # e.g. Qwen3.5's published layout
+  raw, origin = _read_checkpoint_files(path)
+  tensors = arch.text_tensors(raw)  # e.g. Qwen3.5's published layout
+  files = {id(raw[name]): file for name, file in origin.items()}  # text_tensors keeps arrays
+
+  def named(names, among) -> str:
+    """Tensors and the files they came from (a dequantized FP4 weight: the directory)."""
+    shown = ", ".join(f"{n!r} in {files.get(id(among[n]), path)}" for n in names[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
   _check_config_claims(config_path, hf, cfg, tensors)  # headers only, before anything is built
+  _check_float_weights(hf, tensors, lambda name: files.get(id(tensors[name]), path))
   checkpoint = Checkpoint(compressed.decompress(hf, tensors))  # FP4 checkpoints: dequantized
 
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -306,10 +345,23 @@ def from_hf(path: str, dtype=jnp.float32, **overrides) -> Transformer:
     raise ValueError(f"no checkpoint mapping for parameters {missing_from_map}")
   for param_path, variable in flat.items():
     expected = variable.get_value().shape
+    first = len(checkpoint.reads)
     array = np.asarray(arch.names.read(param_path, expected, checkpoint), dtype=np.float32)
+    sources = list(dict.fromkeys(checkpoint.reads[first:]))
+    name = ".".join(str(p) for p in param_path)
     if array.shape != expected:
-      name = ".".join(str(p) for p in param_path)
-      raise ValueError(f"tensor for {name} has shape {array.shape}; the config implies {expected}")
+      raise ValueError(
+        f"tensor for {name} has shape {array.shape} ({named(sources, checkpoint.tensors)}); "
+        f"the config implies {expected}"
+      )
+    if not allow_nonfinite and not np.isfinite(array).all():
+      bad = {n: c for n in sources if (c := _nonfinite_count(checkpoint.tensors[n]))}
+      raise ValueError(
+        f"tensor {named(list(bad) or sources, checkpoint.tensors)} holds "
+        f"{sum(bad.values()) or _nonfinite_count(array)} NaN or Inf values (read as {name}): "
+        "non-finite weights are refused "
+        "(from_hf(..., allow_nonfinite=True) loads them, for debugging)"
+      )
     variable.set_value(jnp.asarray(array, dtype))
   unused = sorted(
     n for n in set(checkpoint.tensors) - checkpoint.used if not n.endswith(_IGNORED_SUFFIXES)
