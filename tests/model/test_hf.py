@@ -148,3 +148,87 @@ def test_unused_tensors_are_an_error(tmp_path):
   )
   with pytest.raises(ValueError, match="nothing loads.*shared_expert"):
     hf.from_hf(str(path))
+
+
+def _lie(path, **fields):
+  config = json.loads((path / "config.json").read_text())
+  text = config.get("text_config", config)
+  text.update(fields)
+  (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+  "arch, fields, match",
+  [
+    # 10000 claimed layers used to keep the abstract model's construction busy for minutes.
+    ("olmoe", {"num_hidden_layers": 10000}, r"num_hidden_layers=10000 but the files hold 3 "),
+    ("olmoe", {"num_hidden_layers": 2}, r"num_hidden_layers=2 but the files hold 3 \(model"),
+    ("mixtral", {"num_local_experts": 4000}, r"num_local_experts=4000 but the files hold 4 exp"),
+    ("olmoe", {"num_experts": 3}, r"num_experts=3 but the files hold 4 experts"),
+    ("olmoe", {"hidden_size": 48}, r"hidden_size=48 but model.embed_tokens.weight is \[96, 32\]"),
+    ("qwen3_moe", {"vocab_size": 97}, r"vocab_size=97 but model.embed_tokens.weight is \[96, 32"),
+    (
+      "qwen3_5_moe",  # the published layout: nested config, fused experts, renamed layers
+      {"num_hidden_layers": 10000, "num_experts": 7},
+      r"text_config.num_hidden_layers=10000 but the files hold 4 \(model.layers.0 to 3\); "
+      r"text_config.num_experts=7 but the files hold 6 experts",
+    ),
+  ],
+)
+def test_a_config_the_tensors_contradict_is_refused_before_anything_is_built(
+  tmp_path, monkeypatch, arch, fields, match
+):
+  path = _copy(arch, tmp_path)
+  _lie(path, **fields)
+
+  def never(*args, **kwargs):
+    raise AssertionError("the model was built before the config was checked")
+
+  monkeypatch.setattr(nnx, "eval_shape", never)
+  with pytest.raises(ValueError, match=rf"^{path / 'config.json'}: " + match):
+    hf.from_hf(str(path))
+
+
+def _relabel(file, name, dtype, shape=None):
+  """Rewrite one header entry's dtype (and shape) over the same bytes."""
+  raw = file.read_bytes()
+  size = int.from_bytes(raw[:8], "little")
+  header = json.loads(raw[8 : 8 + size])
+  header[name]["dtype"] = dtype
+  header[name]["shape"] = shape or header[name]["shape"]
+  blob = json.dumps(header).encode()
+  file.write_bytes(len(blob).to_bytes(8, "little") + blob + raw[8 + size :])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_weight_is_refused_naming_the_tensor(tmp_path, bad):
+  path = _copy("olmoe", tmp_path)
+  rng = np.random.default_rng(0)
+  poisoned = "model.layers.1.mlp.experts.2.down_proj.weight"
+
+  def poison(t):
+    array = t[poisoned]
+    array[tuple(int(rng.integers(0, n)) for n in array.shape)] = bad
+
+  _rewrite(path, poison)
+  with pytest.raises(
+    ValueError,
+    match=rf"^tensor '{poisoned}' in {path / 'model.safetensors'} holds 1 NaN or Inf values "
+    r"\(read as blocks.1.moe.w_down\): non-finite weights are refused",
+  ):
+    hf.from_hf(str(path))
+  loaded = hf.from_hf(str(path), allow_nonfinite=True)  # for debugging, as it is
+  assert np.count_nonzero(~np.isfinite(loaded.blocks[1].moe.w_down.get_value())) == 1
+
+
+@pytest.mark.parametrize("dtype, shape", [("I32", None), ("U8", [96, 128]), ("BOOL", [96, 128])])
+def test_a_weight_labelled_as_integers_is_refused(tmp_path, dtype, shape):
+  # The bytes are the F32 lm_head's; an integer label used to load them as integers.
+  path = _copy("qwen3_moe", tmp_path)
+  _relabel(path / "model.safetensors", "lm_head.weight", dtype, shape)
+  with pytest.raises(
+    ValueError,
+    match=rf"^{path / 'model.safetensors'}: tensor 'lm_head.weight' has dtype {dtype}; a "
+    r"weight must be stored as one of \['F64', 'F32', 'F16', 'BF16', 'F8_E4M3'\]",
+  ):
+    hf.from_hf(str(path))

@@ -20,7 +20,8 @@ from trace_jax.model.config import tiny
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.grpo import LossConfig
-from trace_jax.run.policy_source import preflight
+from trace_jax.run.policy_source import check, preflight
+from trace_jax.utils.io import resolve_inside
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
@@ -281,3 +282,169 @@ def test_the_final_line_of_a_run_without_steps_names_what_was_not_logged():
   line = report.final_line(summary)
   assert "eval reward 0.25 -> 0.25" in line and "mean k3_kl n/a" in line
   assert "guidance n/a B/token" in line
+def _write_header(path, header, data_bytes):
+  """A safetensors file whose header is `header` as given (hostile or not)."""
+  blob = json.dumps(header).encode()
+  path.write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(data_bytes))
+
+
+_F32_4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+
+
+@pytest.mark.parametrize(
+  "entry, match",
+  [
+    ({**_F32_4, "data_offsets": "0,16"}, r"data_offsets '0,16'; data_offsets is a list of two"),
+    ({**_F32_4, "data_offsets": [0]}, r"data_offsets \[0\]; data_offsets is a list of two"),
+    ({**_F32_4, "data_offsets": [0, 16.0]}, r"data_offsets \[0, 16.0\]; data_offsets is a list"),
+    ({**_F32_4, "data_offsets": {"a": 0, "b": 16}}, r"data_offsets \{'a': 0, 'b': 16\}"),
+    ({**_F32_4, "data_offsets": [0, 8, 16]}, r"data_offsets \[0, 8, 16\]"),
+    ({**_F32_4, "dtype": ["F32"]}, r"unsupported dtype \['F32'\]; supported: \["),
+    ({**_F32_4, "shape": "4"}, r"shape '4'; a shape is a list of integers >= 0"),
+    ({**_F32_4, "shape": [-1, -4]}, r"shape \[-1, -4\]; a shape is a list of integers >= 0"),
+    ({**_F32_4, "shape": [True, 4]}, r"shape \[True, 4\]; a shape is a list of integers >= 0"),
+    ([0, 16], r"a malformed header entry \[0, 16\]"),
+  ],
+)
+def test_a_hostile_safetensors_header_names_the_file_and_tensor(tmp_path, entry, match):
+  path = tmp_path / "model.safetensors"
+  _write_header(path, {"w": entry, "ok": {**_F32_4, "data_offsets": [16, 32]}}, 32)
+  with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: tensor 'w' has " + match):
+    hf.read_safetensors(str(path))
+
+
+@pytest.mark.parametrize(
+  "index, match",
+  [
+    ({"metadata": {}}, r"weight_map is None; it must be an object"),
+    ({"weight_map": ["a.safetensors"]}, r"weight_map is \['a.safetensors'\]; it must be an object"),
+    ({"weight_map": {"w": 7}}, r"weight_map\['w'\] is 7; it must be a shard file name"),
+    ({"weight_map": {"w": "gone.safetensors"}}, r"weight_map names 'gone.safetensors', which is"),
+  ],
+)
+def test_a_damaged_index_is_named(tmp_path, index, match):
+  path = _hf_copy(tmp_path)
+  (path / "model.safetensors.index.json").write_text(json.dumps(index))
+  index_path = path / "model.safetensors.index.json"
+  with pytest.raises(ValueError, match=rf"^{re.escape(str(index_path))}: " + match):
+    hf.from_hf(str(path))
+
+
+@pytest.mark.parametrize("config", [[1, 2], 7, "qwen3_moe", None])
+def test_a_config_that_is_not_an_object_is_named(tmp_path, config):
+  path = _hf_copy(tmp_path)
+  (path / "config.json").write_text(json.dumps(config))
+  message = rf"^{re.escape(str(path / 'config.json'))} is not a JSON object"
+  with pytest.raises(ValueError, match=message):
+    hf.from_hf(str(path))
+  with pytest.raises(ValueError, match=message):  # the run's checks, before any weight
+    check(RLConfig.from_flat(hf_checkpoint=str(path)), None)
+
+
+def test_a_config_field_of_the_wrong_type_is_named(tmp_path):
+  path = _hf_copy(tmp_path, lambda c: c.update(rope_parameters=["default"]))
+  with pytest.raises(ValueError, match=rf"^{re.escape(str(path / 'config.json'))}: "):
+    hf.from_hf(str(path))
+
+
+def test_resolve_inside_refuses_what_leaves_the_directory(tmp_path):
+  root = tmp_path / "ckpt"
+  (root / "sub").mkdir(parents=True)
+  (root / "sub" / "a.bin").write_bytes(b"a")
+  (tmp_path / "secret").write_bytes(b"s")
+  (root / "inside").symlink_to(root / "sub" / "a.bin")
+  (root / "outside").symlink_to(tmp_path / "secret")
+  (root / "up").symlink_to(tmp_path)  # a folder link on the way out
+  assert resolve_inside(str(root), "sub/a.bin") == str(root / "sub" / "a.bin")
+  assert resolve_inside(str(root), "inside") == str(root / "sub" / "a.bin")
+  assert resolve_inside(str(root), "sub/../sub/a.bin") == str(root / "sub" / "a.bin")
+  for name, target in [
+    ("../secret", tmp_path / "secret"),
+    (str(tmp_path / "secret"), tmp_path / "secret"),
+    ("outside", tmp_path / "secret"),
+    ("up/secret", tmp_path / "secret"),
+    ("sub/../../secret", tmp_path / "secret"),
+  ]:
+    with pytest.raises(
+      ValueError,
+      match=rf"leads to {re.escape(str(target))}, outside the checkpoint folder "
+      rf"{re.escape(str(root))};",
+    ):
+      resolve_inside(str(root), name)
+
+
+def _outside_weights(tmp_path):
+  """The fixture's weights in a folder beside the checkpoint (a file it must not read)."""
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  shutil.copy(FIXTURES / "qwen3_moe" / "model.safetensors", outside / "model.safetensors")
+  return outside / "model.safetensors"
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute"])
+def test_an_index_entry_outside_the_checkpoint_is_refused(tmp_path, how):
+  path = _hf_copy(tmp_path)
+  outside = _outside_weights(tmp_path)
+  entry = "../outside/model.safetensors" if how == "dotdot" else str(outside)
+  names = hf.read_safetensors(str(path / "model.safetensors"))
+  (path / "model.safetensors").unlink()
+  index = path / "model.safetensors.index.json"
+  index.write_text(json.dumps({"weight_map": {n: entry for n in names}}))
+  message = (
+    rf"^{re.escape(str(index))}: weight_map names {re.escape(repr(entry))}: .*"
+    rf"leads to {re.escape(str(outside))}, outside the checkpoint folder {re.escape(str(path))}"
+  )
+  with pytest.raises(ValueError, match=message):
+    hf.from_hf(str(path))
+  with pytest.raises(ValueError, match=message):
+    preflight(RLConfig.from_flat(hf_checkpoint=str(path)))
+
+
+def test_a_symlink_out_of_the_checkpoint_is_refused_one_inside_is_followed(tmp_path):
+  path = _hf_copy(tmp_path)
+  outside = _outside_weights(tmp_path)
+  weights = path / "model.safetensors"
+  (path / "real").mkdir()
+  weights.rename(path / "real" / "weights.safetensors")
+  weights.symlink_to("real/weights.safetensors")  # stays inside: loads
+  assert hf.from_hf(str(path)).cfg.num_layers == 3
+  preflight(RLConfig.from_flat(hf_checkpoint=str(path)))
+  weights.unlink()
+  (path / "real" / "weights.safetensors").unlink()
+  weights.symlink_to(outside)
+  message = rf"model.safetensors leads to {re.escape(str(outside))}, outside the checkpoint folder"
+  with pytest.raises(ValueError, match=message):
+    hf.from_hf(str(path))
+  with pytest.raises(ValueError, match=message):
+    preflight(RLConfig.from_flat(hf_checkpoint=str(path)))
+  weights.unlink()
+  weights.symlink_to("../outside/model.safetensors")  # relative, the same way out
+  with pytest.raises(ValueError, match=message):
+    hf.from_hf(str(path))
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "config.json"])
+def test_a_tokenizer_or_config_symlink_out_of_the_checkpoint_is_refused(tmp_path, name):
+  path = _hf_copy(tmp_path)
+  stolen = tmp_path / f"stolen_{name}"
+  (path / name).rename(stolen)
+  (path / name).symlink_to(stolen)
+  with pytest.raises(
+    ValueError, match=rf"{re.escape(name)} leads to {re.escape(str(stolen))}, outside"
+  ):
+    preflight(RLConfig.from_flat(hf_checkpoint=str(path)))
+
+
+def test_a_hugging_face_hub_cache_snapshot_loads(tmp_path):
+  # The hub cache links each file of models--x/snapshots/<revision>/ to models--x/blobs/.
+  repo = tmp_path / "models--org--tiny"
+  snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+  snapshot.mkdir(parents=True)
+  blobs.mkdir()
+  for i, file in enumerate(sorted((FIXTURES / "qwen3_moe").iterdir())):
+    shutil.copy(file, blobs / f"blob{i}")
+    (snapshot / file.name).symlink_to(f"../../blobs/blob{i}")
+  reference = hf.from_hf(str(FIXTURES / "qwen3_moe"))
+  loaded = hf.from_hf(str(snapshot))
+  np.testing.assert_array_equal(loaded.embed.get_value(), reference.embed.get_value())
+  preflight(RLConfig.from_flat(hf_checkpoint=str(snapshot)))

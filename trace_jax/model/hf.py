@@ -13,7 +13,10 @@ Each family's tensor names and config.json fields live in its module of `model.a
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -23,7 +26,7 @@ from trace_jax.model import compressed
 from trace_jax.model.archs import Checkpoint, detect_arch, get_arch
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.transformer import Transformer
-from trace_jax.utils.io import read_json_object
+from trace_jax.utils.io import read_json_object, resolve_inside
 
 _DTYPES = {
   "F64": np.float64,
@@ -38,11 +41,14 @@ _DTYPES = {
   "BOOL": np.bool_,
   "F8_E4M3": ml_dtypes.float8_e4m3fn,
 }
+_LABELS = {np.dtype(t): label for label, t in _DTYPES.items()}
+_FLOAT_LABELS = ("F64", "F32", "F16", "BF16", "F8_E4M3")  # what a weight may be stored as
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-  """Tensors of one .safetensors file as read-only NumPy views of a memory map.
+  """Tensors of one .safetensors file as read-only NumPy views of a memory map (the
+  header is read; no tensor's data is, until it is used).
 
   Raises:
     ValueError: naming the file (and the tensor) when it is not a whole safetensors file.
@@ -82,35 +88,113 @@ def _safetensors_header(path: str, raw) -> tuple[dict, int]:
   return header, 8 + header_len
 
 
+def _is_index_list(value) -> bool:
+  """A JSON list of integers >= 0 (a shape, or data offsets); JSON's true/false are not."""
+  return isinstance(value, list) and all(
+    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+  )
+
+
 def _check_tensor_entry(path: str, name: str, info, data_bytes: int) -> None:
   """A header entry that the file can actually back (dtype, shape, offsets in range)."""
+  where = f"{path}: tensor {name!r}"
   if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-    raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r}")
-  if info["dtype"] not in _DTYPES:
-    raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-  start, end = info["data_offsets"]
-  expected = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_DTYPES[info["dtype"]]).itemsize
+    raise ValueError(
+      f"{where} has a malformed header entry {repr(info)[:200]} (an entry holds "
+      "'dtype', 'shape' and 'data_offsets')"
+    )
+  dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+  if not isinstance(dtype, str) or dtype not in _DTYPES:
+    raise ValueError(f"{where} has unsupported dtype {dtype}; supported: {sorted(_DTYPES)}")
+  if not _is_index_list(shape):
+    raise ValueError(f"{where} has shape {repr(shape)[:200]}; a shape is a list of integers >= 0")
+  if not _is_index_list(offsets) or len(offsets) != 2:
+    raise ValueError(
+      f"{where} has data_offsets {repr(offsets)[:200]}; data_offsets is a list of two "
+      "integers [start, end] >= 0"
+    )
+  start, end = offsets
+  expected = math.prod(shape) * np.dtype(_DTYPES[dtype]).itemsize
   if not 0 <= start <= end <= data_bytes or end - start != expected:
     raise ValueError(
-      f"{path}: tensor {name!r} ({info['dtype']} {info['shape']}, {expected} bytes) "
+      f"{where} ({dtype} {shape}, {expected} bytes) "
       f"has data offsets [{start}, {end}) but the file holds {data_bytes} data "
       f"bytes (truncated or damaged file)"
     )
 
 
-def _read_checkpoint(path: str) -> dict[str, np.ndarray]:
+def _index_files(index_path: str) -> list[str]:
+  """The shard file names a model.safetensors.index.json names, or a ValueError naming it."""
+  weight_map = read_json_object(index_path).get("weight_map")
+  if not isinstance(weight_map, dict):
+    raise ValueError(
+      f"{index_path}: weight_map is {repr(weight_map)[:80]}; it must be an object "
+      "of tensor name -> shard file name"
+    )
+  for tensor, file in weight_map.items():
+    if not isinstance(file, str) or not file:
+      raise ValueError(
+        f"{index_path}: weight_map[{tensor!r}] is {repr(file)[:80]}; it must be a shard file name"
+      )
+  return sorted(set(weight_map.values()))
+
+
+def checkpoint_file(directory: str, name: str) -> str:
+  """`directory/name`, once it is checked to resolve inside the checkpoint directory.
+
+  A checkpoint reads only its own files: a name (an index entry) with "..", an absolute
+  one, or a symlink out of the directory is refused. One layout links out by design: a
+  Hugging Face hub cache snapshot (`<repo>/snapshots/<revision>/<name>`) links each file
+  to `<repo>/blobs/`; those links are followed.
+
+  Raises:
+    ValueError: naming the file and where it resolves to.
+  """
+  resolve_inside(directory, name)  # (the hub cache's links to its blobs pass)
+  return os.path.join(directory, name)
+
+
+def shard_files(path: str) -> list[str]:
+  """The paths of a checkpoint directory's safetensors files: the ones its
+  model.safetensors.index.json names, else every *.safetensors file in it.
+
+  Raises:
+    ValueError: a damaged index, a shard it names that is missing, or a file that
+      resolves outside the directory (`checkpoint_file`), named.
+  """
   index = os.path.join(path, "model.safetensors.index.json")
-  if os.path.exists(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
-  else:
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+  if not os.path.exists(index):
+    names = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    return [checkpoint_file(path, name) for name in names]
+  files = []
+  for name in _index_files(checkpoint_file(path, "model.safetensors.index.json")):
+    try:
+      file = checkpoint_file(path, name)
+    except ValueError as e:
+      raise ValueError(f"{index}: weight_map names {name!r}: {e}") from e
+    if not os.path.isfile(file):
+      raise ValueError(f"{index}: weight_map names {name!r}, which is not a file in {path}")
+    files.append(file)
+  return files
+
+
+def _read_checkpoint_files(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """(every tensor of a checkpoint directory by name, the file each came from)."""
+  files = shard_files(path)
   if not files:
     raise ValueError(f"{path} holds no *.safetensors files")
-  tensors = {}
-  for name in files:
-    tensors.update(read_safetensors(os.path.join(path, name)))
-  return tensors
+  tensors, origin = {}, {}
+  for file in files:
+    for tensor, array in read_safetensors(file).items():
+      if tensor in origin:
+        raise ValueError(f"tensor {tensor!r} is in both {origin[tensor]} and {file}")
+      tensors[tensor], origin[tensor] = array, file
+  return tensors, origin
+
+
+def _read_checkpoint(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of a checkpoint directory (one file, or shards through the index)."""
+  return _read_checkpoint_files(path)[0]
 
 
 def config_from_hf(hf: dict, dtype=jnp.float32) -> ModelConfig:
@@ -119,40 +203,131 @@ def config_from_hf(hf: dict, dtype=jnp.float32) -> ModelConfig:
   return detect_arch(hf).config_from_hf(hf, dtype_name)
 
 
-def _read_config(config_path: str, dtype) -> tuple[ModelConfig, dict]:
-  """config_from_hf of a config.json file, and the file's dict, with errors that name it."""
+def read_config(config_path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
+  """config_from_hf of a config.json file, and the file's dict, with errors that name it.
+
+  Raises:
+    ValueError: naming the file: not a JSON object, a required field missing, a field of
+      the wrong type or value.
+  """
   hf = read_json_object(config_path)
   try:
     return config_from_hf(hf, dtype), hf
   except KeyError as e:
     raise ValueError(f"{config_path} lacks the required field {e.args[0]!r}") from e
-  except (ValueError, TypeError) as e:
+  except (ValueError, TypeError, AttributeError) as e:  # e.g. a list where an object belongs
     raise ValueError(f"{config_path}: {e}") from e
 
 
-def from_hf(path: str, dtype=jnp.float32, **overrides) -> Transformer:
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"model\.layers\.\d+\..*\.experts\.(\d+)\.")
+_FUSED_EXPERTS = re.compile(r"model\.layers\.\d+\..*\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _check_config_claims(config_path: str, hf: dict, cfg: ModelConfig, tensors: dict) -> None:
+  """Refuse a config.json whose sizes the checkpoint's tensors contradict: the number of
+  layers and of routed experts (from the tensor names), the hidden size and the vocabulary
+  (from the embedding's shape). Only the safetensors headers are read, and nothing is
+  built: a config claiming 10000 layers over files holding 2 would otherwise keep the
+  abstract model's construction busy for minutes before the first tensor is compared.
+
+  Raises:
+    ValueError: naming config.json, each field, its value and what the files hold.
+  """
+  text = hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
+  field = lambda name: f"text_config.{name}" if text is not hf else name  # noqa: E731
+  problems = []
+  layers = [int(m.group(1)) for n in tensors if (m := _LAYER.match(n))]
+  held = max(layers) + 1 if layers else 0
+  if held != cfg.num_layers:
+    holds = f"{held} (model.layers.0 to {held - 1})" if held else "no model.layers.* tensors"
+    problems.append(f"{field('num_hidden_layers')}={cfg.num_layers} but the files hold {holds}")
+  experts = [int(m.group(1)) + 1 for n in tensors if (m := _EXPERT.match(n))]
+  experts += [
+    tensors[n].shape[0] for n in tensors if _FUSED_EXPERTS.match(n) and tensors[n].ndim == 3
+  ]
+  if experts and max(experts) != cfg.num_experts:
+    name = "num_experts" if "num_experts" in text else "num_local_experts"
+    problems.append(f"{field(name)}={cfg.num_experts} but the files hold {max(experts)} experts")
+  embed = tensors.get("model.embed_tokens.weight")
+  if embed is not None and embed.ndim == 2:
+    vocab, width = embed.shape
+    if width != cfg.d_model:
+      problems.append(
+        f"{field('hidden_size')}={cfg.d_model} but model.embed_tokens.weight is [{vocab}, {width}]"
+      )
+    if vocab != cfg.vocab_size:
+      problems.append(
+        f"{field('vocab_size')}={cfg.vocab_size} but model.embed_tokens.weight is "
+        f"[{vocab}, {width}]"
+      )
+  if problems:
+    raise ValueError(
+      f"{config_path}: {'; '.join(problems)} ; the config does not describe these weights"
+    )
+
+
+def _nonfinite_count(array) -> int:
+  """NaN and Inf values of an array as float32 (what the loader keeps)."""
+  return int(np.size(array) - np.isfinite(np.asarray(array, np.float32)).sum())
+
+
+def _check_float_weights(hf: dict, tensors: dict, file_of) -> None:
+  """Refuse a tensor stored as an integer or boolean dtype: every weight this loader reads
+  is a float (an I32-labelled lm_head would otherwise load its float bytes as integers);
+  a compressed-tensors checkpoint's packed fields are checked by `compressed`."""
+  packed = compressed.quantized_format(hf) is not None
+  for name, array in tensors.items():
+    if name.endswith(_IGNORED_SUFFIXES) or (
+      packed and name.rsplit(".", 1)[-1] in compressed.FIELDS
+    ):
+      continue
+    label = _LABELS.get(array.dtype, str(array.dtype))
+    if label not in _FLOAT_LABELS:
+      raise ValueError(
+        f"{file_of(name)}: tensor {name!r} has dtype {label}; a weight must be stored as "
+        f"one of {list(_FLOAT_LABELS)}"
+      )
+
+
+def from_hf(
+  path: str, dtype=jnp.float32, *, allow_nonfinite: bool = False, **overrides
+) -> Transformer:
   """A Transformer with the weights of a local Hugging Face checkpoint directory.
 
   Args:
     path: directory with config.json and *.safetensors (sharded index too); a
       compressed-tensors FP4 checkpoint loads dequantized (`model.compressed`).
     dtype: parameter and compute dtype (float32 or bfloat16).
+    allow_nonfinite: load weights that hold NaN or Inf (for debugging a damaged
+      checkpoint); refused by default, naming the tensor.
     **overrides: ModelConfig fields a checkpoint does not hold, how this run computes
       (e.g. remat=True); they change no weight's shape.
 
   Raises:
-    ValueError: unknown architecture (listing the supported ones), a missing tensor, a
-      tensor of the wrong shape, or tensors in the checkpoint that nothing loads.
+    ValueError: unknown architecture (listing the supported ones), a config.json the
+      tensors contradict, a missing tensor, a tensor of the wrong shape or of a dtype that
+      is not a float, a non-finite weight, or tensors in the checkpoint that nothing loads.
   """
   path = os.path.abspath(path)
-  config_path = os.path.join(path, "config.json")
-  if not os.path.exists(config_path):
+  if not os.path.exists(os.path.join(path, "config.json")):
     raise ValueError(f"{path} has no config.json")
-  cfg, hf = _read_config(config_path, dtype)
+  config_path = checkpoint_file(path, "config.json")
+  cfg, hf = read_config(config_path, dtype)
   cfg = cfg.replace(**overrides)
   arch = get_arch(cfg.arch)
-  tensors = compressed.decompress(hf, _read_checkpoint(path))  # FP4 checkpoints: dequantized
-  checkpoint = Checkpoint(arch.text_tensors(tensors))  # e.g. Qwen3.5's published layout
+  raw, origin = _read_checkpoint_files(path)
+  tensors = arch.text_tensors(raw)  # e.g. Qwen3.5's published layout
+  files = {id(raw[name]): file for name, file in origin.items()}  # text_tensors keeps arrays
+
+  def named(names, among) -> str:
+    """Tensors and the files they came from (a dequantized FP4 weight: the directory)."""
+    shown = ", ".join(f"{n!r} in {files.get(id(among[n]), path)}" for n in names[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+  _check_config_claims(config_path, hf, cfg, tensors)  # headers only, before anything is built
+  _check_float_weights(hf, tensors, lambda name: files.get(id(tensors[name]), path))
+  checkpoint = Checkpoint(compressed.decompress(hf, tensors))  # FP4 checkpoints: dequantized
 
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
@@ -162,10 +337,23 @@ def from_hf(path: str, dtype=jnp.float32, **overrides) -> Transformer:
     raise ValueError(f"no checkpoint mapping for parameters {missing_from_map}")
   for param_path, variable in flat.items():
     expected = variable.get_value().shape
+    first = len(checkpoint.reads)
     array = np.asarray(arch.names.read(param_path, expected, checkpoint), dtype=np.float32)
+    sources = list(dict.fromkeys(checkpoint.reads[first:]))
+    name = ".".join(str(p) for p in param_path)
     if array.shape != expected:
-      name = ".".join(str(p) for p in param_path)
-      raise ValueError(f"tensor for {name} has shape {array.shape}; the config implies {expected}")
+      raise ValueError(
+        f"tensor for {name} has shape {array.shape} ({named(sources, checkpoint.tensors)}); "
+        f"the config implies {expected}"
+      )
+    if not allow_nonfinite and not np.isfinite(array).all():
+      bad = {n: c for n in sources if (c := _nonfinite_count(checkpoint.tensors[n]))}
+      raise ValueError(
+        f"tensor {named(list(bad) or sources, checkpoint.tensors)} holds "
+        f"{sum(bad.values()) or _nonfinite_count(array)} NaN or Inf values (read as {name}): "
+        "non-finite weights are refused "
+        "(from_hf(..., allow_nonfinite=True) loads them, for debugging)"
+      )
     variable.set_value(jnp.asarray(array, dtype))
   unused = sorted(
     n for n in set(checkpoint.tensors) - checkpoint.used if not n.endswith(_IGNORED_SUFFIXES)

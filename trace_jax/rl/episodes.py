@@ -86,10 +86,23 @@ def evaluate(
   """
   out = {"eval/problems": len(items)}
   for name, engine in engines.items():
-    played = play(engine, task, tokenizer, items, jax.random.key(0))
-    out[f"eval/reward_{name}"] = float(np.mean(played.rewards))
-    out[f"eval/reward_{name}_se"] = standard_error(played.rewards)
+    rewards = finite_rewards(play(engine, task, tokenizer, items, jax.random.key(0)))
+    out[f"eval/reward_{name}"] = float(np.mean(rewards))
+    out[f"eval/reward_{name}_se"] = standard_error(rewards)
   return out
+
+
+def finite_rewards(played: Episodes) -> np.ndarray:
+  """Each sequence's reward, NaN where the log-probability of a generated token is not
+  finite: there the logits were (NaN or +Inf, e.g. from non-finite weights), and the
+  greedy token, whatever it scores, says nothing of the policy; a reward of 0 would read as
+  a policy that answered wrong."""
+  logprobs = host_array(played.rollout.logprobs)  # [B, S]
+  generated = host_array(played.rollout.response_mask)
+  broken = ~np.isfinite(np.where(generated, logprobs, 0.0)).all(axis=-1)
+  rewards = np.array(played.rewards)
+  rewards[broken] = np.nan
+  return rewards
 
 
 def standard_error(values) -> float:

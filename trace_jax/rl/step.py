@@ -362,9 +362,11 @@ def update(spec: StepSpec, state: RLState, scored: Scored) -> tuple[RLState, Upd
   return state.replace(step=state.step + 1, version=state.version + 1), done
 
 
-def check_update(spec: StepSpec, step: int, done: Update, last_good: str) -> None:
+def check_update(spec: StepSpec, step: int, done: Update, last_good: str, before=None) -> None:
   """Raise DivergenceError if step `step` broke the policy, before it is logged or saved;
-  `last_good` says which checkpoint a rerun resumes from."""
+  `last_good` says which checkpoint a rerun resumes from. `before`, the policy the step
+  started from, is checked only then: weights already non-finite are no fault of the
+  learning rate, and the error says so."""
   limit = spec.config.schedule.max_param_abs
   problems = []
   if not np.all(np.isfinite(done.losses)):
@@ -377,11 +379,19 @@ def check_update(spec: StepSpec, step: int, done: Update, last_good: str) -> Non
     problems.append(
       f"max |parameter| is {done.max_param_abs:.3g}, beyond RLConfig.max_param_abs={limit:g}"
     )
-  if problems:
+  if not problems:
+    return
+  if before is not None and not bool(jax.device_get(_param_health(before)[0])):
     raise DivergenceError(
-      f"step {step} diverged: {'; '.join(problems)}. Nothing of step {step} was saved; "
-      f"{last_good}. Lower --learning_rate (now {spec.config.schedule.learning_rate:g}) and rerun."
+      f"step {step} failed: {'; '.join(problems)}, but the policy's weights held NaN or "
+      f"Inf before step {step}, so the learning rate is not the cause (the initial "
+      "weights are non-finite: a checkpoint loaded with from_hf(allow_nonfinite=True)?). "
+      f"Nothing of step {step} was saved; {last_good}."
     )
+  raise DivergenceError(
+    f"step {step} diverged: {'; '.join(problems)}. Nothing of step {step} was saved; "
+    f"{last_good}. Lower --learning_rate (now {spec.config.schedule.learning_rate:g}) and rerun."
+  )
 
 
 def step_metrics(

@@ -17,14 +17,13 @@ conversation) is a ValueError raised by `check` before any weight is read.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from flax import nnx
 
 from trace_jax import fp4, plan
 from trace_jax.model.config import ModelConfig, get_preset
-from trace_jax.model.hf import config_from_hf, from_hf
+from trace_jax.model.hf import checkpoint_file, from_hf, read_config, shard_files
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl import episodes
 from trace_jax.tasks.base import Task
@@ -80,9 +79,13 @@ def warm_start(config) -> bool:
   return not config.source.hf_checkpoint
 
 
+# The files of a checkpoint directory that the policy source reads, beside the weights.
+_READ_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
 def check_checkpoint_files(directory: str) -> str:
   """The absolute directory, or a ValueError naming what is missing (config.json, weights,
-  tokenizer.json)."""
+  tokenizer.json) or what resolves outside the directory."""
   path = os.path.abspath(directory)
   if not os.path.isdir(path):
     raise ValueError(f"hf_checkpoint={directory!r} is not a directory")
@@ -91,7 +94,9 @@ def check_checkpoint_files(directory: str) -> str:
     for name in ("config.json", "tokenizer.json")
     if not os.path.exists(os.path.join(path, name))
   ]
-  if not any(name.endswith(".safetensors") for name in os.listdir(path)):
+  if not any(
+    name.endswith((".safetensors", ".safetensors.index.json")) for name in os.listdir(path)
+  ):
     missing.append("*.safetensors")
   if missing:
     raise ValueError(
@@ -99,18 +104,15 @@ def check_checkpoint_files(directory: str) -> str:
       "directory holds config.json, *.safetensors, tokenizer.json, "
       "tokenizer_config.json and generation_config.json)"
     )
+  for name in _READ_FILES:  # none may resolve outside the directory (a symlink out, say)
+    if os.path.lexists(os.path.join(path, name)):
+      checkpoint_file(path, name)
+  shard_files(path)  # the index and each shard it names, the same way
   return path
 
 
 def _checkpoint_config(path: str) -> ModelConfig:
-  config_path = os.path.join(path, "config.json")
-  try:
-    with open(config_path) as f:
-      return config_from_hf(json.load(f))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"{config_path} is not valid JSON ({e})") from e
-  except KeyError as e:
-    raise ValueError(f"{config_path} lacks the required field {e.args[0]!r}") from e
+  return read_config(os.path.join(path, "config.json"))[0]
 
 
 def check(config, task: Task) -> tuple[Tokenizer, ModelConfig]:

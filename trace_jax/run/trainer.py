@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import math
 import time
 
 import jax
@@ -149,7 +151,7 @@ class Trainer:
     start = time.time()
     scored = step_lib.score(spec, self.state, collected, step)
     state, done = step_lib.update(spec, self.state, scored)
-    step_lib.check_update(spec, step, done, self.rundir.last_good())
+    step_lib.check_update(spec, step, done, self.rundir.last_good(), before=self.state.policy)
     train_seconds = time.time() - start
     metrics = step_lib.step_metrics(spec, step, collected, done, engine)
     if self._async is not None:
@@ -170,7 +172,9 @@ class Trainer:
       if self.mesh is not None:
         stack.enter_context(jax.set_mesh(self.mesh))
       if self.step == 0 and every:
-        self.rundir.log({"step": 0, **self.evaluate()})
+        initial = self.evaluate()
+        self.rundir.log({"step": 0, **initial})
+        _warn_if_non_finite(initial)
       bar = tqdm(
         range(self.step, steps),
         desc=f"rl {self.config.arm}",
@@ -199,3 +203,16 @@ class Trainer:
     from the ring's latest version)."""
     if self._async is not None:
       self._async.close()
+
+
+def _warn_if_non_finite(evaluation: dict) -> None:
+  """Say so when the initial evaluation is NaN: the logits of the weights the run starts
+  from are not finite (a step that then fails is no fault of the learning rate)."""
+  rewards = {k: v for k, v in evaluation.items() if k.startswith("eval/reward_")}
+  if any(not math.isfinite(v) for k, v in rewards.items() if not k.endswith("_se")):
+    logging.warning(
+      "the initial evaluation is non-finite (%s): before any update, the starting "
+      "policy's logits hold NaN or Inf (its weights, or their FP4 rollout copy, are not "
+      "finite); no learning rate fixes that",
+      ", ".join(f"{k}={v}" for k, v in rewards.items() if not k.endswith("_se")),
+    )

@@ -89,11 +89,13 @@ def _transpose(a):
 
 
 class Checkpoint:
-  """A checkpoint's tensors by name, remembering which were read (to report the rest)."""
+  """A checkpoint's tensors by name, remembering which were read (to report the rest) and
+  in what order (to name the tensors behind a parameter)."""
 
   def __init__(self, tensors: dict):
     self.tensors = tensors
     self.used: set[str] = set()
+    self.reads: list[str] = []
 
   def __contains__(self, name: str) -> bool:
     return name in self.tensors
@@ -102,6 +104,7 @@ class Checkpoint:
     if name not in self.tensors:
       raise ValueError(f"checkpoint is missing tensor {name!r}")
     self.used.add(name)
+    self.reads.append(name)
     return self.tensors[name]
 
 
