@@ -35,3 +35,60 @@ def test_no_module_level_getattr():
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "__getattr__"
   ]
   assert found == []
+
+
+def _imports(name: str, tree: ast.Module, modules) -> set[str]:
+  """The trace_jax modules that module `name` imports anywhere in its source (top level,
+  inside functions, under `if`): `from p import x` names module `p.x` if that is a module,
+  else module `p`. A package's own __init__, which Python runs before any of its
+  submodules, is an edge only where it is imported by name."""
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(alias.name for alias in node.names if alias.name in modules)
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      for alias in node.names:
+        full = f"{node.module}.{alias.name}"
+        if full in modules:
+          out.add(full)
+        elif node.module in modules:
+          out.add(node.module)
+  out.discard(name)
+  return out
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One import cycle of `graph` ({module: modules it imports}), or None if it is acyclic."""
+  state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+  def visit(node, path):
+    state[node] = 1
+    path.append(node)
+    for nxt in sorted(graph[node]):
+      if state.get(nxt) == 1:
+        return path[path.index(nxt) :] + [nxt]
+      if nxt not in state and (found := visit(nxt, path)):
+        return found
+    path.pop()
+    state[node] = 2
+    return None
+
+  for node in sorted(graph):
+    if node not in state and (found := visit(node, [])):
+      return found
+  return None
+
+
+def test_a_cycle_is_found_where_there_is_one():
+  assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+  assert _a_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_cycle_among_trace_jax_modules():
+  """trace_jax's module graph is acyclic, counting every import in a module's source,
+  function-level ones included (not only the top-level imports): no module relies on
+  importing another late to break a circle."""
+  modules = _modules()
+  graph = {name: _imports(name, tree, modules) for name, tree in modules.items()}
+  assert graph["trace_jax.kernels.gemm"] >= {"trace_jax.kernels.launch"}
+  assert _a_cycle(graph) is None, " -> ".join(_a_cycle(graph))

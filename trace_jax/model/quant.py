@@ -213,8 +213,9 @@ class QuantConfig:
   activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8: linear inputs in MXFP8 E4M3,
   #   nearest rounding, no guidance; K/V stay FP4)
   kv: str = "fp4"  # "fp4": the K/V sites (and the cache) as `sites` says; "bf16": never FP4
-  kernels: str = "xla"  # "xla", "pallas" or "auto" (Pallas on GPU): whether packed FP4
-  #   weights and the FP4 cache go through `trace_jax.kernels` (forward only: the rollout)
+  kernels: str = "xla"  # "xla" or "pallas": whether packed FP4 weights and the FP4 cache go
+  #   through `trace_jax.kernels` (forward only: the rollout); a run's "auto" is resolved
+  #   where it is set up (`kernels.resolve`, outside jit), never inside a model call
   recording: Recording = Recording()  # what the call records of its sites (ModelOutput.sites)
   compute_dtype: str | None = None  # activations' dtype; None: the model's (ModelConfig.dtype)
 
@@ -253,7 +254,7 @@ class QuantConfig:
     if not isinstance(self.guided_layers, (str, int)):
       object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
     _check_layers_spec(self.guided_layers)
-    kernels_lib.check_mode(self.kernels, "QuantConfig.kernels")
+    kernels_lib.check_mode(self.kernels, "QuantConfig.kernels", kernels_lib.IMPLEMENTATIONS)
     if not isinstance(self.recording, Recording):
       raise ValueError(
         f"QuantConfig.recording must be a Recording, got {type(self.recording).__name__}"
