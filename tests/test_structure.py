@@ -92,3 +92,27 @@ def test_no_import_cycle_among_trace_jax_modules():
   graph = {name: _imports(name, tree, modules) for name, tree in modules.items()}
   assert graph["trace_jax.kernels.gemm"] >= {"trace_jax.kernels.launch"}
   assert _a_cycle(graph) is None, " -> ".join(_a_cycle(graph))
+
+
+def _public_types(tree: ast.Module) -> list[str]:
+  """The public (non-underscore) classes a module defines at its top level, and its public
+  type aliases (a CapWords name bound to a subscripted type, `Name = Union[...]`)."""
+  names = []
+  for node in tree.body:
+    if isinstance(node, ast.ClassDef):
+      names.append(node.name)
+    elif isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Subscript):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      names += [t.id for t in targets if isinstance(t, ast.Name) and not t.id.isupper()]
+  return [name for name in names if not name.startswith("_")]
+
+
+def test_public_type_names_are_unique():
+  """No two modules define a public class (or type alias) of the same name: a name says
+  which thing it is wherever it is imported."""
+  where: dict[str, list[str]] = {}
+  for module, tree in _modules().items():
+    for name in _public_types(tree):
+      where.setdefault(name, []).append(module)
+  assert {"QArray", "Guidance", "SiteKey", "Rollout"} <= set(where)
+  assert {name: mods for name, mods in where.items() if len(mods) > 1} == {}

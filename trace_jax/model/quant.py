@@ -62,7 +62,7 @@ from trace_jax.model.sites import (
 )
 
 
-PRECISIONS = ("fp4", "bf16")
+PRECISIONS = ("bf16", "fp4")  # a model's, a rollout's, a deployment's: unquantized or FP4
 # The groups of linear weights (`parameters.WEIGHT_GROUPS`, declared on each weight); a
 # scope quantizes whole groups.
 SCOPE_WEIGHT_GROUPS = {"all": WEIGHT_GROUPS, "experts+kv": ("experts",)}

@@ -25,9 +25,10 @@ from typing import Any, Callable, Sequence
 import jax
 from flax import nnx, struct
 
+from trace_jax.guidance import SiteKey
+
 # Named FP4 scopes (DESIGN.md section 2); each site declares the scopes that include it.
 SITE_SCOPES = ("all", "experts+kv")
-SiteKey = tuple[int, str]  # (layer, site name): the key of a site's records and guidance
 
 
 def _every_layer(cfg, layer: int) -> bool:
