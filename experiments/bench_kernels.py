@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax import fp4, kernels
-from trace_jax.kernels import quantize_lib
+from trace_jax.kernels import quantize as quantize_lib
 from trace_jax.model import layers
 from trace_jax.model.attention import attend
 from trace_jax.model.quantizer import quantize_weight_group
@@ -153,7 +153,7 @@ def _cases(shape, batch, kv_len, rng):
     (
       "decode_attention",
       [
-        ("pallas", jax.jit(kernels.decode_attention), (q, kq, vq, lengths), _nbytes(q, kq, vq)),
+        ("pallas", jax.jit(kernels.fp4_decode_attention), (q, kq, vq, lengths), _nbytes(q, kq, vq)),
         ("xla dequant+attend", jax.jit(attention), (q, kq, vq), _nbytes(q, kq, vq)),
         ("bf16", jax.jit(attention), (q, kb, vb), _nbytes(q, kb, vb)),
       ],

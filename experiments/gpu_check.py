@@ -54,7 +54,7 @@ from flax import nnx
 from trace_jax import fp4
 from trace_jax import kernels as kernels_lib
 from trace_jax import model as M
-from trace_jax.kernels import dispatch, moe_lib
+from trace_jax.kernels import moe as moe_lib, probe
 from trace_jax.model import moe as moe_module
 from trace_jax.model.cache import init_cache
 from trace_jax.model.quantizer import quantize_weight_group
@@ -119,7 +119,7 @@ def _us(seconds: float) -> str:
 
 
 def probe_section(run: Run) -> None:
-  verdicts = dispatch.tie_oracle(rows=run.shapes["tie_rows"])
+  verdicts = probe.tie_oracle(rows=run.shapes["tie_rows"])
   rows = [(path, "bit-equal" if not bad else f"DIFFERS: {bad}") for path, bad in verdicts.items()]
   print(markdown_table(["path (tie oracle)", "against the host"], rows))
   equal = sum(not bad for bad in verdicts.values())
@@ -158,7 +158,7 @@ def kernels_section(run: Run) -> None:
     v = _random_qarray(jax.random.fold_in(key, 1), (b, length, hkv, dh), -1, "row")
     q = jax.random.normal(key, (b, heads, dh), jnp.bfloat16)
     lengths = jnp.full((b,), length, jnp.int32)
-    t = device_time(jax.jit(kernels_lib.decode_attention), q, k, v, lengths, calls=_CALLS.value)
+    t = device_time(jax.jit(kernels_lib.fp4_decode_attention), q, k, v, lengths, calls=_CALLS.value)
     nbytes = _nbytes(q, k, v)
     shares[(b, length)] = _share(nbytes, t.busy, run)
     rows.append(

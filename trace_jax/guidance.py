@@ -31,7 +31,7 @@ from trace_jax import fp4
 from trace_jax.utils.io import write_atomic
 
 GUIDANCE_MODES = ("none", "compact", "full", "sparse")
-SiteKey = tuple[int, str]
+SiteKey = tuple[int, str]  # (layer, site name): the key of a site's records and guidance
 
 
 @functools.partial(

@@ -178,7 +178,7 @@ def test_fused_quantize_kernel_keeps_ties():
   """The Pallas quantize kernel (interpret mode) shares `fp4.tiles.quantize_rows`, so it
   holds the same ties."""
   x = _bf16_ties(np.random.default_rng(5), 128, 4).astype(BF16)
-  q, bits = kernels.quantize(jnp.asarray(x), interpret=True)
+  q, bits = kernels.fused_quantize(jnp.asarray(x), interpret=True)
   codes, scale_bits, gs = reference.nvfp4(np.asarray(x, F32), (0,))
   np.testing.assert_array_equal(fp4.codes(q), codes)
   np.testing.assert_array_equal(q.scales, scale_bits)

@@ -26,9 +26,9 @@ from trace_jax import model as M
 from trace_jax.fp4 import numerics
 from trace_jax.kernels import (
   cuda_lowering,
-  dispatch,
-  gemm_lib,
-  grouped_gemm_lib,
+  launch,
+  gemm as gemm_lib,
+  grouped_gemm as grouped_gemm_lib,
   layout,
   routing,
 )
@@ -107,7 +107,7 @@ def test_moe_experts_lower_to_two_expert_major_launches(batch):
 def test_decode_attention_fills_the_gpu_at_any_length(batch, length):
   cache = _qarray((batch, length, KV_HEADS, HEAD_DIM), "nvfp4", 3, (batch, length, KV_HEADS, 1))
   calls = _lower(
-    lambda q, k, v, n, m: kernels.decode_attention(q, k, v, n, m),
+    lambda q, k, v, n, m: kernels.fp4_decode_attention(q, k, v, n, m),
     S((batch, 32, HEAD_DIM), jnp.bfloat16),
     cache,
     cache,
@@ -131,7 +131,7 @@ def test_write_kv_and_quantize_lower():
     S((), jnp.int32),
   )
   assert call.name == "fp4_write_kv" and call.grid == (32, 1, 1)
-  [call] = _lower(lambda x: kernels.quantize(x, "mxfp4"), S((32, FFN), jnp.bfloat16))
+  [call] = _lower(lambda x: kernels.fused_quantize(x, "mxfp4"), S((32, FFN), jnp.bfloat16))
   assert call.name == "fp4_quantize"
 
 
@@ -150,7 +150,7 @@ def test_quantizing_kernels_divide_only_with_div_rn():
   cache = _qarray((4, 64, KV_HEADS, HEAD_DIM), "nvfp4", 3, (4, 64, KV_HEADS, 1))
   new = S((4, 1, KV_HEADS, HEAD_DIM), jnp.bfloat16)
   calls = [
-    *_lower(lambda x: kernels.quantize(x, "nvfp4"), x),
+    *_lower(lambda x: kernels.fused_quantize(x, "nvfp4"), x),
     *_lower(
       lambda x, w: kernels.fp4_gemm(x, w, quantize="nvfp4", record="compact"),
       x,
@@ -249,9 +249,9 @@ def test_one_layer_decode_step_at_the_other_shapes(batch, length):
 
 def test_triton_params_are_checked():
   with pytest.raises(ValueError, match="num_warps=3"):
-    dispatch.triton_params(3, 2, "fp4_gemm")
+    launch.triton_params(3, 2, "fp4_gemm")
   with pytest.raises(ValueError, match="num_stages=0"):
-    dispatch.triton_params(4, 0, "fp4_gemm")
+    launch.triton_params(4, 0, "fp4_gemm")
   w = _qarray((64, 32), "nvfp4", 0, (1, 1))
   with pytest.raises(ValueError, match="num_warps=6"):
     cuda_lowering.lower(
@@ -297,7 +297,7 @@ def test_each_kernel_compiles_for_sm90_without_spills_and_divides_correctly_roun
       S((batch, TOP_K), jnp.int32),
     ),
     *_lower(
-      lambda q, k, v, n: kernels.decode_attention(q, k, v, n),
+      lambda q, k, v, n: kernels.fp4_decode_attention(q, k, v, n),
       S((batch, 32, HEAD_DIM), jnp.bfloat16),
       cache,
       cache,
@@ -306,7 +306,7 @@ def test_each_kernel_compiles_for_sm90_without_spills_and_divides_correctly_roun
     *_lower(
       lambda k, v, a, c: kernels.write_kv(k, v, a, c, 0, record="compact"), new, new, cache, cache
     ),
-    *_lower(lambda x: kernels.quantize(x, "nvfp4"), S((batch, FFN), jnp.bfloat16)),
+    *_lower(lambda x: kernels.fused_quantize(x, "nvfp4"), S((batch, FFN), jnp.bfloat16)),
   ]
   for call in calls:
     compiled = cuda_lowering.compile_triton(call)

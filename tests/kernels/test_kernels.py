@@ -21,13 +21,13 @@ from trace_jax import fp4, kernels
 from trace_jax import model as M
 from trace_jax import rollout as R
 from trace_jax.kernels import (
-  decode_attention_lib,
-  dispatch,
-  gemm_lib,
-  kv_write_lib,
+  decode_attention as decode_attention_lib,
+  probe,
+  gemm as gemm_lib,
+  kv_write as kv_write_lib,
   layout,
-  moe_lib,
-  quantize_lib,
+  moe as moe_lib,
+  quantize as quantize_lib,
   routing,
 )
 from trace_jax.model.attention import attend
@@ -181,7 +181,7 @@ def test_decode_attention_any_length(b, length, hkv, groups, lengths, chunk, spl
   k, v = _cache_entry(10 + b, (b, length, hkv, dh)), _cache_entry(20 + b, (b, length, hkv, dh))
   lengths = jnp.array(lengths)
   valid = jax.random.bernoulli(jax.random.key(b), 0.7, (b, length)).at[:, 0].set(True)
-  out = kernels.decode_attention(q, k, v, lengths, valid, poison=True, chunk=chunk, splits=splits)
+  out = kernels.fp4_decode_attention(q, k, v, lengths, valid, poison=True, chunk=chunk, splits=splits)
   _close(out, decode_attention_lib.reference(q, k, v, lengths, valid), rtol=1e-5)
   # The definition: the model's attention over the dequantized cache.
   keep = (jnp.arange(length)[None] < lengths[:, None]) & valid
@@ -206,7 +206,7 @@ def test_attention_splits_fill_the_gpu_at_real_geometry():
 def test_decode_attention_without_valid_slots_gives_zero():
   q = _rand(0, (2, 4, 16))
   k, v = _cache_entry(1, (2, 16, 2, 16)), _cache_entry(2, (2, 16, 2, 16))
-  out = kernels.decode_attention(q, k, v, jnp.array([0, 16]), poison=True, chunk=8, splits=2)
+  out = kernels.fp4_decode_attention(q, k, v, jnp.array([0, 16]), poison=True, chunk=8, splits=2)
   assert not np.asarray(out[0]).any()
   _close(out, decode_attention_lib.reference(q, k, v, jnp.array([0, 16])), rtol=1e-5)
 
@@ -230,10 +230,10 @@ def test_decode_attention_nan_in_masked_slots_does_not_leak():
   assert masked.any()
   clean = decode_attention_lib.reference(q, k, v, lengths, valid)
   k_nan, v_nan = _poison_slots(k, masked), _poison_slots(v, masked)
-  out = kernels.decode_attention(q, k_nan, v_nan, lengths, valid, poison=True, chunk=16)
+  out = kernels.fp4_decode_attention(q, k_nan, v_nan, lengths, valid, poison=True, chunk=16)
   _close(out, clean, rtol=1e-5)
   attended = jnp.zeros_like(masked).at[0, 0].set(True)
-  out = kernels.decode_attention(q, k, _poison_slots(v, attended), lengths, valid, chunk=16)
+  out = kernels.fp4_decode_attention(q, k, _poison_slots(v, attended), lengths, valid, chunk=16)
   assert np.isnan(np.asarray(out[0])).all() and np.isfinite(np.asarray(out[1])).all()
 
 
@@ -261,7 +261,7 @@ def test_write_kv_is_fp4_quantize_in_place(record, keep, t):
 def test_fused_quantize_is_bit_exact(fmt, dtype):
   x = _rand(5, (3, 11, 64)).astype(dtype)
   x = x.at[0, 0].set(0.0).at[1, 2, 5].set(jnp.nan).at[2, 3, 7].set(1e-30)
-  q, bits = kernels.quantize(x, fmt, poison=True)
+  q, bits = kernels.fused_quantize(x, fmt, poison=True)
   ref, ref_bits = quantize_lib.reference(x, fmt)
   _equal((q, bits), (ref, ref_bits))
   assert np.isnan(np.asarray(q.global_scale[1, 2])).all()  # NaN stays visible
@@ -281,9 +281,9 @@ def test_bad_input_names_what_is_wrong():
     layout.fuse([w, w, w], tile=8)
   with pytest.raises(ValueError, match="splits=9"):
     cache = _cache_entry(0, (1, 16, 1, 16))
-    kernels.decode_attention(jnp.ones((1, 1, 16)), cache, cache, jnp.array([4]), splits=9)
+    kernels.fp4_decode_attention(jnp.ones((1, 1, 16)), cache, cache, jnp.array([4]), splits=9)
   with pytest.raises(ValueError, match="multiple of 16"):
-    kernels.quantize(jnp.ones((2, 40)))
+    kernels.fused_quantize(jnp.ones((2, 40)))
   with pytest.raises(ValueError, match="kernels='cuda'"):
     kernels.resolve("cuda")
   with pytest.raises(ValueError, match="kernels"):
@@ -312,7 +312,7 @@ def test_tie_oracle_flips_under_a_reciprocal_and_not_on_the_xla_path():
 def test_probe_passes_here_and_names_the_path_and_field_that_differ(monkeypatch):
   """Every path is bit-equal on the tie oracle in interpret mode; one flipped guidance bit
   in one kernel fails the probe, and the reason (which "auto" records) says where."""
-  verdicts = dispatch.tie_oracle(True, rows=4)
+  verdicts = probe.tie_oracle(True, rows=4)
   assert verdicts and not any(verdicts.values()), verdicts
   original = quantize_lib.quantize
 
@@ -321,27 +321,43 @@ def test_probe_passes_here_and_names_the_path_and_field_that_differ(monkeypatch)
     return q, bits.at[0, 0].set(bits[0, 0] ^ 1)
 
   monkeypatch.setattr(quantize_lib, "quantize", off_by_one_bit)
-  verdicts = dispatch.tie_oracle(True, rows=4)
+  verdicts = probe.tie_oracle(True, rows=4)
   assert verdicts["pallas quantize (nvfp4)"] == "bits (1 differ)"
-  dispatch.probe_failure.cache_clear()
+  probe.probe_failure.cache_clear()
   try:
-    reason = dispatch.probe_failure(True)
+    reason = probe.probe_failure(True)
   finally:
-    dispatch.probe_failure.cache_clear()
+    probe.probe_failure.cache_clear()
   assert "pallas quantize (nvfp4): bits (1 differ)" in reason
 
 
-def test_auto_probe_runs_eagerly_even_when_first_asked_inside_a_trace(monkeypatch):
-  """`kernels="auto"` on a GPU first checks the kernels (else falls back to XLA with a
-  warning); the check must run eagerly even when first needed inside a trace."""
+def test_probe_refuses_to_run_inside_a_trace_and_caches_nothing_there(monkeypatch):
+  """`kernels="auto"` on a GPU first checks the kernels, eagerly: it is resolved outside
+  jit. Asked inside a trace, the probe refuses (instead of caching a bogus failure), and
+  the next eager call still runs it."""
   seen = []  # float() of a computed value fails inside a trace: the probe must be eager
-  monkeypatch.setattr(dispatch, "_probe", lambda interpret: seen.append(float(jnp.ones(()) + 1)))
-  dispatch.probe_failure.cache_clear()
+  monkeypatch.setattr(probe, "_probe", lambda interpret: seen.append(float(jnp.ones(()) + 1)))
+  probe.probe_failure.cache_clear()
   try:
-    assert jax.jit(lambda x: x * dispatch.probe(True))(1.0) == 1.0
+    with pytest.raises(RuntimeError, match="outside jit"):
+      jax.jit(lambda x: x * probe.probe(True))(1.0)
+    assert seen == []
+    assert probe.probe(True) and probe.probe(True)
   finally:
-    dispatch.probe_failure.cache_clear()
+    probe.probe_failure.cache_clear()
   assert seen == [2.0]
+
+
+def test_auto_is_resolved_once_where_the_rollout_is_set_up():
+  """The engine resolves `kernels="auto"` and its model calls carry the result; a model
+  call never sees "auto" (`QuantConfig` refuses it, so nothing resolves it inside a trace)."""
+  cfg = M.tiny(num_layers=1)
+  policy = M.Transformer(cfg, rngs=nnx.Rngs(0))
+  engine = R.RolloutEngine(policy, R.RolloutConfig(kernels="auto", max_len=16))
+  assert engine.kernels in kernels.IMPLEMENTATIONS
+  assert engine.statics.quant.kernels == engine.kernels
+  with pytest.raises(ValueError, match="QuantConfig.kernels='auto'"):
+    M.QuantConfig(kernels="auto")
 
 
 @pytest.mark.slow  # ~2 min: a whole generation with every kernel in interpret mode

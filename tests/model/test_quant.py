@@ -12,6 +12,7 @@ from trace_jax import guidance as G
 from trace_jax import model as M
 from trace_jax import rollout as R
 from trace_jax.model import accounting
+from trace_jax.model import sites as sites_lib
 from trace_jax.model.quant import Recording, layer_sites
 
 EXPERTS_KV = M.QuantConfig(sites="experts+kv")
@@ -185,9 +186,9 @@ def test_w4a8_puts_linear_inputs_in_fp8_and_keeps_kv_in_fp4(hybrid):
   np.testing.assert_allclose(np.asarray(again), np.asarray(logits), atol=1e-5)
 
 
-def test_site_registry_derives_the_lists_scopes_and_layer_sites():
-  """One declaration per site (where the module uses it): the site list, the scopes, the
-  cache and routed-expert sites and each layer's sites all derive from the declarations."""
+def test_site_declarations_derive_the_lists_scopes_and_layer_sites():
+  """One declaration per site (`sites.SITES`): the site list, the scopes, the cache and
+  routed-expert sites and each layer's sites all derive from the declarations."""
   assert M.ACTIVATION_SITES == (
     "attn_in",
     "attn_out",
@@ -199,11 +200,12 @@ def test_site_registry_derives_the_lists_scopes_and_layer_sites():
     "mlp_in",
     "mlp_mid",
   )
-  assert M.quant.SCOPE_SITES == {
+  assert M.ACTIVATION_SITES == tuple(s.name for s in M.SITES)
+  assert sites_lib.SCOPE_SITES == {
     "all": M.ACTIVATION_SITES,
     "experts+kv": ("k", "v", "moe_in", "moe_mid"),
   }
-  assert M.quant.KV_SITES == ("k", "v") and M.quant.ROUTED_SITES == ("moe_mid",)
+  assert sites_lib.KV_SITES == ("k", "v") and sites_lib.ROUTED_SITES == ("moe_mid",)
   # Every layer kind, against a hand table: a linear (DeltaNet) MoE layer with a shared
   # expert, a full-attention dense layer.
   cfg = M.qwen3_5_tiny(
@@ -213,14 +215,13 @@ def test_site_registry_derives_the_lists_scopes_and_layer_sites():
     0: ("attn_in", "attn_out", "moe_in", "moe_mid", "shared_mid"),
     1: ("attn_in", "attn_out", "k", "v", "mlp_in", "mlp_mid"),
   }
-  with pytest.raises(ValueError, match="already declared"):
-    M.declare_site("moe_in")
+  with pytest.raises(ValueError, match="declared twice"):
+    sites_lib.site_table((*M.SITES, M.Site(name="moe_in")))
   with pytest.raises(ValueError, match="scopes"):
-    M.declare_site("new_site", scopes=("experts-only",))
+    M.Site(name="new_site", scopes=("experts-only",))
+  assert M.Site(name="new_site", scopes=("experts+kv",)).scopes == ("all", "experts+kv")
   with pytest.raises(ValueError, match="unknown quantization site"):
-    M.quant.site_spec("nope")
-  with pytest.raises(AttributeError):
-    M.quant.NOT_A_SITE_LIST  # noqa: B018
+    sites_lib.site_spec("nope")
 
 
 def _random_norm_scales(model, seed):

@@ -31,8 +31,6 @@ from trace_jax.model.sites import site_spec
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.params import quantize_params
 
-_RANGE = 448.0 * 6.0
-
 
 def _rollout_forward(
   policy: Transformer, quant: QuantConfig, tokens, mask, positions, dtype, recording: Recording
@@ -150,7 +148,7 @@ def input_scale_distance(
     sums["elements"] += int(np.sum(np.broadcast_to(valid, x.shape)))
     amax = np.max(np.abs(x), axis=-1, keepdims=True)
     # Beyond the f32 rounding of 448 * 6 / amax: the calibration's own largest row is not.
-    sums["saturated"] += int(np.sum((amax > _RANGE / scales[key] * (1 + 1e-6)) & valid))
+    sums["saturated"] += int(np.sum((amax > fp4.NVFP4_RANGE / scales[key] * (1 + 1e-6)) & valid))
     sums["rows"] += int(np.sum(valid))
   if not sums["elements"]:
     raise ValueError(

@@ -49,6 +49,7 @@ from trace_jax.model import parameters
 from trace_jax.model.quant import QuantConfig
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.params import quantize_params
+from trace_jax.utils import safetensors
 from trace_jax.utils.io import atomic_directory, resolve_inside, write_atomic, write_json
 
 FORMATS = ("nvfp4", "mxfp4")
@@ -72,13 +73,8 @@ _SUMMARY_KEYS = ("out_dir", "files", "copied", "tensors", "bytes", "quantization
 # Every name an export writes in its folder.
 _EXPORT_NAMES = ("config.json", "model.safetensors.index.json", SUMMARY_FILE, *COPIED_FILES)
 _SHARD_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-_SAFETENSORS_DTYPES = {
-  np.dtype(np.float32): "F32",
-  np.dtype(ml_dtypes.bfloat16): "BF16",
-  np.dtype(np.uint8): "U8",
-  np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
-  np.dtype(np.float16): "F16",
-}
+# The dtypes an export writes, with their safetensors codes.
+_SAFETENSORS_DTYPES = safetensors.codes_of(("F32", "BF16", "U8", "F8_E4M3", "F16"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

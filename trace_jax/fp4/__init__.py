@@ -9,6 +9,7 @@ from trace_jax.fp4.numerics import (
   E2M1_GRID,
   E2M1_MAX,
   E4M3_MAX,
+  NVFP4_RANGE,
   e2m1_decode,
   e4m3_decode,
   e4m3_encode,

@@ -22,6 +22,9 @@ from trace_jax import _jax_private  # the private JAX hooks, isolated and tested
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+# NVFP4's range at global scale 1: the largest block scale (E4M3's 448) times E2M1's 6.
+NVFP4_RANGE = E4M3_MAX * E2M1_MAX
+_F32_MAX = float(np.finfo(np.float32).max)
 SIGN_BIT = np.uint8(8)
 E8M0_BIAS = 127
 E8M0_NAN = 255
@@ -130,6 +133,16 @@ def true_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     jnp.asarray(numerator, jnp.float32), jnp.asarray(denominator, jnp.float32)
   )
   return _ieee_div_p.bind(numerator, denominator)
+
+
+def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
+  """NVFP4's encode scale of a global group, gs = (448 * 6) / amax (DESIGN.md section 1).
+
+  A true division (`true_divide`), as the spec divides; gs = 1 where amax is 0, and at most
+  float32's largest value where amax is f32-subnormal (the quotient would overflow)."""
+  return jnp.minimum(
+    true_divide(NVFP4_RANGE, jnp.where(amax > 0, amax, NVFP4_RANGE)), _F32_MAX
+  )
 
 
 def true_divide_via_f64(numerator: jax.Array, denominator: jax.Array) -> jax.Array:

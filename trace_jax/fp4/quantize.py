@@ -37,14 +37,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from trace_jax.fp4 import numerics, sparse
 from trace_jax.fp4.qarray import CompactGuidance, QArray
 from trace_jax.fp4.sparse import SparseGuidance
-from trace_jax.fp4.spec import GlobalGroup, Guidance, QuantSpec, resolve
-
-_F32_MAX = float(np.finfo(np.float32).max)
+from trace_jax.fp4.spec import GlobalGroup, TensorGuidance, QuantSpec, resolve
 
 
 def _to_last(a: jax.Array, axis: int) -> jax.Array:
@@ -92,12 +89,9 @@ def _quantize_last(spec: QuantSpec, x, key, guidance, static_scale=None):
       global_scale = jnp.broadcast_to(_to_last(static_scale.astype(jnp.float32), axis), amax.shape)
       scale_bits = numerics.e4m3_encode(numerics.true_divide(amax_b, 6.0) * global_scale)
     elif fmt.has_global_scale:
-      # gs = 1 where amax is 0; stay finite where amax is f32-subnormal.
       # True divisions (numerics.true_divide), as the spec divides: a reciprocal
       # multiply would flip exact ties of the block scale and of the codes.
-      global_scale = jnp.minimum(
-        numerics.true_divide(448.0 * 6.0, jnp.where(amax > 0, amax, 448.0 * 6.0)), _F32_MAX
-      )
+      global_scale = numerics.nvfp4_global_scale(amax)
       scale_bits = numerics.e4m3_encode(numerics.true_divide(amax_b, 6.0) * global_scale)
     else:
       global_scale = jnp.ones(finite.shape, jnp.float32)
@@ -172,7 +166,7 @@ def _four_over_six(blocks, amax_b, global_scale, scale_bits):
   return jnp.where(better4, scale4, scale_bits)
 
 
-def _record(spec: QuantSpec, form: str, code, scale_bits, global_scale, ndim: int) -> Guidance:
+def _record(spec: QuantSpec, form: str, code, scale_bits, global_scale, ndim: int) -> TensorGuidance:
   """The `QArray` (form "full") or its `CompactGuidance` ("compact"), in the input's layout,
   from `_quantize_last`'s codes and scales."""
   axis = spec.axis
@@ -242,7 +236,7 @@ def quantize_with_fallbacks(
   global_group: GlobalGroup = "tensor",
   rounding: str = "nearest",
   key: jax.Array | None = None,
-  guidance: Guidance | None = None,
+  guidance: TensorGuidance | None = None,
   global_scale: jax.Array | None = None,
   scale_rule: str = "standard",
 ) -> tuple[QArray, jax.Array]:
@@ -267,7 +261,7 @@ def quantize(
   global_group: GlobalGroup = "tensor",
   rounding: str = "nearest",
   key: jax.Array | None = None,
-  guidance: Guidance | None = None,
+  guidance: TensorGuidance | None = None,
   global_scale: jax.Array | None = None,
   scale_rule: str = "standard",
 ) -> QArray:
@@ -310,7 +304,7 @@ def fake_quant(
   global_group: GlobalGroup = "tensor",
   rounding: str = "nearest",
   key: jax.Array | None = None,
-  guidance: Guidance | None = None,
+  guidance: TensorGuidance | None = None,
   global_scale: jax.Array | None = None,
   scale_rule: str = "standard",
 ) -> jax.Array:
@@ -336,8 +330,8 @@ def fake_quant_record(
   global_group: GlobalGroup = "tensor",
   rounding: str = "nearest",
   key: jax.Array | None = None,
-  guidance: Guidance | None = None,
-) -> tuple[jax.Array, Guidance, jax.Array]:
+  guidance: TensorGuidance | None = None,
+) -> tuple[jax.Array, TensorGuidance, jax.Array]:
   """`fake_quant` and its record from one quantization (what a recording site needs).
 
   The record is in the form TRACE guidance stores: `form="full"` gives the `QArray`

@@ -24,7 +24,8 @@ ROUNDING_MODES = ("nearest", "stochastic", "guided")
 SCALE_RULES = ("standard", "4over6")
 RECORD_FORMS = ("compact", "full")
 GlobalGroup = Union[str, int, Sequence[int]]
-Guidance = Union[QArray, CompactGuidance, SparseGuidance]
+# One tensor's recorded rounding outcome, in any form: full codes, compact bits or sparse flags.
+TensorGuidance = Union[QArray, CompactGuidance, SparseGuidance]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,7 +84,7 @@ def resolve(
   global_group: GlobalGroup,
   rounding: str,
   key: jax.Array | None,
-  guidance: Guidance | None,
+  guidance: TensorGuidance | None,
   global_scale: jax.Array | None = None,
   scale_rule: str = "standard",
   record: str | None = None,

@@ -2,7 +2,7 @@
 with their NVFP4 / MXFP4 codes and scales computed on the host (NumPy's IEEE float32).
 
 Every division of the spec must be correctly rounded on every path (`numerics.true_divide`):
-a quotient one ulp off flips an exact tie. `kernels.dispatch`'s probe quantizes these rows
+a quotient one ulp off flips an exact tie. `kernels.probe` quantizes these rows
 on the device on every path (XLA, and each Pallas kernel that quantizes) and compares them
 bit for bit with `host_quantize`; a GPU compiler that divides approximately fails it.
 

@@ -20,8 +20,6 @@ from trace_jax.fp4.qarray import get_format
 from trace_jax.fp4.quantize import _quantize_last
 from trace_jax.fp4.spec import QuantSpec
 
-_GS_NUMERATOR = 448.0 * 6.0  # NVFP4: gs = (448 * 6) / amax
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 def _broadcast_blocks(scale: jax.Array, axis: int, repeat: int) -> jax.Array:
@@ -92,10 +90,7 @@ def row_global_scale(amax: jax.Array, fmt: str) -> jax.Array:
   finite = jnp.isfinite(amax)
   if not get_format(fmt).has_global_scale:
     return jnp.where(finite, 1.0, jnp.nan).astype(jnp.float32)
-  gs = jnp.minimum(
-    numerics.true_divide(_GS_NUMERATOR, jnp.where(amax > 0, amax, _GS_NUMERATOR)), _F32_MAX
-  )
-  return jnp.where(finite, gs, jnp.nan)
+  return jnp.where(finite, numerics.nvfp4_global_scale(amax), jnp.nan)
 
 
 def quantize_pairs(x_even: jax.Array, x_odd: jax.Array, global_scale: jax.Array, fmt: str):

@@ -15,24 +15,45 @@ kernels the model dequantizes and runs XLA dots (`experiments/bench_kernels.py` 
   kv_write          new K/V entries quantized and written into the FP4 cache in place
   quantize          fused per-token NVFP4/MXFP4 quantization + compact guidance bits
   layout            sibling weights fused at weight sync (q|k|v, gate|up) for the kernels
+  launch            `pallas_call` on the Triton backend, interpret mode off a GPU (every
+                    kernel module imports it; it imports none of them)
+  probe             whether the kernels run and match their references here
+  dispatch          `resolve("auto" | "pallas" | "xla")`: which implementation runs
 
-`dispatch.resolve("auto" | "pallas" | "xla")` picks the implementation (`resolve_with_reason`
-also says why "auto" fell back to XLA); the model and the rollout engine take it as
-`kernels=`. On a GPU the kernels compile through Pallas' Triton backend; `cuda_lowering`
-lowers them for CUDA, and compiles them to sm_90 cubins, on a machine without a GPU.
+`dispatch.resolve` (`resolve_with_reason` also says why "auto" fell back to XLA) is called
+once, outside jit, where a run is set up (the rollout engine); the model takes the resolved
+implementation as `QuantConfig.kernels`. On a GPU the kernels compile through Pallas' Triton
+backend; `cuda_lowering` lowers them for CUDA, and compiles them to sm_90 cubins, on a
+machine without a GPU.
+
+The kernel functions are exported under names of their own (`fp4_gemm`, `fp4_grouped_gemm`,
+`moe_experts`, `fp4_decode_attention`, `write_kv`, `fused_quantize`), so that
+`trace_jax.kernels.<module>` is always the module.
 """
 
-from trace_jax.kernels import decode_attention as decode_attention_lib
-from trace_jax.kernels import gemm as gemm_lib
-from trace_jax.kernels import grouped_gemm as grouped_gemm_lib
-from trace_jax.kernels import kv_write as kv_write_lib
-from trace_jax.kernels import layout, routing
-from trace_jax.kernels import moe as moe_lib
-from trace_jax.kernels import quantize as quantize_lib
-from trace_jax.kernels.decode_attention import decode_attention
-from trace_jax.kernels.dispatch import KERNEL_MODES, check_mode, resolve, resolve_with_reason
+from trace_jax.kernels import (
+  decode_attention,
+  dispatch,
+  gemm,
+  grouped_gemm,
+  kv_write,
+  launch,
+  layout,
+  moe,
+  probe,
+  quantize,
+  routing,
+)
+from trace_jax.kernels.decode_attention import decode_attention as fp4_decode_attention
+from trace_jax.kernels.dispatch import (
+  IMPLEMENTATIONS,
+  KERNEL_MODES,
+  check_mode,
+  resolve,
+  resolve_with_reason,
+)
 from trace_jax.kernels.gemm import fp4_gemm
 from trace_jax.kernels.grouped_gemm import fp4_grouped_gemm
 from trace_jax.kernels.kv_write import write_kv
 from trace_jax.kernels.moe import moe_experts
-from trace_jax.kernels.quantize import quantize
+from trace_jax.kernels.quantize import quantize as fused_quantize

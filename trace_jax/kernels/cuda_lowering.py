@@ -31,7 +31,7 @@ import tempfile
 import jax
 
 from trace_jax import _jax_private  # jaxlib's MLIR bindings, Pallas' Triton-dialect context
-from trace_jax.kernels import dispatch
+from trace_jax.kernels import launch
 
 ir = _jax_private.mlir_ir
 
@@ -68,8 +68,8 @@ class CompiledKernel:
 
 def lower(fn, *args, **kwargs) -> jax.stages.Lowered:
   """`fn(*args, **kwargs)` lowered for CUDA on any machine (args may be ShapeDtypeStructs),
-  kernels compiled (`dispatch.compiled_kernels`: not their interpret-mode emulation)."""
-  with dispatch.compiled_kernels():
+  kernels compiled (`launch.compiled_kernels`: not their interpret-mode emulation)."""
+  with launch.compiled_kernels():
     return jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
 
 

@@ -31,7 +31,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from trace_jax import fp4
 from trace_jax.fp4 import numerics, tiles
-from trace_jax.kernels import dispatch
+from trace_jax.kernels import launch
 
 _F32 = jnp.float32
 _NEG = -1e30  # the running max before any valid slot (finite: no inf - inf)
@@ -212,10 +212,11 @@ def decode_attention(
   else:
     per_split = -(-chunks // splits)
     splits = -(-chunks // per_split)
-  interpret = dispatch.interpret_default(interpret)
+  interpret = launch.interpret_default(interpret)
   valid = jnp.ones((b, length), jnp.int8) if valid is None else valid.astype(jnp.int8)
-  launch = (interpret, poison, num_warps or (8 if chunk >= 128 else 4), num_stages)
-  return _attention(q, k, v, lengths.astype(jnp.int32), valid, chunk, splits, per_split, *launch)
+  launch_args = (interpret, poison, num_warps or (8 if chunk >= 128 else 4), num_stages)
+  lengths = lengths.astype(jnp.int32)
+  return _attention(q, k, v, lengths, valid, chunk, splits, per_split, *launch_args)
 
 
 @functools.partial(jax.jit, static_argnums=tuple(range(5, 12)))
@@ -248,7 +249,7 @@ def _attention(q, k, v, lengths, valid, chunk, splits, per_split, interpret, poi
     length=length,
     dtype=q.dtype,
   )
-  parts, m, l = dispatch.pallas_call(
+  parts, m, l = launch.pallas_call(
     kernel,
     out_shape=[part, stat, stat],
     grid=(b, hkv, splits),
@@ -263,7 +264,7 @@ def _attention(q, k, v, lengths, valid, chunk, splits, per_split, interpret, poi
   )
   width = 1 << max(0, splits - 1).bit_length()  # loads are powers of two: mask the rest
   out_shape = jax.ShapeDtypeStruct((b, h, dh), q.dtype)
-  (out,) = dispatch.pallas_call(
+  (out,) = launch.pallas_call(
     functools.partial(_combine_kernel, splits=splits, width=width),
     out_shape=[out_shape],
     grid=(b, h),

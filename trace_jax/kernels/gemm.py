@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from trace_jax import fp4
-from trace_jax.kernels import dispatch, layout
+from trace_jax.kernels import launch, layout
 from trace_jax.kernels.gemm_body import (
   Spec,
   check_operands,
@@ -120,8 +120,8 @@ def fp4_gemm(
     row_div=1,
     out_dtype=jnp.dtype(out_dtype),
   )
-  launch = (dispatch.interpret_default(interpret), poison, num_warps or (8 if bm >= 32 else 4))
-  y, record_out = _dense_call(x2, qw, spec, splits, *launch, num_stages)
+  launch_args = (launch.interpret_default(interpret), poison, num_warps or (8 if bm >= 32 else 4))
+  y, record_out = _dense_call(x2, qw, spec, splits, *launch_args, num_stages)
   return y.reshape(*lead, y.shape[-1]), record_output(record_out, spec, lead)
 
 
@@ -146,7 +146,7 @@ def _dense_call(x2, qw, spec, splits, interpret, poison, num_warps, num_stages):
     y_shape = jax.ShapeDtypeStruct((m, n_out), spec.out_dtype)
     y_spec = pl.BlockSpec((m, spec.block_n), lambda i, j, s: (0, j))
   records = record_shapes(spec, (m,), k)
-  out = dispatch.pallas_call(
+  out = launch.pallas_call(
     functools.partial(kernel, spec=spec),
     out_shape=[y_shape, *records],
     grid=(-(-m // spec.block_m), n // wn, splits),

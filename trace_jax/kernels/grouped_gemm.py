@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from trace_jax import fp4
-from trace_jax.kernels import dispatch, layout
+from trace_jax.kernels import launch, layout
 from trace_jax.kernels.gemm_body import (
   Spec,
   check_operands,
@@ -109,8 +109,8 @@ def fp4_grouped_gemm(
     row_div=routing.top_k,
     out_dtype=jnp.dtype(out_dtype),
   )
-  launch = (dispatch.interpret_default(interpret), poison, num_warps or (8 if bm >= 32 else 4))
-  y, record_out = _grouped_call(x, qw, routing, spec, *launch, num_stages)
+  launch_args = (launch.interpret_default(interpret), poison, num_warps or (8 if bm >= 32 else 4))
+  y, record_out = _grouped_call(x, qw, routing, spec, *launch_args, num_stages)
   return y, record_output(record_out, spec, routing.tile_rows.shape)
 
 
@@ -130,7 +130,7 @@ def _grouped_call(x, qw, routing, spec, interpret, poison, num_warps, num_stages
   else:
     inputs, in_specs = _grouped_fp4_inputs(routing, x, qw, k, wn, whole)
   records = record_shapes(spec, tiles_shape, k)
-  out = dispatch.pallas_call(
+  out = launch.pallas_call(
     functools.partial(kernel, spec=spec),
     out_shape=[jax.ShapeDtypeStruct((*tiles_shape, n_out), spec.out_dtype), *records],
     grid=(routing.num_tiles, n // wn),

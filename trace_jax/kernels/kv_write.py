@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from trace_jax import fp4
 from trace_jax.fp4 import tiles
-from trace_jax.kernels import dispatch
+from trace_jax.kernels import launch
 
 _F32 = jnp.float32
 _FIELDS = ("packed", "scales", "global_scale")
@@ -103,7 +103,7 @@ def write_kv(
     `fp4.CompactGuidance` / `fp4.QArray`, or None.
   """
   _check(k_new, v_new, cache_k, cache_v, record)
-  interpret = dispatch.interpret_default(interpret)
+  interpret = launch.interpret_default(interpret)
   index = jnp.asarray(index, jnp.int32).reshape(1)
   keep = jnp.asarray(keep).astype(jnp.int32).reshape(1)
   return _write(k_new, v_new, cache_k, cache_v, index, keep, record, interpret, poison)
@@ -125,7 +125,7 @@ def _write(k_new, v_new, cache_k, cache_v, index, keep, record, interpret, poiso
   caches = [c.astype(_F32) if n == "global_scale" else c for c, n in zip(caches, _FIELDS * 2)]
   inputs = [index, keep, k_new, v_new, *caches]
   whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * len(a.shape))  # noqa: E731
-  out = dispatch.pallas_call(
+  out = launch.pallas_call(
     functools.partial(_kernel, fmt=fmt, rows=rows, heads=hkv, length=length, record=record),
     out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches] + records,
     grid=(b, t),

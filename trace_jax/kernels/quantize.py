@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from trace_jax import fp4
 from trace_jax.fp4 import tiles
-from trace_jax.kernels import dispatch
+from trace_jax.kernels import launch
 
 
 def _check(x: jax.Array, fmt: str) -> int:
@@ -72,7 +72,7 @@ def quantize(
   num_warps, num_stages: Triton params (compiled only). Defaults: `tiling`.
   """
   _check(x, fmt)
-  interpret = dispatch.interpret_default(interpret)  # outside the jit: part of its key
+  interpret = launch.interpret_default(interpret)  # outside the jit: part of its key
   return _quantize(x, fmt, interpret, poison, block_m, num_warps, num_stages)
 
 
@@ -90,7 +90,7 @@ def _quantize(x, fmt, interpret, poison, block_m, num_warps, num_stages):
   x2 = jnp.pad(x.reshape(m, k), ((0, rows - m), (0, width - k)))
   widths = (width // 2, width // block, 1, width // 8)
   dtypes = (jnp.uint8, jnp.uint8, jnp.float32, jnp.uint8)
-  packed, scales, global_scale, bits = dispatch.pallas_call(
+  packed, scales, global_scale, bits = launch.pallas_call(
     functools.partial(_kernel, fmt=fmt),
     out_shape=[jax.ShapeDtypeStruct((rows, w), d) for w, d in zip(widths, dtypes)],
     grid=(rows // block_m,),

@@ -15,7 +15,6 @@ from trace_jax.model.config import (
 )
 from trace_jax.model.hf import from_hf
 from trace_jax.model.quant import (
-  ACTIVATION_SITES,
   SITE_SCOPES,
   WEIGHT_GROUPS,
   FP4Scheme,
@@ -34,5 +33,5 @@ from trace_jax.model.quantizer import (
   quantize_weight_group,
   weight_layout,
 )
-from trace_jax.model.sites import Site, declare_site
+from trace_jax.model.sites import ACTIVATION_SITES, SITES, Site
 from trace_jax.model.transformer import ModelOutput, Transformer

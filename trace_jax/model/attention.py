@@ -17,16 +17,7 @@ from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import LayerInputs, RMSNorm, apply_rope
 from trace_jax.model.parameters import normal_param
 from trace_jax.model.quantizer import SiteQuantizer
-from trace_jax.model.sites import Site, declare_site, sow_cache_entry, sow_site
-
-# The token mixer's sites (softmax attention here; Gated DeltaNet layers have them too).
-ATTN_IN = declare_site("attn_in")  # input of the q/k/v (DeltaNet: in_proj_qkv/z) projections
-# Input of the output projection, split over "model" along its width like o_proj's rows.
-ATTN_OUT = declare_site("attn_out", model_dim=-1)
-# K and V cache entries, after RoPE (k), per (token, KV head); full-attention layers only.
-_HAS_KV = lambda cfg, layer: layer not in cfg.linear_layers  # noqa: E731
-K = declare_site("k", present=_HAS_KV, scopes=("experts+kv",), cache=True, model_dim=2)
-V = declare_site("v", present=_HAS_KV, scopes=("experts+kv",), cache=True, model_dim=2)
+from trace_jax.model.sites import ATTN_IN, ATTN_OUT, K, V, Site, sow_cache_entry, sow_site
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives a uniform softmax, not NaN
 
@@ -162,7 +153,7 @@ class Attention(nnx.Module):
       k, v = new_entries = tuple(new_entries)
     if t == 1 and sq.kernels == "pallas" and isinstance(k, fp4.QArray):
       # A decode step: attend over the packed cache without dequantizing it.
-      out = kernels.decode_attention(q[:, 0], k, v, jnp.broadcast_to(index + 1, (b,)), mask[:, 0])
+      out = kernels.fp4_decode_attention(q[:, 0], k, v, jnp.broadcast_to(index + 1, (b,)), mask[:, 0])
     else:  # (read: dequantize a packed cache entry; a no-op cast otherwise)
       out = attend(q, kv_cache.read(k, q.dtype), kv_cache.read(v, q.dtype), mask)
     out = out.reshape(b, t, h * dh)

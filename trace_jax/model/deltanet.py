@@ -22,11 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.attention import ATTN_IN, ATTN_OUT
 from trace_jax.model.layers import LayerInputs, RMSNorm
 from trace_jax.model.parameters import normal_param, param
 from trace_jax.model.quantizer import SiteQuantizer
-from trace_jax.model.sites import sow_site
+from trace_jax.model.sites import ATTN_IN, ATTN_OUT, sow_site
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -18,7 +18,6 @@ import os
 import re
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -27,20 +26,8 @@ from trace_jax.model.archs import Checkpoint, detect_arch, get_arch
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.transformer import Transformer
 from trace_jax.utils.io import read_json_object, resolve_inside
+from trace_jax.utils.safetensors import DTYPES as _DTYPES
 
-_DTYPES = {
-  "F64": np.float64,
-  "F32": np.float32,
-  "F16": np.float16,
-  "BF16": ml_dtypes.bfloat16,
-  "I64": np.int64,
-  "I32": np.int32,
-  "I16": np.int16,
-  "I8": np.int8,
-  "U8": np.uint8,
-  "BOOL": np.bool_,
-  "F8_E4M3": ml_dtypes.float8_e4m3fn,
-}
 _LABELS = {np.dtype(t): label for label, t in _DTYPES.items()}
 _FLOAT_LABELS = ("F64", "F32", "F16", "BF16", "F8_E4M3")  # what a weight may be stored as
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -21,24 +21,7 @@ from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import matmul, swiglu
 from trace_jax.model.parameters import normal_param
 from trace_jax.model.quantizer import SiteQuantizer
-from trace_jax.model.sites import Site, declare_site, sow_site
-
-_MOE = lambda cfg, layer: layer not in cfg.dense_layers  # noqa: E731
-_DENSE = lambda cfg, layer: layer in cfg.dense_layers  # noqa: E731
-# Input of the routed experts' gate/up projections (and the shared expert's), once per token.
-MOE_IN = declare_site("moe_in", present=_MOE, scopes=("experts+kv",))
-# Input of each routed expert's down projection, per (token, chosen expert) row. The inputs
-# of every down projection are split over "model" along their width, like its rows.
-MOE_MID = declare_site("moe_mid", present=_MOE, scopes=("experts+kv",), routed=True, model_dim=-1)
-# Input of the shared expert's down projection, per token.
-SHARED_MID = declare_site(
-  "shared_mid",
-  present=lambda cfg, layer: _MOE(cfg, layer) and bool(cfg.shared_expert_dim),
-  model_dim=-1,
-)
-# A dense feed-forward layer's input and the input of its down projection.
-MLP_IN = declare_site("mlp_in", present=_DENSE)
-MLP_MID = declare_site("mlp_mid", present=_DENSE, model_dim=-1)
+from trace_jax.model.sites import MLP_IN, MLP_MID, MOE_IN, MOE_MID, SHARED_MID, Site, sow_site
 
 
 @struct.dataclass

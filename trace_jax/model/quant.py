@@ -2,8 +2,8 @@
 
 How one forward quantizes a site is `quantizer.py` (`SiteQuantizer`).
 
-Quantization sites (DESIGN.md section 2), per layer, each declared once
-(`sites.declare_site`) beside the module call that quantizes it:
+Quantization sites (DESIGN.md section 2), per layer, each declared once in `sites.py`
+and quantized by the module named:
   attn_in     input of the q/k/v projections                 per token      (attention.py)
               (Gated DeltaNet layers: of in_proj_qkv and in_proj_z)
   attn_out    input of the output projection (out_proj)      per token      (attention.py)
@@ -31,13 +31,14 @@ Which of them run in FP4 is a named scope, `QuantConfig(sites=...)`:
 A tuple of activation-site names (the older form) quantizes exactly those activation sites
 and, with `weights=True`, every linear weight.
 
-Adding a site touches one place, the module that quantizes it: a `declare_site(...)` at
-module level (its name, which layers have it, the named scopes that include it, whether it
-is a cache entry or a routed-expert site, which dimension a sharded forward splits over
-"model") and the `sow_site(..., site=THAT_SITE)` call (the linear weights it feeds name it
-as their `input_site` where they are made). `ACTIVATION_SITES`, `SCOPE_SITES`, `KV_SITES`,
-`layer_sites` (hence the guidance checks), the guidance buffers, their shardings and byte
-accounting (an abstract forward) and an export's input scales all derive from those.
+Adding a site touches two places: its `Site(...)` declaration in `sites.py` (its name,
+which layers have it, the named scopes that include it, whether it is a cache entry or a
+routed-expert site, which dimension a sharded forward splits over "model"; listed in
+`sites.SITES`) and the module's `sow_site(..., site=THAT_SITE)` call (the linear weights it
+feeds name it as their `input_site` where they are made). `sites.ACTIVATION_SITES`,
+`SCOPE_SITES`, `KV_SITES`, `layer_sites` (hence the guidance checks), the guidance buffers,
+their shardings and byte accounting (an abstract forward) and an export's input scales all
+derive from those.
 """
 
 from __future__ import annotations
@@ -52,20 +53,16 @@ from trace_jax.model import parameters
 from trace_jax.model.parameters import WEIGHT_GROUPS
 from trace_jax.utils.flags import knob
 from trace_jax.model.sites import (
+  ACTIVATION_SITES,
+  KV_SITES,
+  SCOPE_SITES,
   SITE_SCOPES,
-  derived as _derived,
-  registered_sites,
+  SITES,
   site_spec,
 )
 
 
-def __getattr__(name: str):
-  """ACTIVATION_SITES, SCOPE_SITES, KV_SITES and ROUTED_SITES, derived from the site
-  declarations (`trace_jax.model.sites`)."""
-  return _derived(name)
-
-
-PRECISIONS = ("fp4", "bf16")
+PRECISIONS = ("bf16", "fp4")  # a model's, a rollout's, a deployment's: unquantized or FP4
 # The groups of linear weights (`parameters.WEIGHT_GROUPS`, declared on each weight); a
 # scope quantizes whole groups.
 SCOPE_WEIGHT_GROUPS = {"all": WEIGHT_GROUPS, "experts+kv": ("experts",)}
@@ -216,8 +213,9 @@ class QuantConfig:
   activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8: linear inputs in MXFP8 E4M3,
   #   nearest rounding, no guidance; K/V stay FP4)
   kv: str = "fp4"  # "fp4": the K/V sites (and the cache) as `sites` says; "bf16": never FP4
-  kernels: str = "xla"  # "xla", "pallas" or "auto" (Pallas on GPU): whether packed FP4
-  #   weights and the FP4 cache go through `trace_jax.kernels` (forward only: the rollout)
+  kernels: str = "xla"  # "xla" or "pallas": whether packed FP4 weights and the FP4 cache go
+  #   through `trace_jax.kernels` (forward only: the rollout); a run's "auto" is resolved
+  #   where it is set up (`kernels.resolve`, outside jit), never inside a model call
   recording: Recording = Recording()  # what the call records of its sites (ModelOutput.sites)
   compute_dtype: str | None = None  # activations' dtype; None: the model's (ModelConfig.dtype)
 
@@ -242,11 +240,11 @@ class QuantConfig:
       if self.sites not in SITE_SCOPES:
         raise ValueError(
           f"QuantConfig.sites={self.sites!r} is not allowed; use one of "
-          f"{SITE_SCOPES} or a tuple of sites from {_derived('ACTIVATION_SITES')}"
+          f"{SITE_SCOPES} or a tuple of sites from {ACTIVATION_SITES}"
         )
     else:
       object.__setattr__(self, "sites", tuple(self.sites))
-      known = _derived("ACTIVATION_SITES")
+      known = ACTIVATION_SITES
       unknown = [s for s in self.sites if s not in known]
       if unknown:
         raise ValueError(
@@ -256,7 +254,7 @@ class QuantConfig:
     if not isinstance(self.guided_layers, (str, int)):
       object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
     _check_layers_spec(self.guided_layers)
-    kernels_lib.check_mode(self.kernels, "QuantConfig.kernels")
+    kernels_lib.check_mode(self.kernels, "QuantConfig.kernels", kernels_lib.IMPLEMENTATIONS)
     if not isinstance(self.recording, Recording):
       raise ValueError(
         f"QuantConfig.recording must be a Recording, got {type(self.recording).__name__}"
@@ -276,9 +274,9 @@ class QuantConfig:
   def activation_sites(self) -> tuple[str, ...]:
     """The activation sites this config's scope quantizes (whether or not enabled); the
     K/V sites only with `kv` "fp4"."""
-    sites = _derived("SCOPE_SITES")[self.sites] if isinstance(self.sites, str) else self.sites
+    sites = SCOPE_SITES[self.sites] if isinstance(self.sites, str) else self.sites
     if self.kv == "bf16":
-      sites = tuple(s for s in sites if s not in _derived("KV_SITES"))
+      sites = tuple(s for s in sites if s not in KV_SITES)
     return sites
 
   @property
@@ -351,11 +349,10 @@ def layer_sites(cfg, quant: QuantConfig | None) -> dict[int, tuple[str, ...]]:
   ones guidance can cover; W4A8's FP8 sites are not among them), from the declarations."""
   if quant is None or not quant.enabled:
     return {layer: () for layer in range(cfg.num_layers)}
-  sites = registered_sites()
   return {
     layer: tuple(
       s.name
-      for s in sites
+      for s in SITES
       if s.present(cfg, layer) and quant.quantizes(s.name) and not quant.in_fp8(s.name)
     )
     for layer in range(cfg.num_layers)

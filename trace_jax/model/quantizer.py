@@ -168,7 +168,7 @@ def quantize_site(
   xq = site_input(x, kernel=kernel)
   fell_back = None
   if kernel:
-    q, bits = kernels_lib.quantize(xq.astype(x.dtype), fmt)  # exact: xq holds x's values
+    q, bits = kernels_lib.fused_quantize(xq.astype(x.dtype), fmt)  # exact: xq holds x's values
     values = fp4.dequantize(q, x.dtype)
     record = None if form == "none" else q  # full, sparse: the codes
     if form == "compact":
@@ -199,7 +199,7 @@ def cache_entry(
   kernel = _kernel(kernels, rounding)
   xq = site_input(x, kernel=kernel)
   if kernel:
-    q, bits = kernels_lib.quantize(xq.astype(x.dtype), fmt)
+    q, bits = kernels_lib.fused_quantize(xq.astype(x.dtype), fmt)
   else:
     q, bits = fp4.quantize(xq, fmt, global_group="row", **rounding), None
   record = None
@@ -239,7 +239,7 @@ class SiteQuantizer:
     key: jax.Array | None = None,
   ):
     self.recording = self.recording_of(quant)
-    self.kernels = kernels_lib.resolve(quant.kernels if quant is not None else "xla")
+    self.kernels = quant.kernels if quant is not None else "xla"  # "pallas" or "xla"
     self.quant = quant if quant is not None and quant.enabled else None
     self.dtype = dtype
     self.guidance = dict(guidance or {})

@@ -1,14 +1,16 @@
-"""The quantization sites: each declared once, beside the module call that quantizes it.
+"""The quantization sites, written down once: `Site` declarations and the lists they make.
 
-A site is where an activation is quantized (DESIGN.md section 2): `declare_site` at module
-level in the module that owns it (attention.py: attn_in, attn_out, k, v; moe.py: moe_in,
-moe_mid, shared_mid, mlp_in, mlp_mid) says which layers have it, the named FP4 scopes that
-include it, whether it is a cache entry or a routed-expert site, and which dimension of its
-records a sharded forward splits over "model". Everything else reads the declarations:
-`ACTIVATION_SITES`, `SCOPE_SITES`, `KV_SITES`, `ROUTED_SITES` (module attributes here and in
-`quant`), `quant.layer_sites` (hence the guidance checks), the guidance's shardings
-(`sharding.guidance_site_specs`), and, through an abstract forward, the guidance buffers and
-their bytes. The linear weights a site feeds name it (`parameters.input_site`).
+A site is where an activation is quantized (DESIGN.md section 2). Each is declared here once
+(`ATTN_IN`, ..., `MLP_MID`): which layers have it, the named FP4 scopes that include it,
+whether it is a cache entry or a routed-expert site, and which dimension of its records a
+sharded forward splits over "model". The module that quantizes it (attention.py: attn_in,
+attn_out, k, v; deltanet.py: attn_in, attn_out; moe.py: moe_in, moe_mid, shared_mid;
+transformer.py and moe.py: mlp_in, mlp_mid) imports its `Site` and passes it to `sow_site`.
+Everything else reads the declarations: `SITES`, and the constants computed from them right
+below (`ACTIVATION_SITES`, `SCOPE_SITES`, `KV_SITES`, `ROUTED_SITES`), `quant.layer_sites`
+(hence the guidance checks), the guidance's shardings (`sharding.guidance_site_specs`), and,
+through an abstract forward, the guidance buffers and their bytes. The linear weights a site
+feeds name it (`parameters.input_site`).
 
 At run time the module calls `sow_site` (or `sow_cache_entry`), which quantizes through the
 forward's `SiteQuantizer` and sows the site's `SiteRecord` into `nnx.Intermediate`;
@@ -18,25 +20,30 @@ forward's `SiteQuantizer` and sows the site's `SiteRecord` into `nnx.Intermediat
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Callable, Sequence
 
 import jax
 from flax import nnx, struct
 
+from trace_jax.guidance import SiteKey
+
 # Named FP4 scopes (DESIGN.md section 2); each site declares the scopes that include it.
 SITE_SCOPES = ("all", "experts+kv")
-SiteKey = tuple[int, str]
+
+
+def _every_layer(cfg, layer: int) -> bool:
+  return True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Site:
-  """One activation quantization site, as declared beside the module call that quantizes it.
+  """One activation quantization site.
 
   Attributes:
     name: the key of its records and guidance, (layer, name).
     present: (ModelConfig, layer) -> whether that layer of a model has the site.
-    scopes: the named FP4 scopes (`SITE_SCOPES`) that quantize it; "all" always does.
+    scopes: the named FP4 scopes (`SITE_SCOPES`) that quantize it; "all" always does (it is
+      added first if not given).
     cache: a K/V cache entry: stored packed in the cache (`sow_cache_entry`), and FP4 even
       under W4A8 (`QuantConfig.activations="fp8"` rounds only the linear inputs to FP8).
     routed: its rows are (token, chosen expert): its guidance only fits the rollout's experts,
@@ -47,94 +54,81 @@ class Site:
   """
 
   name: str
-  present: Callable[[Any, int], bool]
+  present: Callable[[Any, int], bool] = _every_layer
   scopes: tuple[str, ...] = ("all",)
   cache: bool = False
   routed: bool = False
   model_dim: int | None = None
 
-
-_REGISTRY: dict[str, Site] = {}
-# The modules that declare sites: importing them completes the registry (they import this
-# module, so the registry is read lazily, never at this module's import).
-_DECLARING_MODULES = (
-  "trace_jax.model.attention",
-  "trace_jax.model.deltanet",
-  "trace_jax.model.moe",
-)
+  def __post_init__(self):
+    scopes = ("all",) + tuple(s for s in self.scopes if s != "all")
+    bad = [s for s in scopes if s not in SITE_SCOPES]
+    if bad:
+      raise ValueError(f"Site({self.name!r}).scopes: {bad} are not among {SITE_SCOPES}")
+    object.__setattr__(self, "scopes", scopes)
 
 
-def declare_site(
-  name: str,
-  *,
-  present: Callable[[Any, int], bool] = lambda cfg, layer: True,
-  scopes: Sequence[str] = (),
-  cache: bool = False,
-  routed: bool = False,
-  model_dim: int | None = None,
-) -> Site:
-  """Register an activation site (once, at the import of the module that quantizes it).
-
-  Args:
-    name: the site's key; unique.
-    present: (ModelConfig, layer) -> whether that layer has the site (default: every layer).
-    scopes: named scopes besides "all" that quantize it (e.g. ("experts+kv",)).
-    cache: a K/V cache entry (see `Site`).
-    routed: rows are (token, chosen expert) (see `Site`).
-    model_dim: the records' dimension split over "model" (see `Site`), or None.
-  Returns:
-    the `Site`, for the module's `sow_site(..., site=...)` call.
-  """
-  scopes = ("all",) + tuple(s for s in scopes if s != "all")
-  bad = [s for s in scopes if s not in SITE_SCOPES]
-  if bad:
-    raise ValueError(f"declare_site({name!r}): scopes {bad} are not among {SITE_SCOPES}")
-  if name in _REGISTRY:
-    raise ValueError(f"declare_site({name!r}): a site of that name is already declared")
-  site = Site(
-    name=name, present=present, scopes=scopes, cache=cache, routed=routed, model_dim=model_dim
-  )
-  _REGISTRY[name] = site
-  return site
+def _has_kv(cfg, layer: int) -> bool:
+  """Full-attention layers keep a K/V cache; linear (DeltaNet) layers a recurrent state."""
+  return layer not in cfg.linear_layers
 
 
-def registered_sites() -> tuple[Site, ...]:
-  """Every declared site, in declaration order."""
-  for module in _DECLARING_MODULES:
-    importlib.import_module(module)
-  return tuple(_REGISTRY.values())
+def _moe(cfg, layer: int) -> bool:
+  return layer not in cfg.dense_layers
+
+
+def _dense(cfg, layer: int) -> bool:
+  return layer in cfg.dense_layers
+
+
+def _shared_expert(cfg, layer: int) -> bool:
+  return _moe(cfg, layer) and bool(cfg.shared_expert_dim)
+
+
+# The token mixer's sites (softmax attention; Gated DeltaNet layers have them too).
+# Input of the q/k/v projections (DeltaNet: of in_proj_qkv and in_proj_z).
+ATTN_IN = Site(name="attn_in")
+# Input of the output projection, split over "model" along its width like o_proj's rows.
+ATTN_OUT = Site(name="attn_out", model_dim=-1)
+# K and V cache entries, after RoPE (k), per (token, KV head); full-attention layers only.
+K = Site(name="k", present=_has_kv, scopes=("experts+kv",), cache=True, model_dim=2)
+V = Site(name="v", present=_has_kv, scopes=("experts+kv",), cache=True, model_dim=2)
+# Input of the routed experts' gate/up projections (and the shared expert's), once per token.
+MOE_IN = Site(name="moe_in", present=_moe, scopes=("experts+kv",))
+# Input of each routed expert's down projection, per (token, chosen expert) row. The inputs
+# of every down projection are split over "model" along their width, like its rows.
+MOE_MID = Site(name="moe_mid", present=_moe, scopes=("experts+kv",), routed=True, model_dim=-1)
+# Input of the shared expert's down projection, per token.
+SHARED_MID = Site(name="shared_mid", present=_shared_expert, model_dim=-1)
+# A dense feed-forward layer's input and the input of its down projection.
+MLP_IN = Site(name="mlp_in", present=_dense)
+MLP_MID = Site(name="mlp_mid", present=_dense, model_dim=-1)
+
+
+def site_table(sites: Sequence[Site]) -> dict[str, Site]:
+  """{name: site} of `sites`, in their order; a name declared twice is an error."""
+  table: dict[str, Site] = {}
+  for site in sites:
+    if site.name in table:
+      raise ValueError(f"site {site.name!r} is declared twice; site names are unique")
+    table[site.name] = site
+  return table
+
+
+# Every site, in declaration order, and the lists derived from them.
+SITES = (ATTN_IN, ATTN_OUT, K, V, MOE_IN, MOE_MID, SHARED_MID, MLP_IN, MLP_MID)
+_BY_NAME = site_table(SITES)
+ACTIVATION_SITES = tuple(_BY_NAME)
+SCOPE_SITES = {scope: tuple(s.name for s in SITES if scope in s.scopes) for scope in SITE_SCOPES}
+KV_SITES = tuple(s.name for s in SITES if s.cache)  # cache entries
+ROUTED_SITES = tuple(s.name for s in SITES if s.routed)  # (token, chosen expert) rows
 
 
 def site_spec(name: str) -> Site:
   """The declaration of site `name`."""
-  sites = {s.name: s for s in registered_sites()}
-  if name not in sites:
-    raise ValueError(f"unknown quantization site {name!r}; declared: {tuple(sites)}")
-  return sites[name]
-
-
-_DERIVED = ("ACTIVATION_SITES", "SCOPE_SITES", "KV_SITES", "ROUTED_SITES")
-
-
-def derived(name: str):
-  """One of the lists derived from the declarations: ACTIVATION_SITES (every site, in
-  declaration order), SCOPE_SITES ({scope: its sites}), KV_SITES (cache entries),
-  ROUTED_SITES ((token, expert) rows)."""
-  if name not in _DERIVED:
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  sites = registered_sites()
-  if name == "ACTIVATION_SITES":
-    return tuple(s.name for s in sites)
-  if name == "SCOPE_SITES":
-    return {scope: tuple(s.name for s in sites if scope in s.scopes) for scope in SITE_SCOPES}
-  if name == "KV_SITES":
-    return tuple(s.name for s in sites if s.cache)
-  return tuple(s.name for s in sites if s.routed)
-
-
-def __getattr__(name: str):
-  """ACTIVATION_SITES, SCOPE_SITES, KV_SITES and ROUTED_SITES, derived from the registry."""
-  return derived(name)
+  if name not in _BY_NAME:
+    raise ValueError(f"unknown quantization site {name!r}; declared: {ACTIVATION_SITES}")
+  return _BY_NAME[name]
 
 
 @struct.dataclass

@@ -29,11 +29,11 @@ from trace_jax.model.cache import KVCache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.deltanet import GatedDeltaNet
 from trace_jax.model.layers import LayerInputs, RMSNorm, rope_tables
-from trace_jax.model.moe import MLP, MLP_IN, MoE
+from trace_jax.model.moe import MLP, MoE
 from trace_jax.model.parameters import normal_param
 from trace_jax.model.quant import QuantConfig
 from trace_jax.model.quantizer import SiteQuantizer
-from trace_jax.model.sites import collect_site_records, sow_site
+from trace_jax.model.sites import MLP_IN, collect_site_records, sow_site
 
 
 @struct.dataclass

@@ -18,12 +18,11 @@ import dataclasses
 
 from trace_jax import fp4
 from trace_jax.guidance import GUIDANCE_MODES
-from trace_jax.model.quant import GuidedLayers, QuantConfig
+from trace_jax.model.quant import PRECISIONS, GuidedLayers, QuantConfig
 from trace_jax.rl.grpo import CORRECTIONS
 from trace_jax.rollout.config import RolloutConfig
 
 TRAIN_PATHS = ("bf16", "qat", "guided")
-PRECISIONS = ("bf16", "fp4")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -182,7 +182,7 @@ class WeightRing:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rollout:
+class PipelinedRollout:
   """One generated batch, as the learner receives it."""
 
   batch_index: int
@@ -278,7 +278,7 @@ class RolloutWorker:
     except BaseException as error:  # noqa: BLE001 - every failure goes to the learner
       self._error = (batch_index, error)
 
-  def next(self, timeout: float | None = None) -> Rollout:
+  def next(self, timeout: float | None = None) -> PipelinedRollout:
     """The next batch, in order.
 
     Args:
@@ -307,7 +307,7 @@ class RolloutWorker:
     else:
       version, value = self._receive(j, timeout)
     self._next_batch = j + 1
-    return Rollout(batch_index=j, version=version, version_gap=j - version, value=value)
+    return PipelinedRollout(batch_index=j, version=version, version_gap=j - version, value=value)
 
   def _receive(self, j: int, timeout: float | None) -> tuple[int, Any]:
     """(version, value) of batch j from the queue; raises the worker's failure once the

@@ -8,9 +8,8 @@ from typing import Sequence, Union
 from trace_jax.fp4 import SparseSpec
 from trace_jax.guidance import GUIDANCE_MODES
 from trace_jax.kernels import KERNEL_MODES
-from trace_jax.model.quant import FP4Scheme, QuantConfig, _check_layers_spec
+from trace_jax.model.quant import PRECISIONS, FP4Scheme, QuantConfig, _check_layers_spec
 
-PRECISIONS = ("bf16", "fp4")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 LOGPROB_MODES = ("tempered", "sampling")
 

@@ -222,6 +222,7 @@ class _Statics:
   guided_layers: tuple[int, ...]
   routing_dtype: Any
   capture_inputs: bool
+  kernels: str  # "pallas" or "xla": `config.kernels` resolved (outside jit) by the engine
   mesh: Any = None  # place the cache and buffers made inside jit (batch over "data")
   stop_every: int = 1  # decode steps between stop checks (SamplingConfig.stop_check_every)
 
@@ -242,7 +243,7 @@ class _Statics:
     config = self.config
     return call_config(
       config.quant,
-      kernels=config.kernels,
+      kernels=self.kernels,
       recording=self.recording,
       compute_dtype=config.compute_dtype,
     )
@@ -482,6 +483,7 @@ class RolloutEngine:
       guided_layers=guided if config.guidance != "none" else (),
       routing_dtype=guidance_lib.routing_dtype(cfg.num_experts),
       capture_inputs=capture_inputs,
+      kernels=self.kernels,
       mesh=mesh,
       stop_every=stop_check_every(config.sampling),
     )

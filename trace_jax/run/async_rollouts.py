@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax.rl import step as step_lib
-from trace_jax.rl.pipeline import Rollout, RolloutWorker, WeightRing
+from trace_jax.rl.pipeline import PipelinedRollout, RolloutWorker, WeightRing
 from trace_jax.rl.step import StepSpec
 from trace_jax.rollout.engine import RolloutEngine
 
@@ -122,7 +122,7 @@ class AsyncRollouts:
       )
     return collected, time.time() - start
 
-  def next(self) -> Rollout:
+  def next(self) -> PipelinedRollout:
     """The next batch (value: (Collected, generate seconds)); starts the worker if none
     runs (first use, or after `close`: it continues from the ring's latest version)."""
     if self.worker is None:
