@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -248,3 +249,37 @@ def test_stochastic_same_key_same_result():
   a = fp4.quantize(x, rounding="stochastic", key=jax.random.key(5))
   b = fp4.quantize(x, rounding="stochastic", key=jax.random.key(5))
   np.testing.assert_array_equal(a.packed, b.packed)
+
+
+def test_dequantize_refuses_fields_that_do_not_fit_together():
+  """Block scales of the wrong shape used to broadcast (scaling other blocks), and a float
+  `packed` array decoded as if it held codes: both are refused, naming the field, its shape
+  or dtype and what is allowed; a valid QArray dequantizes as ml_dtypes decodes it."""
+  import dataclasses
+
+  rng = np.random.default_rng()
+  x = jnp.asarray(rng.standard_normal((4, 64)) * 2, jnp.float32)
+  q = fp4.quantize(x, global_group="row")  # packed [4, 32], scales [4, 4], global_scale [4, 1]
+  # x_hat = code value * (s_b / gs), decoded by ml_dtypes
+  block_scales = np.asarray(q.scales).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  step = np.repeat(block_scales / np.asarray(q.global_scale), 16, axis=-1)
+  expected = reference.e2m1_values(np.asarray(fp4.codes(q))) * step
+  np.testing.assert_array_equal(fp4.dequantize(q), expected)
+  bad = {
+    "scales": (dict(scales=q.scales[:, :1]), r"q.scales has shape \(4, 1\); .* \(4, 4\)"),
+    "scales rows": (dict(scales=q.scales[:1]), r"q.scales has shape \(1, 4\)"),
+    "float packed": (dict(packed=q.packed.astype(jnp.float32)), "q.packed has dtype float32"),
+    "int scales": (dict(scales=q.scales.astype(jnp.int32)), "q.scales has dtype int32"),
+    "global_scale": (dict(global_scale=q.global_scale[:2]), r"q.global_scale has shape \(2, 1\)"),
+    "global axis": (
+      dict(global_scale=jnp.ones((4, 64), jnp.float32)),
+      "size 1 along the quantized axis",
+    ),
+  }
+  for fields, message in bad.values():
+    broken = dataclasses.replace(q, **fields)
+    for call in (fp4.dequantize, fp4.block_scaled_values):
+      with pytest.raises(ValueError, match=message):
+        call(broken)
+  with pytest.raises(ValueError, match="q.packed has dtype float32"):
+    fp4.codes(dataclasses.replace(q, packed=q.packed.astype(jnp.float32)))

@@ -60,3 +60,41 @@ def test_static_scale_fake_quant_is_dequantize_and_straight_through():
     fp4.quantize(x, "mxfp4", global_scale=gs)
   with pytest.raises(ValueError, match="global_scale has shape"):
     fp4.quantize(x, global_group="row", global_scale=jnp.ones((4, 32)))
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan, 0.0, -2.5])
+def test_a_global_scale_that_is_not_finite_and_positive_is_refused(bad):
+  # An Inf scale used to quantize every element to 0, a negative one to -0 and sign flips.
+  rng = np.random.default_rng()
+  x = (rng.standard_normal((3, 32)) * 4).astype(F32)
+  gs = np.full((3, 1), F32(448 * 6) / F32(np.abs(x).max()), F32)
+  gs[1, 0] = bad
+  for call in (fp4.quantize, fp4.fake_quant):
+    with pytest.raises(ValueError, match=r"global_scale holds \[.*\] \(first at index \(1, 0\)\)"):
+      call(jnp.asarray(x), global_group="row", global_scale=jnp.asarray(gs))
+  with pytest.raises(ValueError, match="must be finite and > 0"):
+    fp4.quantize(jnp.asarray(x), global_group="row", global_scale=gs)  # numpy, concrete
+  # concrete inside jit (a NumPy constant of the traced function): still checked
+  with pytest.raises(ValueError, match="must be finite and > 0"):
+    jax.jit(lambda a: fp4.quantize(a, global_group="row", global_scale=gs))(x)
+  # the valid rows as they are: unchanged, against the reference
+  good = np.delete(gs, 1, axis=0)
+  q = fp4.quantize(jnp.asarray(x[[0, 2]]), global_group="row", global_scale=jnp.asarray(good))
+  codes, scale_bits = static_reference(x[[0, 2]], good)
+  np.testing.assert_array_equal(fp4.codes(q), codes)
+  np.testing.assert_array_equal(q.scales, scale_bits)
+
+
+def test_a_traced_global_scale_is_not_read():
+  # Under jit a traced scale's values are unknown: no refusal, the same result as eager.
+  rng = np.random.default_rng()
+  x = (rng.standard_normal((2, 32)) * 3).astype(F32)
+  gs = np.full((2, 1), F32(448 * 6) / F32(np.abs(x).max() * 1.3), F32)
+  jitted = jax.jit(lambda a, g: fp4.quantize(a, global_group="row", global_scale=g))
+  chex.assert_trees_all_equal(
+    jitted(x, gs), fp4.quantize(jnp.asarray(x), global_group="row", global_scale=gs)
+  )
+  codes, _ = static_reference(x, gs)
+  np.testing.assert_array_equal(fp4.codes(jitted(x, gs)), codes)
+  with pytest.raises(ValueError, match="global_scale must be a real"):
+    fp4.quantize(jnp.asarray(x), global_group="row", global_scale=np.ones((2, 1), bool))

@@ -2,17 +2,21 @@
 the flag parts of 5 and 6): only bad flags are usage errors (the flag help); every other
 fault ends the run with one line naming what failed, the path and what to do, exit 1."""
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
 import jax.numpy as jnp
+import pytest
 
 from tests.reliability.reliability_helpers import fill, full_filesystem
 from trace_jax.run.checkpoint import Checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "experiments", "rl.py")
+HF = os.path.join(ROOT, "tests", "fixtures", "hf")
 TINY = ["--preset=tiny", "--sft_steps=0", "--eval_every=0", "--steps=1"]
 
 
@@ -83,3 +87,31 @@ def test_bad_flags_are_refused_before_any_work(tmp_path):
   assert "FATAL Flags parsing error" not in err
   assert "RLConfig.temperature=nan must be a finite number > 0" in err
   assert not workdir.exists()  # refused before the workdir, warm start or any compilation
+
+
+@pytest.mark.slow
+def test_a_failing_chat_template_is_one_line_before_the_workdir(tmp_path):
+  spec = importlib.util.spec_from_file_location(
+    "make_tokenizer", os.path.join(HF, "make_tokenizer.py")
+  )
+  make_tokenizer = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(make_tokenizer)
+  checkpoint = tmp_path / "olmoe"
+  shutil.copytree(
+    os.path.join(HF, "olmoe"),
+    checkpoint,
+    ignore=shutil.ignore_patterns("expected.npz", "tokenizer*"),
+  )
+  make_tokenizer.write(
+    str(checkpoint), 96, chat_template="{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(0) }}"
+  )
+  workdir = tmp_path / "never"
+  code, _, err = _finish(
+    _start(f"--workdir={workdir}", f"--hf_checkpoint={checkpoint}", "--steps=1", "--eval_every=0")
+  )
+  assert code == 1
+  assert _error_line(err) == (
+    f"rl.py: error: {checkpoint}/tokenizer_config.json: the chat template failed to render "
+    "(RecursionError: maximum recursion depth exceeded)"
+  )
+  assert not workdir.exists()

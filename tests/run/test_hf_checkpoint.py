@@ -218,6 +218,20 @@ def test_errors_before_any_work(tmp_path):
   )
 
 
+def test_a_failing_template_is_refused_before_the_workdir_is_made(tmp_path):
+  # The first prompt renders before the workdir (and its lock) exists; the error names the
+  # template's file.
+  broken = checkpoint(tmp_path / "broken", "olmoe", chat_template="{{ messages | length / 0 }}")
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError) as raised:
+    Trainer(RLConfig.from_flat(hf_checkpoint=broken, **TINY), str(workdir), progress=False)
+  assert str(raised.value) == (
+    f"{broken}/tokenizer_config.json: the chat template failed to render "
+    "(ZeroDivisionError: division by zero)"
+  )
+  assert not os.path.exists(workdir)
+
+
 def test_a_checkpoint_saved_before_the_new_fields_still_resumes():
   config = RLConfig()
   new_fields = (

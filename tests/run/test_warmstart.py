@@ -128,3 +128,53 @@ def test_a_warm_start_stops_at_its_target_level(tmp_path, monkeypatch):
       policy, str(tmp_path / "none"), task, source.tokenizer, target=0.5, **{**make, "greedy": None}
     )
   assert not (tmp_path / "none" / "warmstart").exists()
+
+
+def _flip_bit(path: str, offset_fraction: float = 0.5, bit: int = 4) -> None:
+  data = bytearray(open(path, "rb").read())
+  data[int(len(data) * offset_fraction)] ^= 1 << bit
+  open(path, "wb").write(bytes(data))
+
+
+def test_a_damaged_warm_start_is_rebuilt_and_says_so(tmp_path, capsys):
+  """A saved warm start is verified on reload as RL checkpoints are: a flipped bit in an
+  array file (which orbax restores without complaint) or a truncated one is caught, the
+  warm start rebuilt from the untouched initial weights, and the record and a printed line
+  say why."""
+  import glob
+  import os
+
+  from trace_jax.tasks import CharTokenizer, get_task
+
+  task, tokenizer = get_task("arith"), CharTokenizer()
+  cfg = M.tiny(vocab_size=max(M.tiny().vocab_size, tokenizer.vocab_size))
+  seed = int(np.random.default_rng().integers(1 << 20))
+  make = dict(
+    steps=2, batch=4, seed=1, learning_rate=1e-3, source=warmstart.source_settings(model="tiny")
+  )
+  first = M.Transformer(cfg, rngs=nnx.Rngs(seed))
+  record = warmstart.load_or_train(first, str(tmp_path), task, tokenizer, progress=False, **make)
+  assert not record["loaded"]
+  made = nnx.state(first, nnx.Param)
+  files = glob.glob(str(tmp_path / "warmstart" / "params" / "**" / "d" / "*"), recursive=True)
+  largest = max(files, key=os.path.getsize)
+
+  for damage, reason in (
+    (_flip_bit, "arrays differ from the checksums saved with them"),
+    (lambda f: open(f, "r+b").truncate(os.path.getsize(f) // 2), "arrays do not restore"),
+  ):
+    damage(largest)
+    capsys.readouterr()
+    policy = M.Transformer(cfg, rngs=nnx.Rngs(seed))  # the same initial weights
+    record = warmstart.load_or_train(policy, str(tmp_path), task, tokenizer, progress=False, **make)
+    assert not record["loaded"] and reason in record["rebuilt"], record
+    line = capsys.readouterr().out
+    assert f"the warm start in {tmp_path / 'warmstart'} is damaged" in line and reason in line
+    # rebuilt from the initial weights: the warm start first made, now saved whole again
+    chex.assert_trees_all_equal(nnx.state(policy, nnx.Param), made)
+    again = M.Transformer(cfg, rngs=nnx.Rngs(seed + 1))
+    record = warmstart.load_or_train(again, str(tmp_path), task, tokenizer, progress=False, **make)
+    assert record["loaded"] and "rebuilt" not in record and "checksums" not in record
+    chex.assert_trees_all_equal(nnx.state(again, nnx.Param), made)
+    files = glob.glob(str(tmp_path / "warmstart" / "params" / "**" / "d" / "*"), recursive=True)
+    largest = max(files, key=os.path.getsize)

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 
 import pytest
@@ -244,3 +245,42 @@ def test_bad_checkpoint_directories(tmp_path, checkpoint):
   open(os.path.join(path, "tokenizer.json"), "w").write("{}")
   with pytest.raises(ValueError, match="does not load as a tokenizer"):
     CheckpointTokenizer(path, prompt_format="raw")
+
+
+def test_template_files_linking_outside_the_checkpoint_are_refused(tmp_path, checkpoint):
+  path = tmp_path / "ckpt"
+  path.mkdir()
+  for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    shutil.copy(os.path.join(checkpoint, name), path)
+  outside = tmp_path / "elsewhere.jinja"
+  outside.write_text("O{{ messages[0].content }}")
+  link = path / "chat_template.jinja"
+  link.symlink_to(outside)
+  with pytest.raises(
+    ChatTemplateError,
+    match=f"^{re.escape(str(link))} is a symbolic link to {re.escape(str(outside))}, outside",
+  ):
+    CheckpointTokenizer(str(path))
+  link.unlink()
+  (path / "templates").mkdir()
+  (path / "templates" / "t.jinja").write_text("I{{ messages[0].content }}")
+  link.symlink_to(path / "templates" / "t.jinja")  # a link inside the directory is followed
+  assert CheckpointTokenizer(str(path)).prompt_text("12") == "I12"
+  # tokenizer_config.json (which holds the template) linked outside
+  link.unlink()
+  config = path / "tokenizer_config.json"
+  os.replace(config, tmp_path / "tokenizer_config.json")
+  config.symlink_to(tmp_path / "tokenizer_config.json")
+  with pytest.raises(ChatTemplateError, match=f"^{re.escape(str(config))} is a symbolic link"):
+    CheckpointTokenizer(str(path))
+  # a Hugging Face hub cache snapshot links every file to ../../blobs: inside
+  snapshot = tmp_path / "models--x--y" / "snapshots" / "abc"
+  blobs = tmp_path / "models--x--y" / "blobs"
+  snapshot.mkdir(parents=True)
+  blobs.mkdir()
+  for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    shutil.copy(os.path.join(checkpoint, name), blobs / f"hash-{name}")
+    (snapshot / name).symlink_to(os.path.join("..", "..", "blobs", f"hash-{name}"))
+  assert CheckpointTokenizer(str(snapshot)).prompt_text("7") == CheckpointTokenizer(
+    checkpoint
+  ).prompt_text("7")

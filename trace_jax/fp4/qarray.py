@@ -124,9 +124,53 @@ class CompactGuidance:
     return int(self.mantissa_bits.size + self.scales.size + 4 * self.global_scale.size)
 
 
+def check_qarray(q: QArray, what: str = "q") -> None:
+  """Refuse a QArray whose fields do not fit together, before any work (shapes and dtypes
+  are static, so this holds under jit too): `packed` and `scales` uint8, `scales` exactly
+  the shape of `packed` with the quantized axis at 2 / block_size of its length (no
+  broadcasting: a scale of the wrong shape would silently scale other blocks), and
+  `global_scale` float, size 1 along the axis and broadcasting against the elements."""
+  fmt = get_format(q.fmt)
+  for name in ("packed", "scales"):
+    dtype = getattr(q, name).dtype
+    if dtype != jnp.uint8:
+      raise ValueError(
+        f"{what}.{name} has dtype {dtype}; it must be uint8 "
+        f"({'two E2M1 codes per byte' if name == 'packed' else 'E4M3 / E8M0 scale bits'})"
+      )
+  packed = tuple(q.packed.shape)
+  if not packed or not -len(packed) <= q.axis < 0:
+    raise ValueError(f"{what}.axis={q.axis} is not a negative axis of packed shape {packed}")
+  elements = 2 * packed[q.axis]
+  if elements % fmt.block_size:
+    raise ValueError(
+      f"{what}.packed has shape {packed}: {elements} elements along axis {q.axis}, not a "
+      f"multiple of the {q.fmt} block of {fmt.block_size}"
+    )
+  want = list(packed)
+  want[q.axis] = elements // fmt.block_size
+  want = tuple(want)
+  if tuple(q.scales.shape) != want:
+    raise ValueError(
+      f"{what}.scales has shape {tuple(q.scales.shape)}; packed {packed} ({q.fmt}, axis "
+      f"{q.axis}) needs block scales of shape {want}, one per {fmt.block_size} elements"
+    )
+  gs = tuple(q.global_scale.shape)
+  shape = _axis_shape(packed, q.axis, 2)
+  if not jnp.issubdtype(q.global_scale.dtype, jnp.floating):
+    raise ValueError(f"{what}.global_scale has dtype {q.global_scale.dtype}; it must be float")
+  if len(gs) != len(shape) or gs[q.axis] != 1 or any(g not in (1, n) for g, n in zip(gs, shape)):
+    raise ValueError(
+      f"{what}.global_scale has shape {gs}; it needs {len(shape)} axes, size 1 along the "
+      f"quantized axis {q.axis}, and to broadcast against the elements' shape {shape}"
+    )
+
+
 @jax.jit
 def codes(q: QArray) -> jax.Array:
   """Unpacked 4-bit codes, uint8 with the dequantized shape (bit 3 = sign)."""
+  if q.packed.dtype != jnp.uint8:
+    raise ValueError(f"q.packed has dtype {q.packed.dtype}; it must be uint8 (two codes a byte)")
   return numerics.unpack_codes(q.packed, q.axis)
 
 
@@ -137,7 +181,12 @@ def _expand_blocks(scale: jax.Array, axis: int, block_size: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames="dtype")
 def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
-  """x_hat = code value * (s_b / gs), computed in float32, then cast to `dtype`."""
+  """x_hat = code value * (s_b / gs), computed in float32, then cast to `dtype`.
+
+  Raises:
+    ValueError: `q`'s fields do not fit together (`check_qarray`).
+  """
+  check_qarray(q)
   fmt = q.format
   step = numerics.true_divide(fmt.decode_scales(q.scales), q.global_scale)  # s_b / gs, per block
   values = numerics.e2m1_decode(codes(q)) * _expand_blocks(step, q.axis, fmt.block_size)
@@ -148,6 +197,7 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
 def block_scaled_values(q: QArray) -> jax.Array:
   """c * s_b of every element, without the global scale (float32, the dequantized shape):
   what FP4 kernels multiply before they divide by the global scales, after accumulating."""
+  check_qarray(q)
   fmt = q.format
   return numerics.e2m1_decode(codes(q)) * _expand_blocks(
     fmt.decode_scales(q.scales), q.axis, fmt.block_size

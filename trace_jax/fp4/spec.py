@@ -196,15 +196,38 @@ def _check_guidance(guidance: Any, shape: tuple[int, ...], fmt: str, axis: int) 
 
 
 def _check_static_scale(global_scale, x, fmt, axis, rounding):
-  """A given NVFP4 encode scale: float, size 1 along `axis`, broadcastable to x."""
+  """A given NVFP4 encode scale: real, size 1 along `axis`, broadcastable to x, and, where
+  its values are concrete (not traced), finite and > 0.
+
+  An encode scale of Inf maps every block scale to Inf and every element to 0, one <= 0
+  flips or zeroes every value (-0 for a negative one): both would quantize silently to
+  garbage. Under jit a traced scale cannot be read without a device-to-host round trip, so
+  its values go unchecked there (their shape and dtype are still checked).
+  """
   if global_scale is None:
     return None
   if not get_format(fmt).has_global_scale:
     raise ValueError(f"global_scale= is an NVFP4 encode scale; fmt={fmt!r} has none")
   if rounding == "guided":
     raise ValueError("global_scale= and rounding='guided' both fix the scales; pass one")
+  dtype = getattr(global_scale, "dtype", None)
+  if dtype is not None and not (
+    jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+  ):
+    raise ValueError(f"global_scale must be a real (float) array; got dtype {dtype}")
   gs = jnp.asarray(global_scale, jnp.float32)
   _check_global_scale_shape(gs.shape, x.shape, axis, "")
+  try:
+    values = np.asarray(global_scale, np.float32)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return gs  # traced: values unchecked (docstring)
+  bad = ~(np.isfinite(values) & (values > 0))
+  if bad.any():
+    raise ValueError(
+      f"global_scale holds {np.unique(values[bad])[:5].tolist()} "
+      f"(first at index {tuple(int(i) for i in np.argwhere(bad)[0])}); an NVFP4 encode "
+      "scale must be finite and > 0 (448 * 6 / amax)"
+    )
   return gs
 
 

@@ -10,8 +10,9 @@
 Vocabulary and special ids always come from the tokenizer, never from a preset, and the one
 tokenizer built here serves the rollouts, the reference policy, the warm start and the
 evaluation alike. Everything that can be wrong with a checkpoint directory (missing files, a
-tokenizer larger than the embedding, a template that is absent or refuses the task's
-conversation) is a ValueError raised by `check` before any weight is read.
+tokenizer larger than the embedding, a template that is absent, refuses the task's
+conversation, fails or runs past its limits) is a ValueError raised by `check` before any
+weight is read (and, by the Trainer, before the run's workdir is made).
 """
 
 from __future__ import annotations
@@ -172,13 +173,20 @@ def runtime_fields(config) -> dict:
   return {"remat": config.source.remat}
 
 
-def load(config, task: Task, *, weights: bool = True) -> PolicySource:
+def load(
+  config,
+  task: Task,
+  *,
+  weights: bool = True,
+  checked: tuple[Tokenizer, ModelConfig] | None = None,
+) -> PolicySource:
   """The run's tokenizer and initial policy (see the module docstring), configured for the
   run (`runtime_fields`): the policy's cfg is final here, nothing mutates it later.
 
   weights=False: the policy is abstract (shapes only, no weight read or initialised), the
-  structure a checkpoint of the run restores into."""
-  tokenizer, model_cfg = check(config, task)
+  structure a checkpoint of the run restores into. checked: what `check(config, task)`
+  returned, when the caller checked the run before (e.g. before making its workdir)."""
+  tokenizer, model_cfg = check(config, task) if checked is None else checked
   model_cfg = model_cfg.replace(**runtime_fields(config))
   if not weights:  # (from_hf's cfg is the same: config_from_hf + the runtime fields)
     policy = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
@@ -206,12 +214,12 @@ def observation_len(config, tokenizer: Tokenizer) -> int:
   return OBSERVATION_TOKENS
 
 
-def check_fits(config, task: Task) -> None:
+def check_fits(config, task: Task, checked: tuple[Tokenizer, ModelConfig] | None = None) -> None:
   """A ValueError before any work (no weight read, no workdir touched) if the run's episodes
   do not fit the model (`max_new_tokens` beyond `max_seq_len`) or its rollout batch cannot
-  fit a device (`plan.batch_lower_bound_bytes` against the device's memory); renders the
-  task's first prompt through the tokenizer on the way (`check`)."""
-  tokenizer, model_cfg = check(config, task)
+  fit a device (`plan.batch_lower_bound_bytes` against the device's memory). checked:
+  what `check(config, task)` returned, if the caller has it."""
+  tokenizer, model_cfg = check(config, task) if checked is None else checked
   max_len, _ = episodes.episode_len(config, task, tokenizer, observation_len(config, tokenizer))
   if max_len > model_cfg.max_seq_len:
     raise ValueError(

@@ -46,10 +46,12 @@ class Trainer:
   def __init__(self, config: RLConfig, workdir: str, *, progress: bool = True):
     self.config, self.progress = config, progress
     self.task = policy_source.preflight(config)  # the task and the checkpoint's files
-    policy_source.check_fits(config, self.task)  # the first prompt renders, the batch fits
+    # the tokenizer and the template's first renders: a bad checkpoint leaves no workdir
+    checked = policy_source.check(config, self.task)
+    policy_source.check_fits(config, self.task, checked)  # episodes and the batch fit
     self.rundir = RunDir(workdir, config)  # locks it: a busy workdir is refused before any write
     try:
-      self._start(config, progress)
+      self._start(config, progress, checked)
     except BaseException:
       self.close()
       raise
@@ -68,9 +70,9 @@ class Trainer:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  def _start(self, config: RLConfig, progress: bool) -> None:
+  def _start(self, config: RLConfig, progress: bool, checked) -> None:
     # The preset with the character tokenizer, or a checkpoint with its own (policy_source).
-    self.source = policy_source.load(config, self.task)
+    self.source = policy_source.load(config, self.task, checked=checked)
     self.tokenizer, self.model_cfg = self.source.tokenizer, self.source.model_cfg
     self.mesh = make_mesh(*config.mesh) if np.prod(config.mesh) > 1 else None
     policy = self.source.policy

@@ -1,5 +1,13 @@
 """SFT warm start: train on solver demonstrations so RL starts from a policy that sometimes
-succeeds; saved once per workdir and reused."""
+succeeds; saved once per workdir and reused.
+
+A saved warm start is verified as RL checkpoints are (`run.checkpoint.fingerprint`): its
+record holds a checksum of every array, and a reload checks the arrays against them and
+that every float is finite. One that does not read or verify (a truncated or bit-flipped
+file, a damaged record) is rebuilt in place from the policy's initial weights, which the
+failed reload left untouched; a printed line and the returned record (`rebuilt`) say why.
+A warm start saved before checksums were recorded is checked for finiteness only.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +23,14 @@ from flax import nnx
 from trace_jax.model.sharding import batch_sharding
 from trace_jax.rl import data, episodes
 from trace_jax.rollout.engine import RolloutConfig, RolloutEngine
+from trace_jax.run.checkpoint import fingerprint
 from trace_jax.tasks.base import Task
 from trace_jax.tasks.tokenizer import Tokenizer
 from trace_jax.training.sft import sft_batch, train_sft
 from trace_jax.utils import write_json
 from trace_jax.utils.io import fsync_directory
 from trace_jax.utils import round_up
-from trace_jax.utils.distributed import global_array
+from trace_jax.utils.distributed import global_array, is_main_process
 
 WARMSTART_DIR = "warmstart"
 LEVEL_EVERY = 10  # SFT steps between two checks of the level (`level_stop`)
@@ -184,9 +193,12 @@ def load_or_train(
   naming what differs, never reused silently (a rerun in the same workdir with another
   --task or --sft_steps would otherwise start from the wrong policy).
 
+  A saved warm start that does not read or verify (the module docstring) is rebuilt: the
+  returned record's `rebuilt` says why (and a line is printed).
+
   Raises:
-    ValueError: a damaged warm start, or one made with other settings; a warm start to
-      make with a target but no greedy RolloutConfig (before the SFT).
+    ValueError: a warm start made with other settings; a warm start to make with a target
+      but no greedy RolloutConfig (before the SFT).
   """
   # JSON's view of the settings (tuples as lists): what a saved record compares against
   settings = json.loads(
@@ -205,34 +217,14 @@ def load_or_train(
   path = os.path.join(os.path.abspath(workdir), WARMSTART_DIR)
   record_path = os.path.join(path, "warmstart.json")
   checkpointer = ocp.StandardCheckpointer()
+  rebuilt = None
   if os.path.exists(record_path):
-    state = nnx.state(policy)
-    try:
-      with open(record_path) as f:
-        record = json.load(f)
-    except Exception as e:  # noqa: BLE001
-      raise ValueError(
-        f"the warm start in {path} is damaged ({type(e).__name__}: {e}); "
-        f"delete that directory to redo the warm start"
-      ) from e
-    differ = _differences(record.get("settings") if isinstance(record, dict) else None, settings)
-    if differ:
-      listed = "; ".join(f"{k}: saved {a!r}, this run {b!r}" for k, (a, b) in differ.items())
-      raise ValueError(
-        f"the warm start in {path} was made with other settings ({listed}); delete that "
-        f"directory to make one for this run, or use another --workdir"
-      )
-    try:
-      restored = checkpointer.restore(os.path.join(path, "params"), nnx.to_pure_dict(state))
-    except Exception as e:  # noqa: BLE001 - JSON, orbax and TensorStore errors name no file
-      first = (str(e).strip().splitlines() or [""])[0][:200]
-      raise ValueError(
-        f"the warm start in {path} is damaged ({type(e).__name__}: {first}); "
-        f"delete that directory to redo the warm start"
-      ) from e
-    nnx.replace_by_pure_dict(state, restored)
-    nnx.update(policy, state)
-    return {**record, "loaded": True}
+    record, damage = _restore_verified(policy, path, settings, checkpointer)
+    if damage is None:
+      return {**_public(record), "loaded": True}
+    rebuilt = damage
+    if is_main_process():
+      print(f"the warm start in {path} is damaged ({damage}); rebuilding it", flush=True)
   if target and greedy is None:
     raise ValueError(f"a warm start with target={target!r} needs the run's greedy RolloutConfig")
   checks: list = []
@@ -254,7 +246,11 @@ def load_or_train(
     stop=stop,
   )
   os.makedirs(path, exist_ok=True)
-  checkpointer.save(os.path.join(path, "params"), nnx.to_pure_dict(nnx.state(policy)), force=True)
+  if rebuilt is not None and is_main_process() and os.path.exists(record_path):
+    os.remove(record_path)  # the damaged warm start is no longer whole while it is rebuilt
+  params = nnx.to_pure_dict(nnx.state(policy))
+  checksums, _ = fingerprint(params)
+  checkpointer.save(os.path.join(path, "params"), params, force=True)
   checkpointer.wait_until_finished()
   fsync_directory(path)  # orbax renamed params/ into place: durable once path/ is
   record = {
@@ -264,6 +260,62 @@ def load_or_train(
     "checks": checks,
     "first_nll": losses[0] if losses else None,
     "final_nll": float(np.mean(losses[-10:])) if losses else None,
+    "checksums": checksums,
   }
   write_json(record_path, record)  # written last: its presence means the warm start is whole
-  return {**record, "loaded": False}
+  info = {**_public(record), "loaded": False}
+  if rebuilt is not None:
+    info["rebuilt"] = rebuilt
+  return info
+
+
+def _public(record: dict) -> dict:
+  """The record as a run reports it (the checksums stay in the file)."""
+  return {k: v for k, v in record.items() if k != "checksums"}
+
+
+def _restore_verified(policy, path: str, settings: dict, checkpointer) -> tuple[dict, str | None]:
+  """(record, None) with `policy` holding the saved warm start, verified; or (None, why
+  it is damaged), `policy` untouched.
+
+  Raises:
+    ValueError: the warm start was made with other settings.
+  """
+  record_path = os.path.join(path, "warmstart.json")
+  try:
+    with open(record_path) as f:
+      record = json.load(f)
+  except Exception as e:  # noqa: BLE001
+    return None, f"warmstart.json does not read: {_one_line(e)}"
+  if not isinstance(record, dict):
+    return None, f"warmstart.json holds a {type(record).__name__}, not a JSON object"
+  differ = _differences(record.get("settings"), settings)
+  if differ:
+    listed = "; ".join(f"{k}: saved {a!r}, this run {b!r}" for k, (a, b) in differ.items())
+    raise ValueError(
+      f"the warm start in {path} was made with other settings ({listed}); delete that "
+      f"directory to make one for this run, or use another --workdir"
+    )
+  state = nnx.state(policy)
+  try:
+    restored = checkpointer.restore(os.path.join(path, "params"), nnx.to_pure_dict(state))
+  except Exception as e:  # noqa: BLE001 - orbax and TensorStore errors name no file
+    return None, f"its arrays do not restore: {_one_line(e)}"
+  checksums, nonfinite = fingerprint(restored)
+  saved = record.get("checksums")
+  if saved is not None:  # (None: saved before checksums were recorded; finiteness is all)
+    differ = sorted(k for k in set(saved) | set(checksums) if saved.get(k) != checksums.get(k))
+    if differ:
+      return None, (
+        f"{len(differ)} arrays differ from the checksums saved with them, e.g. {differ[:2]}"
+      )
+  if nonfinite:
+    return None, f"it holds NaN or Inf in {nonfinite[:3]}"
+  nnx.replace_by_pure_dict(state, restored)
+  nnx.update(policy, state)
+  return record, None
+
+
+def _one_line(error: BaseException) -> str:
+  first = (str(error).strip().splitlines() or [""])[0][:200]
+  return f"{type(error).__name__}: {first}"

@@ -16,7 +16,11 @@ The template runs in a sandboxed Jinja environment set up as Hugging Face's
 `apply_chat_template` sets it up: trim_blocks, lstrip_blocks, loop controls, the globals
 `raise_exception` and `strftime_now`, a `tojson` filter that keeps non-ASCII text, the
 special tokens (`bos_token`, `eos_token`, ...) as variables, and the `{% generation %}` tag
-(rendered as its body).
+(rendered as its body). A template is code from the checkpoint's author: each render runs
+under a time limit and size limits (`tasks.template_sandbox`), and whatever goes wrong in
+it (it does not compile, it refuses, it divides by zero, recurses, runs past its limits)
+is one `ChatTemplateError` whose one-line message names the template's file. A template
+file that is a symbolic link resolving outside the checkpoint directory is refused.
 
 Files read from a checkpoint directory: tokenizer.json (the vocabulary and merges),
 tokenizer_config.json (special tokens, the chat template), chat_template.jinja or
@@ -37,10 +41,23 @@ from trace_jax.utils.io import read_json_object
 PROMPT_FORMATS = ("chat", "raw")
 OBSERVATION_ROLES = ("user", "tool")
 _SENTINEL = "\u2063TRACE_JAX_SENTINEL\u2063"  # text no template or task produces
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+TIME_LIMIT_S = 10.0  # seconds one render may take (a real template takes milliseconds)
+MAX_CHARS = 1 << 20  # characters one render may output (or build on the way)
 
 
 class ChatTemplateError(ValueError):
-  """A template that does not compile, or that raised (its own `raise_exception`)."""
+  """A template that does not compile, refused the conversation (its own
+  `raise_exception`), failed while rendering or ran past its limits."""
+
+
+class _Refusal(Exception):
+  """The template's `raise_exception`."""
+
+
+def _one_line(error: BaseException) -> str:
+  text = " ".join(str(error).split())
+  return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _read_json(path: str) -> dict:
@@ -55,14 +72,35 @@ def _token_text(value) -> str | None:
   return value if isinstance(value, str) else None
 
 
-def read_chat_template(directory: str) -> str | None:
-  """The checkpoint's chat template, or None: chat_template.jinja, chat_template.json, then
-  tokenizer_config.json's `chat_template` (a string, or a list of named templates, whose
-  "default" is used)."""
+def _check_inside(directory: str, path: str) -> None:
+  """Refuse a file of the checkpoint that resolves (a symbolic link) outside its directory.
+
+  A Hugging Face hub cache snapshot (`.../snapshots/<revision>/`) links each file to
+  `../../blobs/<hash>`; that blob directory counts as inside."""
+  root = os.path.realpath(directory)
+  roots = [root]
+  if os.path.basename(os.path.dirname(root)) == "snapshots":
+    roots.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
+  real = os.path.realpath(path)
+  if not any(os.path.commonpath([real, r]) == r for r in roots):
+    raise ChatTemplateError(
+      f"{path} is a symbolic link to {real}, outside the checkpoint directory {root}; "
+      "copy the file into the directory"
+    )
+
+
+def find_chat_template(directory: str) -> tuple[str, str] | None:
+  """The checkpoint's chat template as (the file holding it, its source), or None:
+  chat_template.jinja, chat_template.json, then tokenizer_config.json's `chat_template` (a
+  string, or a list of named templates, whose "default" is used)."""
+  for name in TEMPLATE_FILES:
+    path = os.path.join(directory, name)
+    if os.path.lexists(path):
+      _check_inside(directory, path)
   jinja_path = os.path.join(directory, "chat_template.jinja")
   if os.path.exists(jinja_path):
     with open(jinja_path) as f:
-      return f.read()
+      return jinja_path, f.read()
   for name in ("chat_template.json", "tokenizer_config.json"):
     path = os.path.join(directory, name)
     template = _read_json(path).get("chat_template")
@@ -76,19 +114,42 @@ def read_chat_template(directory: str) -> str | None:
     if template is not None:
       if not isinstance(template, str):
         raise ValueError(f"{path}: chat_template must be a string, got {type(template).__name__}")
-      return template
+      return path, template
   return None
 
 
-class ChatTemplate:
-  """A chat template compiled as Hugging Face compiles it (see the module docstring)."""
+def read_chat_template(directory: str) -> str | None:
+  """The checkpoint's chat template's source, or None (`find_chat_template`)."""
+  found = find_chat_template(directory)
+  return None if found is None else found[1]
 
-  def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+
+class ChatTemplate:
+  """A chat template compiled as Hugging Face compiles it (see the module docstring).
+
+  Args:
+    source: the template's Jinja source.
+    special_tokens: variables the template reads (`bos_token`, `eos_token`, ...).
+    name: where the template comes from (its file), named by every error.
+    time_limit_s: the wall-clock seconds one render may take.
+    max_chars: the characters one render may output (or build on the way).
+  """
+
+  def __init__(
+    self,
+    source: str,
+    special_tokens: dict[str, str] | None = None,
+    *,
+    name: str = "the chat template",
+    time_limit_s: float = TIME_LIMIT_S,
+    max_chars: int = MAX_CHARS,
+  ):
     try:
       import jinja2
       from jinja2 import nodes
       from jinja2.ext import Extension
-      from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+      from trace_jax.tasks.template_sandbox import LimitedSandbox, TemplateLimitError
     except ImportError as e:  # an optional dependency
       raise ImportError("chat templates need the `jinja2` package: pip install jinja2") from e
 
@@ -103,26 +164,33 @@ class ChatTemplate:
         return nodes.Scope(body, lineno=lineno)
 
     def raise_exception(message):
-      raise ChatTemplateError(f"the chat template refused the conversation: {message}")
+      raise _Refusal(message)
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
       return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
       )
 
-    env = ImmutableSandboxedEnvironment(
-      trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    self.name, self.source = name, source
+    self.special_tokens = dict(special_tokens or {})
+    self._limit_error = TemplateLimitError
+    env = LimitedSandbox(
+      time_limit_s=time_limit_s,
+      max_chars=max_chars,
+      trim_blocks=True,
+      lstrip_blocks=True,
+      extensions=[GenerationTag, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    self._env = env
     try:
-      self._template = env.from_string(source)
+      self._template = env.compile_checked(source)
     except jinja2.TemplateError as e:
-      raise ChatTemplateError(f"the chat template does not compile: {e}") from e
-    self._errors = (jinja2.TemplateError,)
-    self.source = source
-    self.special_tokens = dict(special_tokens or {})
+      raise ChatTemplateError(f"{name}: the chat template does not compile: {_one_line(e)}") from e
+    except Exception as e:  # noqa: BLE001 - a hostile template may raise anything
+      raise ChatTemplateError(f"{name}: the chat template does not compile ({_one_line(e)})") from e
 
   def render(
     self, messages: Sequence[dict], *, add_generation_prompt: bool = False, **options: Any
@@ -133,16 +201,26 @@ class ChatTemplate:
       messages: the conversation.
       add_generation_prompt: end with the opening of an assistant turn.
       **options: template variables (e.g. enable_thinking=False for Qwen3).
+
+    Raises:
+      ChatTemplateError: the template refused, failed or ran past its limits (one line that
+        names the template's file).
     """
     variables = {**self.special_tokens, "tools": None, "documents": None, **options}
+    variables.update(messages=list(messages), add_generation_prompt=add_generation_prompt)
     try:
-      return self._template.render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
-      )
-    except ChatTemplateError:
-      raise
-    except self._errors as e:
-      raise ChatTemplateError(f"the chat template failed to render: {e}") from e
+      return self._env.render_checked(self._template, variables)
+    except _Refusal as e:
+      message = " ".join(str(e).split())
+      raise ChatTemplateError(
+        f"{self.name}: the chat template refused the conversation: {message}"
+      ) from e
+    except self._limit_error as e:
+      raise ChatTemplateError(f"{self.name}: the chat template was stopped: {e}") from e
+    except Exception as e:  # noqa: BLE001 - a hostile template may raise anything
+      raise ChatTemplateError(
+        f"{self.name}: the chat template failed to render ({_one_line(e)})"
+      ) from e
 
 
 class CheckpointTokenizer:
@@ -209,16 +287,18 @@ class CheckpointTokenizer:
       self._hf.pad_id = self._check_id(generation["pad_token_id"], "pad_token_id")
     self.bos_id, self.pad_id, self.eos_id = self._hf.bos_id, self._hf.pad_id, self._hf.eos_id
 
-    source = read_chat_template(directory)
+    found = find_chat_template(directory)
     self.template = None
     if prompt_format == "chat":
-      if source is None:
+      if found is None:
         raise ValueError(
           f"{directory} has no chat template (tokenizer_config.json "
           "'chat_template', chat_template.jinja or chat_template.json); a base "
           "model takes --prompt_format=raw"
         )
-      self.template = ChatTemplate(source, {k: v for k, v in names.items() if v is not None})
+      self.template = ChatTemplate(
+        found[1], {k: v for k, v in names.items() if v is not None}, name=found[0]
+      )
       end = self._end_of_turn()
       if end is not None:
         self.eos_id = end
@@ -277,7 +357,7 @@ class CheckpointTokenizer:
     text = self.template.render(messages, add_generation_prompt=True, **self.template_options)
     if text.count(_SENTINEL) != 1:
       raise ChatTemplateError(
-        "the chat template does not write an assistant message's content "
+        f"{self.template.name}: the chat template does not write an assistant message's content "
         "exactly once; cannot place observations after a turn"
       )
     return text.split(_SENTINEL, 1)[1]
