@@ -3,7 +3,8 @@
   1. `collect`: sample `prompts_per_step` problems, `group_size` samples each, and roll them
      out with the arm's engine (one or more turns), capturing its guidance; the arm's guided
      layers of it stay on the device (the update consumes them at once);
-  2. `score`: the advantages, the reference policy's log-probs (KL), and pi_old: the
+  2. `score`: the advantages, the reference policy's log-probs (KL: its own unguided
+     forward, nearest rounding and its own routing), and pi_old: the
      training path's log-probs of the sampled tokens with the arm's quantization, guidance
      and routing replay; the mismatch metrics compare them with the rollout's. A fused step
      (one minibatch, one epoch) leaves pi_old to the update: its own forward gives it;
@@ -152,6 +153,16 @@ class StepSpec:
       temperature=config.sampling.temperature,
     )
 
+  @property
+  def reference_static(self) -> dict:
+    """The reference's forward (the KL term): the training path's FP4 format and sites,
+    rounded to nearest with its own scales and its own experts. Guidance and routing replay
+    are the rollout's record of the current policy's activations: read by the frozen
+    reference, they would round it with the policy's scales and route it to the policy's
+    experts, and the KL would not measure the distance to the reference."""
+    static = self.static
+    return dict(static, quant=static["quant"].replace(rounding="nearest"), replay=False)
+
 
 @functools.lru_cache(maxsize=None)
 def optimizer(
@@ -289,7 +300,9 @@ def score(spec: StepSpec, state: RLState, collected: Collected, step: int) -> Sc
     )
   ref_logp = None
   if state.reference is not None:
-    ref_logp = _old_logprobs(state.reference, c.example, c.guidance, record=False, **static)[0]
+    ref_logp = _old_logprobs(
+      state.reference, c.example, None, record=False, **spec.reference_static
+    )[0]
   advantages = group_advantages(
     jnp.asarray(advantage_rewards(config, step, c.played.rewards)),
     config.sampling.group_size,
