@@ -393,3 +393,42 @@ def test_bench_kernels_smoke_runs():
   assert result.returncode == 0, result.stderr[-3000:]
   for kernel in ("fp4_gemm", "moe_experts", "decode_attention", "quantize"):
     assert f"| {kernel} | 1 | pallas" in result.stdout
+
+
+def test_auto_probe_failure_on_a_gpu_prints_one_line(monkeypatch, capsys):
+  """On a GPU backend a failing probe makes "auto" run XLA and says so in one printed line,
+  once per process (however many engines resolve "auto"), besides the reason runs record."""
+
+  def failing(interpret):
+    raise RuntimeError("Triton lowering\nfailed here")
+
+  monkeypatch.setattr(dispatch, "_probe", failing)
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  dispatch.probe_failure.cache_clear()
+  try:
+    first = dispatch.resolve_with_reason("auto")
+    again = dispatch.resolve_with_reason("auto")
+  finally:
+    dispatch.probe_failure.cache_clear()
+  assert first == again == ("xla", "auto: probe failed: RuntimeError: Triton lowering\nfailed here")
+  assert capsys.readouterr().out.splitlines() == [
+    "kernels: auto probe failed (RuntimeError: Triton lowering failed here), using xla"
+  ]
+
+
+def test_auto_probe_failure_off_a_gpu_prints_nothing(monkeypatch, capsys):
+  """Off a GPU "auto" takes XLA without probing, and a probe asked directly (interpret
+  mode, tests) that fails prints nothing: only a GPU run has lost kernels."""
+
+  def failing(interpret):
+    raise RuntimeError("no kernels")
+
+  monkeypatch.setattr(dispatch, "_probe", failing)
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: False)
+  dispatch.probe_failure.cache_clear()
+  try:
+    assert dispatch.resolve_with_reason("auto")[0] == "xla"
+    assert dispatch.probe_failure(True) == "RuntimeError: no kernels"
+  finally:
+    dispatch.probe_failure.cache_clear()
+  assert capsys.readouterr().out == ""

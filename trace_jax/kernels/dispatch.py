@@ -69,7 +69,8 @@ def probe(interpret: bool | None = None) -> bool:
 
 @functools.cache
 def probe_failure(interpret: bool | None = None) -> str | None:
-  """None if the kernels pass the probe here, else why not (cached; warns once)."""
+  """None if the kernels pass the probe here, else why not (cached; warns once, and on a
+  GPU prints one line: `kernels: auto probe failed (<why>), using xla`)."""
   try:
     # In a thread of its own: JAX's trace state is per thread, so the probe runs eagerly
     # even when "auto" is first resolved inside a jit trace.
@@ -82,6 +83,8 @@ def probe_failure(interpret: bool | None = None) -> str | None:
       jax.default_backend(),
       reason,
     )
+    if on_gpu():  # a GPU run that loses its kernels says so once, where it starts
+      print(f"kernels: auto probe failed ({' '.join(reason.split())}), using xla", flush=True)
     return reason
   return None
 
