@@ -15,6 +15,7 @@ steps that checkpoint holds, so every step's line appears exactly once.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import weakref
 
@@ -28,6 +29,8 @@ from trace_jax.run.checkpoint import Checkpoints
 from trace_jax.utils import append_jsonl, read_jsonl, write_atomic
 from trace_jax.utils.distributed import is_main_process
 from trace_jax.utils.lock import lock_run_workdir
+
+log = logging.getLogger(__name__)
 
 
 def check_workdir(workdir: str) -> str:
@@ -74,8 +77,10 @@ class RunDir:
     self._unlock()
 
   def _check_saved_config(self) -> None:
-    """Refuse a resume with another config (from the newest readable checkpoint meta)."""
-    for step in self.checkpoints.all_steps():
+    """Refuse a resume with another config (from the newest readable checkpoint meta); say
+    so when checkpoints are there but none's metadata reads, so nothing was compared."""
+    steps = self.checkpoints.all_steps()
+    for step in steps:
       try:
         saved = self.checkpoints.read_meta(step)["config"]
       except Exception:  # noqa: BLE001 - a damaged checkpoint: restore skips it and says so
@@ -87,6 +92,13 @@ class RunDir:
           f"differ: {differing} (use another --workdir)"
         )
       return
+    if steps:
+      log.warning(
+        "%s: no checkpoint's metadata reads (steps %s), so the saved config was not compared "
+        "with this run's; the resume goes on unchecked",
+        self.path,
+        sorted(steps),
+      )
 
   def warm_start(
     self, policy, task, tokenizer, *, greedy=None, mesh=None, progress: bool = True
