@@ -242,3 +242,17 @@ def test_asynchronous_rl_knobs_are_flags_and_validate():
   del saved["schedule"]["max_staleness"]
   assert RLConfig().differences(saved) == []
   assert RLConfig.from_flat(max_staleness=2).differences(saved) == ["max_staleness"]
+
+
+def test_a_decay_with_no_step_after_the_warmup_is_refused_before_any_work():
+  """lr_decay falls after the warmup: steps <= lr_warmup_steps leaves it no step, a ValueError
+  naming both (at the CLI, one line). A constant rate, or 0 steps (a warm start only), pass."""
+  for steps, warmup in ((4, 4), (2, 6)):
+    with pytest.raises(
+      ValueError,
+      match=rf"lr_decay='cosine'.*steps={steps} <= lr_warmup_steps={warmup}.*--lr_decay=constant",
+    ):
+      RLConfig.from_flat(steps=steps, lr_warmup_steps=warmup, lr_decay="cosine")
+  RLConfig.from_flat(steps=4, lr_warmup_steps=4, lr_decay="constant")
+  RLConfig.from_flat(steps=0, lr_warmup_steps=4, lr_decay="linear")
+  RLConfig.from_flat(steps=5, lr_warmup_steps=4, lr_decay="linear")

@@ -300,6 +300,21 @@ def test_learning_rate_decay_by_hand(decay):
     step_lib.optimizer(lr, 0, "step", total)
 
 
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_a_decay_with_no_update_after_the_warmup_is_refused(decay):
+  """A decay over no updates used to give the warmup alone (the decay dropped, silently): it
+  is refused, naming both counts. A constant rate, and a run of no updates, are not."""
+  for warmup, total in ((5, 5), (8, 3)):
+    with pytest.raises(
+      ValueError,
+      match=rf"lr_decay='{decay}'.*total_updates={total} <= warmup_updates={warmup}",
+    ):
+      step_lib.optimizer(1e-3, warmup, decay, total)
+  step_lib.optimizer(1e-3, 5, "constant", 5)
+  step_lib.optimizer(1e-3, 5, decay, 0)
+  step_lib.optimizer(1e-3, 5, decay, 6)
+
+
 def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path):
   """reward_control="shuffle" (the matched placebo), checked by its properties (not by the
   permutation the trainer draws, which may change): the rewards the advantages come from

@@ -174,6 +174,12 @@ class Schedule:
     _check("RLConfig", self, ("minibatches", "epochs"), lambda v: v >= 1, "must be >= 1")
     names = ("learning_rate", "max_param_abs")
     _check("RLConfig", self, names, _finite_positive, "must be a finite number > 0")
+    if self.lr_decay != "constant" and 0 < self.steps <= self.lr_warmup_steps:
+      raise ValueError(
+        f"RLConfig.lr_decay={self.lr_decay!r} falls after the warmup, but steps={self.steps} "
+        f"<= lr_warmup_steps={self.lr_warmup_steps} leaves no step to decay; use fewer "
+        "--lr_warmup_steps, more --steps, or --lr_decay=constant"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -175,9 +175,17 @@ def optimizer(
   which on a noisy RL gradient undoes part of the warm start. Then the learning rate stays
   (`decay="constant"`) or falls to lr / 10 at update `total_updates` ("cosine", "linear"):
   the last updates move the policy less, so its final evaluation is less one update's noise.
+  A decay needs updates after the warmup (`total_updates > warmup_updates`); with
+  `total_updates=0` (a run of no updates) there is nothing to decay and nothing is refused.
   """
   if decay not in LR_DECAYS:
     raise ValueError(f"lr_decay={decay!r} is not allowed; use one of {LR_DECAYS}")
+  if decay != "constant" and 0 < total_updates <= warmup_updates:
+    raise ValueError(
+      f"lr_decay={decay!r} falls after the warmup, but total_updates={total_updates} <= "
+      f"warmup_updates={warmup_updates} leaves no update to decay; use fewer warmup updates, "
+      "more updates, or lr_decay='constant'"
+    )
   floor = learning_rate / 10
   schedule = learning_rate
   if decay != "constant" and total_updates > warmup_updates:
