@@ -166,7 +166,7 @@ def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
   leaves = config_flags.flat_fields(RLConfig)
   # the flat config's names, and the knobs added since (asynchronous RL, lr_decay, sft_target)
   added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every", "lr_decay"}
-  added |= {"sft_target", "kv_precision"}
+  added |= {"sft_target", "kv_precision", "max_grad_norm"}
   assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT)) | added
   assert leaves["fp4_sites"][0] == ("fp4", "sites") and leaves["steps"][0] == ("schedule", "steps")
   config = RLConfig.from_flat(steps=3, temperature=0.5, preset="tiny")

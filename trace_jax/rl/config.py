@@ -155,6 +155,7 @@ class Schedule:
     "After the warmup: constant, or a cosine or linear fall to learning_rate / 10 at the last step.",
     choices=LR_DECAYS,
   )
+  max_grad_norm: float = knob(1.0, "Clip each update's gradient to this global norm.")
   minibatches: int = knob(1, "Updates per epoch (1: pi_old is the update's own forward).")
   epochs: int = knob(1, "Passes over each rollout batch.")
   checkpoint_every: int = knob(20, "Checkpoint period in steps (and at the last step); 0: never.")
@@ -172,7 +173,7 @@ class Schedule:
     names = ("steps", "lr_warmup_steps", "checkpoint_every", "max_staleness")
     _check("RLConfig", self, names, lambda v: v >= 0, "must be >= 0")
     _check("RLConfig", self, ("minibatches", "epochs"), lambda v: v >= 1, "must be >= 1")
-    names = ("learning_rate", "max_param_abs")
+    names = ("learning_rate", "max_grad_norm", "max_param_abs")
     _check("RLConfig", self, names, _finite_positive, "must be a finite number > 0")
     if self.lr_decay != "constant" and 0 < self.steps <= self.lr_warmup_steps:
       raise ValueError(

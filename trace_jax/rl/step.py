@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -166,9 +167,15 @@ class StepSpec:
 
 @functools.lru_cache(maxsize=None)
 def optimizer(
-  learning_rate: float, warmup_updates: int = 0, decay: str = "constant", total_updates: int = 0
+  learning_rate: float,
+  warmup_updates: int = 0,
+  decay: str = "constant",
+  total_updates: int = 0,
+  max_grad_norm: float = 1.0,
 ):
   """One transformation per schedule, so runs of one config share compiled steps.
+
+  The gradient is clipped to global norm `max_grad_norm` before Adam.
 
   A linear warmup from lr / 10 over the first `warmup_updates` optimizer updates: Adam's
   first updates are sign-like (every parameter moves by ~lr whatever its gradient's size),
@@ -180,6 +187,10 @@ def optimizer(
   """
   if decay not in LR_DECAYS:
     raise ValueError(f"lr_decay={decay!r} is not allowed; use one of {LR_DECAYS}")
+  if not (
+    isinstance(max_grad_norm, (int, float)) and math.isfinite(max_grad_norm) and max_grad_norm > 0
+  ):
+    raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0")
   if decay != "constant" and 0 < total_updates <= warmup_updates:
     raise ValueError(
       f"lr_decay={decay!r} falls after the warmup, but total_updates={total_updates} <= "
@@ -199,7 +210,7 @@ def optimizer(
       schedule = optax.join_schedules([warm, schedule], [warmup_updates])
   elif warmup_updates > 0:
     schedule = optax.linear_schedule(floor, learning_rate, warmup_updates)
-  return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
+  return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(schedule))
 
 
 def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
@@ -216,6 +227,7 @@ def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
     schedule.lr_warmup_steps * per_step,
     schedule.lr_decay,
     schedule.steps * per_step,
+    schedule.max_grad_norm,
   )
   opt = nnx.Optimizer(policy, tx, wrt=nnx.Param)
   if mesh is not None:
