@@ -25,7 +25,7 @@ import math
 import os
 
 from trace_jax import fp4
-from trace_jax.model.config import PRESETS, get_preset
+from trace_jax.model.config import PRESETS
 from trace_jax.model.quant import FP4Scheme, QuantConfig
 from trace_jax.rl.arms import RUNNABLE, Arm, get_arm
 from trace_jax.rl.decoupled import DecoupledConfig
@@ -267,7 +267,6 @@ class RLConfig:
         f"RLConfig.fmt={self.fp4.fmt!r}: arm {self.arm!r} (sparse guidance) needs "
         "fmt='nvfp4' (E4M3 block scales)"
       )
-    _check_block_fit(self.source.preset, self.fp4.fmt, self.fp4.sites)
     batch, minibatches, data = self.batch, self.schedule.minibatches, self.mesh[0]
     if batch % minibatches:
       raise ValueError(
@@ -351,27 +350,6 @@ class RLConfig:
     return sorted(
       k for k in set(mine) | set(theirs) if k not in ignore and mine.get(k) != theirs.get(k)
     )
-
-
-def _check_block_fit(preset: str, fmt: str, sites: str) -> None:
-  """A ValueError before any work if the preset's widths do not split into `fmt`'s blocks
-  (MXFP4's 32-element blocks on the tiny presets' 16-wide heads), naming the field and the
-  presets that fit."""
-  block = fp4.get_format(fmt).block_size
-  misfits = {f: w for f, w in get_preset(preset).quantized_widths(sites).items() if w % block}
-  if not misfits:
-    return
-  fits = [
-    name
-    for name in PRESETS
-    if not any(w % block for w in get_preset(name).quantized_widths(sites).values())
-  ]
-  fields = ", ".join(f"{f}={w}" for f, w in misfits.items())
-  raise ValueError(
-    f"RLConfig.fmt={fmt!r} quantizes in blocks of {block}, but preset={preset!r} has "
-    f"{fields} (not a multiple of {block}); use a preset that fits, one of {fits}, or "
-    "fmt='nvfp4'"
-  )
 
 
 def _jsonish(value):
