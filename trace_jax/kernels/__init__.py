@@ -18,10 +18,12 @@ kernels the model dequantizes and runs XLA dots (`experiments/bench_kernels.py` 
 
 `dispatch.resolve("auto" | "pallas" | "xla")` picks the implementation (`resolve_with_reason`
 also says why "auto" fell back to XLA); the model and the rollout engine take it as
-`kernels=`. On a GPU the kernels compile through Pallas' Triton backend; `cuda_lowering`
+`kernels=`. On a GPU the kernels compile through Pallas' Triton backend, where
+`triton_divide` gives `fp4.true_divide` its exact division; `cuda_lowering`
 lowers them for CUDA, and compiles them to sm_90 cubins, on a machine without a GPU.
 """
 
+from trace_jax.kernels import triton_divide  # fp4.true_divide inside kernels: div.rn.f32
 from trace_jax.kernels import decode_attention as decode_attention_lib
 from trace_jax.kernels import gemm as gemm_lib
 from trace_jax.kernels import grouped_gemm as grouped_gemm_lib
