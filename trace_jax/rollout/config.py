@@ -12,7 +12,6 @@ from trace_jax.model.quant import FP4Scheme, QuantConfig, _check_layers_spec
 
 PRECISIONS = ("bf16", "fp4")
 COMPUTE_DTYPES = ("bfloat16", "float32")
-LOGPROB_MODES = ("tempered", "sampling")
 
 
 def _require(ok: bool, where: str, field: str, value, allowed: str) -> None:
