@@ -30,10 +30,12 @@ def test_installed_jax_is_a_verified_version():
   )
 
 
-def _requirements() -> dict:
-  """{distribution name: its specifier} of pyproject.toml's runtime dependencies."""
+def _requirements(extra: str | None = None) -> dict:
+  """{distribution name: its specifier} of pyproject.toml's runtime dependencies (or of
+  the optional dependencies `extra`)."""
   with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-    dependencies = tomllib.load(f)["project"]["dependencies"]
+    project = tomllib.load(f)["project"]
+  dependencies = project["optional-dependencies"][extra] if extra else project["dependencies"]
   requirements = [Requirement(d) for d in dependencies]
   return {canonicalize_name(r.name): r.specifier for r in requirements}
 
@@ -54,8 +56,9 @@ def test_pyproject_bounds_jax_to_the_verified_minors():
 
 def test_installed_versions_lie_within_pyproject_bounds():
   """The suite runs on versions pyproject.toml admits (its lower bounds are this suite's)."""
+  bounded = {**_requirements(), "chex": _requirements("dev")["chex"]}  # chex: the tests'
   for name in ("jax", "flax", "orbax-checkpoint", "optax", "chex", "ml-dtypes"):
-    spec = _requirements()[name]
+    spec = bounded[name]
     assert str(spec), f"{name} is unbounded in pyproject.toml"
     installed = importlib.metadata.version(name)
     assert spec.contains(installed, prereleases=True), (name, installed, str(spec))
@@ -68,8 +71,16 @@ def test_eager_true_divide_runs_through_apply_primitive():
   np.testing.assert_array_equal(np.asarray(numerics.true_divide(a, b)), a / b)  # numpy divides
 
 
+def test_primitive_is_the_public_extend_class():
+  import jax.extend.core
+
+  assert _jax_private.Primitive is jax.extend.core.Primitive
+
+
 def test_triton_lowering_rule_emits_an_inline_div_rn():
-  assert numerics._ieee_div_p in _jax_private.triton_lowering_rules  # noqa: SLF001
+  from trace_jax.kernels import triton_divide  # registers the Pallas Triton lowering
+
+  assert numerics.true_divide_p in _jax_private.pallas_triton().lowering_rules
 
   def kernel(a_ref, b_ref, o_ref):
     o_ref[...] = numerics.true_divide(a_ref[...], b_ref[...])
@@ -87,7 +98,7 @@ def test_triton_lowering_rule_emits_an_inline_div_rn():
   calls = cuda_lowering.triton_calls(lowered)
   assert len(calls) == 1
   text = calls[0].ttir_text()
-  assert "tt.elementwise_inline_asm" in text and numerics.DIV_RN_F32 in text, text
+  assert "tt.elementwise_inline_asm" in text and triton_divide.DIV_RN_F32 in text, text
   assert "arith.divf" not in text and "precise_divf" not in text, text
 
 

@@ -9,41 +9,69 @@ experiments/gpu_check.py, the Pallas kernels compiled through these hooks). pypr
 bounds jax to them.
 
 What each is for:
-- `apply_primitive`: the eager implementation of our own primitive (`fp4.numerics`'s exact
-  division), as JAX's own primitives get it (`jax._src.dispatch.apply_primitive`).
-- `register_triton_lowering`, `triton_lowering_rules`, `triton_inline_asm`: the Pallas
-  Triton (CUDA) lowering of that primitive to inline PTX `div.rn.f32` (a plain float
-  division lowers to the approximate div.full.f32 there, and Triton's `tt.precise_divf`
-  becomes an LLVM `fdiv` that XLA's NVPTX backend, run with -nvptx-prec-divf32=1, compiles
-  to div.full.f32 too); `precise_divf` is kept for the tests that show the difference.
+- `apply_primitive`, `Primitive`: our own primitive (`fp4.numerics`'s exact division) and its
+  eager implementation, as JAX's own primitives get it (`jax._src.dispatch.apply_primitive`).
+  `Primitive` is the class `jax.extend.core.Primitive` names, taken from `jax._src.core`:
+  importing `jax.extend` imports `jax.extend.pallas`, hence Pallas' core, and the FP4
+  numerics import no Pallas module.
 - `hlo`: the StableHLO dialect, for the primitive's XLA lowering on GPUs (a float64
   division, see `fp4.numerics.true_divide`).
-- `mlir_ir`, `new_triton_ir_context`: jaxlib's MLIR bindings and Pallas' Triton-dialect
-  context, to print a lowered kernel's Triton module (`kernels.cuda_lowering`).
+- `mlir_ir`: jaxlib's MLIR bindings.
+- `pallas_triton()`, imported on first use (by `trace_jax.kernels`), so that
+  `import trace_jax.fp4` imports no Pallas or Triton module: `register_lowering`,
+  `lowering_rules`, `inline_asm` for the Pallas Triton (CUDA) lowering of that primitive to
+  inline PTX `div.rn.f32` (`kernels.triton_divide`: a plain float division lowers to the
+  approximate div.full.f32 there, and Triton's `tt.precise_divf` becomes an LLVM `fdiv`
+  that XLA's NVPTX backend, run with -nvptx-prec-divf32=1, compiles to div.full.f32 too;
+  `precise_divf` is kept for the tests that show the difference); `new_ir_context`, Pallas'
+  Triton-dialect context, to print a lowered kernel's Triton module
+  (`kernels.cuda_lowering`).
 """
 
 from __future__ import annotations
+
+import functools
+import types
 
 import jax
 
 TESTED_JAX = ((0, 10), (0, 11))  # (major, minor) of each JAX these hooks were verified with
 
+
+def _unsupported(error: Exception) -> ImportError:
+  return ImportError(
+    f"trace_jax needs JAX internals that jax {jax.__version__} does not have ({error}); they "
+    f"were verified with jax {', '.join(f'{a}.{b}.x' for a, b in TESTED_JAX)}. Install one "
+    f"of those, or update trace_jax/_jax_private.py and run tests/test_jax_private.py."
+  )
+
+
 try:
+  from jax._src import core as _core
   from jax._src import dispatch as _dispatch
   from jax._src.lib.mlir import ir as mlir_ir  # noqa: F401 (re-exported)
   from jax._src.lib.mlir.dialects import hlo  # noqa: F401 (re-exported)
-  from jax._src.lib.triton import dialect as _triton_dialect
-  from jax._src.pallas.triton import lowering as _pallas_triton_lowering
 
   apply_primitive = _dispatch.apply_primitive
-  precise_divf = _triton_dialect.precise_divf
-  triton_inline_asm = _triton_dialect.elementwise_inline_asm
-  register_triton_lowering = _pallas_triton_lowering.register_lowering
-  triton_lowering_rules = _pallas_triton_lowering.triton_lowering_rules
-  new_triton_ir_context = _pallas_triton_lowering._new_ir_context  # noqa: SLF001
+  Primitive = _core.Primitive
 except (ImportError, AttributeError) as e:  # pragma: no cover - only on another JAX
-  raise ImportError(
-    f"trace_jax needs JAX internals that jax {jax.__version__} does not have ({e}); they "
-    f"were verified with jax {', '.join(f'{a}.{b}.x' for a, b in TESTED_JAX)}. Install one "
-    f"of those, or update trace_jax/_jax_private.py and run tests/test_jax_private.py."
-  ) from e
+  raise _unsupported(e) from e
+
+
+@functools.cache
+def pallas_triton() -> types.SimpleNamespace:
+  """Pallas' Triton (CUDA) lowering hooks (see the module docstring), imported here on the
+  first call: only `trace_jax.kernels` and the tests ask for them."""
+  try:
+    from jax._src.lib.triton import dialect
+    from jax._src.pallas.triton import lowering
+
+    return types.SimpleNamespace(
+      register_lowering=lowering.register_lowering,
+      lowering_rules=lowering.triton_lowering_rules,
+      new_ir_context=lowering._new_ir_context,  # noqa: SLF001
+      inline_asm=dialect.elementwise_inline_asm,
+      precise_divf=dialect.precise_divf,
+    )
+  except (ImportError, AttributeError) as e:  # pragma: no cover - only on another JAX
+    raise _unsupported(e) from e

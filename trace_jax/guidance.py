@@ -79,10 +79,6 @@ class Guidance:
       return tuple(self.routing.shape[1:3])
     return (0, 0)
 
-  def site_map(self) -> dict[SiteKey, Any]:
-    """{(layer, site): fp4 guidance}, what the model's guided forward takes."""
-    return dict(self.sites)
-
   def nbytes(self, mask=None) -> dict[str, int]:
     """Bytes by kind: "scales" (global and block), "bits" (mantissa bits or codes),
     "positions" (sparse: the flagged positions, encoded), "routing", "total".

@@ -1,5 +1,9 @@
 """E2M1 / E4M3 / E8M0 element and scale numerics against ml_dtypes and the format specs."""
 
+import os
+import subprocess
+import sys
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -184,3 +188,25 @@ def test_gpu_division_through_float64_is_ieee_float32_division():
     np.testing.assert_array_equal(got.view(np.int32), (a / d).view(np.int32))
     misses += int(np.sum(a * (np.float32(1) / d) != a / d))
   assert misses > 1000  # the oracle has teeth
+
+
+def test_importing_fp4_imports_no_pallas_or_triton_module():
+  """The FP4 numerics stand below the kernels: `import trace_jax.fp4` (in a fresh process)
+  adds no Pallas or Triton module to what `import jax` itself loads (jaxlib's
+  `gpu_triton` plugin stub is jax's own); the kernels' Triton lowering of `true_divide` is
+  registered by `trace_jax.kernels`."""
+  script = (
+    "import sys, jax\n"
+    "before = set(sys.modules)\n"
+    "import trace_jax.fp4\n"
+    "print([m for m in sorted(set(sys.modules) - before) if 'pallas' in m or 'triton' in m])\n"
+    "import trace_jax.kernels\n"
+    "from trace_jax import _jax_private\n"
+    "print(trace_jax.fp4.numerics.true_divide_p in _jax_private.pallas_triton().lowering_rules)\n"
+  )
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+  out = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+  ).stdout.splitlines()
+  assert out == ["[]", "True"], out

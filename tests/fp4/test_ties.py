@@ -208,4 +208,4 @@ def test_true_divide_lowers_for_cuda_through_pallas_triton():
   a, b = jnp.ones((16, 16)), jnp.ones((16, 1))
   text = jax.jit(f).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text
-  assert numerics._ieee_div_p in _jax_private.triton_lowering_rules  # noqa: SLF001
+  assert numerics.true_divide_p in _jax_private.pallas_triton().lowering_rules  # (kernels')

@@ -31,6 +31,7 @@ from trace_jax.kernels import (
   grouped_gemm as grouped_gemm_lib,
   layout,
   routing,
+  triton_divide,
 )
 from trace_jax.rollout.lowering import lower_decode_step
 
@@ -139,7 +140,7 @@ def _divisions(call) -> tuple[int, list[str]]:
   """(inline div.rn.f32 count, float32 tensor divisions Triton would make div.full.f32)."""
   text = call.ttir_text()
   approximate = [line for line in text.splitlines() if "arith.divf" in line and "f32>" in line]
-  return text.count(numerics.DIV_RN_F32), approximate
+  return text.count(triton_divide.DIV_RN_F32), approximate
 
 
 def test_quantizing_kernels_divide_only_with_div_rn():

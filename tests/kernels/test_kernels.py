@@ -22,6 +22,7 @@ from trace_jax import model as M
 from trace_jax import rollout as R
 from trace_jax.kernels import (
   decode_attention as decode_attention_lib,
+  dispatch,
   probe,
   gemm as gemm_lib,
   kv_write as kv_write_lib,
@@ -409,3 +410,44 @@ def test_bench_kernels_smoke_runs():
   assert result.returncode == 0, result.stderr[-3000:]
   for kernel in ("fp4_gemm", "moe_experts", "decode_attention", "quantize"):
     assert f"| {kernel} | 1 | pallas" in result.stdout
+
+
+def test_auto_probe_failure_on_a_gpu_prints_one_line(monkeypatch, capsys):
+  """On a GPU backend a failing probe makes "auto" run XLA and says so in one printed line,
+  once per process (however many engines resolve "auto"), besides the reason runs record."""
+
+  def failing(interpret):
+    raise RuntimeError("Triton lowering\nfailed here")
+
+  monkeypatch.setattr(probe, "_probe", failing)
+  monkeypatch.setattr(probe, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  probe.probe_failure.cache_clear()
+  try:
+    first = dispatch.resolve_with_reason("auto")
+    again = dispatch.resolve_with_reason("auto")
+  finally:
+    probe.probe_failure.cache_clear()
+  assert first == again == ("xla", "auto: probe failed: RuntimeError: Triton lowering\nfailed here")
+  assert capsys.readouterr().out.splitlines() == [
+    "kernels: auto probe failed (RuntimeError: Triton lowering failed here), using xla"
+  ]
+
+
+def test_auto_probe_failure_off_a_gpu_prints_nothing(monkeypatch, capsys):
+  """Off a GPU "auto" takes XLA without probing, and a probe asked directly (interpret
+  mode, tests) that fails prints nothing: only a GPU run has lost kernels."""
+
+  def failing(interpret):
+    raise RuntimeError("no kernels")
+
+  monkeypatch.setattr(probe, "_probe", failing)
+  monkeypatch.setattr(probe, "on_gpu", lambda: False)
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: False)
+  probe.probe_failure.cache_clear()
+  try:
+    assert dispatch.resolve_with_reason("auto")[0] == "xla"
+    assert probe.probe_failure(True) == "RuntimeError: no kernels"
+  finally:
+    probe.probe_failure.cache_clear()
+  assert capsys.readouterr().out == ""

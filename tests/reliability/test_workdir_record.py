@@ -57,10 +57,10 @@ def test_a_run_s_files_without_any_record_of_its_config_are_not_taken_over(tmp_p
   assert not (tmp_path / RUN_RECORD).exists()
 
 
-def test_unreadable_checkpoint_metadata_is_said(tmp_path, capfd):
+def test_unreadable_checkpoint_metadata_is_said(tmp_path, caplog):
   Checkpoints(str(tmp_path / "checkpoints")).save(1, {"x": jnp.arange(3.0)}, {"step": 1})
   RunDir(str(tmp_path), _config()).close()  # meta without a config: nothing to compare
-  assert "nothing could be compared with this run's config" in capfd.readouterr().err
+  assert "nothing could be compared with this run's config" in caplog.text
 
 
 def test_checkpoints_that_is_a_file_is_refused_before_the_log_is_cut(tmp_path):

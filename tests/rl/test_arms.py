@@ -8,6 +8,7 @@ from flax import nnx
 
 from trace_jax import fp4
 from trace_jax.rl.config import RLConfig
+from trace_jax.run.policy_source import preflight
 from trace_jax.run.trainer import Trainer
 
 # arm: (rollout packs FP4 weights, training quantizes, rounding, correction, guidance mode,
@@ -343,8 +344,9 @@ def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, arm, fp4_sites, activati
 
 
 def test_mxfp4_on_a_preset_too_narrow_names_the_field_and_presets_that_fit():
+  # checked on the architecture the run uses, before any work (`policy_source.preflight`)
   with pytest.raises(ValueError, match=r"fmt='mxfp4'.*preset='tiny' has head_dim=16.*'small'"):
-    RLConfig.from_flat(preset="tiny", fmt="mxfp4")
+    preflight(RLConfig.from_flat(preset="tiny", fmt="mxfp4"))
   with pytest.raises(ValueError, match=r"preset='qwen3_5_tiny' has head_dim=16"):
-    RLConfig.from_flat(preset="qwen3_5_tiny", fmt="mxfp4", fp4_sites="experts+kv")
-  RLConfig.from_flat(preset="tiny", fmt="nvfp4")  # 16-element NVFP4 blocks fit
+    preflight(RLConfig.from_flat(preset="qwen3_5_tiny", fmt="mxfp4", fp4_sites="experts+kv"))
+  preflight(RLConfig.from_flat(preset="tiny", fmt="nvfp4"))  # 16-element NVFP4 blocks fit

@@ -166,7 +166,7 @@ def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
   leaves = config_flags.flat_fields(RLConfig)
   # the flat config's names, and the knobs added since (asynchronous RL, lr_decay, sft_target)
   added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every", "lr_decay"}
-  added |= {"sft_target", "kv_precision"}
+  added |= {"sft_target", "kv_precision", "max_grad_norm"}
   assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT)) | added
   assert leaves["fp4_sites"][0] == ("fp4", "sites") and leaves["steps"][0] == ("schedule", "steps")
   config = RLConfig.from_flat(steps=3, temperature=0.5, preset="tiny")
@@ -242,3 +242,17 @@ def test_asynchronous_rl_knobs_are_flags_and_validate():
   del saved["schedule"]["max_staleness"]
   assert RLConfig().differences(saved) == []
   assert RLConfig.from_flat(max_staleness=2).differences(saved) == ["max_staleness"]
+
+
+def test_a_decay_with_no_step_after_the_warmup_is_refused_before_any_work():
+  """lr_decay falls after the warmup: steps <= lr_warmup_steps leaves it no step, a ValueError
+  naming both (at the CLI, one line). A constant rate, or 0 steps (a warm start only), pass."""
+  for steps, warmup in ((4, 4), (2, 6)):
+    with pytest.raises(
+      ValueError,
+      match=rf"lr_decay='cosine'.*steps={steps} <= lr_warmup_steps={warmup}.*--lr_decay=constant",
+    ):
+      RLConfig.from_flat(steps=steps, lr_warmup_steps=warmup, lr_decay="cosine")
+  RLConfig.from_flat(steps=4, lr_warmup_steps=4, lr_decay="constant")
+  RLConfig.from_flat(steps=0, lr_warmup_steps=4, lr_decay="linear")
+  RLConfig.from_flat(steps=5, lr_warmup_steps=4, lr_decay="linear")

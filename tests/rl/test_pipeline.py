@@ -20,7 +20,6 @@ from trace_jax.rl.pipeline import (
   RolloutWorkerError,
   VersionUnavailableError,
   WeightRing,
-  admission_capacity,
   schedule_version,
 )
 
@@ -89,23 +88,7 @@ def test_schedule_is_fixed_lag():
     schedule_version(-1, 3)
 
 
-def test_admission_capacity_by_hand():
-  # (k + version + 1) * batch - issued
-  assert admission_capacity(max_staleness=3, version=0, batch_size=4, issued=0) == 16
-  assert admission_capacity(max_staleness=3, version=2, batch_size=4, issued=20) == 4
-  assert admission_capacity(max_staleness=0, version=5, batch_size=8, issued=48) == 0
-  assert admission_capacity(max_staleness=1, version=0, batch_size=2, issued=3) == 1
-  # whole batches: batch j (issued = j * batch) is admitted iff the fixed lag's version is out
-  for k in range(4):
-    for version in range(6):
-      for j in range(12):
-        admitted = admission_capacity(max_staleness=k, version=version, batch_size=3, issued=3 * j)
-        assert (admitted >= 3) == (schedule_version(j, k) <= version), (k, version, j)
-  with pytest.raises(ValueError, match="batch_size=0 must be an integer >= 1"):
-    admission_capacity(max_staleness=3, version=0, batch_size=0, issued=0)
-
-
-def test_ring_keeps_last_versions_and_restores():
+def test_ring_keeps_last_versions():
   ring = WeightRing(max_staleness=2)
   trees = {v: {"w": np.full(3, float(v)), "b": np.arange(v + 1.0)} for v in range(6)}
   for v in range(6):
@@ -118,39 +101,6 @@ def test_ring_keeps_last_versions_and_restores():
     ring.get(6)
   with pytest.raises(ValueError, match="version=7 cannot follow version 5.*next is 6"):
     ring.put(7, trees[0])
-  state = ring.state_dict()
-  assert state["latest_version"] == 5 and list(state["params"]) == ["3", "4", "5"]
-  restored = WeightRing(max_staleness=2)
-  restored.restore(copy.deepcopy(state))  # what a checkpoint round trip gives back
-  assert restored.latest_version == 5 and restored.versions == (3, 4, 5)
-  for v in (3, 4, 5):
-    np.testing.assert_array_equal(restored.get(v)["b"], trees[v]["b"])
-  restored.put(6, trees[0])  # the version counter continues
-  assert restored.versions == (4, 5, 6)
-  with pytest.raises(ValueError, match=r"holds versions \['3', '4'\].*must hold \['3', '4', '5'\]"):
-    WeightRing(max_staleness=2).restore({"latest_version": 5, "params": {"3": 0, "4": 0}})
-  assert WeightRing.held_versions(1, 3) == (0, 1)
-
-
-def test_ring_state_round_trips_through_checkpoints(tmp_path):
-  """state_dict's params are an orbax pytree (string keys) and the counter JSON metadata."""
-  import jax.numpy as jnp
-
-  from trace_jax.run.checkpoint import Checkpoints
-
-  ring = WeightRing(max_staleness=1)
-  for v in range(4):
-    ring.put(v, {"w": jnp.asarray(np.random.default_rng(v).normal(size=(2, 3)), jnp.float32)})
-  state = ring.state_dict()
-  checkpoints = Checkpoints(str(tmp_path / "ckpt"))
-  checkpoints.save(4, {"ring": state["params"]}, {"ring_version": state["latest_version"]})
-  version = checkpoints.read_meta(4)["ring_version"]
-  like = {str(v): {"w": jnp.zeros((2, 3))} for v in WeightRing.held_versions(version, 1)}
-  params = checkpoints.restore(4, {"ring": like})["ring"]
-  restored = WeightRing(max_staleness=1)
-  restored.restore({"latest_version": version, "params": params})
-  assert restored.versions == (2, 3)
-  np.testing.assert_array_equal(restored.get(2)["w"], ring.get(2)["w"])
 
 
 @pytest.mark.parametrize("jitter_seed", [0, 1])
@@ -181,7 +131,9 @@ def test_k3_gaps_bounded_positive_and_deterministic(jitter_seed):
   assert [r.version for r in received] == [max(0, j - k) for j in range(steps)]
   assert [c[0] for c in calls] == list(range(steps))  # each batch generated once, in order
   for j, version, latest, received_count in calls:
-    assert admission_capacity(max_staleness=k, version=latest, batch_size=8, issued=8 * j) >= 8
+    # AReaL's admission: (k + version + 1) * batch - issued rollouts may start, here whole
+    # batches of 8 with 8 * j issued before batch j
+    assert (k + latest + 1) * 8 - 8 * j >= 8
     assert j + 1 - received_count <= k + 1  # in flight, this batch included
   want_batches, want_params = _reference(k, steps)
   for r, want in zip(received, want_batches, strict=True):
@@ -318,15 +270,17 @@ def test_resume_mid_pipeline_regenerates_in_flight_batches():
 
   worker = RolloutWorker(generate, _ring(k), stop_batch=steps)
   first, params = _drive(worker, _initial(), crash_at)
-  # checkpoint: the learner's parameters and the ring (deep copies: what a restore returns)
+  # checkpoint: the learner's parameters and the ring's versions v - k .. v (deep copies:
+  # what a restore returns), as `run.async_rollouts` saves them
   saved_params = params.copy()
-  saved_ring = copy.deepcopy(worker._ring.state_dict())
+  saved_ring = {v: copy.deepcopy(worker._ring.get(v)) for v in worker._ring.versions}
   _wait_until(lambda: worker._queue.qsize() == k + 1, "batches 6..9 in flight")
   worker.close(timeout=WAIT_S)  # the crash: the queued batches are lost
 
   ring = WeightRing(max_staleness=k)
-  ring.restore(saved_ring)
-  assert ring.latest_version == crash_at
+  for v in sorted(saved_ring):  # refilled in order, as the trainer does
+    ring.put(v, saved_ring[v])
+  assert ring.latest_version == crash_at and ring.versions == (3, 4, 5, 6)
   with RolloutWorker(generate, ring, stop_batch=steps) as resumed:
     assert resumed.next_batch == crash_at
     second, params = _drive(resumed, saved_params, steps - crash_at)

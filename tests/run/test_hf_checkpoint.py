@@ -196,9 +196,10 @@ def test_errors_before_any_work(tmp_path):
     )
 
   # a tokenizer larger than the checkpoint's embedding (96 ids, 64 rows)
+  # (in the FP4 scope its 24-wide shared expert fits: the widths are checked first)
   big = checkpoint(tmp_path / "big", "qwen3_5_moe_text", vocab_size=96)
   refused(
-    RLConfig.from_flat(hf_checkpoint=big, **TINY),
+    RLConfig.from_flat(hf_checkpoint=big, fp4_sites="experts+kv", **TINY),
     "tokenizer.json has ids up to 95 but the checkpoint's embedding has 64 rows",
   )
   # widths FP4 blocks cannot split (the 24-wide shared expert under fp4_sites="all")
@@ -230,6 +231,36 @@ def test_a_failing_template_is_refused_before_the_workdir_is_made(tmp_path):
     "(ZeroDivisionError: division by zero)"
   )
   assert not os.path.exists(workdir)
+
+
+def test_block_fit_is_checked_on_the_widths_the_run_uses(tmp_path):
+  """With hf_checkpoint the checkpoint's widths are checked against the FP4 blocks, not the
+  (ignored) preset's: a checkpoint whose widths split into MXFP4's 32-element blocks runs
+  with preset 'tiny' (16-wide heads), and a 16-wide checkpoint is refused, before any work,
+  by its own widths whichever preset is named."""
+  wide = checkpoint(tmp_path / "fits", "qwen3_moe")  # its config.json widths doubled
+  with open(os.path.join(wide, "config.json")) as f:
+    hf = json.load(f)
+  hf.update(hidden_size=64, head_dim=32, moe_intermediate_size=32, intermediate_size=64)
+  with open(os.path.join(wide, "config.json"), "w") as f:
+    json.dump(hf, f)
+  config = RLConfig.from_flat(hf_checkpoint=wide, preset="tiny", fmt="mxfp4", **TINY)
+  policy_source.preflight(config)
+  assert policy_source.architecture(config).quantized_widths() == {
+    "d_model": 64, "moe_ffn_dim": 32, "head_dim": 32, "ffn_dim": 64
+  }  # fmt: skip
+  narrow = checkpoint(tmp_path / "narrow", "qwen3_moe")  # 16-wide heads and experts
+  for preset in ("tiny", "small"):  # 'small' fits MXFP4: the preset is not what runs
+    config = RLConfig.from_flat(hf_checkpoint=narrow, preset=preset, fmt="mxfp4", **TINY)
+    with pytest.raises(
+      ValueError,
+      match=r"fmt='mxfp4' quantizes in blocks of 32, but hf_checkpoint=.*narrow.* has "
+      r"moe_ffn_dim=16, head_dim=16, ffn_dim=48 .*; fmt='nvfp4' fits it$",
+    ):
+      policy_source.preflight(config)
+  # a preset's own widths: refused before any work, with the presets that fit
+  with pytest.raises(ValueError, match=r"preset='tiny' has head_dim=16 .*fit: \[.*'small'"):
+    policy_source.preflight(RLConfig.from_flat(preset="tiny", fmt="mxfp4", **TINY))
 
 
 def test_a_checkpoint_saved_before_the_new_fields_still_resumes():

@@ -300,6 +300,61 @@ def test_learning_rate_decay_by_hand(decay):
     step_lib.optimizer(lr, 0, "step", total)
 
 
+def _adam_by_hand(grads, lr, max_grad_norm, b1=0.9, b2=0.999, eps=1e-8):
+  """Each update of Adam (optax's defaults) on gradients first clipped to a global norm."""
+  m = v = np.zeros_like(grads[0], np.float64)
+  out = []
+  for t, g in enumerate(grads, 1):
+    g = g * min(1.0, max_grad_norm / np.linalg.norm(g))
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    out.append(-lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps))
+  return out
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.3, 50.0])
+def test_gradient_clipping_follows_max_grad_norm(max_grad_norm):
+  """The optimizer clips each gradient to global norm `max_grad_norm` before Adam (checked
+  against Adam by hand on gradients of norms above and below it), and `init_state` takes it
+  from the config (--max_grad_norm; default 1.0, the clipping runs always had)."""
+  import jax.numpy as jnp
+
+  rng = np.random.default_rng(int(max_grad_norm * 10))
+  grads = [rng.normal(0, s, 6).astype(np.float32) for s in (4.0, 0.05, 1.0, 0.2)]
+  tx = step_lib.optimizer(1e-3, 0, "constant", 0, max_grad_norm)
+  state = tx.init({"w": jnp.zeros(6)})
+  for g, want in zip(grads, _adam_by_hand(grads, 1e-3, max_grad_norm)):
+    updates, state = tx.update({"w": jnp.asarray(g)}, state)
+    np.testing.assert_allclose(np.asarray(updates["w"]), want, rtol=2e-4, atol=1e-9)
+  assert RLConfig().schedule.max_grad_norm == 1.0
+  config = RLConfig.from_flat(preset="tiny", steps=3, max_grad_norm=max_grad_norm)
+  policy = nnx.Module()
+  policy.w = nnx.Param(jnp.ones(3))
+  opt = step_lib.init_state(config, policy).opt
+  assert opt.tx is step_lib.optimizer(
+    config.schedule.learning_rate, 0, config.schedule.lr_decay, 3, max_grad_norm
+  )
+  for bad in (0.0, -1.0, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match=rf"RLConfig.max_grad_norm={bad!r} must be a finite"):
+      RLConfig.from_flat(max_grad_norm=bad)
+    with pytest.raises(ValueError, match=rf"max_grad_norm={bad!r} must be a finite"):
+      step_lib.optimizer(1e-3, max_grad_norm=bad)
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear"])
+def test_a_decay_with_no_update_after_the_warmup_is_refused(decay):
+  """A decay over no updates used to give the warmup alone (the decay dropped, silently): it
+  is refused, naming both counts. A constant rate, and a run of no updates, are not."""
+  for warmup, total in ((5, 5), (8, 3)):
+    with pytest.raises(
+      ValueError,
+      match=rf"lr_decay='{decay}'.*total_updates={total} <= warmup_updates={warmup}",
+    ):
+      step_lib.optimizer(1e-3, warmup, decay, total)
+  step_lib.optimizer(1e-3, 5, "constant", 5)
+  step_lib.optimizer(1e-3, 5, decay, 0)
+  step_lib.optimizer(1e-3, 5, decay, 6)
+
+
 def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path):
   """reward_control="shuffle" (the matched placebo), checked by its properties (not by the
   permutation the trainer draws, which may change): the rewards the advantages come from

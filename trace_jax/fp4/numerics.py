@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, batching, mlir
@@ -48,18 +47,19 @@ def _gpu_true_divide(ctx, numerator, denominator):
 
 # One primitive, so each backend gets a division it cannot weaken (see `true_divide`):
 # XLA on CPU `a / (b + 0 * a)`, XLA on a GPU a float64 division rounded once to float32,
-# Pallas' Triton lowering the PTX instruction div.rn.f32 as inline assembly.
-_ieee_div_p = jex_core.Primitive("fp4_ieee_div")
-_ieee_div_p.def_impl(functools.partial(_jax_private.apply_primitive, _ieee_div_p))
-_ieee_div_p.def_abstract_eval(lambda a, b: jax.core.ShapedArray(a.shape, a.dtype))
-mlir.register_lowering(_ieee_div_p, mlir.lower_fun(_xla_true_divide, multiple_results=False))
+# Pallas' Triton lowering the PTX instruction div.rn.f32 as inline assembly (registered by
+# `trace_jax.kernels.triton_divide`, where the kernels are: these numerics import no Pallas).
+true_divide_p = _jax_private.Primitive("fp4_ieee_div")
+true_divide_p.def_impl(functools.partial(_jax_private.apply_primitive, true_divide_p))
+true_divide_p.def_abstract_eval(lambda a, b: jax.core.ShapedArray(a.shape, a.dtype))
+mlir.register_lowering(true_divide_p, mlir.lower_fun(_xla_true_divide, multiple_results=False))
 for _platform in ("cuda", "rocm"):
-  mlir.register_lowering(_ieee_div_p, _gpu_true_divide, platform=_platform)
-ad.defjvp(_ieee_div_p, lambda g, a, b: g / b, lambda g, a, b: -g * a / (b * b))
+  mlir.register_lowering(true_divide_p, _gpu_true_divide, platform=_platform)
+ad.defjvp(true_divide_p, lambda g, a, b: g / b, lambda g, a, b: -g * a / (b * b))
 
 # The GPU formulation on any backend: what `true_divide` computes on a GPU, for the tests
 # (on CPU they check it against IEEE float32 division, ties included).
-_f64_div_p = jex_core.Primitive("fp4_f64_div")
+_f64_div_p = _jax_private.Primitive("fp4_f64_div")
 _f64_div_p.def_impl(functools.partial(_jax_private.apply_primitive, _f64_div_p))
 _f64_div_p.def_abstract_eval(lambda a, b: jax.core.ShapedArray(a.shape, a.dtype))
 mlir.register_lowering(_f64_div_p, _gpu_true_divide)
@@ -73,29 +73,10 @@ def _batch_true_divide(args, dims):
     jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
     for x, d in zip(args, dims)
   ]
-  return _ieee_div_p.bind(*front), 0
+  return true_divide_p.bind(*front), 0
 
 
-batching.primitive_batchers[_ieee_div_p] = _batch_true_divide
-
-# PTX's correctly rounded float32 division, as inline assembly: no compiler flag reaches it.
-DIV_RN_F32 = "div.rn.f32 $0, $1, $2;"
-
-
-@_jax_private.register_triton_lowering(_ieee_div_p)
-def _triton_true_divide(ctx, numerator, denominator):
-  aval = ctx.avals_out[0]
-  result = mlir.dtype_to_ir_type(jnp.dtype(aval.dtype))
-  if aval.shape:
-    result = _jax_private.mlir_ir.RankedTensorType.get(aval.shape, result)
-  return _jax_private.triton_inline_asm(
-    [result],
-    DIV_RN_F32,
-    constraints="=f,f,f",
-    pure=True,
-    packed_element=1,
-    args=[numerator, denominator],
-  )
+batching.primitive_batchers[true_divide_p] = _batch_true_divide
 
 
 def true_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
@@ -122,17 +103,15 @@ def true_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     lies on the same side of every float32 midpoint as Q and rounds to the same float32;
     an exact Q stays exact. (Figueroa's theorem in one line: 53 >= 2 * 24 + 2 makes double
     rounding innocuous for division.) Non-finite operands divide per IEEE.
-  - Pallas' Triton lowering (CUDA): inline PTX `div.rn.f32` (IEEE, round to nearest even).
-    Triton lowers a plain float division to div.full.f32, and its `tt.precise_divf` to an
-    LLVM fdiv that XLA (which compiles a Pallas kernel's LLVM with its own NVPTX options)
-    turns into div.full.f32 as well; inline assembly is left alone by both.
+  - Pallas' Triton lowering (CUDA): inline PTX `div.rn.f32` (IEEE, round to nearest even),
+    registered by `trace_jax.kernels.triton_divide` (see there why no other form is exact).
   Tests check the float64 formulation (`true_divide_via_f64`, on CPU) against NumPy's IEEE
   division on tie oracles, and the CUDA lowerings for their division instructions.
   """
   numerator, denominator = jnp.broadcast_arrays(
     jnp.asarray(numerator, jnp.float32), jnp.asarray(denominator, jnp.float32)
   )
-  return _ieee_div_p.bind(numerator, denominator)
+  return true_divide_p.bind(numerator, denominator)
 
 
 def nvfp4_global_scale(amax: jax.Array) -> jax.Array:

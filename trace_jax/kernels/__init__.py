@@ -23,14 +23,15 @@ kernels the model dequantizes and runs XLA dots (`experiments/bench_kernels.py` 
 `dispatch.resolve` (`resolve_with_reason` also says why "auto" fell back to XLA) is called
 once, outside jit, where a run is set up (the rollout engine); the model takes the resolved
 implementation as `QuantConfig.kernels`. On a GPU the kernels compile through Pallas' Triton
-backend; `cuda_lowering` lowers them for CUDA, and compiles them to sm_90 cubins, on a
-machine without a GPU.
+backend, where `triton_divide` gives `fp4.true_divide` its exact division; `cuda_lowering`
+lowers them for CUDA, and compiles them to sm_90 cubins, on a machine without a GPU.
 
 The kernel functions are exported under names of their own (`fp4_gemm`, `fp4_grouped_gemm`,
 `moe_experts`, `fp4_decode_attention`, `write_kv`, `fused_quantize`), so that
 `trace_jax.kernels.<module>` is always the module.
 """
 
+from trace_jax.kernels import triton_divide  # fp4.true_divide inside kernels: div.rn.f32
 from trace_jax.kernels import (
   decode_attention,
   dispatch,

@@ -51,7 +51,7 @@ class TritonCall:
 
   def ttir_text(self) -> str:
     """The module as MLIR text (what the `triton` package reads)."""
-    with _jax_private.new_triton_ir_context():
+    with _jax_private.pallas_triton().new_ir_context():
       return str(ir.Module.parse(self.ttir))
 
 

@@ -16,6 +16,7 @@ from absl import logging
 
 from trace_jax import fp4
 from trace_jax.fp4 import ties
+from trace_jax.kernels.launch import on_gpu
 from trace_jax.kernels import (
   decode_attention,
   gemm,
@@ -39,7 +40,8 @@ def probe(interpret: bool | None = None) -> bool:
 
 @functools.cache
 def probe_failure(interpret: bool | None = None) -> str | None:
-  """None if the kernels pass the probe here, else why not (cached; warns once).
+  """None if the kernels pass the probe here, else why not (cached; warns once, and on a
+  GPU prints one line: `kernels: auto probe failed (<why>), using xla`).
 
   Runs the kernels eagerly, so it refuses to run inside a jit trace (where nothing is
   cached): resolve "auto" outside jit (`dispatch.resolve`) and pass the result on."""
@@ -57,6 +59,8 @@ def probe_failure(interpret: bool | None = None) -> str | None:
       jax.default_backend(),
       reason,
     )
+    if on_gpu():  # a GPU run that loses its kernels says so once, where it starts
+      print(f"kernels: auto probe failed ({' '.join(reason.split())}), using xla", flush=True)
     return reason
   return None
 

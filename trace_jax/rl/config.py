@@ -25,7 +25,7 @@ import math
 import os
 
 from trace_jax import fp4
-from trace_jax.model.config import PRESETS, get_preset
+from trace_jax.model.config import PRESETS
 from trace_jax.model.quant import FP4Scheme, QuantConfig
 from trace_jax.rl.arms import RUNNABLE, Arm, get_arm
 from trace_jax.rl.decoupled import DecoupledConfig
@@ -155,6 +155,7 @@ class Schedule:
     "After the warmup: constant, or a cosine or linear fall to learning_rate / 10 at the last step.",
     choices=LR_DECAYS,
   )
+  max_grad_norm: float = knob(1.0, "Clip each update's gradient to this global norm.")
   minibatches: int = knob(1, "Updates per epoch (1: pi_old is the update's own forward).")
   epochs: int = knob(1, "Passes over each rollout batch.")
   checkpoint_every: int = knob(20, "Checkpoint period in steps (and at the last step); 0: never.")
@@ -172,8 +173,14 @@ class Schedule:
     names = ("steps", "lr_warmup_steps", "checkpoint_every", "max_staleness")
     _check("RLConfig", self, names, lambda v: v >= 0, "must be >= 0")
     _check("RLConfig", self, ("minibatches", "epochs"), lambda v: v >= 1, "must be >= 1")
-    names = ("learning_rate", "max_param_abs")
+    names = ("learning_rate", "max_grad_norm", "max_param_abs")
     _check("RLConfig", self, names, _finite_positive, "must be a finite number > 0")
+    if self.lr_decay != "constant" and 0 < self.steps <= self.lr_warmup_steps:
+      raise ValueError(
+        f"RLConfig.lr_decay={self.lr_decay!r} falls after the warmup, but steps={self.steps} "
+        f"<= lr_warmup_steps={self.lr_warmup_steps} leaves no step to decay; use fewer "
+        "--lr_warmup_steps, more --steps, or --lr_decay=constant"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -270,7 +277,6 @@ class RLConfig:
         f"RLConfig.fmt={self.fp4.fmt!r}: arm {self.arm!r} (sparse guidance) needs "
         "fmt='nvfp4' (E4M3 block scales)"
       )
-    _check_block_fit(self.source.preset, self.fp4.fmt, self.fp4.sites)
     batch, minibatches, data = self.batch, self.schedule.minibatches, self.mesh[0]
     if batch % minibatches:
       raise ValueError(
@@ -352,27 +358,6 @@ class RLConfig:
     return sorted(
       k for k in set(mine) | set(theirs) if k not in ignore and mine.get(k) != theirs.get(k)
     )
-
-
-def _check_block_fit(preset: str, fmt: str, sites: str) -> None:
-  """A ValueError before any work if the preset's widths do not split into `fmt`'s blocks
-  (MXFP4's 32-element blocks on the tiny presets' 16-wide heads), naming the field and the
-  presets that fit."""
-  block = fp4.get_format(fmt).block_size
-  misfits = {f: w for f, w in get_preset(preset).quantized_widths(sites).items() if w % block}
-  if not misfits:
-    return
-  fits = [
-    name
-    for name in PRESETS
-    if not any(w % block for w in get_preset(name).quantized_widths(sites).values())
-  ]
-  fields = ", ".join(f"{f}={w}" for f, w in misfits.items())
-  raise ValueError(
-    f"RLConfig.fmt={fmt!r} quantizes in blocks of {block}, but preset={preset!r} has "
-    f"{fields} (not a multiple of {block}); use a preset that fits, one of {fits}, or "
-    "fmt='nvfp4'"
-  )
 
 
 def _jsonish(value):

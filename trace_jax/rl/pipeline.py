@@ -1,6 +1,6 @@
 """Bounded-staleness rollout pipeline: which weights generate which batch, and a worker that
-generates ahead of the learner (issue 26; DESIGN.md section 4). No model code: generation is
-a callable, parameters are opaque pytrees.
+generates ahead of the learner (DESIGN.md section 4). No model code: generation is a
+callable, parameters are opaque pytrees.
 
 Versions: version v is the parameters after v learner updates (0: the initial ones). The
 learner consumes one batch per update: it consumes batch j at version j and then publishes
@@ -23,8 +23,9 @@ version j + 1. With max_staleness k:
 Crash and resume: rollouts in flight at a crash (queued or being generated) are not saved;
 a resume regenerates them. `generate` must depend only on (seed, batch index, version)
 through its arguments (the trainer's PRNG key is already fold_in(seed, step)), and the
-checkpoint holds the ring (`WeightRing.state_dict`: versions v - k .. v and the version
-counter), so the regenerated batches are bit for bit those the crashed run would have
+caller's checkpoint must hold the ring's versions v - k .. v (`run.async_rollouts` saves
+the policy, at v, and k slots beside it, the older versions, and refills a fresh ring from
+them), so the regenerated batches are bit for bit those the crashed run would have
 consumed and a resumed run continues exactly as an uninterrupted one. The price: up to
 k + 1 batches generated twice, and k + 1 parameter versions per checkpoint.
 
@@ -53,22 +54,6 @@ _POLL_S = 0.05  # how often a blocked wait rechecks for a stop or a worker failu
 def _check_count(name: str, value, minimum: int = 0) -> None:
   if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
     raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
-
-
-def admission_capacity(*, max_staleness: int, version: int, batch_size: int, issued: int) -> int:
-  """How many more rollouts may start (AReaL): (k + version + 1) * batch_size - issued.
-
-  Args:
-    max_staleness: k, the largest version gap allowed.
-    version: the learner's latest published version.
-    batch_size: rollouts per learner update.
-    issued: rollouts started so far (consumed, queued or generating).
-  """
-  _check_count("max_staleness", max_staleness)
-  _check_count("version", version)
-  _check_count("batch_size", batch_size, 1)
-  _check_count("issued", issued)
-  return (max_staleness + version + 1) * batch_size - issued
 
 
 def schedule_version(batch_index: int, max_staleness: int) -> int:
@@ -108,11 +93,6 @@ class WeightRing:
   def versions(self) -> tuple[int, ...]:
     with self._changed:
       return tuple(sorted(self._params))
-
-  @staticmethod
-  def held_versions(latest_version: int, max_staleness: int) -> tuple[int, ...]:
-    """The versions a ring with this latest version holds: max(0, v - k) .. v."""
-    return tuple(range(max(0, latest_version - max_staleness), latest_version + 1))
 
   def put(self, version: int, params) -> None:
     """Publish `version` (the first may be any version, later ones count up by one)."""
@@ -154,32 +134,6 @@ class WeightRing:
         lambda: self._latest is not None and self._latest >= version, timeout
       )
 
-  def state_dict(self) -> dict[str, Any]:
-    """{"latest_version": int, "params": {str(version): params}}: the version counter (for
-    the checkpoint's metadata) and the held versions (a pytree of arrays for orbax)."""
-    with self._changed:
-      if self._latest is None:
-        raise ValueError("an empty WeightRing has no state to save: put version 0 first")
-      return {
-        "latest_version": self._latest,
-        "params": {str(v): p for v, p in sorted(self._params.items())},
-      }
-
-  def restore(self, state: dict[str, Any]) -> None:
-    """Replace the contents with a `state_dict()`, the version counter included."""
-    latest = state["latest_version"]
-    _check_count("latest_version", latest)
-    want = [str(v) for v in self.held_versions(latest, self.max_staleness)]
-    if sorted(state["params"], key=int) != want:
-      raise ValueError(
-        f"WeightRing state holds versions {sorted(state['params'], key=int)}; with "
-        f"latest_version={latest} and max_staleness={self.max_staleness} it must hold {want}"
-      )
-    with self._changed:
-      self._params = {int(v): p for v, p in state["params"].items()}
-      self._latest = latest
-      self._changed.notify_all()
-
 
 @dataclasses.dataclass(frozen=True)
 class PipelinedRollout:
@@ -200,8 +154,8 @@ class RolloutWorker:
 
   The learner alternates `next()` (batch j, generated with version max(0, j - k)) and
   `publish(params)` (version j + 1 after its update of batch j). The first batch is the
-  ring's latest version: a fresh run puts version 0 into the ring, a resumed one restores
-  the ring, and the worker continues from there.
+  ring's latest version: a fresh run puts version 0 into the ring, a resumed one refills
+  it with the versions its checkpoint holds, and the worker continues from there.
 
   With k > 0 a daemon thread generates into a queue of k + 1 batches; an exception in it
   reaches the learner at the `next()` of the batch that failed, as a RolloutWorkerError

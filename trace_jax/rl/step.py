@@ -3,7 +3,8 @@
   1. `collect`: sample `prompts_per_step` problems, `group_size` samples each, and roll them
      out with the arm's engine (one or more turns), capturing its guidance; the arm's guided
      layers of it stay on the device (the update consumes them at once);
-  2. `score`: the advantages, the reference policy's log-probs (KL), and pi_old: the
+  2. `score`: the advantages, the reference policy's log-probs (KL: its own unguided
+     forward, nearest rounding and its own routing), and pi_old: the
      training path's log-probs of the sampled tokens with the arm's quantization, guidance
      and routing replay; the mismatch metrics compare them with the rollout's. A fused step
      (one minibatch, one epoch) leaves pi_old to the update: its own forward gives it;
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -152,21 +154,49 @@ class StepSpec:
       temperature=config.sampling.temperature,
     )
 
+  @property
+  def reference_static(self) -> dict:
+    """The reference's forward (the KL term): the training path's FP4 format and sites,
+    rounded to nearest with its own scales and its own experts. Guidance and routing replay
+    are the rollout's record of the current policy's activations: read by the frozen
+    reference, they would round it with the policy's scales and route it to the policy's
+    experts, and the KL would not measure the distance to the reference."""
+    static = self.static
+    return dict(static, quant=static["quant"].replace(rounding="nearest"), replay=False)
+
 
 @functools.lru_cache(maxsize=None)
 def optimizer(
-  learning_rate: float, warmup_updates: int = 0, decay: str = "constant", total_updates: int = 0
+  learning_rate: float,
+  warmup_updates: int = 0,
+  decay: str = "constant",
+  total_updates: int = 0,
+  max_grad_norm: float = 1.0,
 ):
   """One transformation per schedule, so runs of one config share compiled steps.
+
+  The gradient is clipped to global norm `max_grad_norm` before Adam.
 
   A linear warmup from lr / 10 over the first `warmup_updates` optimizer updates: Adam's
   first updates are sign-like (every parameter moves by ~lr whatever its gradient's size),
   which on a noisy RL gradient undoes part of the warm start. Then the learning rate stays
   (`decay="constant"`) or falls to lr / 10 at update `total_updates` ("cosine", "linear"):
   the last updates move the policy less, so its final evaluation is less one update's noise.
+  A decay needs updates after the warmup (`total_updates > warmup_updates`); with
+  `total_updates=0` (a run of no updates) there is nothing to decay and nothing is refused.
   """
   if decay not in LR_DECAYS:
     raise ValueError(f"lr_decay={decay!r} is not allowed; use one of {LR_DECAYS}")
+  if not (
+    isinstance(max_grad_norm, (int, float)) and math.isfinite(max_grad_norm) and max_grad_norm > 0
+  ):
+    raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0")
+  if decay != "constant" and 0 < total_updates <= warmup_updates:
+    raise ValueError(
+      f"lr_decay={decay!r} falls after the warmup, but total_updates={total_updates} <= "
+      f"warmup_updates={warmup_updates} leaves no update to decay; use fewer warmup updates, "
+      "more updates, or lr_decay='constant'"
+    )
   floor = learning_rate / 10
   schedule = learning_rate
   if decay != "constant" and total_updates > warmup_updates:
@@ -180,7 +210,7 @@ def optimizer(
       schedule = optax.join_schedules([warm, schedule], [warmup_updates])
   elif warmup_updates > 0:
     schedule = optax.linear_schedule(floor, learning_rate, warmup_updates)
-  return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
+  return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(schedule))
 
 
 def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
@@ -197,6 +227,7 @@ def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
     schedule.lr_warmup_steps * per_step,
     schedule.lr_decay,
     schedule.steps * per_step,
+    schedule.max_grad_norm,
   )
   opt = nnx.Optimizer(policy, tx, wrt=nnx.Param)
   if mesh is not None:
@@ -289,7 +320,9 @@ def score(spec: StepSpec, state: RLState, collected: Collected, step: int) -> Sc
     )
   ref_logp = None
   if state.reference is not None:
-    ref_logp = _old_logprobs(state.reference, c.example, c.guidance, record=False, **static)[0]
+    ref_logp = _old_logprobs(
+      state.reference, c.example, None, record=False, **spec.reference_static
+    )[0]
   advantages = group_advantages(
     jnp.asarray(advantage_rewards(config, step, c.played.rewards)),
     config.sampling.group_size,

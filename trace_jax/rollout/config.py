@@ -11,7 +11,6 @@ from trace_jax.kernels import KERNEL_MODES
 from trace_jax.model.quant import PRECISIONS, FP4Scheme, QuantConfig, _check_layers_spec
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
-LOGPROB_MODES = ("tempered", "sampling")
 
 
 def _require(ok: bool, where: str, field: str, value, allowed: str) -> None:

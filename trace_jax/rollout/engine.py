@@ -420,7 +420,7 @@ def _finalise(r: Rollout) -> Rollout:
 # --- Host side ------------------------------------------------------------------------------
 
 
-def _pad_left(sequences: Sequence[Sequence[int]], bucket: int, pad_id: int, what: str):
+def _pad_left(sequences: Sequence[Sequence[int]], bucket: int, pad_id: int):
   """Left-pad token lists into int32 [B, C] (C a multiple of `bucket`) and a bool mask."""
   lengths = [len(s) for s in sequences]
   width = max(max(lengths), 1)
@@ -507,7 +507,7 @@ class RolloutEngine:
   def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array) -> Rollout:
     """Sample continuations of `prompts` (token lists of any lengths)."""
     _check_tokens(prompts, self.cfg.vocab_size, "prompts", allow_empty=False)
-    tokens, mask = _pad_left(prompts, self.config.prompt_bucket, self.config.pad_id, "prompts")
+    tokens, mask = _pad_left(prompts, self.config.prompt_bucket, self.config.pad_id)
     need = tokens.shape[1] + self.config.sampling.max_new_tokens
     if need > self.config.max_len:
       raise ValueError(
@@ -547,9 +547,7 @@ class RolloutEngine:
         f"observations for {len(observations)} sequences; the rollout has {rollout.tokens.shape[0]}"
       )
     _check_tokens(observations, self.cfg.vocab_size, "observations", allow_empty=True)
-    chunk, mask = _pad_left(
-      observations, self.config.prompt_bucket, self.config.pad_id, "observations"
-    )
+    chunk, mask = _pad_left(observations, self.config.prompt_bucket, self.config.pad_id)
     need = int(rollout.cache.index) + chunk.shape[1] + self.config.sampling.max_new_tokens
     if need > self.config.max_len:
       raise ValueError(

@@ -1,5 +1,5 @@
-"""The rollout side of an asynchronous RL run (max_staleness k > 0; issue 26, DESIGN.md
-section 4), on `rl.pipeline`'s WeightRing and RolloutWorker:
+"""The rollout side of an asynchronous RL run (max_staleness k > 0; DESIGN.md section 4), on
+`rl.pipeline`'s WeightRing and RolloutWorker:
 
 1. The ring holds copies of the policy's state at versions v - k .. v (the update donates
    the policy's buffers, so the ring's are copies of their own).

@@ -23,7 +23,7 @@ import os
 from flax import nnx
 
 from trace_jax import fp4, plan
-from trace_jax.model.config import ModelConfig, get_preset
+from trace_jax.model.config import PRESETS, ModelConfig, get_preset
 from trace_jax.model.hf import checkpoint_file, from_hf, read_config, shard_files
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl import episodes
@@ -60,10 +60,10 @@ class PolicySource:
 
 def preflight(config) -> Task:
   """The run's task, and the checks of a config that need the task or the disk, before any
-  work: the task's options (names and values) and the checkpoint directory's files."""
+  work: the task's options (names and values), the checkpoint directory's files, and the
+  policy's widths against the FP4 blocks (`architecture`)."""
   task = get_task(config.task, **dict(config.task_options))
-  if config.source.hf_checkpoint:
-    check_checkpoint_files(config.source.hf_checkpoint)
+  architecture(config)  # the checkpoint's files; the widths against the FP4 blocks
   return task
 
 
@@ -116,14 +116,24 @@ def _checkpoint_config(path: str) -> ModelConfig:
   return read_config(os.path.join(path, "config.json"))[0]
 
 
+def architecture(config) -> ModelConfig:
+  """The policy's architecture as its source states it: the preset, or the checkpoint's
+  config.json (its files checked; no weight read), whose widths fit the run's FP4 blocks."""
+  if config.source.hf_checkpoint:
+    model_cfg = _checkpoint_config(check_checkpoint_files(config.source.hf_checkpoint))
+  else:
+    model_cfg = get_preset(config.source.preset)
+  _check_block_fit(config, model_cfg)
+  return model_cfg
+
+
 def check(config, task: Task) -> tuple[Tokenizer, ModelConfig]:
   """The tokenizer and the architecture of a run, every input checked; reads no weights."""
+  model_cfg = architecture(config)
   if not config.source.hf_checkpoint:
     tokenizer = CharTokenizer()
-    preset = get_preset(config.source.preset)
-    return tokenizer, preset.replace(vocab_size=max(preset.vocab_size, tokenizer.vocab_size))
-  path = check_checkpoint_files(config.source.hf_checkpoint)
-  model_cfg = _checkpoint_config(path)
+    return tokenizer, model_cfg.replace(vocab_size=max(model_cfg.vocab_size, tokenizer.vocab_size))
+  path = os.path.abspath(config.source.hf_checkpoint)
   tokenizer = CheckpointTokenizer(
     path,
     prompt_format=prompt_format(config),
@@ -137,7 +147,6 @@ def check(config, task: Task) -> tuple[Tokenizer, ModelConfig]:
       f"checkpoint's embedding has {model_cfg.vocab_size} rows (config.json "
       "vocab_size): the tokenizer belongs to another model"
     )
-  _check_block_fit(path, model_cfg, config.fp4.fmt, config.fp4.sites)
   # The task's conversation must render (a template may refuse a role) before any work.
   tokenizer.prompt_ids(task.sample(0, 1)[0].prompt)
   if task.multi_turn:
@@ -145,25 +154,37 @@ def check(config, task: Task) -> tuple[Tokenizer, ModelConfig]:
   return tokenizer, model_cfg
 
 
-def _check_block_fit(path: str, model_cfg: ModelConfig, fmt: str, sites: str) -> None:
-  """A ValueError before any weight is read if the checkpoint's widths do not split into
-  `fmt`'s blocks in FP4 scope `sites` (the rollout's FP4 weights and KV cache, the QAT
-  path and the FP4 evaluation all need whole blocks)."""
-  block = fp4.get_format(fmt).block_size
-  misfits = {f: w for f, w in model_cfg.quantized_widths(sites).items() if w % block}
-  if not misfits:
+def _check_block_fit(config, model_cfg: ModelConfig) -> None:
+  """A ValueError before any weight is read if the policy's widths (`model_cfg`, the
+  preset's or the checkpoint's: whichever the run uses) do not split into the run's FP4
+  blocks in its FP4 scope (the rollout's FP4 weights and KV cache, the QAT path and the FP4
+  evaluation all need whole blocks); it names the widths and what would fit."""
+  fmt, sites = config.fp4.fmt, config.fp4.sites
+
+  def misfits(cfg: ModelConfig, fmt: str, sites: str) -> dict[str, int]:
+    block = fp4.get_format(fmt).block_size
+    return {f: w for f, w in cfg.quantized_widths(sites).items() if w % block}
+
+  wrong = misfits(model_cfg, fmt, sites)
+  if not wrong:
     return
-  scoped = {f: w for f, w in model_cfg.quantized_widths("experts+kv").items() if w % block}
-  hint = (
-    "; RLConfig.fp4_sites='experts+kv' (the method's scope) fits it"
-    if sites == "all" and not scoped
-    else ""
-  )
+  block = fp4.get_format(fmt).block_size
+  if config.source.hf_checkpoint:
+    source = f"hf_checkpoint={config.source.hf_checkpoint!r}: the checkpoint"
+  else:
+    source = f"preset={config.source.preset!r}"
+  hints = []
+  if sites == "all" and not misfits(model_cfg, fmt, "experts+kv"):
+    hints.append("RLConfig.fp4_sites='experts+kv' (the method's scope) fits it")
+  if fmt != "nvfp4" and not misfits(model_cfg, "nvfp4", sites):
+    hints.append("fmt='nvfp4' fits it")
+  if not config.source.hf_checkpoint:
+    fits = [name for name in PRESETS if not misfits(get_preset(name), fmt, sites)]
+    hints.append(f"presets that fit: {fits}")
   raise ValueError(
-    f"hf_checkpoint={path!r}: RLConfig.fmt={fmt!r} quantizes in blocks of "
-    f"{block}, but the checkpoint has "
-    f"{', '.join(f'{f}={w}' for f, w in misfits.items())} (FP4 scope "
-    f"fp4_sites={sites!r}), not a multiple of {block}{hint}"
+    f"RLConfig.fmt={fmt!r} quantizes in blocks of {block}, but {source} has "
+    f"{', '.join(f'{f}={w}' for f, w in wrong.items())} (FP4 scope fp4_sites={sites!r}), "
+    f"not a multiple of {block}" + "".join(f"; {hint}" for hint in hints)
   )
 
 

@@ -22,8 +22,8 @@ every step's line appears exactly once.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import weakref
 
 import jax
@@ -36,6 +36,8 @@ from trace_jax.run.checkpoint import Checkpoints
 from trace_jax.utils import append_jsonl, read_jsonl, write_atomic
 from trace_jax.utils.distributed import is_main_process
 from trace_jax.utils.lock import lock_run_workdir
+
+log = logging.getLogger(__name__)
 
 RUN_RECORD = "run.json"
 # Files of a run: a workdir holding any of them without a record of its config is refused.
@@ -157,10 +159,12 @@ class RunDir:
         "(use another --workdir)"
       )
     if steps:
-      print(
-        f"{self.path}: none of the checkpoints {sorted(steps)} has readable metadata and "
-        f"there is no {RUN_RECORD}: nothing could be compared with this run's config",
-        file=sys.stderr,
+      log.warning(
+        "%s: no checkpoint's metadata reads (steps %s) and there is no %s: nothing could be "
+        "compared with this run's config; the resume goes on unchecked",
+        self.path,
+        sorted(steps),
+        RUN_RECORD,
       )
 
   def warm_start(
