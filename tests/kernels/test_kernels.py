@@ -182,7 +182,9 @@ def test_decode_attention_any_length(b, length, hkv, groups, lengths, chunk, spl
   k, v = _cache_entry(10 + b, (b, length, hkv, dh)), _cache_entry(20 + b, (b, length, hkv, dh))
   lengths = jnp.array(lengths)
   valid = jax.random.bernoulli(jax.random.key(b), 0.7, (b, length)).at[:, 0].set(True)
-  out = kernels.fp4_decode_attention(q, k, v, lengths, valid, poison=True, chunk=chunk, splits=splits)
+  out = kernels.fp4_decode_attention(
+    q, k, v, lengths, valid, poison=True, chunk=chunk, splits=splits
+  )
   _close(out, decode_attention_lib.reference(q, k, v, lengths, valid), rtol=1e-5)
   # The definition: the model's attention over the dequantized cache.
   keep = (jnp.arange(length)[None] < lengths[:, None]) & valid

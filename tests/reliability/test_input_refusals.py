@@ -282,6 +282,8 @@ def test_the_final_line_of_a_run_without_steps_names_what_was_not_logged():
   line = report.final_line(summary)
   assert "eval reward 0.25 -> 0.25" in line and "mean k3_kl n/a" in line
   assert "guidance n/a B/token" in line
+
+
 def _write_header(path, header, data_bytes):
   """A safetensors file whose header is `header` as given (hostile or not)."""
   blob = json.dumps(header).encode()

@@ -119,9 +119,7 @@ def nvfp4_global_scale(amax: jax.Array) -> jax.Array:
 
   A true division (`true_divide`), as the spec divides; gs = 1 where amax is 0, and at most
   float32's largest value where amax is f32-subnormal (the quotient would overflow)."""
-  return jnp.minimum(
-    true_divide(NVFP4_RANGE, jnp.where(amax > 0, amax, NVFP4_RANGE)), _F32_MAX
-  )
+  return jnp.minimum(true_divide(NVFP4_RANGE, jnp.where(amax > 0, amax, NVFP4_RANGE)), _F32_MAX)
 
 
 def true_divide_via_f64(numerator: jax.Array, denominator: jax.Array) -> jax.Array:

@@ -166,7 +166,9 @@ def _four_over_six(blocks, amax_b, global_scale, scale_bits):
   return jnp.where(better4, scale4, scale_bits)
 
 
-def _record(spec: QuantSpec, form: str, code, scale_bits, global_scale, ndim: int) -> TensorGuidance:
+def _record(
+  spec: QuantSpec, form: str, code, scale_bits, global_scale, ndim: int
+) -> TensorGuidance:
   """The `QArray` (form "full") or its `CompactGuidance` ("compact"), in the input's layout,
   from `_quantize_last`'s codes and scales."""
   axis = spec.axis

@@ -21,7 +21,6 @@ from trace_jax.fp4.quantize import _quantize_last
 from trace_jax.fp4.spec import QuantSpec
 
 
-
 def _broadcast_blocks(scale: jax.Array, axis: int, repeat: int) -> jax.Array:
   """Repeat each entry of `scale` `repeat` times along `axis` (a broadcast and a reshape)."""
   axis = axis % scale.ndim

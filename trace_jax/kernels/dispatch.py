@@ -43,5 +43,3 @@ def resolve_with_reason(kernels: str) -> tuple[str, str | None]:
     return "xla", f"auto: backend {jax.default_backend()} is not a GPU"
   failure = probe_failure()
   return ("xla", f"auto: probe failed: {failure}") if failure else ("pallas", None)
-
-

@@ -194,5 +194,3 @@ def _parity_checks(interpret):
       decode_attention.reference(q, cache, cache, lengths),
     ),
   }
-
-

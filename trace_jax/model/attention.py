@@ -153,7 +153,9 @@ class Attention(nnx.Module):
       k, v = new_entries = tuple(new_entries)
     if t == 1 and sq.kernels == "pallas" and isinstance(k, fp4.QArray):
       # A decode step: attend over the packed cache without dequantizing it.
-      out = kernels.fp4_decode_attention(q[:, 0], k, v, jnp.broadcast_to(index + 1, (b,)), mask[:, 0])
+      out = kernels.fp4_decode_attention(
+        q[:, 0], k, v, jnp.broadcast_to(index + 1, (b,)), mask[:, 0]
+      )
     else:  # (read: dequantize a packed cache entry; a no-op cast otherwise)
       out = attend(q, kv_cache.read(k, q.dtype), kv_cache.read(v, q.dtype), mask)
     out = out.reshape(b, t, h * dh)
