@@ -9,10 +9,12 @@ import textwrap
 
 import numpy as np
 import pytest
+from absl import flags as absl_flags
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trace_jax.rl.config import RLConfig
 from trace_jax.run.rundir import RunDir, read_metrics
+from trace_jax.utils import flags as config_flags
 
 BASE = dict(preset="tiny", task="arith", checkpoint_every=0, eval_every=0)
 
@@ -22,7 +24,11 @@ def _config(**overrides) -> RLConfig:
 
 
 def _events(workdir) -> EventAccumulator:
-  events = EventAccumulator(str(workdir / "tensorboard"), size_guidance={"scalars": 0})
+  """Every event the files hold: without purge_orphaned_data, which would hide a stale
+  step's event behind a rewritten one."""
+  events = EventAccumulator(
+    str(workdir / "tensorboard"), size_guidance={"scalars": 0}, purge_orphaned_data=False
+  )
   events.Reload()
   return events
 
@@ -158,7 +164,11 @@ def test_tensorboard_false_writes_nothing(tmp_path):
 
 
 def test_the_flag_and_its_refusals(tmp_path):
-  assert RLConfig().evaluation.tensorboard is True
+  for argv, want in (([], True), (["--tensorboard=false"], False), (["--notensorboard"], False)):
+    flag_values = absl_flags.FlagValues()
+    holders = config_flags.define_flags(RLConfig, flag_values=flag_values)
+    flag_values(["rl.py", *argv])
+    assert config_flags.from_flags(RLConfig, holders).evaluation.tensorboard is want, argv
   with pytest.raises(ValueError, match=r"RLConfig.tensorboard='no' must be a bool"):
     _config(tensorboard="no")
   (tmp_path / "tensorboard").write_text("not a directory")

@@ -119,9 +119,9 @@ class _EventsFile:
     from tensorboardX.record_writer import RecordWriter
 
     self._event, self._summary = event_pb2.Event, summary_pb2.Summary
-    # The time first: TensorBoard reads a directory's files in name order, and the live file's
-    # name sorts after the history's (".history" < ".live" within the same second).
-    name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{suffix}"
+    # The time first (to the microsecond: a name of its own per start): TensorBoard reads a
+    # directory's files in name order, and the live file's sorts after the history's.
+    name = f"events.out.tfevents.{time.time():017.6f}.{socket.gethostname()}.{suffix}"
     self.path = os.path.join(directory, name)
     self._writer = RecordWriter(self.path)
     self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
