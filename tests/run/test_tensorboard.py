@@ -235,3 +235,22 @@ def test_a_trainer_run_and_its_resume_log_what_metrics_jsonl_holds(tmp_path):
   assert [r["step"] for r in read_metrics(str(tmp_path))] == [0, 1, 2]
   _assert_curves_equal(tmp_path)
   assert [s for s, _ in _curves(tmp_path)["rollout_seconds"]] == [1, 2]
+
+
+def test_a_failed_write_is_said_once_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+  """A full disk under the writer thread: one warning, the rest dropped, no log call waits
+  forever (the queue still drains), close returns."""
+  from trace_jax.run import tensorboard
+
+  def full_disk(self, step, values):
+    raise OSError(28, "No space left on device")
+
+  events = tensorboard.EventLog(str(tmp_path), [], {"arm": "trace"}, max_pending=2)
+  monkeypatch.setattr(tensorboard._EventsFile, "write_scalars", full_disk)
+  with caplog.at_level("WARNING", logger="trace_jax.run.tensorboard"):
+    for step in range(1, 50):  # more than the queue holds
+      events.log({"step": step, "rewards/mean": 0.5})
+    events.close()
+  warnings = [r for r in caplog.records if "writing TensorBoard events failed" in r.message]
+  assert len(warnings) == 1 and "No space left" in warnings[0].message
+  assert _curves(tmp_path) == {}
