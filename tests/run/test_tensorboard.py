@@ -5,6 +5,7 @@ model), and one short Trainer run with a resume."""
 
 import json
 import os
+import shutil
 import textwrap
 
 import numpy as np
@@ -119,20 +120,22 @@ def test_a_resume_after_a_crash_has_each_step_once(tmp_path):
     resumed.close()
   assert [r["step"] for r in read_metrics(str(tmp_path))] == [0, 1, 2, 3, 4, 5, 6]
   _assert_curves_equal(tmp_path)
-  assert not {"tensorboard.staging", "tensorboard.old"} & set(os.listdir(tmp_path))
+  assert [n for n in os.listdir(tmp_path) if "tensorboard" in n] == ["tensorboard"]
   assert len(_events(tmp_path).Tensors("config/text_summary")) == 1
 
 
 def test_a_start_from_step_0_rewrites_the_events_empty(tmp_path):
-  """A run with no checkpoint starts over (metrics.jsonl emptied): so do its events; a
-  leftover staging directory from a start cut off while rewriting is removed."""
+  """A run with no checkpoint starts over (metrics.jsonl emptied): so do its events; the
+  folders a start cut off while rewriting left are removed."""
   config = _config()
   first = RunDir(str(tmp_path), config)
   for step in range(1, 4):
     first.log({"step": step, "rewards/mean": step / 4})
   first.close()
-  (tmp_path / "tensorboard.staging").mkdir()
-  (tmp_path / "tensorboard.staging" / "events.out.tfevents.0.x.history").write_bytes(b"junk")
+  # a start on another host, cut off while rewriting: its staging folder and the old one
+  for leftover in (".tensorboard.tmp-7-0badbeef-0123456789ab", ".tensorboard.old-7-0badbeef-a"):
+    (tmp_path / leftover).mkdir()
+    (tmp_path / leftover / "events.out.tfevents.0.x.history").write_bytes(b"junk")
   again = RunDir(str(tmp_path), config)
   try:
     again._truncate_metrics(0)
@@ -141,7 +144,7 @@ def test_a_start_from_step_0_rewrites_the_events_empty(tmp_path):
   finally:
     again.close()
   assert _curves(tmp_path) == {"rewards/mean": [(1, 0.75)]}
-  assert not (tmp_path / "tensorboard.staging").exists()
+  assert [n for n in os.listdir(tmp_path) if "tensorboard" in n] == ["tensorboard"]
 
 
 def test_tensorboard_false_writes_nothing(tmp_path):
@@ -171,10 +174,17 @@ def test_the_flag_and_its_refusals(tmp_path):
     assert config_flags.from_flags(RLConfig, holders).evaluation.tensorboard is want, argv
   with pytest.raises(ValueError, match=r"RLConfig.tensorboard='no' must be a bool"):
     _config(tensorboard="no")
-  (tmp_path / "tensorboard").write_text("not a directory")
-  with pytest.raises(ValueError, match=r"tensorboard is not a directory.*--tensorboard=false"):
-    RunDir(str(tmp_path), _config())
-  RunDir(str(tmp_path), _config(tensorboard=False)).close()  # a file there is its own then
+  (tmp_path / "elsewhere").mkdir()
+  for make in (
+    lambda path: path.write_text("not a directory"),
+    lambda path: path.symlink_to(tmp_path / "elsewhere"),  # the rename would replace the link
+  ):
+    (tmp_path / "run").mkdir()
+    make(tmp_path / "run" / "tensorboard")
+    with pytest.raises(ValueError, match=r"tensorboard is not a directory.*--tensorboard=false"):
+      RunDir(str(tmp_path / "run"), _config())
+    RunDir(str(tmp_path / "run"), _config(tensorboard=False)).close()  # then it is not ours
+    shutil.rmtree(tmp_path / "run")
 
 
 def test_a_log_waits_only_for_a_full_queue(tmp_path):
@@ -219,8 +229,6 @@ def _trainer_config(**overrides) -> RLConfig:
 def test_a_trainer_run_and_its_resume_log_what_metrics_jsonl_holds(tmp_path):
   """A run of 2 steps whose step-2 checkpoint is lost (a crash between its line and its
   save): the resume from step 1 reruns step 2; its events are the new line's, once."""
-  import shutil
-
   from trace_jax.run.trainer import Trainer
 
   config = _trainer_config()

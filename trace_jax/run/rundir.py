@@ -88,10 +88,11 @@ class RunDir:
       events = os.path.join(self.path, tensorboard.DIRECTORY)
       if config.evaluation.tensorboard and is_main_process():
         tensorboard.check_available()
-        if os.path.lexists(events) and not os.path.isdir(events):
+        if os.path.islink(events) or (os.path.lexists(events) and not os.path.isdir(events)):
           raise ValueError(
-            f"{events} is not a directory; a run writes its TensorBoard events there (move "
-            "it away, use another --workdir, or run with --tensorboard=false)"
+            f"{events} is not a directory (a file or a symbolic link); a run rewrites its "
+            "TensorBoard events there whole on every start (move it away, use another "
+            "--workdir, or run with --tensorboard=false)"
           )
       self.metrics_path = os.path.join(self.path, "metrics.jsonl")
       if os.path.exists(self.metrics_path):  # a damaged log fails here, before any work

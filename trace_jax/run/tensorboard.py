@@ -11,19 +11,21 @@ text summary (`config`, at step 0), written once per start.
 
 metrics.jsonl is the record; the event files are rewritten from it on every start:
 
-  1. Remove what an interrupted start left (<workdir>/tensorboard.staging, tensorboard.old).
+  1. Remove what an interrupted start left beside tensorboard/ (`.tensorboard.tmp-*`,
+     `.tensorboard.old-*`: the workdir's lock makes them no live writer's).
   2. Write the config and every line of metrics.jsonl (as the resume cut it back to the
-     checkpoint's steps) into a fresh events file in <workdir>/tensorboard.staging/.
-  3. Rename tensorboard/ to tensorboard.old/ and tensorboard.staging/ to tensorboard/; delete
-     tensorboard.old/.
-  4. Open the live events file there: each logged line is queued (at most `max_pending`; the
+     checkpoint's steps) into a fresh events file in a staging folder, and put it in place of
+     tensorboard/ whole (`utils.io.atomic_directory`: fsync, rename the old one aside, rename
+     the new one in, delete the old).
+  3. Open the live events file there: each logged line is queued (at most `max_pending`; the
      loop waits only when the writer is that far behind) and written by a background thread,
      flushed whenever the queue runs dry and on `close`.
 
 A crash may leave the live file with steps after the last checkpoint (which the resume cuts
-from metrics.jsonl and retrains), or without the lines still queued; step 2-3 of the next start
-replace the whole directory, so a resumed run's curves hold each step once, with the values
-metrics.jsonl holds. A crash within step 3 leaves no tensorboard/ at all: the next start makes it.
+from metrics.jsonl and retrains), or without the lines still queued; step 2 of the next start
+replaces the whole directory, so a resumed run's curves hold each step once, with the values
+metrics.jsonl holds. A crash within step 2 leaves the old tensorboard/, or none (between its
+two renames): the next start makes it again either way.
 
 tensorboardX is imported when a log is opened, not with this module.
 """
@@ -38,6 +40,8 @@ import shutil
 import socket
 import threading
 import time
+
+from trace_jax.utils.io import atomic_directory
 
 log = logging.getLogger(__name__)
 
@@ -67,27 +71,22 @@ def check_available() -> None:
 
 class EventLog:
   """The event files of the run whose metrics lines are `records` (see the module docstring):
-  rewritten now from `records` and `config` (a JSON-ready dict), then appended by `log`."""
+  rewritten now from `records` and `config` (a JSON-ready dict), then appended by `log`.
+  The caller holds the workdir (`RunDir`'s lock): no other writer's files are there."""
 
   def __init__(self, workdir: str, records: list[dict], config: dict, *, max_pending: int = 1000):
     self.directory = os.path.join(workdir, DIRECTORY)
-    staging, old = self.directory + ".staging", self.directory + ".old"
-    for leftover in (staging, old):
-      if os.path.isdir(leftover):
-        shutil.rmtree(leftover)
-    os.makedirs(staging)
-    writer = _EventsFile(staging, "history")
-    try:
-      writer.write_text("config", _as_markdown(config), step=0)
-      for record in records:
-        writer.write_scalars(record["step"], scalars(record))
-    finally:
-      writer.close()
-    if os.path.lexists(self.directory):
-      os.rename(self.directory, old)
-    os.rename(staging, self.directory)
-    if os.path.isdir(old):
-      shutil.rmtree(old)
+    for name in os.listdir(workdir):
+      if name.startswith(f".{DIRECTORY}.tmp-") or name.startswith(f".{DIRECTORY}.old-"):
+        shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
+    with atomic_directory(self.directory) as staging:
+      writer = _EventsFile(staging, "history")
+      try:
+        writer.write_text("config", _as_markdown(config), step=0)
+        for record in records:
+          writer.write_scalars(record["step"], scalars(record))
+      finally:
+        writer.close()
     self._queue: queue.Queue = queue.Queue(max_pending)
     self._thread = threading.Thread(
       target=_write_queued,
