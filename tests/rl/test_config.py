@@ -158,7 +158,13 @@ def test_a_config_saved_flat_compares_by_leaf_name():
   legacy = {**FLAT, "group_size": 4, "fp4_sites": "experts+kv", "mesh": [2, 1, 1]}
   legacy["loss"] = {**FLAT["loss"], "kl_coef": 0.01}
   assert RLConfig.from_dict(legacy) == changed and changed.differences(legacy) == []
-  # steps, max_param_abs and remat may change on a resume
+  # steps, max_param_abs, remat and tensorboard may change on a resume
+  assert changed.replace(steps=7, remat=True, tensorboard=False).differences(FLAT) == [
+    "fp4_sites",
+    "group_size",
+    "kl_coef",
+    "mesh",
+  ]
   assert changed.replace(steps=7, remat=True).differences(changed.to_dict()) == []
 
 
@@ -166,7 +172,7 @@ def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
   leaves = config_flags.flat_fields(RLConfig)
   # the flat config's names, and the knobs added since (asynchronous RL, lr_decay, sft_target)
   added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every", "lr_decay"}
-  added |= {"sft_target", "kv_precision", "max_grad_norm"}
+  added |= {"sft_target", "kv_precision", "max_grad_norm", "tensorboard"}
   assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT)) | added
   assert leaves["fp4_sites"][0] == ("fp4", "sites") and leaves["steps"][0] == ("schedule", "steps")
   config = RLConfig.from_flat(steps=3, temperature=0.5, preset="tiny")

@@ -185,7 +185,8 @@ class Schedule:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Evaluation:
-  """The greedy evaluation, in FP4 and in bf16, on held-out problems."""
+  """The greedy evaluation, in FP4 and in bf16, on held-out problems, and where the run's
+  metrics are written beside metrics.jsonl."""
 
   eval_every: int = knob(20, "Greedy evaluation period (steps); 0: never.")
   eval_size: int = knob(
@@ -198,10 +199,14 @@ class Evaluation:
     "Asynchronous RL: every N steps split the mismatch into precision and version gaps "
     "(a training-path forward at the rollout's own weights); 0: never.",
   )
+  tensorboard: bool = knob(
+    True, "Also write metrics.jsonl's scalars and the config to <workdir>/tensorboard/."
+  )
 
   def __post_init__(self):
     names = ("eval_every", "eval_size", "version_diag_every")
     _check("RLConfig", self, names, lambda v: v >= 0, "must be >= 0")
+    _check("RLConfig", self, ("tensorboard",), lambda v: isinstance(v, bool), "must be a bool")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -350,7 +355,9 @@ class RLConfig:
       out["rollout_correction"] = "none"
     return out
 
-  def differences(self, other: dict, ignore=("steps", "max_param_abs", "remat")) -> list[str]:
+  def differences(
+    self, other: dict, ignore=("steps", "max_param_abs", "remat", "tensorboard")
+  ) -> list[str]:
     """Flat names of the fields whose values differ from a saved config dict (nested or
     flat); a field the saved config lacks counts as its default there."""
     mine = self.flat_dict(self.to_dict())

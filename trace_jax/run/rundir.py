@@ -6,6 +6,8 @@
   <workdir>/summary.json    the run's summary (`run.report`)
   <workdir>/run.lock        held by the run in progress (`utils.lock`: one run per workdir)
   <workdir>/run.json        the run's config, recorded when it starts (`RUN_RECORD`)
+  <workdir>/tensorboard/    metrics.jsonl's scalars and the config as TensorBoard events,
+                            rewritten from metrics.jsonl on every start (`run.tensorboard`)
 
 Everything is checked before any work, on every start: the workdir is writable; the config
 recorded in run.json, and the one in each readable checkpoint, is this run's (else a
@@ -16,7 +18,7 @@ metrics.jsonl reads and every line's step is an integer. A workdir that holds a 
 but no record of its config (written before run.json existed, or by something else) is
 refused unless a checkpoint there holds the config. A resume uses the newest checkpoint that
 restores and verifies, and cuts metrics.jsonl back to the steps that checkpoint holds, so
-every step's line appears exactly once.
+every step's line appears exactly once (in metrics.jsonl and in the TensorBoard events).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from flax import nnx
 
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.step import RLState, step_key
-from trace_jax.run import report, warmstart
+from trace_jax.run import report, tensorboard, warmstart
 from trace_jax.run.checkpoint import Checkpoints
 from trace_jax.utils import append_jsonl, read_jsonl, write_atomic
 from trace_jax.utils.distributed import is_main_process
@@ -42,8 +44,8 @@ log = logging.getLogger(__name__)
 RUN_RECORD = "run.json"
 # Files of a run: a workdir holding any of them without a record of its config is refused.
 RUN_FILES = ("metrics.jsonl", "summary.json")
-# Fields a resume may change: how the run computes, not what it computes.
-RESUMABLE_FIELDS = ("max_param_abs", "remat")
+# Fields a resume may change: how the run computes or logs, not what it computes.
+RESUMABLE_FIELDS = ("max_param_abs", "remat", "tensorboard")
 
 
 def check_workdir(workdir: str) -> str:
@@ -72,6 +74,7 @@ class RunDir:
   before anything is written) until `close()`, garbage collection or the process's exit."""
 
   def __init__(self, workdir: str, config: RLConfig):
+    self._events, self._close_events = None, None  # the TensorBoard log, opened on `restore`
     self._unlock = weakref.finalize(self, _release, lock_run_workdir(workdir))
     try:
       self.config = config
@@ -82,6 +85,15 @@ class RunDir:
           f"{checkpoints} is not a directory; a run keeps its checkpoints there (move it "
           "away, or use another --workdir)"
         )
+      events = os.path.join(self.path, tensorboard.DIRECTORY)
+      if config.evaluation.tensorboard and is_main_process():
+        tensorboard.check_available()
+        if os.path.islink(events) or (os.path.lexists(events) and not os.path.isdir(events)):
+          raise ValueError(
+            f"{events} is not a directory (a file or a symbolic link); a run rewrites its "
+            "TensorBoard events there whole on every start (move it away, use another "
+            "--workdir, or run with --tensorboard=false)"
+          )
       self.metrics_path = os.path.join(self.path, "metrics.jsonl")
       if os.path.exists(self.metrics_path):  # a damaged log fails here, before any work
         _check_steps(self.metrics_path, read_jsonl(self.metrics_path))
@@ -98,8 +110,12 @@ class RunDir:
       raise
 
   def close(self) -> None:
-    """Release the workdir's lock (idempotent)."""
-    self._unlock()
+    """Write the TensorBoard events still queued and release the workdir's lock (idempotent)."""
+    try:
+      if self._close_events is not None:
+        self._close_events()
+    finally:
+      self._unlock()
 
   def _refuse_other(self, saved: dict, where: str) -> None:
     """A ValueError if the config `saved` (from `where`) is not this run's."""
@@ -241,15 +257,34 @@ class RunDir:
 
   def _truncate_metrics(self, step: int) -> None:
     """Keep only the metrics lines of the steps the resumed checkpoint holds (none when
-    starting from step 0: the run logs the step-0 evaluation again); a torn last line goes."""
-    if not os.path.exists(self.metrics_path) or not is_main_process():
+    starting from step 0: the run logs the step-0 evaluation again); a torn last line goes.
+    The TensorBoard events are then rewritten from the lines kept."""
+    if not is_main_process():
       return
-    kept = [r for r in read_jsonl(self.metrics_path) if step > 0 and r.get("step", 0) <= step]
-    write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+    kept = []
+    if os.path.exists(self.metrics_path):
+      kept = [r for r in read_jsonl(self.metrics_path) if step > 0 and r.get("step", 0) <= step]
+      write_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+    self._open_events(kept)
+
+  def _open_events(self, records: list[dict]) -> None:
+    """The TensorBoard log (`run.tensorboard`), rewritten from `records` (once; main process,
+    --tensorboard only)."""
+    if self._events is not None or not self.config.evaluation.tensorboard:
+      return
+    self._events = tensorboard.EventLog(self.path, records, self.config.to_dict())
+    # queued events are written at close, garbage collection or the process's exit
+    self._close_events = weakref.finalize(self, self._events.close)
 
   def log(self, metrics: dict) -> None:
+    """Append one line to metrics.jsonl (and queue it for the TensorBoard events)."""
     if is_main_process():  # multi-host: one metrics file, written once
+      if self._events is None and self.config.evaluation.tensorboard:  # without a `restore`
+        exists = os.path.exists(self.metrics_path)
+        self._open_events(read_jsonl(self.metrics_path) if exists else [])
       append_jsonl(self.metrics_path, metrics)
+      if self._events is not None:
+        self._events.log(metrics)
 
   def read_metrics(self) -> list[dict]:
     return read_metrics(self.path)
