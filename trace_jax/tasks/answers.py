@@ -118,7 +118,10 @@ def math_match(answer: str, references) -> float:
     limited = threading.current_thread() is threading.main_thread()
     if not limited and (_SLOW.search(answer) or any(_SLOW.search(r) for r in references)):
       return exact_match(answer, references)
-    mine = parse(_latex(answer), parsing_timeout=TIME_LIMIT_S if limited else None)
+    timeout = TIME_LIMIT_S if limited else None
+    # bare LaTeX ("\\sqrt 2" out of a box) as LaTeX (read plainly it is 2); the rest as
+    # written ("so it is 1/2": in $...$ its words would be variables)
+    mine = parse(_latex(answer) if "\\" in answer else answer, parsing_timeout=timeout)
     if not mine:
       return exact_match(answer, references)
     for reference in references:

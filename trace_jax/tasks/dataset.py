@@ -14,7 +14,8 @@ Options (`--task_options=key=value`, or `get_task("dataset:PATH", key=value)`):
              answer, response, data_source; a dotted column reads a nested field
              ("answer:reward_model.ground_truth"). Given roles replace the style's.
   eval_path  a second file (same columns): the held-out split; the first file is all training.
-  eval_share a float in (0, 1): that share of the rows, chosen with `seed`, is held out.
+  eval_share a float in (0, 1): that share of the distinct prompts, chosen with `seed`, is
+             held out (rows that repeat a prompt go with it).
              Neither: both splits are the whole file.
   seed       the eval_share split's seed (default 0).
   reward     "auto" (default: math for GSM8K/MATH styles and data_source values naming gsm8k,
@@ -170,11 +171,12 @@ class DatasetTask(Task):
     if eval_path:
       self._train, self._eval = items, self._load(str(eval_path), mapping)
     elif eval_share:
-      order = list(range(len(items)))
-      random.Random(f"dataset-split:{seed}").shuffle(order)
-      held = set(order[: round(eval_share * len(items))])
-      self._eval = [it for i, it in enumerate(items) if i in held]
-      self._train = [it for i, it in enumerate(items) if i not in held]
+      # by distinct prompt: a prompt that repeats in the file falls wholly in one split
+      prompts = list(dict.fromkeys(repr(it.prompt) for it in items))
+      random.Random(f"dataset-split:{seed}").shuffle(prompts)
+      held = set(prompts[: round(eval_share * len(prompts))])
+      self._eval = [it for it in items if repr(it.prompt) in held]
+      self._train = [it for it in items if repr(it.prompt) not in held]
     else:
       self._train = self._eval = items
     for split, listed in (("train", self._train), ("eval", self._eval)):
