@@ -342,7 +342,7 @@ def test_trainer_runs_a_dataset_task(tmp_path):
     assert trainer.warmstart["steps"] == 0 and "no demonstrations" in trainer.warmstart["skipped"]
     assert len(trainer.eval_items) == 4
     trainer.run()
-  rows = read_metrics(os.path.join(str(tmp_path / "run"), "metrics.jsonl"))
+  rows = read_metrics(str(tmp_path / "run"))
   assert any("rewards/mean" in row for row in rows)
 
 

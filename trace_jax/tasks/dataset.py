@@ -200,10 +200,13 @@ class DatasetTask(Task):
     if names is None:
       style, roles, default = self._resolve(path, set(rows[0][1]), mapping)
     self._style = style
-    demonstrated = _has(rows[0][1], roles["response"]) if "response" in roles else False
+    if "response" in roles and not _has(rows[0][1], roles["response"]):
+      del roles["response"]  # a first row without one: the file has no demonstrations
+    getters = {role: _getter(column) for role, column in roles.items()}
+    rewards: dict = {}  # data_source -> reward
     items = []
     for number, row in rows:
-      items.append(self._item(path, unit, number, row, roles, default, style, demonstrated))
+      items.append(self._item(path, unit, number, row, roles, getters, default, rewards))
     return items
 
   def _resolve(self, path: str, names: set[str], mapping: dict[str, str]):
@@ -229,25 +232,31 @@ class DatasetTask(Task):
         del roles[role]
     return style, roles, STYLES[style][2] if style and not mapping.get("answer") else None
 
-  def _item(self, path, unit, number, row, roles, default, style, demonstrated) -> Item:
-    where = f"dataset: {path}: {unit} {number}"
-    prompt = _prompt(_get(row, roles["prompt"]), f"{where}: {roles['prompt']}")
-    raw = _get(row, roles["answer"])
-    references = _references(raw, f"{where}: {roles['answer']}")
+  def _item(self, path, unit, number, row, roles, getters, default, rewards) -> Item:
+    """One row's problem; `rewards` caches the reward of each data_source value."""
+
+    def where(role: str) -> str:  # built only for a message: a file has many rows
+      return f"dataset: {path}: {unit} {number}: {roles[role]}"
+
+    prompt = _prompt(getters["prompt"](row), where, "prompt")
+    references = _references(getters["answer"](row), where, "answer")
     demonstration = None
-    if demonstrated:
-      demonstration = _get(row, roles["response"])
+    if "response" in getters:
+      demonstration = getters["response"](row)
       if not isinstance(demonstration, str) or not demonstration.strip():
         raise ValueError(
-          f"{where}: {roles['response']} is {demonstration!r}: the column gives the "
-          "demonstrations, so every row needs a non-empty string"
+          f"{where('response')} is {demonstration!r}: the column gives the demonstrations, "
+          "so every row needs a non-empty string"
         )
-    source = _get(row, roles["data_source"]) if "data_source" in roles else None
+    source = getters["data_source"](row) if "data_source" in getters else None
+    key = source if isinstance(source, (str, type(None))) else repr(source)
+    if key not in rewards:
+      rewards[key] = self._reward_of(default, source)
     return Item(
       prompt=prompt,
       target=references,
       demonstration=demonstration,
-      meta={"reward": self._reward_of(default, source), "row": number, "data_source": source},
+      meta={"reward": rewards[key], "row": number, "data_source": source},
     )
 
   def _reward_of(self, default: str | None, source) -> str:
@@ -276,11 +285,19 @@ class DatasetTask(Task):
       return 0.0
 
 
-def _prompt(value, where: str):
-  """A prompt: a non-empty string, or a tuple of {role, content} messages."""
+def _getter(column: str):
+  """row -> row[column] (None where absent), a dotted column reading nested dicts."""
+  if "." not in column:
+    return lambda row: row.get(column)
+  return lambda row: _get(row, column)
+
+
+def _prompt(value, where, role: str):
+  """A prompt: a non-empty string, or a tuple of {role, content} messages. where(role): the
+  file, row and column, for a message."""
   if isinstance(value, str):
     if not value.strip():
-      raise ValueError(f"{where} is empty: every row needs a prompt")
+      raise ValueError(f"{where(role)} is empty: every row needs a prompt")
     return value
   if isinstance(value, (list, tuple)) and value:
     messages = []
@@ -291,18 +308,22 @@ def _prompt(value, where: str):
         or not isinstance(message.get("content"), str)
       ):
         raise ValueError(
-          f"{where}[{i}] is {message!r}: a message is {{'role': str, 'content': str}}"
+          f"{where(role)}[{i}] is {message!r}: a message is {{'role': str, 'content': str}}"
         )
       messages.append({"role": message["role"], "content": message["content"]})
     return tuple(messages)
   raise ValueError(
-    f"{where} is {value!r}: every row needs a prompt (a string or a list of messages)"
+    f"{where(role)} is {value!r}: every row needs a prompt (a string or a list of messages)"
   )
 
 
-def _references(value, where: str) -> tuple[str, ...]:
+def _references(value, where, role: str) -> tuple[str, ...]:
   """The reference answers: a string ("####" and \\boxed{} answers extracted), a number, or
   a list of them."""
+  if isinstance(value, str):
+    text = answers.extract_answer(value, hash_mark=False)
+    if text:
+      return (text,)
   values = value if isinstance(value, (list, tuple)) else [value]
   references = []
   for v in values:
@@ -312,5 +333,7 @@ def _references(value, where: str) -> tuple[str, ...]:
     if text:
       references.append(text)
   if not references:
-    raise ValueError(f"{where} is {value!r}: every row needs an answer (a string or a number)")
+    raise ValueError(
+      f"{where(role)} is {value!r}: every row needs an answer (a string or a number)"
+    )
   return tuple(references)
