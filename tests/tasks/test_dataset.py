@@ -311,6 +311,31 @@ def test_conversation_prompts_render_raw_and_through_the_chat_template():
   assert raw.prompt_text(own) == "Be brief.\n" + message["content"]
 
 
+def test_the_episode_cache_holds_the_longest_prompt(tmp_path):
+  from trace_jax.rl import episodes
+
+  rows = [{"question": f"{i}+1?", "answer": f"#### {i + 1}"} for i in range(300)]
+  rows[211] = {"question": "What is " + "one plus " * 12 + "one?", "answer": "#### 13"}
+  task = get_task(f"dataset:{write_jsonl(tmp_path / 'long.jsonl', rows)}")
+  char = CharTokenizer()
+  longest = max(len(data.prompt_ids(char, it)) for it in task.problems("train"))
+  assert longest == 1 + len(rows[211]["question"])
+  assert rows[211]["question"] in [it.prompt for it in task.prompt_probe()]
+  config = _run_config(f"dataset:{tmp_path / 'long.jsonl'}")
+  max_len, _ = episodes.episode_len(config, task, char, observation_len=8)
+  assert max_len >= longest + config.sampling.max_new_tokens
+
+
+def test_a_comma_in_a_task_option_is_named():
+  from trace_jax.utils import flags
+
+  with pytest.raises(ValueError, match="comma"):  # --task_options=columns=prompt:q,answer:a
+    flags.parse_pairs("task_options", ["columns=prompt:q", "answer:a"])
+  assert flags.parse_pairs("task_options", ["columns=prompt:q;answer:a"]) == (
+    ("columns", "prompt:q;answer:a"),
+  )
+
+
 # --- a run --------------------------------------------------------------------------------------
 
 

@@ -118,6 +118,11 @@ class Task(abc.ABC):
           items.append(item)
     return items
 
+  def prompt_probe(self) -> list[Item]:
+    """The problems whose prompts size a run's episodes (the longest of them sets the cache):
+    the first 64 training problems; a task whose prompts vary more returns its longest."""
+    return self.sample(0, 64)
+
   @abc.abstractmethod
   def score(self, item: Item, completion: str) -> float:
     """Reward in [0, 1]; never raises, whatever the completion."""

@@ -30,6 +30,7 @@ the field, raised when the task is built, before any work.
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import random
@@ -271,6 +272,19 @@ class DatasetTask(Task):
     """Every problem of the split, in the file's order."""
     check_split(self, split)
     return list(self._train if split == "train" else self._eval)
+
+  def prompt_probe(self) -> list[Item]:
+    """The 64 longest prompts of both splits, by characters (a conversation's, plus a
+    template's scaffolding of about 32 characters per message): a file's prompts vary in
+    length, and a run's cache must hold its longest. Tokens follow characters closely
+    (exactly, for the character tokenizer), so the longest in tokens is among these."""
+
+    def length(item: Item) -> int:
+      if isinstance(item.prompt, str):
+        return len(item.prompt)
+      return sum(len(m["content"]) + 32 for m in item.prompt)
+
+    return heapq.nlargest(64, self._train + self._eval, key=length)
 
   def sample(self, seed: int, n: int, split: str = "train") -> list[Item]:
     check_split(self, split)
