@@ -264,7 +264,9 @@ class RLConfig:
         f"RLConfig.seed={self.seed!r} must be an integer that fits in int64 "
         f"([-2**63, 2**63 - 1]): every random key derives from it"
       )
-    if not (self.task in registered() or self.task.startswith("rg:")):
+    if self.task == "dataset:":
+      raise ValueError("task='dataset:' names no file: --task=dataset:PATH (.jsonl or .parquet)")
+    if not (self.task in registered() or self.task.startswith(("rg:", "dataset:"))):
       raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
     flags.check_choices(self, "RLConfig")  # correction, reward_control, compute_dtype
     if self.loss.rollout_correction != "none":

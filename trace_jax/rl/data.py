@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from trace_jax.tasks.base import Item, Task
+from trace_jax.tasks.base import Item, Task, prompt_text
 from trace_jax.tasks.tokenizer import Tokenizer
 
 
 def prompt_ids(tokenizer: Tokenizer, item: Item) -> list[int]:
-  """<bos> + the prompt text (characters the tokenizer lacks become '?'); a checkpoint's
-  tokenizer renders it itself (its chat template: `tasks.chat.CheckpointTokenizer`)."""
+  """<bos> + the prompt text (characters the tokenizer lacks become '?'; a conversation's
+  contents joined, `tasks.base.prompt_text`); a checkpoint's tokenizer renders it itself
+  (its chat template: `tasks.chat.CheckpointTokenizer`)."""
   if hasattr(tokenizer, "prompt_ids"):
     return tokenizer.prompt_ids(item.prompt)
-  return [tokenizer.bos_id] + tokenizer.encode(item.prompt, errors="replace")
+  return [tokenizer.bos_id] + tokenizer.encode(prompt_text(item.prompt), errors="replace")
 
 
 def observation_ids(tokenizer: Tokenizer, text: str, turn_closed: bool = True) -> list[int]:

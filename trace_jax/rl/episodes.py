@@ -40,8 +40,8 @@ def max_len_for(
 
 def episode_len(config, task: Task, tokenizer: Tokenizer, observation_len: int) -> tuple[int, int]:
   """(cache slots, prompt bucket) of an RL run's episodes: `max_len_for` the task's longest
-  prompt among its first 64 problems."""
-  prompt_len = max(len(data.prompt_ids(tokenizer, item)) for item in task.sample(0, 64))
+  prompt among its `Task.prompt_probe` problems (by default its first 64)."""
+  prompt_len = max(len(data.prompt_ids(tokenizer, item)) for item in task.prompt_probe())
   bucket = config.sampling.prompt_bucket or (8 if task.multi_turn else 16)
   max_len = max_len_for(
     task, prompt_len, config.sampling.max_new_tokens, bucket, observation_len=observation_len

@@ -63,6 +63,11 @@ def preflight(config) -> Task:
   work: the task's options (names and values), the checkpoint directory's files, and the
   policy's widths against the FP4 blocks (`architecture`)."""
   task = get_task(config.task, **dict(config.task_options))
+  if config.source.sft_warm_start and not task.has_demonstrations:
+    raise ValueError(
+      f"RLConfig.sft_warm_start=True: task {config.task!r} has no demonstrations to train "
+      "on (a dataset file needs a response or solution column); leave sft_warm_start unset"
+    )
   architecture(config)  # the checkpoint's files; the widths against the FP4 blocks
   return task
 
@@ -72,9 +77,12 @@ def prompt_format(config) -> str:
   return "chat" if config.source.chat else "raw"
 
 
-def warm_start(config) -> bool:
+def warm_start(config, task: Task | None = None) -> bool:
   """Whether the run makes (or reloads) an SFT warm start: `RLConfig.source.sft_warm_start`, by
-  default yes for a preset and no for a pretrained checkpoint."""
+  default yes for a preset and no for a pretrained checkpoint, and never for a task without
+  demonstrations (`Task.has_demonstrations`: `preflight` refuses one forced on it)."""
+  if task is not None and not task.has_demonstrations:
+    return False
   if config.source.sft_warm_start is not None:
     return bool(config.source.sft_warm_start)
   return not config.source.hf_checkpoint
@@ -266,12 +274,17 @@ def check_fits(config, task: Task, checked: tuple[Tokenizer, ModelConfig] | None
 
 
 def skipped_warm_start(task: Task) -> dict:
-  """The warm-start record of a run that starts from the pretrained weights as they are."""
+  """The warm-start record of a run that starts from its initial weights as they are: a
+  pretrained checkpoint's, or any policy's on a task without demonstrations."""
+  if not task.has_demonstrations:
+    reason = "the task has no demonstrations (a dataset file without a response column)"
+  else:
+    reason = "pretrained checkpoint (--sft_warm_start to force one)"
   return {
     "task": task.name,
     "steps": 0,
     "first_nll": None,
     "final_nll": None,
     "loaded": False,
-    "skipped": "pretrained checkpoint (--sft_warm_start to force one)",
+    "skipped": reason,
   }

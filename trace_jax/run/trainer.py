@@ -79,7 +79,7 @@ class Trainer:
     if self.mesh is not None:  # placed before the warm start: its save is then multi-host safe
       shard_model(policy, self.mesh)
     base, self._greedy = episodes.rollout_configs(config, self.task, self.source)
-    if policy_source.warm_start(config):
+    if policy_source.warm_start(config, self.task):
       self.warmstart = self.rundir.warm_start(
         policy, self.task, self.tokenizer, greedy=self._greedy, mesh=self.mesh, progress=progress
       )

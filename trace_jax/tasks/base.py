@@ -13,7 +13,9 @@ class Item:
   """One problem.
 
   Attributes:
-    prompt: the text the policy sees first.
+    prompt: the text the policy sees first, or a conversation: a tuple of {role, content}
+      messages (a `dataset:` file's), which a chat template renders as it is and a raw
+      prompt reads as its contents joined (`prompt_text`).
     target: what the scorer needs (the answer, hidden tests, the secret...).
     demonstration: a solver's completion that scores 1.0 (single-turn), or for multi-turn
       tasks the solver's actions, one string per turn; a task may teach a flawed solver's
@@ -21,7 +23,7 @@ class Item:
     meta: anything else (difficulty, seed).
   """
 
-  prompt: str
+  prompt: str | tuple[dict, ...]
   target: Any
   demonstration: Any
   meta: dict = dataclasses.field(default_factory=dict)
@@ -40,6 +42,14 @@ SPLITS = ("train", "eval")
 MAX_LISTED = 20_000  # a split with at most this many problems is evaluated whole
 
 
+def prompt_text(prompt) -> str:
+  """A prompt as plain text: a string as it is; a conversation's message contents, one
+  message a line."""
+  if isinstance(prompt, str):
+    return prompt
+  return "\n".join(str(message["content"]) for message in prompt)
+
+
 def check_split(task: "Task", split: str) -> None:
   if split not in SPLITS:
     raise ValueError(f"task {task.name!r}: split={split!r} is not one of {SPLITS}")
@@ -53,6 +63,8 @@ class Task(abc.ABC):
   kind: str = "reasoning"  # "reasoning", "coding" or "long-horizon"
   multi_turn: bool = False
   max_turns: int = 1
+  # whether items carry demonstrations for the SFT warm start (a run without skips it)
+  has_demonstrations: bool = True
 
   @abc.abstractmethod
   def sample(self, seed: int, n: int, split: str = "train") -> list[Item]:
@@ -100,11 +112,16 @@ class Task(abc.ABC):
       for item in self.sample(seed + (draws - 1) * 1_000_003, n, split="eval"):
         # a problem is its prompt and target (a multi-turn task's prompt may be the same
         # for every secret)
-        key = (item.prompt, repr(item.target))
+        key = (repr(item.prompt), repr(item.target))  # a conversation is a tuple of dicts
         if key not in seen and len(items) < n:
           seen.add(key)
           items.append(item)
     return items
+
+  def prompt_probe(self) -> list[Item]:
+    """The problems whose prompts size a run's episodes (the longest of them sets the cache):
+    the first 64 training problems; a task whose prompts vary more returns its longest."""
+    return self.sample(0, 64)
 
   @abc.abstractmethod
   def score(self, item: Item, completion: str) -> float:

@@ -35,6 +35,7 @@ import json
 import os
 from typing import Any, Sequence
 
+from trace_jax.tasks.base import prompt_text as base_prompt_text
 from trace_jax.tasks.tokenizer import HFTokenizer
 from trace_jax.utils.io import read_json_object
 
@@ -331,21 +332,29 @@ class CheckpointTokenizer:
 
   # --- the rendering layer --------------------------------------------------------------------
 
-  def _messages(self, prompt: str) -> list[dict]:
+  def _messages(self, prompt) -> list[dict]:
+    """[system?, user: prompt]; a conversation (a sequence of {role, content} messages) as it
+    is, after the system prompt unless it has a system message of its own."""
     system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+    if not isinstance(prompt, str):
+      messages = [dict(message) for message in prompt]
+      if any(message.get("role") == "system" for message in messages):
+        return messages
+      return system + messages
     return system + [{"role": "user", "content": prompt}]
 
-  def prompt_text(self, prompt: str) -> str:
-    """What the policy reads first: the rendered conversation up to the assistant's turn."""
+  def prompt_text(self, prompt) -> str:
+    """What the policy reads first: the rendered conversation up to the assistant's turn (a
+    raw prompt: the text, a conversation's contents joined)."""
     if self.template is None:
-      return prompt
+      return base_prompt_text(prompt)
     return self.template.render(
       self._messages(prompt), add_generation_prompt=True, **self.template_options
     )
 
-  def prompt_ids(self, prompt: str) -> list[int]:
+  def prompt_ids(self, prompt) -> list[int]:
     if self.template is None:
-      return ([self.bos_id] if self.has_bos else []) + self.encode(prompt)
+      return ([self.bos_id] if self.has_bos else []) + self.encode(base_prompt_text(prompt))
     return self.encode(self.prompt_text(prompt))
 
   def _render_observation(self, observation: str) -> str:

@@ -24,11 +24,18 @@ def register(name: str, factory: Callable[..., Task]) -> None:
 
 
 def registered() -> list[str]:
-  return sorted(_REGISTRY) + ["rg:<reasoning-gym task>"]
+  return sorted(_REGISTRY) + ["rg:<reasoning-gym task>", "dataset:<path>"]
 
 
 def get_task(name: str, **options) -> Task:
-  """A task by name, e.g. get_task("arith", terms=3)."""
+  """A task by name, e.g. get_task("arith", terms=3), get_task("dataset:train.jsonl")."""
+  if name.startswith("dataset:"):
+    from trace_jax.tasks.dataset import DatasetTask
+
+    if "path" in options:
+      raise ValueError(f"task {name!r}: the file is named by the task (dataset:PATH), not path=")
+    _check_option_names(name, DatasetTask, options)
+    return DatasetTask(name[len("dataset:") :], **options)
   if name.startswith("rg:"):
     from trace_jax.tasks.reasoning_gym import ReasoningGymTask
 

@@ -125,7 +125,10 @@ def parse_pairs(name: str, strings: list[str], *, bools: bool = False) -> tuple:
   out = []
   for kv in strings:
     if "=" not in kv:
-      raise ValueError(f"--{name} expects key=value, got {kv!r}")
+      raise ValueError(
+        f"--{name} expects key=value, got {kv!r} (the flag is a comma-separated list: a "
+        "value cannot hold a comma; dataset columns= pairs are separated by ';')"
+      )
     key, text = kv.split("=", 1)
     out.append((key, _parse_value(text, bools)))
   return tuple(out)
