@@ -42,7 +42,10 @@ def _rows(style: str, n: int, rng: random.Random) -> list[dict]:
     a, b = rng.randint(1, 999), rng.randint(1, 999)
     if style == "gsm8k":
       rows.append(
-        {"question": f"Ann has {a} pens and buys {b} more. How many?", "answer": f"{a}+{b}\n#### {a + b}"}
+        {
+          "question": f"Ann has {a} pens and buys {b} more. How many?",
+          "answer": f"{a}+{b}\n#### {a + b}",
+        }
       )
     else:
       rows.append(

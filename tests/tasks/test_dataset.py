@@ -232,9 +232,7 @@ def test_math_reward_without_a_time_limit_off_the_main_thread():
 def test_reward_option_forces_math_or_exact():
   path = f"dataset:{fixture('verl_style.jsonl')}"
   assert {it.meta["reward"] for it in get_task(path, reward="math").problems("train")} == {"math"}
-  assert {it.meta["reward"] for it in get_task(path, reward="exact").problems("train")} == {
-    "exact"
-  }
+  assert {it.meta["reward"] for it in get_task(path, reward="exact").problems("train")} == {"exact"}
 
 
 # --- refusals -----------------------------------------------------------------------------------
@@ -245,7 +243,11 @@ def test_bad_input_is_named_before_any_work(tmp_path):
   cases = [
     (str(tmp_path / "missing.jsonl"), {}, "missing.jsonl does not exist"),
     (write_jsonl(tmp_path / "a.csv", good), {}, "unknown format '.csv'"),
-    (write_jsonl(tmp_path / "noprompt.jsonl", good + [{"answer": "#### 3"}]), {}, "line 4: question"),
+    (
+      write_jsonl(tmp_path / "noprompt.jsonl", good + [{"answer": "#### 3"}]),
+      {},
+      "line 4: question",
+    ),
     (
       write_jsonl(tmp_path / "noanswer.jsonl", good + [{"question": "2+2?", "answer": ""}]),
       {},
@@ -362,7 +364,9 @@ def test_trainer_runs_a_dataset_task(tmp_path):
   from trace_jax.run.rundir import read_metrics
   from trace_jax.run.trainer import Trainer
 
-  config = _run_config(f"dataset:{fixture('gsm8k_style.jsonl')}", task_options=(("eval_share", 0.25),))
+  config = _run_config(
+    f"dataset:{fixture('gsm8k_style.jsonl')}", task_options=(("eval_share", 0.25),)
+  )
   with Trainer(config, str(tmp_path / "run"), progress=False) as trainer:
     assert trainer.warmstart["steps"] == 0 and "no demonstrations" in trainer.warmstart["skipped"]
     assert len(trainer.eval_items) == 4

@@ -60,7 +60,7 @@ STYLES = {
 
 
 def parse_columns(columns: str) -> dict[str, str]:
-  """"prompt:q;answer:a" -> {"prompt": "q", "answer": "a"}; a ValueError for anything else."""
+  """ "prompt:q;answer:a" -> {"prompt": "q", "answer": "a"}; a ValueError for anything else."""
   mapping = {}
   for pair in filter(None, (p.strip() for p in str(columns).replace(",", ";").split(";"))):
     role, sep, column = pair.partition(":")
