@@ -8,7 +8,8 @@ prompt messages, reward_model.ground_truth, data_source, response) in JSONL and 
 temporary directory, then builds `get_task("dataset:FILE")` for each in a process of its own
 and prints a table: the seconds to build the task (read, check every row, make the items)
 and the process's peak resident memory (`resource.getrusage`, ru_maxrss) after the imports
-and after the load.
+and after the load, beside the baseline: the plain read of the same file (`json.loads` per
+line, `pyarrow.parquet.read_table(...).to_pylist()`), no checks and no items.
 """
 
 import json
@@ -31,8 +32,16 @@ start = time.perf_counter()
 task = get_task("dataset:" + sys.argv[1])
 seconds = time.perf_counter() - start
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# The baseline: the plain read of the same file, no checks and no items (the floor).
+start = time.perf_counter()
+if sys.argv[1].endswith(".parquet"):
+  rows = pyarrow.parquet.read_table(sys.argv[1]).to_pylist()
+else:
+  with open(sys.argv[1]) as f:
+    rows = [json.loads(line) for line in f]
+raw = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "rss_before_kb": before, "rss_after_kb": after,
-                  "problems": len(task.problems("train"))}))
+                  "problems": len(task.problems("train")), "raw_seconds": raw}))
 """
 
 
@@ -78,7 +87,10 @@ def main(argv):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
   rng = random.Random(0)
-  print(f"{'file':<16} {'rows':>8} {'MB':>7} {'seconds':>8} {'peak RSS MB':>12} {'load MB':>8}")
+  print(
+    f"{'file':<16} {'rows':>8} {'MB':>7} {'seconds':>8} {'plain read s':>12} {'ratio':>6} "
+    f"{'peak RSS MB':>12} {'load MB':>8}"
+  )
   with tempfile.TemporaryDirectory() as directory:
     for style in ("gsm8k", "verl"):
       for path in _write(directory, style, _rows(style, _ROWS.value, rng)):
@@ -90,7 +102,8 @@ def main(argv):
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(
           f"{os.path.basename(path):<16} {r['problems']:>8} "
-          f"{os.path.getsize(path) / 1e6:>7.1f} {r['seconds']:>8.2f} "
+          f"{os.path.getsize(path) / 1e6:>7.1f} {r['seconds']:>8.2f} {r['raw_seconds']:>12.2f} "
+          f"{r['seconds'] / r['raw_seconds']:>5.1f}x "
           f"{r['rss_after_kb'] / 1024:>12.0f} {(r['rss_after_kb'] - r['rss_before_kb']) / 1024:>8.0f}"
         )
 
