@@ -92,7 +92,12 @@ def test_metrics_rewrite_fsyncs_the_directory(tmp_path, monkeypatch):
   path = tmp_path / "metrics.jsonl"
   path.write_text("".join(json.dumps({"step": s, "loss": s / 7}) + "\n" for s in range(5)))
   recorder = Recorder(monkeypatch)
-  RunDir._truncate_metrics(types.SimpleNamespace(metrics_path=str(path)), 2)  # a resume
+  evaluation = types.SimpleNamespace(tensorboard=False)
+  rundir = types.SimpleNamespace(
+    metrics_path=str(path), _events=None, config=types.SimpleNamespace(evaluation=evaluation)
+  )
+  rundir._open_events = lambda records: RunDir._open_events(rundir, records)
+  RunDir._truncate_metrics(rundir, 2)  # a resume
   assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
   recorder.assert_directory_fsynced_after_renames(str(tmp_path))
 
