@@ -50,7 +50,13 @@ from trace_jax.model.quant import QuantConfig
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.params import quantize_params
 from trace_jax.utils import safetensors
-from trace_jax.utils.io import atomic_directory, resolve_inside, write_atomic, write_json
+from trace_jax.utils.io import (
+  atomic_directory,
+  check_replaceable_folder,
+  resolve_inside,
+  write_atomic,
+  write_json,
+)
 
 FORMATS = ("nvfp4", "mxfp4")
 ACTIVATIONS = ("none", "nvfp4", "mxfp4")
@@ -453,14 +459,7 @@ def check_out_dir(out_dir: str, source: str | None = None) -> None:
     ValueError: naming `out_dir` and what in it is refused.
   """
   path = os.path.abspath(out_dir)
-  if os.path.islink(path):
-    raise ValueError(
-      f"out_dir={out_dir!r} is a symbolic link (to {os.readlink(path)}); the export is "
-      f"renamed into place, which would replace the link: give the folder itself, "
-      f"{os.path.realpath(path)}"
-    )
-  if os.path.lexists(path) and not os.path.isdir(path):
-    raise ValueError(f"out_dir={out_dir!r} exists and is not a folder; use a new or empty one")
+  check_replaceable_folder(path, f"out_dir={out_dir!r}", "; use a new or empty one")
   out = os.path.realpath(path)
   if source is not None:
     src = os.path.realpath(source)

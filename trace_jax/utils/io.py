@@ -169,6 +169,22 @@ def _remove_stale(parent: str, name: str) -> None:
     shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
+def check_replaceable_folder(path: str, label: str | None = None, hint: str = "") -> None:
+  """A ValueError, before anything is written, if `path` cannot be replaced whole by a
+  rename: it is a symbolic link (the rename would replace the link, not the folder it
+  names) or exists and is not a folder. `label` names it in the message (default: the
+  path); `hint` is appended to the second refusal."""
+  label = label or path
+  if os.path.islink(path):
+    raise ValueError(
+      f"{label} is a symbolic link (to {os.readlink(path)}); a folder replaced whole is "
+      f"renamed into place, which would replace the link: give the folder itself, "
+      f"{os.path.realpath(path)}"
+    )
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise ValueError(f"{label} exists and is not a folder{hint}")
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str) -> Iterator[str]:
   """Yield a new empty folder beside `path` to fill; when the block ends without an error,
@@ -188,14 +204,7 @@ def atomic_directory(path: str) -> Iterator[str]:
   """
   path = os.path.abspath(path)
   parent, name = os.path.split(path)
-  if os.path.islink(path):
-    raise ValueError(
-      f"{path} is a symbolic link (to {os.readlink(path)}); a folder replaced whole is "
-      f"renamed into place, which would replace the link: give the folder itself, "
-      f"{os.path.realpath(path)}"
-    )
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise ValueError(f"{path} exists and is not a folder")
+  check_replaceable_folder(path)
   os.makedirs(parent, exist_ok=True)
   _remove_stale(parent, name)
   tag = f"{os.getpid()}-{_host_tag()}"
