@@ -27,22 +27,30 @@ _NEW = flags.DEFINE_integer("new_tokens", 112, "Generated tokens per sequence (p
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions (median).")
 
 
+_BF16 = M.CallOptions(compute_dtype="bfloat16")  # the trainer's compute dtype
+
+
 def _recording_cost(name, policy, rollout, guidance):
   """The trainer's pi_old forward (guided, full guidance, every layer) with and without
   recording every site's outcome (what the per-layer disagreement metrics read)."""
   seconds = {}
   for record in (False, True):
-    quant = M.QuantConfig(
-      rounding="guided",
-      guided_layers="all",
-      compute_dtype="bfloat16",
-      recording=M.Recording(form="full" if record else "none"),
+    quant = M.QuantConfig(rounding="guided", guided_layers="all")
+    options = M.CallOptions(
+      compute_dtype="bfloat16", recording=M.Recording(form="full" if record else "none")
     )
 
     @nnx.jit
-    def forward(model, r, guidance, quant=quant):
+    def forward(model, r, guidance, quant=quant, options=options):
       logp, out = training_forward(
-        model, r.tokens, r.positions, r.mask, quant=quant, guidance=guidance, routing_replay=True
+        model,
+        r.tokens,
+        r.positions,
+        r.mask,
+        quant=quant,
+        guidance=guidance,
+        routing_replay=True,
+        options=options,
       )
       return logp, out.sites
 
@@ -85,9 +93,7 @@ def main(argv):
       opt = nnx.Optimizer(model, optax.adam(1e-5), wrt=nnx.Param)
 
       @nnx.jit
-      def step(
-        model, opt, r, guidance, quant=M.call_config(quant, compute_dtype="bfloat16"), replay=replay
-      ):
+      def step(model, opt, r, guidance, quant=quant, replay=replay):
         def loss_fn(model):
           logp, _ = training_forward(
             model,
@@ -97,6 +103,7 @@ def main(argv):
             quant=quant,
             guidance=guidance,
             routing_replay=replay,
+            options=_BF16,
           )
           return -jnp.sum(logp * r.response_mask) / jnp.maximum(jnp.sum(r.response_mask), 1)
 

@@ -306,19 +306,21 @@ def _decode_time(graphdef, params, cfg, batch, context, quant, kernels, key):
   """Device seconds of one decode step (every step writes the same last slot)."""
   cache = _random_cache(cfg, batch, context + 1, quant, key)
   tokens = jax.random.randint(key, (batch, 1), 0, cfg.vocab_size)
-  call = M.call_config(quant, compute_dtype="bfloat16", kernels=kernels)
+  options = M.CallOptions(compute_dtype="bfloat16", kernels=kernels)
 
   @functools.partial(jax.jit, donate_argnums=0)  # the cache is updated in place
   def step(cache, params, tokens):
-    out = nnx.merge(graphdef, params)(tokens, cache=cache, quant=call)
+    out = nnx.merge(graphdef, params)(tokens, cache=cache, quant=quant, options=options)
     return dataclasses.replace(out.cache, index=cache.index)
 
   return device_time_carried(lambda c: step(c, params, tokens), cache, calls=_CALLS.value)
 
 
 def _step_logits(graphdef, params, cache, tokens, quant, kernels):
-  call = M.call_config(quant, compute_dtype="bfloat16", kernels=kernels)
-  step = jax.jit(lambda p, c, t: nnx.merge(graphdef, p)(t, cache=c, quant=call).logits)
+  options = M.CallOptions(compute_dtype="bfloat16", kernels=kernels)
+  step = jax.jit(
+    lambda p, c, t: nnx.merge(graphdef, p)(t, cache=c, quant=quant, options=options).logits
+  )
   return np.asarray(step(params, cache, tokens), np.float32)
 
 

@@ -15,7 +15,7 @@ from flax import nnx
 from trace_jax import model as M
 from trace_jax.model.config import get_preset
 from trace_jax import plan
-from trace_jax.model.quant import QuantConfig, Recording, call_config
+from trace_jax.model.quant import CallOptions, QuantConfig, Recording
 from trace_jax.rl import step as T
 from trace_jax.rl.grpo import LossConfig
 from trace_jax.training.forward import training_forward
@@ -154,7 +154,8 @@ def test_train_peak_against_the_compiled_update():
       example,
       guidance,
       None,
-      quant=call_config(quant, compute_dtype="bfloat16"),
+      quant=quant,
+      options=CallOptions(compute_dtype="bfloat16"),
       replay=True,
       temperature=1.0,
       loss_config=LossConfig(),
@@ -180,10 +181,8 @@ def _kept_for_backward(cfg, batch: int, context: int) -> int:
   config = plan.PlanConfig(mesh=(1, 1, 1), batch=batch, context=context, micro_batch=batch)
   guidance = plan.abstract_guidance(cfg.replace(dtype="bfloat16"), config, QuantConfig())
   graphdef, state = nnx.split(nnx.eval_shape(lambda: M.Transformer(cfg, rngs=nnx.Rngs(0))))
-  quant = QuantConfig(
-    rounding="guided", guided_layers=config.guided_layers, recording=Recording(form="full")
-  )
-  quant = call_config(quant, compute_dtype="bfloat16")
+  quant = QuantConfig(rounding="guided", guided_layers=config.guided_layers)
+  options = CallOptions(recording=Recording(form="full"), compute_dtype="bfloat16")
 
   def forward(state, tokens, positions, mask, guidance):
     def objective(state):
@@ -195,6 +194,7 @@ def _kept_for_backward(cfg, batch: int, context: int) -> int:
         quant=quant,
         guidance=guidance,
         routing_replay=True,
+        options=options,
       )
       return jnp.sum(logp) + out.lb_loss
 

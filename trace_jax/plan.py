@@ -71,7 +71,13 @@ from trace_jax.model import sharding
 from trace_jax.model.cache import init_cache
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import LayerInputs, rope_tables
-from trace_jax.model.quant import FP4Scheme, QuantConfig, Recording, call_config, resolve_layers
+from trace_jax.model.quant import (
+  CallOptions,
+  QuantConfig,
+  Recording,
+  check_run_scheme,
+  resolve_layers,
+)
 from trace_jax.model.quantizer import SiteQuantizer
 from trace_jax.model.transformer import Block, Transformer, attention_mask
 from trace_jax.rollout.params import quantize_params
@@ -144,7 +150,7 @@ class PlanConfig:
   batch: int = knob(256, "Rollout sequences in flight (global).")
   context: int = knob(8192, "Slots per sequence (prompt + response).")
   micro_batch: int = knob(0, "Training sequences per micro-batch (global); 0 = one per data shard.")
-  fp4: FP4Scheme = FP4Scheme()  # of the rollout weights, the KV cache and QAT
+  fp4: QuantConfig = QuantConfig()  # of the rollout weights, the KV cache and QAT
   guidance: str = knob("compact", "Guidance kind.", choices=("none", "compact", "full"))
   guided_layers: str = knob("last_half", "Guided layers: last_half, all, none or a count.")
   train_records: bool = knob(
@@ -155,6 +161,7 @@ class PlanConfig:
   device_gb: float = knob(H200_BYTES / GB, "Memory of one device, GB.")
 
   def __post_init__(self):
+    check_run_scheme(self.fp4, "PlanConfig.fp4")
     object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
     if len(self.mesh) != 3 or min(self.mesh) < 1:
       raise ValueError(f"PlanConfig.mesh={self.mesh} must be 3 sizes (data, expert, model) >= 1")
@@ -180,7 +187,7 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
   """Bytes per device of each item (see the module docstring), and the phase totals."""
   mesh = abstract_mesh(*config.mesh)
   data = config.mesh[0]
-  quant = config.fp4.quant()
+  quant = config.fp4
   cfg = cfg.replace(dtype="bfloat16")
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
@@ -234,6 +241,9 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
   return rows
 
 
+_RECORD_FULL = CallOptions(recording=Recording(form="full"))  # every site, in full
+
+
 def train_record_bytes(cfg: ModelConfig, config: PlanConfig, quant: QuantConfig, batch: int):
   """Bytes of the training path's records that an FP4 arm's update returns for `batch`
   sequences of `config.context` slots: every site of every layer in full (codes, block
@@ -241,7 +251,7 @@ def train_record_bytes(cfg: ModelConfig, config: PlanConfig, quant: QuantConfig,
   sites = jax.eval_shape(
     lambda: (
       Transformer(cfg, rngs=nnx.Rngs(0))(
-        jnp.zeros((1, 1), jnp.int32), quant=call_config(quant, recording=Recording(form="full"))
+        jnp.zeros((1, 1), jnp.int32), quant=quant, options=_RECORD_FULL
       ).sites
     )
   )
@@ -260,7 +270,7 @@ def abstract_guidance(cfg: ModelConfig, config: PlanConfig, quant: QuantConfig):
 
   def capture():
     out = Transformer(cfg, rngs=nnx.Rngs(0))(
-      jnp.zeros((1, 1), jnp.int32), quant=call_config(quant, recording=Recording(form="full"))
+      jnp.zeros((1, 1), jnp.int32), quant=quant, options=_RECORD_FULL
     )
     sites = guidance_lib.from_records(out.sites, config.guidance, layers)
     routing = out.routing.astype(guidance_lib.routing_dtype(cfg.num_experts))

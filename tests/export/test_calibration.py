@@ -28,7 +28,8 @@ def test_calibrated_scales_cover_the_largest_token_and_export_as_w4a4(tmp_path):
   aux = nnx.merge(graphdef, quantize_params(state, quant))(
     tokens,
     mask=jnp.asarray(mask),
-    quant=quant.replace(compute_dtype="float32", recording=M.Recording(inputs=True)),
+    quant=quant,
+    options=M.CallOptions(compute_dtype="float32", recording=M.Recording(inputs=True)),
   )
   for key, gs in scales.items():
     x = np.abs(np.asarray(aux.site_inputs[key]))

@@ -353,14 +353,14 @@ def test_probe_refuses_to_run_inside_a_trace_and_caches_nothing_there(monkeypatc
 
 def test_auto_is_resolved_once_where_the_rollout_is_set_up():
   """The engine resolves `kernels="auto"` and its model calls carry the result; a model
-  call never sees "auto" (`QuantConfig` refuses it, so nothing resolves it inside a trace)."""
+  call never sees "auto" (`CallOptions` refuses it, so nothing resolves it inside a trace)."""
   cfg = M.tiny(num_layers=1)
   policy = M.Transformer(cfg, rngs=nnx.Rngs(0))
   engine = R.RolloutEngine(policy, R.RolloutConfig(kernels="auto", max_len=16))
   assert engine.kernels in kernels.IMPLEMENTATIONS
-  assert engine.statics.quant.kernels == engine.kernels
-  with pytest.raises(ValueError, match="QuantConfig.kernels='auto'"):
-    M.QuantConfig(kernels="auto")
+  assert engine.statics.options.kernels == engine.kernels
+  with pytest.raises(ValueError, match="CallOptions.kernels='auto'"):
+    M.CallOptions(kernels="auto")
 
 
 @pytest.mark.slow  # ~2 min: a whole generation with every kernel in interpret mode

@@ -14,6 +14,7 @@ from trace_jax import rollout as R
 from trace_jax.model import accounting
 from trace_jax.model import sites as sites_lib
 from trace_jax.model.quant import Recording, layer_sites
+from trace_jax.rl.config import RLConfig
 
 EXPERTS_KV = M.QuantConfig(sites="experts+kv")
 
@@ -29,13 +30,14 @@ def hybrid():
 
 def _forward(model, tokens, quant, record=False):
   """(logits, ModelOutput) of a jitted forward; `record`: every site, in full."""
-  if record:
-    quant = M.call_config(quant, recording=Recording(form="full"))
-  out = _jitted(model, tokens, quant)
+  options = M.CallOptions(recording=Recording(form="full" if record else "none"))
+  out = _jitted(model, tokens, quant, options)
   return out.logits, out
 
 
-_jitted = nnx.jit(lambda m, t, quant: m(t, quant=quant), static_argnums=2)
+_jitted = nnx.jit(
+  lambda m, t, quant, options: m(t, quant=quant, options=options), static_argnums=(2, 3)
+)
 
 
 def _tokens(seed, b=2, t=9):
@@ -159,7 +161,9 @@ def test_w4a8_puts_linear_inputs_in_fp8_and_keeps_kv_in_fp4(hybrid):
   guidance), K/V stay FP4 (recorded, guidable); the sites guidance covers are only K/V."""
   w4a8 = M.QuantConfig(activations="fp8")
   x = jax.random.normal(jax.random.key(4), (3, 64)) * 5
-  sq = M.SiteQuantizer(w4a8.replace(recording=Recording(form="full")), 2, jnp.float32)
+  sq = M.SiteQuantizer(
+    w4a8, 2, jnp.float32, options=M.CallOptions(recording=Recording(form="full"))
+  )
   for site in ("attn_in", "moe_mid"):  # FP8: values only, no record
     values, record = sq.site(x, 1, site)
     np.testing.assert_array_equal(values, fp4.fp8_values(x))
@@ -282,11 +286,12 @@ def test_bf16_records_are_the_fp4_of_the_recorded_inputs_and_capture_changes_not
   params = R.quantize_params(state, M.QuantConfig(), dtype=jnp.bfloat16)
 
   def rollout_forward(form, inputs):
-    quant = M.call_config(
-      M.QuantConfig(), recording=Recording(form=form, inputs=inputs), compute_dtype="bfloat16"
-    )
+    quant = M.QuantConfig()
+    options = M.CallOptions(recording=Recording(form=form, inputs=inputs), compute_dtype="bfloat16")
     cache = M.init_cache(model.cfg, 3, 32, quant, dtype=jnp.bfloat16)
-    forward = jax.jit(lambda p, c: nnx.merge(graphdef, p)(tokens, mask=mask, cache=c, quant=quant))
+    forward = jax.jit(
+      lambda p, c: nnx.merge(graphdef, p)(tokens, mask=mask, cache=c, quant=quant, options=options)
+    )
     return forward(params, cache)
 
   plain = rollout_forward("none", False)
@@ -306,8 +311,8 @@ def test_bf16_records_are_the_fp4_of_the_recorded_inputs_and_capture_changes_not
           np.asarray(entries[layer].packed)[:, :16][valid], np.asarray(expected.packed)[valid]
         )
   for form in ("compact", "full"):
-    quant = M.QuantConfig(recording=Recording(form=form, inputs=True), compute_dtype="bfloat16")
-    out = _jitted(model, tokens, quant)
+    options = M.CallOptions(recording=Recording(form=form, inputs=True), compute_dtype="bfloat16")
+    out = _jitted(model, tokens, M.QuantConfig(), options)
     _assert_records_are_fp4_of_inputs(out, f"training {form}")
 
 
@@ -318,13 +323,14 @@ def test_kv_precision_bf16_leaves_only_the_cache_unquantized(hybrid):
   bit in one process, and differs from the FP4-cache forward."""
   with pytest.raises(ValueError, match="QuantConfig.kv='fp8'"):
     M.QuantConfig(kv="fp8")
-  with pytest.raises(ValueError, match="kv_precision='int8'"):
-    M.FP4Scheme(kv="int8")
+  with pytest.raises(ValueError, match="QuantConfig.kv='int8'"):
+    RLConfig.from_flat(kv_precision="int8")
   tokens = _tokens(int(np.random.default_rng().integers(1 << 20)))
   for scope in ("all", "experts+kv"):
     fp4_kv = M.QuantConfig(sites=scope)
     bf16_kv = M.QuantConfig(sites=scope, kv="bf16")
-    assert M.FP4Scheme(sites=scope, kv="bf16").quant() == bf16_kv
+    run = RLConfig.from_flat(arm="fp4-qat", fp4_sites=scope, kv_precision="bf16")
+    assert run.train_quant == bf16_kv
     assert set(bf16_kv.activation_sites) == set(fp4_kv.activation_sites) - {"k", "v"}
     assert bf16_kv.weight_groups == fp4_kv.weight_groups
     cache = M.init_cache(hybrid.cfg, 2, 16, quant=bf16_kv)

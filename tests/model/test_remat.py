@@ -12,7 +12,7 @@ import jax.extend
 
 from trace_jax import guidance as G
 from trace_jax import model as M
-from trace_jax.model.quant import QuantConfig, Recording
+from trace_jax.model.quant import CallOptions, QuantConfig, Recording
 from trace_jax.plan import _dependent_residual_bytes
 from trace_jax.training.forward import training_forward
 
@@ -75,7 +75,7 @@ def _batch(cfg, seed, b=2, t=12):
   return tokens, positions, jnp.ones((b, t), bool), weights
 
 
-def _objective(model, batch, quant, guidance=None):
+def _objective(model, batch, quant, guidance=None, options=None):
   """(a scalar of the training path's log-probs, its ModelOutput) of `training_forward`."""
   tokens, positions, mask, weights = batch
   logp, out = training_forward(
@@ -86,6 +86,7 @@ def _objective(model, batch, quant, guidance=None):
     quant=quant,
     guidance=guidance,
     routing_replay=guidance is not None,
+    options=options,
   )
   return jnp.sum(logp * weights) + 0.01 * out.lb_loss, out
 
@@ -98,16 +99,18 @@ def test_remat_runs_when_sites_are_recorded(form):
   cfg = M.tiny(remat=True)
   model = nnx.eval_shape(lambda: M.Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
-  quant = QuantConfig(recording=Recording(form=form))
+  options = CallOptions(recording=Recording(form=form))
   batch = _batch(cfg, 0)
-  grad = lambda s: nnx.grad(_objective, has_aux=True)(nnx.merge(graphdef, s), batch, quant)
+  grad = lambda s: nnx.grad(_objective, has_aux=True)(  # noqa: E731
+    nnx.merge(graphdef, s), batch, QuantConfig(), None, options
+  )
   assert _remat_prims(jax.make_jaxpr(grad)(state).jaxpr) == cfg.num_layers
 
 
-def _run(remat, batch, quant, guidance, compute_dtype):
+def _run(remat, batch, quant, options, guidance, compute_dtype):
   model = M.Transformer(M.tiny(remat=remat, dtype=compute_dtype), rngs=nnx.Rngs(4))
-  step = nnx.jit(nnx.value_and_grad(_objective, has_aux=True), static_argnums=2)
-  (loss, out), grads = step(model, batch, quant, guidance)
+  step = nnx.jit(nnx.value_and_grad(_objective, has_aux=True), static_argnums=(2, 4))
+  (loss, out), grads = step(model, batch, quant, guidance, options)
   return loss, out, nnx.to_pure_dict(grads)
 
 
@@ -115,7 +118,9 @@ def _guidance(batch):
   """Compact guidance of every layer and the routing, from a recording forward of the batch."""
   model = M.Transformer(M.tiny(), rngs=nnx.Rngs(9))
   tokens, positions, mask, _ = batch
-  out = nnx.jit(lambda m: m(tokens, positions=positions, mask=mask, quant=FULL))(model)
+  out = nnx.jit(
+    lambda m: m(tokens, positions=positions, mask=mask, quant=QuantConfig(), options=FULL)
+  )(model)
   layers = tuple(range(model.cfg.num_layers))
   return G.Guidance(
     sites=G.from_records(out.sites, "compact", layers),
@@ -125,13 +130,12 @@ def _guidance(batch):
   )
 
 
-FULL = QuantConfig(recording=Recording(form="full"))
+FULL = CallOptions(recording=Recording(form="full"))
 _CASES = {
-  "compact": (QuantConfig(recording=Recording(form="compact")), False),
+  "compact": (QuantConfig(), Recording(form="compact"), False),
   "full+guided": (
-    QuantConfig(
-      rounding="guided", guided_layers="all", recording=Recording(form="full", inputs=True)
-    ),
+    QuantConfig(rounding="guided", guided_layers="all"),
+    Recording(form="full", inputs=True),
     True,
   ),
 }
@@ -150,18 +154,18 @@ def test_remat_with_recording_matches_unrolled(case):
   for "compact", nearest rounding; much less when guided); float32 compute keeps it at
   1e-6 (`test_remat_matches_unrolled`). Slow: six compiles of a training step (~1.5 min).
   """
-  quant, guided = _CASES[case]
+  quant, recording, guided = _CASES[case]
   batch = _batch(M.tiny(), 1)
   guidance = _guidance(batch) if guided else None
-  quant = quant.replace(compute_dtype="bfloat16")
-  loss, out, grads = _run(False, batch, quant, guidance, "bfloat16")
-  remat_loss, remat_out, remat_grads = _run(True, batch, quant, guidance, "bfloat16")
+  options = CallOptions(compute_dtype="bfloat16", recording=recording)
+  loss, out, grads = _run(False, batch, quant, options, guidance, "bfloat16")
+  remat_loss, remat_out, remat_grads = _run(True, batch, quant, options, guidance, "bfloat16")
   assert out.sites and (out.fallbacks if guided else True)
   for name in ("logits", "routing", "sites", "fallbacks", "site_inputs"):
     chex.assert_trees_all_equal(getattr(remat_out, name), getattr(out, name))
   chex.assert_trees_all_equal(remat_loss, loss)
-  plain = quant.replace(recording=Recording())
-  _, plain_out, plain_grads = _run(True, batch, plain, guidance, "bfloat16")
+  plain = options.replace(recording=Recording())
+  _, plain_out, plain_grads = _run(True, batch, quant, plain, guidance, "bfloat16")
   assert not plain_out.sites
   chex.assert_trees_all_equal(remat_grads, plain_grads)
   flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]).astype(np.float64)

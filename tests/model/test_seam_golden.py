@@ -156,7 +156,7 @@ def _tokens():
 
 _MOE = ("attn_in", "attn_out", "k", "v", "moe_in", "moe_mid")
 _DENSE = ("attn_in", "attn_out", "k", "v", "mlp_in", "mlp_mid")
-# name: (model config, seed, QuantConfig fields, recording form, the sites each layer
+# name: (model config, seed, QuantConfig and CallOptions fields, recording form, the sites each layer
 # records: those of the pre-seam golden arrays). Among them: full and compact records, MoE,
 # dense and shared-expert sites, a hybrid model's method scope, float32 and bf16 compute.
 _FORWARDS = {
@@ -191,9 +191,14 @@ _FORWARDS = {
 def test_forward_records_are_the_fp4_of_the_inputs_it_returns(name):
   """One forward that records every FP4 site and its input: each record (full QArray, or
   compact bits and scales) is `fp4.quantize` of that input, per row, bit for bit."""
-  cfg, seed, options, form, layer_sites = _FORWARDS[name]
-  quant = M.QuantConfig(recording=M.Recording(form=form, inputs=True), **options)
-  out = nnx.jit(lambda m, t: m(t, quant=quant))(M.Transformer(cfg, rngs=nnx.Rngs(seed)), _tokens())
+  cfg, seed, fields, form, layer_sites = _FORWARDS[name]
+  quant = M.QuantConfig(**{k: v for k, v in fields.items() if k != "compute_dtype"})
+  options = M.CallOptions(
+    recording=M.Recording(form=form, inputs=True), compute_dtype=fields.get("compute_dtype")
+  )
+  out = nnx.jit(lambda m, t: m(t, quant=quant, options=options))(
+    M.Transformer(cfg, rngs=nnx.Rngs(seed)), _tokens()
+  )
   expected = {(layer, site) for layer, sites in layer_sites.items() for site in sites}
   assert set(out.sites) == expected and set(out.site_inputs) == expected
   for key in sorted(expected):
@@ -292,15 +297,18 @@ def test_guided_training_path_reproduces_the_rollout(rollouts, name):
   - it routes every token to the rollout's experts, and its log-probs stay close."""
   policy, rollout = rollouts(name)
   _, _, _, dtype, _ = _ROLLOUTS[name]
-  quant = M.QuantConfig(
-    rounding="guided",
-    guided_layers="all",
-    compute_dtype=dtype,
-    recording=M.Recording(form="full", inputs=True),
-  )
+  quant = M.QuantConfig(rounding="guided", guided_layers="all")
+  options = M.CallOptions(compute_dtype=dtype, recording=M.Recording(form="full", inputs=True))
   logp, out = nnx.jit(
     lambda m, r, g: training_forward(
-      m, r.tokens, r.positions, r.mask, quant=quant, guidance=g, routing_replay=True
+      m,
+      r.tokens,
+      r.positions,
+      r.mask,
+      quant=quant,
+      guidance=g,
+      routing_replay=True,
+      options=options,
     )
   )(policy, rollout.without_cache(), rollout.guidance)
   mask = np.asarray(rollout.mask)

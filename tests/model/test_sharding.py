@@ -235,8 +235,12 @@ def test_guidance_split_over_model_where_each_site_declares():
   down projections along their width; the inputs of column-split projections whole."""
   cfg = M.tiny(shared_expert_dim=32, dense_layers=(0,), ffn_dim=64)
   model = _abstract(cfg)
-  quant = M.call_config(M.QuantConfig(), recording=M.Recording(form="compact"))
-  out = nnx.eval_shape(lambda m, t: m(t, quant=quant), model, jax.numpy.zeros((2, 16), "int32"))
+  options = M.CallOptions(recording=M.Recording(form="compact"))
+  out = nnx.eval_shape(
+    lambda m, t: m(t, quant=M.QuantConfig(), options=options),
+    model,
+    jax.numpy.zeros((2, 16), "int32"),
+  )
   mesh = jax.sharding.Mesh(
     __import__("numpy").asarray(jax.devices()[:1] * 4).reshape(2, 1, 2), sharding.MESH_AXES
   )

@@ -28,16 +28,15 @@ def _tokens(b=2, t=12, seed=0, vocab=128):
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_forward(quant):
-  return nnx.jit(lambda m, t, kw: m(t, quant=quant, **kw))
+def _jitted_forward(quant, options):
+  return nnx.jit(lambda m, t, kw: m(t, quant=quant, options=options, **kw))
 
 
 def run(model, tokens, quant=None, record=False, **kwargs):
   """A jitted forward, compiled once per (quant, record, shapes) across tests: (logits, the
   ModelOutput); `record` records every site in full."""
-  if record:
-    quant = M.call_config(quant, recording=M.Recording(form="full"))
-  out = _jitted_forward(quant)(model, tokens, kwargs)
+  options = M.CallOptions(recording=M.Recording(form="full" if record else "none"))
+  out = _jitted_forward(quant, options)(model, tokens, kwargs)
   return out.logits, out
 
 
@@ -187,8 +186,8 @@ def test_recorded_sites_are_the_quantized_activations(tiny_model):
   expected_sites = {"attn_in", "attn_out", "k", "v", "moe_in", "moe_mid"}
   assert set(sites) == {(layer, s) for layer in range(cfg.num_layers) for s in expected_sites}
   # Every record is fp4.quantize of that site's input, per row, bit for bit.
-  recording = FP4.replace(recording=M.Recording(form="full", inputs=True))
-  aux_inputs = nnx.jit(lambda m, t: m(t, quant=recording))(tiny_model, tokens)
+  recording = M.CallOptions(recording=M.Recording(form="full", inputs=True))
+  aux_inputs = nnx.jit(lambda m, t: m(t, quant=FP4, options=recording))(tiny_model, tokens)
   for key, recorded in aux_inputs.sites.items():
     expected = fp4.quantize(aux_inputs.site_inputs[key], global_group="row")
     np.testing.assert_array_equal(recorded.packed, expected.packed, err_msg=str(key))
@@ -298,11 +297,11 @@ def test_forward_takes_one_config_one_guidance_and_sows_under_capture(tiny_model
   import warnings  # noqa: PLC0415
 
   params = list(inspect.signature(M.Transformer.__call__).parameters)
-  assert params == ["self", "tokens", "positions", "mask", "cache", "quant", "guidance"]
-  quant = FP4.replace(recording=M.Recording(form="compact", layers=(1,)))
+  assert params == ["self", "tokens", "positions", "mask", "cache", "quant", "guidance", "options"]
+  options = M.CallOptions(recording=M.Recording(form="compact", layers=(1,)))
   with warnings.catch_warnings():
     warnings.simplefilter("error", DeprecationWarning)
-    out = tiny_model(_tokens(seed=13), quant=quant)  # eager: every sow runs in Python here
+    out = tiny_model(_tokens(seed=13), quant=FP4, options=options)  # eager: sows run in Python
   assert isinstance(out, M.ModelOutput)
   assert {layer for layer, _ in out.sites} == {1} and out.fallbacks == {} and out.site_inputs == {}
   assert all(isinstance(r, fp4.CompactGuidance) for r in out.sites.values())

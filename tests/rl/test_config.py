@@ -1,13 +1,19 @@
 """rl/arms.py and rl/config.py: the arm table (keyword-only, validated, guided layers stated once), the one
 rollout-correction knob, and experiments/rl.py's flag defaults read from the config classes."""
 
+import ast
+import dataclasses
 import functools
 import importlib.util
 import os
+import re
+
+import numpy as np
 
 import pytest
 from absl import flags
 
+from trace_jax.model import quant as quant_lib
 from trace_jax.model.quant import QuantConfig
 from trace_jax.rl.arms import ARMS, COMPARED, RUNNABLE, Arm
 from trace_jax.rl.config import RLConfig
@@ -37,7 +43,7 @@ def test_arm_table_states_the_method_once():
     arm = ARMS[name]
     assert (
       arm.rollout_precision,
-      arm.train_quant,
+      arm.train_scheme(QuantConfig()),
       arm.guidance,
       arm.routing_replay,
       arm.correction,
@@ -45,8 +51,9 @@ def test_arm_table_states_the_method_once():
       arm.derived_from,
       arm.scale_rule,
     ) == row, name
-    if arm.train_quant is not None and arm.train_quant.rounding == "guided":  # stated once
-      assert arm.train_quant.guided_layers == arm.guided_layers
+    train = arm.train_scheme(QuantConfig())
+    if train is not None and train.rounding == "guided":  # stated once
+      assert train.guided_layers == arm.guided_layers
   # An RL run reports every arm but ptq-46 (4over6 is evaluated by the comparison); the
   # comparison runs the method's arms, trace-sparse (beyond the method) on request.
   assert set(RUNNABLE) == set(expected) - {"ptq-46"}
@@ -173,6 +180,8 @@ def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
   # the flat config's names, and the knobs added since (asynchronous RL, lr_decay, sft_target)
   added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every", "lr_decay"}
   added |= {"sft_target", "kv_precision", "max_grad_norm", "tensorboard"}
+  # the scheme's per-path fields: leaves of the run's QuantConfig, never flags
+  added |= {"fp4_precision", "fp4_weights", "fp4_rounding", "fp4_guided_layers"}
   assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT)) | added
   assert leaves["fp4_sites"][0] == ("fp4", "sites") and leaves["steps"][0] == ("schedule", "steps")
   config = RLConfig.from_flat(steps=3, temperature=0.5, preset="tiny")
@@ -262,3 +271,49 @@ def test_a_decay_with_no_step_after_the_warmup_is_refused_before_any_work():
   RLConfig.from_flat(steps=4, lr_warmup_steps=4, lr_decay="constant")
   RLConfig.from_flat(steps=0, lr_warmup_steps=4, lr_decay="linear")
   RLConfig.from_flat(steps=5, lr_warmup_steps=4, lr_decay="linear")
+
+
+def _scheme_values(field) -> list:
+  """Every value the scheme's field allows other than its default, read off its validation:
+  a probe value's ValueError lists what is allowed."""
+  default = field.default
+  try:
+    QuantConfig(**{field.name: "?"})
+  except ValueError as e:
+    allowed = ast.literal_eval(re.search(r"use one of (\(.*?\)|\[.*?\])", str(e)).group(1))
+  return [v for v in allowed if v != default]
+
+
+def test_every_scheme_field_a_run_states_reaches_both_paths():
+  """One scheme type: each field of a run's QuantConfig that is not a path's own reaches the
+  training path (`RLConfig.train_quant`, every FP4 training arm) and the rollout
+  (`RolloutConfig.quant` of the run's rollout configs) with nothing copied by hand: the
+  fields are enumerated from the dataclass, so a new option is checked without touching
+  this test. The per-path fields are refused in a run's scheme, naming the field; they
+  are no flags."""
+  from trace_jax.rl import episodes  # noqa: PLC0415
+  from trace_jax.run import policy_source  # noqa: PLC0415
+  from trace_jax.tasks import get_task  # noqa: PLC0415
+
+  fields = [f for f in dataclasses.fields(QuantConfig) if f.name not in quant_lib.PATH_FIELDS]
+  assert {f.name for f in fields} == {"fmt", "sites", "activations", "kv"}
+  rng = np.random.default_rng()
+  for field in fields:
+    value = _scheme_values(field)[rng.integers(len(_scheme_values(field)))]
+    flat = config_flags.flat_name(field)
+    for arm in ("fp4-qat", "trace", "trace-full"):
+      config = RLConfig.from_flat(arm=arm, preset="small", **{flat: value})
+      assert getattr(config.train_quant, field.name) == value, (arm, flat)
+      assert config.train_quant == ARMS[arm].train_scheme(config.fp4)
+      task = get_task(config.task)
+      source = policy_source.load(config, task, weights=False)
+      sampling, greedy = episodes.rollout_configs(config, task, source)
+      for rollout in (sampling, greedy, ARMS[arm].rollout(sampling)):
+        assert getattr(rollout.quant, field.name) == value, (arm, flat)
+  script = _script_flags("rl")
+  for field in quant_lib.PATH_FIELDS:
+    flat = config_flags.flat_name(QuantConfig.__dataclass_fields__[field])
+    assert flat not in script
+    value = {"precision": "bf16", "weights": False, "rounding": "guided"}.get(field, "all")
+    with pytest.raises(ValueError, match=rf"RLConfig.fp4.{field}={value!r} is not allowed"):
+      RLConfig.from_flat(**{flat: value})

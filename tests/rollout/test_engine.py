@@ -156,10 +156,10 @@ def test_fp4_cache_holds_exactly_the_quantized_k_and_v(policy, fp4_full):
         )
   # Layer 0's keys depend on the token alone: they equal the full forward's bit for bit.
   tokens = jnp.asarray(rollout.tokens)
-  recording = M.QuantConfig(recording=M.Recording(form="full"))
-  aux = nnx.jit(lambda m, t, p, k: m(t, positions=p, mask=k, quant=recording))(
-    policy, tokens, rollout.positions, rollout.mask
-  )
+  recording = M.CallOptions(recording=M.Recording(form="full"))
+  aux = nnx.jit(
+    lambda m, t, p, k: m(t, positions=p, mask=k, quant=M.QuantConfig(), options=recording)
+  )(policy, tokens, rollout.positions, rollout.mask)
   np.testing.assert_array_equal(
     np.asarray(rollout.cache.k[0].packed)[valid], np.asarray(aux.sites[(0, "k")].packed)[valid]
   )

@@ -53,8 +53,8 @@ def test_fp4_scope_quantizes_exactly_its_sites(policy, sites):
   cfg = policy.cfg
   quant = M.QuantConfig(sites=sites)
   tokens = jax.random.randint(jax.random.key(4), (1, 5), 0, cfg.vocab_size)
-  recording = quant.replace(recording=M.Recording(form="full"))
-  aux = nnx.jit(lambda m, t: m(t, quant=recording))(policy, tokens)
+  recording = M.CallOptions(recording=M.Recording(form="full"))
+  aux = nnx.jit(lambda m, t: m(t, quant=quant, options=recording))(policy, tokens)
   recorded = set(aux.sites)
   mixer = ("attn_in", "attn_out") if sites == "all" else ()
   moe = ("moe_in", "moe_mid") + (("shared_mid",) if sites == "all" else ())

@@ -12,7 +12,7 @@ from flax import nnx
 from trace_jax import fp4
 from trace_jax import guidance as G
 from trace_jax import rollout as R
-from trace_jax.model.quant import QuantConfig, Recording, call_config
+from trace_jax.model.quant import CallOptions, QuantConfig, Recording
 from trace_jax.training.forward import training_forward
 
 
@@ -70,10 +70,17 @@ def test_engine_capture_round_trip_and_training_path(policy):
   # recorded bit picks it). A training value that drifted past a grid point from the
   # rollout's may land two steps away with the same bit; that happens rarely.
   quant = QuantConfig(rounding="guided", guided_layers="all")
-  quant = call_config(quant, recording=Recording(form="full", inputs=True))
+  options = CallOptions(recording=Recording(form="full", inputs=True))
   logp, out = nnx.jit(
     lambda m, g: training_forward(
-      m, sparse.tokens, sparse.positions, sparse.mask, quant=quant, guidance=g, routing_replay=True
+      m,
+      sparse.tokens,
+      sparse.positions,
+      sparse.mask,
+      quant=quant,
+      guidance=g,
+      routing_replay=True,
+      options=options,
     )
   )(policy, sparse.guidance)
   chex.assert_tree_all_finite(logp)

@@ -13,7 +13,7 @@ from flax import nnx
 
 from trace_jax import fp4
 from trace_jax.model.config import tiny
-from trace_jax.model.quant import FP4Scheme, QuantConfig, call_config
+from trace_jax.model.quant import QuantConfig
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl.metrics import fp4_disagreement, guidance_agreement, mismatch_metrics
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
@@ -45,9 +45,9 @@ def test_study_config_json_keeps_the_flat_keys():
   }  # fmt: skip
   config = mismatch.StudyConfig()
   assert set(config.to_json()) == keys and config.to_json()["fp4_sites"] == "all"
-  w4a8 = dataclasses.replace(config, fp4=FP4Scheme(activations="fp8"))
+  w4a8 = dataclasses.replace(config, fp4=QuantConfig(activations="fp8"))
   assert set(w4a8.to_json()) == keys | {"activations"}
-  bf16_kv = dataclasses.replace(config, fp4=FP4Scheme(kv="bf16"))
+  bf16_kv = dataclasses.replace(config, fp4=QuantConfig(kv="bf16"))
   assert set(bf16_kv.to_json()) == keys | {"kv_precision"}
 
 
@@ -158,7 +158,8 @@ def test_one_measurement_on_the_tiny_preset():
     policy,
     rollout.without_cache(),
     None,
-    quant=call_config(nearest, compute_dtype="float32"),
+    quant=nearest,
+    compute_dtype="float32",
     replay=False,
     temperature=1.0,
     inputs=True,

@@ -9,7 +9,7 @@ import pytest
 
 from trace_jax import fp4
 from trace_jax.model.config import get_preset
-from trace_jax.model.quant import FP4Scheme
+from trace_jax.model.quant import QuantConfig
 from trace_jax.rollout.accounting import guidance_bytes_per_token
 from trace_jax.rollout.config import RolloutConfig
 from trace_jax.studies import sparse
@@ -105,7 +105,7 @@ def test_geometry_bytes_agree_with_the_rollouts_accounting(scope):
   rollout's own accounting (`guidance_bytes_per_token`); sparse bytes are linear in the
   measured per-element and per-block costs, on top of the routing."""
   cfg = get_preset("tiny")
-  base = RolloutConfig(precision="fp4", fp4=FP4Scheme(sites=scope))
+  base = RolloutConfig(precision="fp4", fp4=QuantConfig(sites=scope))
   cost = sparse.SiteCost(element_bits=1.5, block_bits=3.0, density=0.1, block_density=0.1)
   double = sparse.SiteCost(element_bits=3.0, block_bits=6.0, density=0.1, block_density=0.1)
   got = sparse.geometry_bytes("tiny", scope, {"all": cost})

@@ -37,12 +37,19 @@ def captured(policy):
 
 @functools.lru_cache(maxsize=None)
 def _jitted(quant, routing_replay, record_inputs):
-  quant = quant.replace(
+  options = M.CallOptions(
     compute_dtype="float32", recording=M.Recording(form="full", inputs=record_inputs)
   )
   return nnx.jit(
     lambda m, r, g: T.training_forward(
-      m, r.tokens, r.positions, r.mask, quant=quant, guidance=g, routing_replay=routing_replay
+      m,
+      r.tokens,
+      r.positions,
+      r.mask,
+      quant=quant,
+      guidance=g,
+      routing_replay=routing_replay,
+      options=options,
     )
   )
 
@@ -112,7 +119,8 @@ def test_guided_mismatch_is_below_nearest_rounding(policy):
       r.mask,
       guidance=g,
       routing_replay=replay,
-      quant=quant.replace(compute_dtype="bfloat16", recording=M.Recording(form="full")),
+      quant=quant,
+      options=M.CallOptions(compute_dtype="bfloat16", recording=M.Recording(form="full")),
     ),
     static_argnums=(3, 4),
   )
@@ -134,8 +142,10 @@ def test_guided_gradients_equal_nearest_ste_gradients(policy, captured):
   so loss and gradients through the guided forward equal those through nearest rounding."""
   tokens, positions, mask = captured.tokens, captured.positions, captured.mask
   quant = M.QuantConfig()
-  recording = quant.replace(recording=M.Recording(form="full"))
-  aux = nnx.jit(lambda m: m(tokens, positions=positions, mask=mask, quant=recording))(policy)
+  recording = M.CallOptions(recording=M.Recording(form="full"))
+  aux = nnx.jit(
+    lambda m: m(tokens, positions=positions, mask=mask, quant=quant, options=recording)
+  )(policy)
   own = G.Guidance(
     sites=dict(aux.sites), routing=aux.routing.astype(jnp.int8), mode="full", layers=(0, 1)
   )

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from trace_jax import fp4
-from trace_jax.model.quant import QuantConfig, Recording
+from trace_jax.model.quant import CallOptions, QuantConfig, Recording
 from trace_jax.model.sites import site_spec
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.params import quantize_params
@@ -43,7 +43,8 @@ def _rollout_forward(
     jnp.asarray(tokens),
     mask=jnp.asarray(mask),
     positions=positions,
-    quant=quant.replace(recording=recording, compute_dtype=dtype),
+    quant=quant,
+    options=CallOptions(recording=recording, compute_dtype=dtype),
   )
 
 

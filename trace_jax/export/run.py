@@ -29,7 +29,6 @@ from trace_jax.export.compressed_tensors import (
   source_files,
   tensor_listing,
 )
-from trace_jax.model.quant import QuantConfig
 from trace_jax.model.sharding import make_mesh, param_shardings
 from trace_jax.rl import data, episodes
 from trace_jax.run import policy_source
@@ -218,7 +217,7 @@ def export_run(
   check_out_dir(out_dir, source)  # the source is known now: checked before calibrating
   if source is not None:
     source_files(source)  # every file it gives resolves inside it
-  quant = QuantConfig(fmt=fmt, sites=sites, activations=run.config.fp4.activations)
+  quant = run.config.fp4  # the run's scheme: its rollouts' format, scope, activations, KV
   dtype = jnp.dtype(run.config.compute_dtype)
   scales, distance = None, None
   if activations == "nvfp4":

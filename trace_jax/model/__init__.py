@@ -17,10 +17,9 @@ from trace_jax.model.hf import from_hf
 from trace_jax.model.quant import (
   SITE_SCOPES,
   WEIGHT_GROUPS,
-  FP4Scheme,
+  CallOptions,
   QuantConfig,
   Recording,
-  call_config,
   layer_sites,
   is_quantized_weight,
   resolve_layers,

@@ -1,4 +1,5 @@
-"""Where the model quantizes, and in which scope: `QuantConfig`, `FP4Scheme`, `Recording`.
+"""Where the model quantizes, and in which scope: `QuantConfig` (what is quantized),
+`CallOptions` (how one call runs) and `Recording` (what a call records).
 
 How one forward quantizes a site is `quantizer.py` (`SiteQuantizer`).
 
@@ -51,6 +52,7 @@ import jax.numpy as jnp
 from trace_jax import fp4, kernels as kernels_lib
 from trace_jax.model import parameters
 from trace_jax.model.parameters import WEIGHT_GROUPS
+from trace_jax.utils import flags
 from trace_jax.utils.flags import knob
 from trace_jax.model.sites import (
   ACTIVATION_SITES,
@@ -155,16 +157,38 @@ class Recording:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FP4Scheme:
-  """A run's FP4 scheme, one value held by every config that needs it (RL run, rollout,
-  studies, planner): the format, the scope of sites in FP4, and the format of the
-  linear layers' inputs. `quant()` is the model's QuantConfig of it."""
+class QuantConfig:
+  """What is quantized, the one scheme type: whether anything is (`precision`), the FP4
+  format, the scope of sites, the linear inputs' format, the KV cache, and the rounding at
+  the guided layers. `precision="bf16"` (or passing None) turns quantization off. How one
+  call runs (kernels, what it records, its compute dtype) is `CallOptions`, beside it.
 
+  A run holds one (`RLConfig.fp4`, `RolloutConfig.fp4`, the planner's and the studies'):
+  its format, scope, activations and KV cache are flags; precision, weights, rounding and
+  guided layers are each path's, derived from the arm (`Arm.train_scheme`,
+  `RolloutConfig.quant`), and stay at their defaults in a run's own."""
+
+  precision: str = knob("fp4", "fp4 or bf16 (no quantization).", flat="fp4_precision", flag=False)
   fmt: str = knob("nvfp4", "FP4 format: nvfp4 or mxfp4.")
-  sites: str = knob(
+  weights: bool = knob(
+    True, "Quantize every linear weight in scope.", flat="fp4_weights", flag=False
+  )
+  sites: Union[str, tuple[str, ...]] = knob(
     "all",
     "FP4 scope: all, or experts+kv (the method's: routed experts and KV cache).",
     flat="fp4_sites",
+  )  # or a tuple of activation-site names: those sites (weights per `weights`)
+  rounding: str = knob(
+    "nearest",
+    "At guided layers: nearest, guided (needs guidance) or stochastic.",
+    flat="fp4_rounding",
+    flag=False,
+  )
+  guided_layers: GuidedLayers = knob(
+    "last_half",
+    "The layers `rounding` applies to (elsewhere nearest).",
+    flat="fp4_guided_layers",
+    flag=False,
   )
   activations: str = knob(
     "fp4",
@@ -179,92 +203,35 @@ class FP4Scheme:
   )
 
   def __post_init__(self):
-    for name, value, allowed in (
-      ("fmt", self.fmt, sorted(fp4.FORMATS)),
-      ("fp4_sites", self.sites, SITE_SCOPES),
-      ("activations", self.activations, ACTIVATION_FORMATS),
-      ("kv_precision", self.kv, KV_PRECISIONS),
+    for field, allowed in (
+      ("precision", PRECISIONS),
+      ("fmt", tuple(sorted(fp4.FORMATS))),
+      ("rounding", fp4.ROUNDING_MODES),
+      ("activations", ACTIVATION_FORMATS),
+      ("kv", KV_PRECISIONS),
     ):
+      value = getattr(self, field)
       if value not in allowed:
-        raise ValueError(f"{name}={value!r} (FP4Scheme) is not allowed; use one of {allowed}")
-
-  def quant(self, **changes) -> "QuantConfig":
-    return QuantConfig(
-      fmt=self.fmt, sites=self.sites, activations=self.activations, kv=self.kv, **changes
-    )
-
-  def replace(self, **changes) -> "FP4Scheme":
-    return dataclasses.replace(self, **changes)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class QuantConfig:
-  """What a forward pass quantizes, and how it runs. `precision="bf16"` (or passing None)
-  turns quantization off; the last three fields say how one call runs (kernels, what it
-  records, its compute dtype), so a model call takes one config (`call_config`)."""
-
-  precision: str = "fp4"  # "fp4" or "bf16" (no quantization)
-  fmt: str = "nvfp4"  # "nvfp4" or "mxfp4"
-  weights: bool = True  # quantize every linear weight
-  sites: Union[str, tuple[str, ...]] = "all"  # FP4 scope: "all", "experts+kv", or a tuple
-  #   of activation-site names (those sites; weights per `weights`)
-  rounding: str = "nearest"  # at guided layers: "guided" (needs guidance); elsewhere nearest
-  guided_layers: GuidedLayers = "last_half"  # which layers `rounding` applies to
-  activations: str = "fp4"  # "fp4" (W4A4) or "fp8" (W4A8: linear inputs in MXFP8 E4M3,
-  #   nearest rounding, no guidance; K/V stay FP4)
-  kv: str = "fp4"  # "fp4": the K/V sites (and the cache) as `sites` says; "bf16": never FP4
-  kernels: str = "xla"  # "xla" or "pallas": whether packed FP4 weights and the FP4 cache go
-  #   through `trace_jax.kernels` (forward only: the rollout); a run's "auto" is resolved
-  #   where it is set up (`kernels.resolve`, outside jit), never inside a model call
-  recording: Recording = Recording()  # what the call records of its sites (ModelOutput.sites)
-  compute_dtype: str | None = None  # activations' dtype; None: the model's (ModelConfig.dtype)
-
-  def __post_init__(self):
-    if self.activations not in ACTIVATION_FORMATS:
-      raise ValueError(
-        f"QuantConfig.activations={self.activations!r} is not allowed; use one "
-        f"of {ACTIVATION_FORMATS}"
-      )
-    if self.kv not in KV_PRECISIONS:
-      raise ValueError(f"QuantConfig.kv={self.kv!r} is not allowed; use one of {KV_PRECISIONS}")
-    if self.precision not in PRECISIONS:
-      raise ValueError(
-        f"QuantConfig.precision={self.precision!r} is not allowed; use one of {PRECISIONS}"
-      )
-    fp4.get_format(self.fmt)
-    if self.rounding not in fp4.ROUNDING_MODES:
-      raise ValueError(
-        f"QuantConfig.rounding={self.rounding!r} is not allowed; use one of {fp4.ROUNDING_MODES}"
-      )
+        raise ValueError(f"{_named(field, value)} is not allowed; use one of {allowed}")
+    if not isinstance(self.weights, bool):
+      raise ValueError(f"QuantConfig.weights={self.weights!r} must be True or False")
     if isinstance(self.sites, str):
       if self.sites not in SITE_SCOPES:
         raise ValueError(
-          f"QuantConfig.sites={self.sites!r} is not allowed; use one of "
+          f"{_named('sites', self.sites)} is not allowed; use one of "
           f"{SITE_SCOPES} or a tuple of sites from {ACTIVATION_SITES}"
         )
     else:
       object.__setattr__(self, "sites", tuple(self.sites))
-      known = ACTIVATION_SITES
-      unknown = [s for s in self.sites if s not in known]
+      unknown = [s for s in self.sites if s not in ACTIVATION_SITES]
       if unknown:
         raise ValueError(
           f"QuantConfig.sites has unknown sites {unknown}; allowed: "
-          f"{known}, or a scope from {SITE_SCOPES}"
+          f"{ACTIVATION_SITES}, or a scope from {SITE_SCOPES}"
         )
     if not isinstance(self.guided_layers, (str, int)):
       object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
     _check_layers_spec(self.guided_layers)
-    kernels_lib.check_mode(self.kernels, "QuantConfig.kernels", kernels_lib.IMPLEMENTATIONS)
-    if not isinstance(self.recording, Recording):
-      raise ValueError(
-        f"QuantConfig.recording must be a Recording, got {type(self.recording).__name__}"
-      )
-    if self.compute_dtype is not None:
-      try:
-        name = jnp.dtype(self.compute_dtype).name
-      except TypeError as e:
-        raise ValueError(f"QuantConfig.compute_dtype={self.compute_dtype!r} is not a dtype") from e
-      object.__setattr__(self, "compute_dtype", name)
 
   @property
   def enabled(self) -> bool:
@@ -307,10 +274,59 @@ class QuantConfig:
     return dataclasses.replace(self, **changes)
 
 
-def call_config(quant: QuantConfig | None, **changes) -> QuantConfig:
-  """`quant` (None: no quantization, `QuantConfig(precision="bf16")`) with fields changed,
-  typically how one call runs: `kernels`, `recording`, `compute_dtype`."""
-  return (QuantConfig(precision="bf16") if quant is None else quant).replace(**changes)
+def _named(field: str, value) -> str:
+  """`QuantConfig.<field>=<value>`, and the flat name (a run's flag) where it differs."""
+  flat = flags.flat_name(QuantConfig.__dataclass_fields__[field])
+  also = "" if flat == field else f" ({flat}={value!r})"
+  return f"QuantConfig.{field}={value!r}{also}"
+
+
+# The scheme's fields each path sets for itself, never a run's scheme (`check_run_scheme`).
+PATH_FIELDS = ("precision", "weights", "rounding", "guided_layers")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(QuantConfig)}
+
+
+def check_run_scheme(scheme, where: str) -> None:
+  """A ValueError unless `scheme` (held in field `where`) is a QuantConfig whose
+  `PATH_FIELDS` are at their defaults: a run's own scheme states only the format, the
+  scope, the activations and the KV cache, and each path derives the rest."""
+  if not isinstance(scheme, QuantConfig):
+    raise ValueError(f"{where}={scheme!r} is not allowed; use a QuantConfig")
+  for field in PATH_FIELDS:
+    value, default = getattr(scheme, field), _DEFAULTS[field]
+    if value != default:
+      raise ValueError(
+        f"{where}.{field}={value!r} is not allowed; a run's scheme leaves it at {default!r}: "
+        "each path sets its own (the arm its training path's, the rollout config its own)"
+      )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CallOptions:
+  """How one model call runs, beside the QuantConfig of what it quantizes (static: part of
+  the jit key): the FP4 kernels, what it records of its sites, its activations' dtype."""
+
+  kernels: str = "xla"  # "xla" or "pallas": whether packed FP4 weights and the FP4 cache go
+  #   through `trace_jax.kernels` (forward only: the rollout); a run's "auto" is resolved
+  #   where it is set up (`kernels.resolve`, outside jit), never inside a model call
+  recording: Recording = Recording()  # what the call records of its sites (ModelOutput.sites)
+  compute_dtype: str | None = None  # activations' dtype; None: the model's (ModelConfig.dtype)
+
+  def __post_init__(self):
+    kernels_lib.check_mode(self.kernels, "CallOptions.kernels", kernels_lib.IMPLEMENTATIONS)
+    if not isinstance(self.recording, Recording):
+      raise ValueError(
+        f"CallOptions.recording must be a Recording, got {type(self.recording).__name__}"
+      )
+    if self.compute_dtype is not None:
+      try:
+        name = jnp.dtype(self.compute_dtype).name
+      except TypeError as e:
+        raise ValueError(f"CallOptions.compute_dtype={self.compute_dtype!r} is not a dtype") from e
+      object.__setattr__(self, "compute_dtype", name)
+
+  def replace(self, **changes) -> "CallOptions":
+    return dataclasses.replace(self, **changes)
 
 
 def weight_group(variable) -> str | None:

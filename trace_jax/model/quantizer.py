@@ -30,7 +30,7 @@ import numpy as np
 from trace_jax import fp4, kernels as kernels_lib
 from trace_jax.kernels import layout as kernel_layout
 from trace_jax.model import layers
-from trace_jax.model.quant import QuantConfig, Recording
+from trace_jax.model.quant import CallOptions, QuantConfig
 from trace_jax.model.sites import SiteKey, SiteRecord
 
 
@@ -219,10 +219,11 @@ class SiteQuantizer:
   which the module sows (`sow_site`) and the forward captures the Flax way.
 
   Args:
-    quant: the QuantConfig (its `kernels` and `recording` say how this call runs), or None
-      for no quantization.
+    quant: the QuantConfig (what is quantized), or None for no quantization.
     num_layers: the model's layer count (to resolve guided layers).
     dtype: compute dtype of the returned activations and weights.
+    options: how this call runs: its `kernels` and what it records (`recording`);
+      default `CallOptions()`.
     guidance: (layer, site) -> `fp4.QArray` (full), `fp4.CompactGuidance` or
       `fp4.SparseGuidance`, required for
       every quantized site of a guided layer when quant.rounding == "guided".
@@ -235,11 +236,13 @@ class SiteQuantizer:
     num_layers: int,
     dtype,
     *,
+    options: CallOptions | None = None,
     guidance: Mapping[SiteKey, Any] | None = None,
     key: jax.Array | None = None,
   ):
-    self.recording = self.recording_of(quant)
-    self.kernels = quant.kernels if quant is not None else "xla"  # "pallas" or "xla"
+    options = CallOptions() if options is None else options
+    self.recording = options.recording
+    self.kernels = options.kernels  # "pallas" or "xla"
     self.quant = quant if quant is not None and quant.enabled else None
     self.dtype = dtype
     self.guidance = dict(guidance or {})
@@ -254,11 +257,6 @@ class SiteQuantizer:
         )
     if self.guidance and (self.quant is None or self.quant.rounding != "guided"):
       raise ValueError("guidance was given but QuantConfig.rounding is not 'guided'")
-
-  @staticmethod
-  def recording_of(quant: QuantConfig | None) -> Recording:
-    """What a forward with `quant` records (nothing without a config)."""
-    return quant.recording if quant is not None else Recording()
 
   def active(self, site: str) -> bool:
     return self.quant is not None and self.quant.quantizes(site)

@@ -2,15 +2,15 @@
 
 Calling convention (a contract with the rollout and training paths):
 
-  out = model(tokens, positions=..., mask=..., cache=..., quant=..., guidance=...)
+  out = model(tokens, positions=..., mask=..., cache=..., quant=..., guidance=..., options=...)
 
-`quant` is the one quantization config (`QuantConfig`: what runs in FP4, and how this call
-runs: kernels, what it records, compute dtype); `guidance` the one guidance (`Guidance`:
+`quant` is what runs in FP4 (`QuantConfig`), `options` how this call runs (`CallOptions`:
+kernels, what it records, compute dtype); `guidance` the one guidance (`Guidance`:
 the rollout's site records, its routing to replay, a stochastic-rounding key). `out` is a
 `ModelOutput`: logits float32 [B, T, V]; routing int32 [num_moe_layers, B, T, k] with each
 token's experts in descending router probability; lb_loss (mean over MoE layers);
 router_load [num_moe_layers, E]; with a cache, the updated cache (K/V at attention layers,
-conv and recurrent states at Gated DeltaNet layers); and what `quant.recording` asked for:
+conv and recurrent states at Gated DeltaNet layers); and what `options.recording` asked for:
 sites ({(layer, site): record in the recording's form}), fallbacks ({(layer, site): bool
 mask} of guidance fallbacks at guided sites) and site_inputs (the inputs before
 quantization).
@@ -31,7 +31,7 @@ from trace_jax.model.deltanet import GatedDeltaNet
 from trace_jax.model.layers import LayerInputs, RMSNorm, rope_tables
 from trace_jax.model.moe import MLP, MoE
 from trace_jax.model.parameters import normal_param
-from trace_jax.model.quant import QuantConfig
+from trace_jax.model.quant import CallOptions, QuantConfig
 from trace_jax.model.quantizer import SiteQuantizer
 from trace_jax.model.sites import MLP_IN, collect_site_records, sow_site
 
@@ -167,6 +167,7 @@ class Transformer(nnx.Module):
     cache: KVCache | None = None,
     quant: QuantConfig | None = None,
     guidance: Guidance | None = None,
+    options: CallOptions | None = None,
   ) -> ModelOutput:
     """Forward over tokens [B, T].
 
@@ -177,14 +178,14 @@ class Transformer(nnx.Module):
       mask: bool [B, T], False for padding; default all True.
       cache: a KVCache to write slots [cache.index, cache.index + T) into and attend over.
       quant: what runs in FP4 (training path: fake-quantized master weights; rollout path:
-        params made by `quantize_params`; None or precision "bf16": off) and how this call
-        runs: `kernels`, `recording` (returned as `ModelOutput.sites`, `fallbacks`,
-        `site_inputs`), `compute_dtype` (default cfg.dtype, e.g. bf16 for a rollout of a
-        float32-configured policy). See `quant.call_config`.
+        params made by `quantize_params`; None or precision "bf16": off).
       guidance: the rollout's `Guidance`, the model's one guidance input: its sites drive
         quant.rounding == "guided" (needs rounding "guided" when it holds any), its
         routing, if any, int [num_moe_layers, B, T, k], is replayed instead of routing, and
         its key draws quant.rounding == "stochastic".
+      options: how this call runs (default `CallOptions()`): `kernels`, `recording`
+        (returned as `ModelOutput.sites`, `fallbacks`, `site_inputs`), `compute_dtype`
+        (default cfg.dtype, e.g. bf16 for a rollout of a float32-configured policy).
 
     Returns:
       a `ModelOutput`.
@@ -195,11 +196,12 @@ class Transformer(nnx.Module):
     # A call that records nothing sows nothing: it runs without capture, so the model also
     # works closed over by a plain `jax.jit` (capture writes module state, which nnx only
     # allows at the trace level the module was made at).
-    recording = SiteQuantizer.recording_of(quant)
+    options = CallOptions() if options is None else options
+    recording = options.recording
     if not recording.enabled:
-      return self._forward(tokens, positions, mask, cache, quant, guidance)
+      return self._forward(tokens, positions, mask, cache, quant, guidance, options)
     out, sown = nnx.capture(Transformer._forward, nnx.Intermediate)(
-      self, tokens, positions, mask, cache, quant, guidance
+      self, tokens, positions, mask, cache, quant, guidance, options
     )
     records = collect_site_records(sown)
     if recording.form != "none":
@@ -211,13 +213,9 @@ class Transformer(nnx.Module):
       out = out.replace(site_inputs={k: r.input for k, r in records.items() if r.input is not None})
     return out
 
-  def _forward(self, tokens, positions, mask, cache, quant, guidance) -> ModelOutput:
+  def _forward(self, tokens, positions, mask, cache, quant, guidance, options) -> ModelOutput:
     cfg = self.cfg
-    dtype = (
-      cfg.compute_dtype
-      if quant is None or quant.compute_dtype is None
-      else jnp.dtype(quant.compute_dtype)
-    )
+    dtype = cfg.compute_dtype if options.compute_dtype is None else jnp.dtype(options.compute_dtype)
     b, t = tokens.shape
     if mask is None:
       mask = jnp.ones((b, t), bool)
@@ -239,6 +237,7 @@ class Transformer(nnx.Module):
       quant,
       cfg.num_layers,
       dtype,
+      options=options,
       guidance=None if guidance is None else guidance.sites,
       key=None if guidance is None else guidance.key,
     )

@@ -95,14 +95,14 @@ class Arm:
     the arm's own guided layers of it."""
     return self.rollout_precision == "fp4" and self.train != "bf16"
 
-  @property
-  def train_quant(self) -> QuantConfig | None:
-    """The training path's QuantConfig (None: bf16, no quantization)."""
+  def train_scheme(self, scheme: QuantConfig) -> QuantConfig | None:
+    """The training path's QuantConfig in a run's `scheme` (None: bf16, no quantization):
+    the scheme as it is, rounded by guidance at this arm's guided layers on "guided"."""
     if self.train == "bf16":
       return None
     if self.train == "qat":
-      return QuantConfig()
-    return QuantConfig(rounding="guided", guided_layers=self.guided_layers)
+      return scheme
+    return scheme.replace(rounding="guided", guided_layers=self.guided_layers)
 
   def rollout(self, base: RolloutConfig) -> RolloutConfig:
     """`base` with this arm's rollout settings: precision, capture, guided layers, routing."""

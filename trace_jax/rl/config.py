@@ -10,7 +10,7 @@
     decoupled: DecoupledConfig  the behaviour -> proximal IS cap of asynchronous RL
                              (`rl.decoupled`)
     evaluation: Evaluation   the greedy evaluation's period and size
-    fp4: FP4Scheme           format, FP4 scope and activation format (`model.quant`)
+    fp4: QuantConfig         format, FP4 scope, activation format, KV cache (`model.quant`)
 
 Validation reads only the values: no task is built and no file is read (the policy source
 checks those before any work: `run.policy_source.preflight`). Every leaf has a flat name,
@@ -26,7 +26,7 @@ import os
 
 from trace_jax import fp4
 from trace_jax.model.config import PRESETS
-from trace_jax.model.quant import FP4Scheme, QuantConfig
+from trace_jax.model.quant import QuantConfig, check_run_scheme
 from trace_jax.rl.arms import RUNNABLE, Arm, get_arm
 from trace_jax.rl.decoupled import DecoupledConfig
 from trace_jax.rl.grpo import CORRECTIONS, LossConfig
@@ -248,10 +248,11 @@ class RLConfig:
   schedule: Schedule = Schedule()
   decoupled: DecoupledConfig = DecoupledConfig()
   evaluation: Evaluation = Evaluation()
-  fp4: FP4Scheme = FP4Scheme()
+  fp4: QuantConfig = QuantConfig()  # the run's scheme; each path's derives from it
 
   def __post_init__(self):
     get_arm(self.arm, runnable=True)
+    check_run_scheme(self.fp4, "RLConfig.fp4")
     object.__setattr__(self, "task_options", tuple(tuple(kv) for kv in self.task_options))
     object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
     if len(self.mesh) != 3 or min(self.mesh) < 1:
@@ -306,13 +307,7 @@ class RLConfig:
   @property
   def train_quant(self) -> QuantConfig | None:
     """The arm's training-path QuantConfig in this run's FP4 scheme."""
-    quant = self.arm_spec.train_quant
-    if quant is None:
-      return None
-    scheme = self.fp4
-    return quant.replace(
-      sites=scheme.sites, fmt=scheme.fmt, activations=scheme.activations, kv=scheme.kv
-    )
+    return self.arm_spec.train_scheme(self.fp4)
 
   @property
   def sparse_spec(self) -> fp4.SparseSpec:

@@ -31,7 +31,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 
 from trace_jax.guidance import Guidance
-from trace_jax.model.quant import Recording, call_config, resolve_layers
+from trace_jax.model.quant import CallOptions, Recording, resolve_layers
 from trace_jax.model.sharding import batch_sharding, guidance_specs, shard_model, shard_optimizer
 from trace_jax.rl import episodes as episodes_lib
 from trace_jax.rl.arms import Arm
@@ -49,7 +49,7 @@ from trace_jax.training.forward import token_entropy, training_forward
 from trace_jax.utils import round_up
 from trace_jax.utils.distributed import global_array, host_array
 
-_STATIC = ("quant", "replay", "temperature")
+_STATIC = ("quant", "options", "replay", "temperature")
 
 
 class DivergenceError(FloatingPointError):
@@ -145,11 +145,13 @@ class StepSpec:
 
   @property
   def static(self) -> dict:
-    """The jitted functions' static arguments: the training path's one QuantConfig (the
-    arm's quantization, None for bf16, in the run's compute dtype), replay, temperature."""
+    """The jitted functions' static arguments: the training path's QuantConfig (the arm's
+    quantization in the run's scheme, None for bf16), its call options (the run's compute
+    dtype), replay, temperature."""
     config = self.config
     return dict(
-      quant=call_config(config.train_quant, compute_dtype=config.compute_dtype),
+      quant=config.train_quant,
+      options=CallOptions(compute_dtype=config.compute_dtype),
       replay=self.arm.routing_replay,
       temperature=config.sampling.temperature,
     )
@@ -162,7 +164,9 @@ class StepSpec:
     reference, they would round it with the policy's scales and route it to the policy's
     experts, and the KL would not measure the distance to the reference."""
     static = self.static
-    return dict(static, quant=static["quant"].replace(rounding="nearest"), replay=False)
+    quant = static["quant"]
+    nearest = None if quant is None else quant.replace(rounding="nearest")
+    return dict(static, quant=nearest, replay=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -516,12 +520,12 @@ def _loss_static(spec: StepSpec) -> dict:
 
 @functools.partial(nnx.jit, static_argnames=_STATIC + ("record",))
 def _old_logprobs(
-  policy, example: TrainExample, guidance, *, quant, replay, temperature, record: bool
+  policy, example: TrainExample, guidance, *, quant, options, replay, temperature, record: bool
 ):
   """(log pi_old, entropy, guidance fallbacks, training-path site records): the records
   (full QArrays, for the per-layer disagreement) only when `record`."""
   if record:
-    quant = quant.replace(recording=Recording(form="full"))
+    options = options.replace(recording=Recording(form="full"))
   logp, out = training_forward(
     policy,
     example.tokens,
@@ -531,6 +535,7 @@ def _old_logprobs(
     guidance=guidance,
     routing_replay=replay,
     temperature=temperature,
+    options=options,
   )
   return logp, token_entropy(out.logits, temperature), out.fallbacks, out.sites
 
@@ -550,6 +555,7 @@ def _train_step(
   ref_logp,
   *,
   quant,
+  options,
   replay,
   temperature,
   loss_config,
@@ -568,7 +574,7 @@ def _train_step(
   returns what `_old_logprobs` would have: log pi_old, token entropy, guidance fallbacks
   and (with `record`) the training path's site records."""
   if record:
-    quant = quant.replace(recording=Recording(form="full"))
+    options = options.replace(recording=Recording(form="full"))
 
   def loss_fn(policy):
     logp, out = training_forward(
@@ -580,6 +586,7 @@ def _train_step(
       guidance=guidance,
       routing_replay=replay,
       temperature=temperature,
+      options=options,
     )
     old_logp = jax.lax.stop_gradient(logp) if fused else example.old_logp
     if decoupled is None:

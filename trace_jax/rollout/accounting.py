@@ -8,7 +8,7 @@ from flax import nnx
 
 from trace_jax import guidance as guidance_lib
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.quant import QuantConfig, Recording, call_config, resolve_layers
+from trace_jax.model.quant import CallOptions, QuantConfig, Recording, resolve_layers
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
 
@@ -27,7 +27,8 @@ def guidance_bytes_per_token(
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     out = model(
       jnp.zeros((1, 1), jnp.int32),
-      quant=call_config(quant, recording=Recording(form=config.guidance, layers=layers)),
+      quant=quant,
+      options=CallOptions(recording=Recording(form=config.guidance, layers=layers)),
     )
     sites = out.sites  # the guided layers' records, in the guidance's form
     routing = out.routing.astype(guidance_lib.routing_dtype(cfg.num_experts))

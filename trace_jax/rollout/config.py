@@ -8,7 +8,7 @@ from typing import Sequence, Union
 from trace_jax.fp4 import SparseSpec
 from trace_jax.guidance import GUIDANCE_MODES
 from trace_jax.kernels import KERNEL_MODES
-from trace_jax.model.quant import PRECISIONS, FP4Scheme, QuantConfig, _check_layers_spec
+from trace_jax.model.quant import PRECISIONS, QuantConfig, _check_layers_spec, check_run_scheme
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
 
@@ -80,7 +80,7 @@ class RolloutConfig:
 
   precision: str = "fp4"  # "fp4": W4A4 + FP4 KV cache; "bf16": unquantized (weights,
   #   activations and cache in compute_dtype)
-  fp4: FP4Scheme = FP4Scheme()  # format, FP4 scope and activation format (precision="fp4")
+  fp4: QuantConfig = QuantConfig()  # the run's scheme: format, scope, activations, KV cache
   compute_dtype: str = "bfloat16"  # activations; "float32" for exactness tests
   max_len: int = 256  # KV-cache slots: prompt + all turns' tokens
   sampling: SamplingConfig = SamplingConfig()
@@ -99,7 +99,7 @@ class RolloutConfig:
     _require(
       self.precision in PRECISIONS, where, "precision", self.precision, f"use one of {PRECISIONS}"
     )
-    _require(isinstance(self.fp4, FP4Scheme), where, "fp4", self.fp4, "use an FP4Scheme")
+    check_run_scheme(self.fp4, "RolloutConfig.fp4")
     _require(
       self.compute_dtype in COMPUTE_DTYPES,
       where,
@@ -142,10 +142,9 @@ class RolloutConfig:
 
   @property
   def quant(self) -> QuantConfig | None:
-    """The model QuantConfig of this rollout (rollouts always round to nearest)."""
-    if self.precision != "fp4":
-      return None
-    return self.fp4.quant(precision="fp4")
+    """The model QuantConfig of this rollout: the run's scheme (rollouts round to nearest),
+    None for a bf16 rollout."""
+    return self.fp4 if self.precision == "fp4" else None
 
   def replace(self, **changes) -> "RolloutConfig":
     return dataclasses.replace(self, **changes)

@@ -43,7 +43,7 @@ from trace_jax import kernels as kernels_lib
 from trace_jax.model.cache import init_cache
 from trace_jax.model import sharding as sharding_lib
 from trace_jax.model.sharding import batch_sharding
-from trace_jax.model.quant import QuantConfig, Recording, call_config, resolve_layers
+from trace_jax.model.quant import CallOptions, Recording, resolve_layers
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
 from trace_jax.rollout.params import fuse_for_kernels_jit, quantize_params_jit
@@ -211,7 +211,9 @@ def _empty_records(sites, slots: int):
 
 def _forward(graphdef, params, tokens, positions, mask, cache, st: "_Statics"):
   model = nnx.merge(graphdef, params)
-  return model(tokens, positions=positions, mask=mask, cache=cache, quant=st.quant)
+  return model(
+    tokens, positions=positions, mask=mask, cache=cache, quant=st.config.quant, options=st.options
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,15 +239,11 @@ class _Statics:
     )
 
   @property
-  def quant(self) -> QuantConfig:
-    """The model call's one config: the rollout's quantization (none for bf16), its kernels,
-    what it records, its compute dtype."""
-    config = self.config
-    return call_config(
-      config.quant,
-      kernels=self.kernels,
-      recording=self.recording,
-      compute_dtype=config.compute_dtype,
+  def options(self) -> CallOptions:
+    """How the model calls run: the kernels, what they record, the compute dtype (the
+    rollout's quantization is `config.quant`)."""
+    return CallOptions(
+      kernels=self.kernels, recording=self.recording, compute_dtype=self.config.compute_dtype
     )
 
 

@@ -38,10 +38,10 @@ def lower_decode_step(
 
   params = jax.eval_shape(rollout_params, state)
   cache = jax.eval_shape(lambda: init_cache(cfg, batch, length, quant, dtype=jnp.bfloat16))
-  call = M.call_config(quant, compute_dtype="bfloat16", kernels=kernels)
+  options = M.CallOptions(compute_dtype="bfloat16", kernels=kernels)
 
   def step(params, cache, tokens):
-    out = nnx.merge(graphdef, params)(tokens, cache=cache, quant=call)
+    out = nnx.merge(graphdef, params)(tokens, cache=cache, quant=quant, options=options)
     return out.logits, out.cache
 
   tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)

@@ -32,7 +32,7 @@ from trace_jax import fp4
 from trace_jax import guidance as guidance_lib
 from trace_jax.fp4 import sparse as sparse_lib
 from trace_jax.model.config import get_preset
-from trace_jax.model.quant import QuantConfig, Recording, call_config, resolve_layers
+from trace_jax.model.quant import CallOptions, QuantConfig, Recording, resolve_layers
 from trace_jax.model.transformer import Transformer
 
 GEOMETRIES = ("qwen3_30b_a3b", "qwen3_5_35b_a3b")
@@ -262,7 +262,9 @@ def site_geometry(cfg, quant: QuantConfig) -> dict:
   def capture():
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     out = model(
-      jnp.zeros((1, 1), jnp.int32), quant=call_config(quant, recording=Recording(form="compact"))
+      jnp.zeros((1, 1), jnp.int32),
+      quant=quant,
+      options=CallOptions(recording=Recording(form="compact")),
     )
     return out.sites, out.routing.astype(guidance_lib.routing_dtype(cfg.num_experts))
 

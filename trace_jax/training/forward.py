@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from trace_jax import guidance as guidance_lib
 from trace_jax.model import sites as sites_lib
-from trace_jax.model.quant import QuantConfig, layer_sites
+from trace_jax.model.quant import CallOptions, QuantConfig, layer_sites
 from trace_jax.model.transformer import ModelOutput, Transformer, check_token_ids
 
 
@@ -90,18 +90,19 @@ def training_forward(
   guidance: guidance_lib.Guidance | None = None,
   routing_replay: bool = False,
   temperature: float = 1.0,
+  options: CallOptions | None = None,
 ) -> tuple[jax.Array, ModelOutput]:
   """Training-path log-probabilities of a batch of trajectories.
 
   Args:
     model: the policy (float32 master weights).
     tokens, positions, mask: [B, S] as in a `Rollout`.
-    quant: FP4 QAT config (None / "bf16": no quantization); its `compute_dtype` (default
-      the model's) and `recording` (what the output's sites / fallbacks / site_inputs
-      hold) say how this call runs (`quant.call_config`).
+    quant: FP4 QAT config (None / "bf16": no quantization).
     guidance: the rollout's `Guidance`, required for guided rounding or routing replay.
     routing_replay: use the rollout's experts at every MoE layer.
     temperature: the rollout's sampling temperature (log-probs of the tempered policy).
+    options: how this call runs (`CallOptions`): its `compute_dtype` (default the model's)
+      and `recording` (what the output's sites / fallbacks / site_inputs hold).
 
   Returns:
     (logprobs [B, S] as `token_logprobs`, the model's `ModelOutput`).
@@ -115,5 +116,7 @@ def training_forward(
       sites=guidance.sites if guided else {},
       routing=guidance.routing if routing_replay else None,
     )
-  out = model(tokens, positions=positions, mask=mask, quant=quant, guidance=guidance)
+  out = model(
+    tokens, positions=positions, mask=mask, quant=quant, guidance=guidance, options=options
+  )
   return token_logprobs(out.logits, tokens, temperature), out

@@ -3,7 +3,7 @@ help) and of the names saved configs are compared by.
 
 A config is a tree of frozen dataclasses: a field whose default is a dataclass instance is a
 section (`RLConfig.sampling`), every other field a leaf. Each leaf has a flat name, unique
-in its tree: its own name, or the `flat` name given to `knob` (FP4Scheme.sites is
+in its tree: its own name, or the `flat` name given to `knob` (QuantConfig.sites is
 `fp4_sites`), a flag (by that name unless `knob(flag=...)` says otherwise) and one line of
 help. So:
 
