@@ -77,15 +77,22 @@ def run_sft(
   progress: bool = True,
   mesh=None,
   stop: Callable[[int], bool] | None = None,
+  length: int | None = None,
+  step_seed: Callable[[int], int] | None = None,
 ) -> list[float]:
   """SFT `policy` in place on fresh demonstrations every step; returns the NLL per step
   (fewer than `steps` when `stop`, `train_sft`'s, ends it early). Every process draws the
   same demonstrations (from `seed` and the step) and, on a mesh, feeds its own rows of them
-  (`place_sft_batch`)."""
-  length = sft_length(task, tokenizer, seed)
+  (`place_sft_batch`).
+
+  A caller with a draw of its own (a study that has always drawn its demonstrations
+  otherwise) passes `length` (tokens per row; default `sft_length`) and `step_seed` (the
+  demonstrations' seed at each step; default the run's, `7919 * seed + step + 1`)."""
+  length = sft_length(task, tokenizer, seed) if length is None else length
+  step_seed = (lambda step: 7_919 * seed + step + 1) if step_seed is None else step_seed
 
   def batches(step):
-    pairs = data.demonstration_pairs(task, tokenizer, 7_919 * seed + step + 1, batch)
+    pairs = data.demonstration_pairs(task, tokenizer, step_seed(step), batch)
     pairs = [(p, c) for p, c in pairs if len(p) + len(c) <= length]
     return place_sft_batch(sft_batch(pairs, length, tokenizer.pad_id), mesh)
 

@@ -32,7 +32,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -40,10 +39,12 @@ from trace_jax import fp4 as fp4_lib
 from trace_jax.kernels import check_mode as check_kernels
 from trace_jax.model.config import get_preset, qwen3_30b_a3b
 from trace_jax.model.quant import (
+  PATH_FIELDS,
   SITE_SCOPES,
-  FP4Scheme,
+  CallOptions,
+  QuantConfig,
   Recording,
-  call_config,
+  check_run_scheme,
   resolve_layers,
 )
 from trace_jax.model.transformer import Transformer
@@ -53,10 +54,10 @@ from trace_jax.rl.metrics import fp4_disagreement, guidance_agreement, mismatch_
 from trace_jax.rollout.accounting import guidance_bytes_per_token
 from trace_jax.rollout.config import COMPUTE_DTYPES, RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
+from trace_jax.run.warmstart import run_sft
 from trace_jax.tasks.registry import get_task
 from trace_jax.tasks.tokenizer import CharTokenizer
 from trace_jax.training.forward import training_forward
-from trace_jax.training.sft import sft_batch, train_sft
 from trace_jax.utils import flags, round_up
 from trace_jax.utils.flags import knob
 
@@ -80,7 +81,7 @@ class StudyConfig:
   compute_dtype: str = knob(
     "bfloat16", "Activation dtype of both paths, as in production.", choices=COMPUTE_DTYPES
   )
-  fp4: FP4Scheme = FP4Scheme()
+  fp4: QuantConfig = QuantConfig()
   kernels: str = knob("auto", "The FP4 rollout's implementation: auto, pallas or xla.")
   delta: float = knob(
     fp4_lib.DEFAULT_DELTA,
@@ -102,6 +103,7 @@ class StudyConfig:
 
   def __post_init__(self):
     check_kernels(self.kernels, "StudyConfig.kernels")
+    check_run_scheme(self.fp4, "StudyConfig.fp4")
     object.__setattr__(self, "delta_sweep", tuple(float(d) for d in self.delta_sweep))
     for d in (self.delta, *self.delta_sweep):
       fp4_lib.SparseSpec(delta=d)  # a ValueError naming delta and its range
@@ -115,8 +117,11 @@ class StudyConfig:
 
   def to_json(self) -> dict:
     """By flat name, as the study's JSON always held it (`activations` only when not W4A4,
-    `kv_precision` only when not FP4)."""
+    `kv_precision` only when not FP4; the scheme's per-path fields, at their defaults here
+    (`check_run_scheme`), not at all)."""
     out = flags.to_flat(self)
+    for field in PATH_FIELDS:
+      del out[flags.flat_name(QuantConfig.__dataclass_fields__[field])]
     for name in ("activations", "kv_precision"):
       if out[name] == "fp4":
         del out[name]
@@ -124,18 +129,22 @@ class StudyConfig:
 
 
 def _sft(policy, task, tokenizer, config: StudyConfig, progress: bool) -> list[float]:
+  """The run's SFT warm start (`run.warmstart.run_sft`) on the study's own demonstrations:
+  rows as long as the longest of 8 from the seed plus 16, step `s` drawn from seed
+  `100003 * seed + s` (the study's draw since its first results, so they stay comparable)."""
   pairs = data.demonstration_pairs(task, tokenizer, config.seed, 8)
-  length = max(len(p) + len(c) for p, c in pairs) + 16
-  length = round_up(length, 16)
-
-  def batches(step):
-    pairs = data.demonstration_pairs(
-      task, tokenizer, config.seed * 100_003 + step, config.sft_batch
-    )
-    return sft_batch(pairs, length, tokenizer.pad_id)
-
-  return train_sft(
-    policy, batches, steps=config.sft_steps, learning_rate=config.sft_lr, progress=progress
+  length = round_up(max(len(p) + len(c) for p, c in pairs) + 16, 16)
+  return run_sft(
+    policy,
+    task,
+    tokenizer,
+    steps=config.sft_steps,
+    batch=config.sft_batch,
+    seed=config.seed,
+    learning_rate=config.sft_lr,
+    progress=progress,
+    length=length,
+    step_seed=lambda step: config.seed * 100_003 + step,
   )
 
 
@@ -377,8 +386,10 @@ def _roll_out(config: StudyConfig, policy, tokenizer, prompts) -> _Rollouts:
   return _Rollouts(fp4_rollout, bf16_rollout, (fp4_engine.kernels, fp4_engine.kernels_fallback))
 
 
-@functools.partial(nnx.jit, static_argnames=("quant", "replay", "temperature", "inputs"))
-def _training_path(policy, rollout, guidance, *, quant, replay, temperature, inputs):
+@functools.partial(
+  nnx.jit, static_argnames=("quant", "compute_dtype", "replay", "temperature", "inputs")
+)
+def _training_path(policy, rollout, guidance, *, quant, compute_dtype, replay, temperature, inputs):
   """The training path's log-probs of the rollout's tokens, every site recorded in full
   (and its input, with `inputs`)."""
   return training_forward(
@@ -389,7 +400,10 @@ def _training_path(policy, rollout, guidance, *, quant, replay, temperature, inp
     guidance=guidance,
     routing_replay=replay,
     temperature=temperature,
-    quant=quant.replace(recording=Recording(form="full", inputs=inputs)),
+    quant=quant,
+    options=CallOptions(
+      recording=Recording(form="full", inputs=inputs), compute_dtype=compute_dtype
+    ),
   )
 
 
@@ -402,7 +416,8 @@ def measure(
     policy,
     rollout.without_cache(),
     guidance,
-    quant=call_config(quant, compute_dtype=jnp.dtype(config.compute_dtype).name),
+    quant=quant,
+    compute_dtype=config.compute_dtype,
     replay=replay,
     temperature=config.temperature,
     inputs=inputs,
@@ -474,7 +489,7 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> MismatchStudy:
   fp4_rollout, full = rollouts.fp4, rollouts.full
   compact, half = full.to_compact(), resolve_layers("last_half", cfg.num_layers)
   path = functools.partial(measure, config, policy, fp4_rollout, full.sites)
-  nearest = config.fp4.quant()
+  nearest = config.fp4
   guided = lambda layers: nearest.replace(rounding="guided", guided_layers=layers)  # noqa: E731
 
   modes, records = {}, {}
@@ -561,7 +576,7 @@ def scope_bytes(fmt: str = "nvfp4") -> dict:
   cfg = qwen3_30b_a3b()
   out = {}
   for sites in SITE_SCOPES:
-    base = RolloutConfig(precision="fp4", fp4=FP4Scheme(fmt=fmt, sites=sites))
+    base = RolloutConfig(precision="fp4", fp4=QuantConfig(fmt=fmt, sites=sites))
     out[sites] = {
       "compact": guidance_bytes_per_token(
         cfg, base.replace(guidance="compact", guided_layers="last_half")
