@@ -34,6 +34,7 @@ from trace_jax.model.parameters import normal_param
 from trace_jax.model.quant import QuantConfig
 from trace_jax.model.quantizer import SiteQuantizer
 from trace_jax.model.sites import MLP_IN, collect_site_records, sow_site
+from trace_jax.model.skew import Skew
 
 
 @struct.dataclass
@@ -167,6 +168,7 @@ class Transformer(nnx.Module):
     cache: KVCache | None = None,
     quant: QuantConfig | None = None,
     guidance: Guidance | None = None,
+    skew: Skew | None = None,
   ) -> ModelOutput:
     """Forward over tokens [B, T].
 
@@ -185,6 +187,9 @@ class Transformer(nnx.Module):
         quant.rounding == "guided" (needs rounding "guided" when it holds any), its
         routing, if any, int [num_moe_layers, B, T, k], is replayed instead of routing, and
         its key draws quant.rounding == "stochastic".
+      skew: a `Skew` (a rollout engine that computes differently): every layer's output
+        times 1 + skew.amount * u, u hashed from (version, sequence, position, layer,
+        element); None: exactly the unskewed program.
 
     Returns:
       a `ModelOutput`.
@@ -197,9 +202,9 @@ class Transformer(nnx.Module):
     # allows at the trace level the module was made at).
     recording = SiteQuantizer.recording_of(quant)
     if not recording.enabled:
-      return self._forward(tokens, positions, mask, cache, quant, guidance)
+      return self._forward(tokens, positions, mask, cache, quant, guidance, skew)
     out, sown = nnx.capture(Transformer._forward, nnx.Intermediate)(
-      self, tokens, positions, mask, cache, quant, guidance
+      self, tokens, positions, mask, cache, quant, guidance, skew
     )
     records = collect_site_records(sown)
     if recording.form != "none":
@@ -211,7 +216,7 @@ class Transformer(nnx.Module):
       out = out.replace(site_inputs={k: r.input for k, r in records.items() if r.input is not None})
     return out
 
-  def _forward(self, tokens, positions, mask, cache, quant, guidance) -> ModelOutput:
+  def _forward(self, tokens, positions, mask, cache, quant, guidance, skew=None) -> ModelOutput:
     cfg = self.cfg
     dtype = (
       cfg.compute_dtype
@@ -270,6 +275,8 @@ class Transformer(nnx.Module):
           (cache.conv[i], cache.recurrent[i]) if block.linear else (cache.k[i], cache.v[i])
         )
         x, entries, stats = block(x, inputs, sq=sq, cache=layer_cache, routing=layer_routing)
+      if skew is not None:  # static: without a skew the program has no multiply
+        x = skew.apply(x, positions, i)
       if entries is not None:
         kv, states = ((None, None), entries) if block.linear else (entries, (None, None))
         new_k.append(kv[0])
