@@ -4,13 +4,17 @@
   python experiments/mismatch.py --preset=tiny --sft_steps=50 --rollouts=16 --json_out=/tmp/m.json  # quick
   python experiments/mismatch.py --preset=small --fp4_sites=experts+kv --json_out=runs/mismatch-ekv.json
   python experiments/mismatch.py --preset=tiny --delta=0.01 --delta_sweep=0,0.005,0.02  # sparse
+  python experiments/mismatch.py --preset=tiny --rollout_skew=0.004  # a rollout engine that differs
 
 Modes: bf16 (both paths), none (FP4 QAT, nearest, own routing), none+replay (nearest with the
 rollout's experts), compact / full (guided, with replay), sparse (guided on every layer by
 the elements and scales near a rounding boundary, at --delta; swept over --delta_sweep, with
 the calibration of delta from the measured |t_train - t_rollout|). Guidance targets are stated
 against none+replay (full <= 1/10, compact <= 1/2 of its k3), so guidance is not credited
-with what routing replay removes; none shows the replay effect on its own.
+with what routing replay removes; none shows the replay effect on its own. --rollout_skew=s
+skews both rollouts (every layer's output times 1 + s * u, `model.skew`), never the training
+path: an engine whose kernels accumulate differently from the trainer's, by a controlled
+amount; the JSON's config then holds rollout_skew.
 
 Writes the JSON (modes, bytes_per_token, sweep, targets), a PNG of mismatch against the
 number of guided layers next to it (or at --png_out), and prints a table.
@@ -66,9 +70,10 @@ def plot(results: dict, path: str) -> None:
   _plot_bytes(results, axes[2])
   for ax in axes:
     ax.legend(fontsize=8)
+  skew = results["config"].get("rollout_skew", 0.0)
   fig.suptitle(
     f"{results['model']['preset']}: FP4 rollout vs training path, "
-    f"{results['config']['compute_dtype']} compute"
+    f"{results['config']['compute_dtype']} compute" + (f", rollout skew {skew:g}" if skew else "")
   )
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -201,7 +206,12 @@ def main(argv):
     f"{results['rollout']['response_tokens']} response tokens, FP4 reward "
     f"{results['rollout']['fp4_reward_mean']:.2f}, SFT nll {_nll(results['sft'])}\n"
   )
-  print(f"FP4 scope: {results['config']['fp4_sites']}, {results['config']['fmt']}\n")
+  skew = results["config"].get("rollout_skew", 0.0)
+  print(
+    f"FP4 scope: {results['config']['fp4_sites']}, {results['config']['fmt']}"
+    + (f"; rollouts skewed by {skew:g} (1 + s * u after every layer)" if skew else "")
+    + "\n"
+  )
   print(
     markdown_table(
       [

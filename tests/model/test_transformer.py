@@ -291,13 +291,24 @@ def test_jitted_train_step_learns(quant):
 
 
 def test_forward_takes_one_config_one_guidance_and_sows_under_capture(tiny_model):
-  """The call takes tokens, positions, mask, cache, one QuantConfig and one Guidance; its
-  records come through nnx.capture: no Module.sow deprecation, nothing left on the model."""
+  """The call takes tokens, positions, mask, cache, one QuantConfig, one Guidance and a
+  rollout engine's Skew (`model.skew`); its records come through nnx.capture: no Module.sow
+  deprecation, nothing left on the model."""
   import inspect  # noqa: PLC0415
   import warnings  # noqa: PLC0415
 
   params = list(inspect.signature(M.Transformer.__call__).parameters)
-  assert params == ["self", "tokens", "positions", "mask", "cache", "quant", "guidance", "options"]
+  assert params == [
+    "self",
+    "tokens",
+    "positions",
+    "mask",
+    "cache",
+    "quant",
+    "guidance",
+    "options",
+    "skew",
+  ]
   options = M.CallOptions(recording=M.Recording(form="compact", layers=(1,)))
   with warnings.catch_warnings():
     warnings.simplefilter("error", DeprecationWarning)

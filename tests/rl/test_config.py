@@ -179,7 +179,7 @@ def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
   leaves = config_flags.flat_fields(RLConfig)
   # the flat config's names, and the knobs added since (asynchronous RL, lr_decay, sft_target)
   added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every", "lr_decay"}
-  added |= {"sft_target", "kv_precision", "max_grad_norm", "tensorboard"}
+  added |= {"sft_target", "kv_precision", "max_grad_norm", "tensorboard", "rollout_skew"}
   # the scheme's per-path fields: leaves of the run's QuantConfig, never flags
   added |= {"fp4_precision", "fp4_weights", "fp4_rounding", "fp4_guided_layers"}
   assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT)) | added
@@ -317,3 +317,24 @@ def test_every_scheme_field_a_run_states_reaches_both_paths():
     value = {"precision": "bf16", "weights": False, "rounding": "guided"}.get(field, "all")
     with pytest.raises(ValueError, match=rf"RLConfig.fp4.{field}={value!r} is not allowed"):
       RLConfig.from_flat(**{flat: value})
+
+
+def test_rollout_skew_is_a_flag_saved_with_the_config_and_refused_by_name():
+  """--rollout_skew (default 0: no skew) comes from the field, is saved and compared like
+  every field (a run saved before it read as 0), reaches the arm's rollouts only, and a
+  negative, non-finite or rollout-free skew is refused naming the field and the value."""
+  assert _script_flags("rl")["rollout_skew"] == 0.0 and RLConfig().rollout_skew == 0.0
+  skewed = RLConfig.from_flat(rollout_skew=2**-7)
+  assert skewed.to_dict()["rollout_skew"] == 2**-7
+  assert RLConfig.from_dict(skewed.to_dict()) == skewed
+  old = RLConfig().to_dict()
+  del old["rollout_skew"]
+  assert RLConfig().differences(old) == [] and skewed.differences(old) == ["rollout_skew"]
+  for bad in (-0.01, float("nan"), float("inf"), -float("inf")):
+    with pytest.raises(ValueError, match=r"RLConfig\.rollout_skew=.* finite number >= 0"):
+      RLConfig.from_flat(rollout_skew=bad)
+  with pytest.raises(ValueError, match=r"RLConfig\.rollout_skew=0\.01 .* steps=0 runs none"):
+    RLConfig.from_flat(rollout_skew=0.01, steps=0)
+  RLConfig.from_flat(rollout_skew=0.0, steps=0)  # no skew: a warm start only, as before
+  for arm in RUNNABLE:  # every runnable arm rolls out (ptq: the bf16 run it packs)
+    assert RLConfig.from_flat(arm=arm, rollout_skew=0.01).rollout_skew == 0.01

@@ -133,10 +133,10 @@ def test_a_failing_rollout_worker_stops_the_run(tmp_path, monkeypatch):
   hanging and the worker thread ends."""
   collect = step_lib.collect
 
-  def failing(spec, engine, task, tokenizer, step):
+  def failing(spec, engine, task, tokenizer, step, version=0):
     if step == 3:
       raise OSError("rollout host lost")
-    return collect(spec, engine, task, tokenizer, step)
+    return collect(spec, engine, task, tokenizer, step, version)
 
   monkeypatch.setattr(step_lib, "collect", failing)
   outcome = {}

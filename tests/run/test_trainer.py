@@ -132,11 +132,13 @@ def _params(trainer):
   return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.policy)))
 
 
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("skew", [0.0, pytest.param(2**-6, marks=pytest.mark.slow)])
+def test_resume_continues_exactly(tmp_path, skew):
   # A constant learning rate: a decaying one spans the run's steps, so a run stopped by
   # --steps=1 and extended to 3 took its first updates on another schedule than the straight
-  # run (an interrupted run resumed with its own steps continues exactly either way).
-  config = _config(steps=3, eval_every=0, prompt_bucket=32, lr_decay="constant")
+  # run (an interrupted run resumed with its own steps continues exactly either way). A
+  # skewed run's rollouts hash the saved skew with the restored version and step.
+  config = _config(steps=3, eval_every=0, prompt_bucket=32, lr_decay="constant", rollout_skew=skew)
   straight = Trainer(config, str(tmp_path / "straight"), progress=False)
   straight.run()
   first = Trainer(config.replace(steps=1), str(tmp_path / "resumed"), progress=False)
@@ -150,6 +152,31 @@ def test_resume_continues_exactly(tmp_path):
   assert [m["step"] for m in b] == [1, 2, 3]
   strip = lambda m: {k: v for k, v in m.items() if k not in TIMING}
   assert [strip(m) for m in a] == [strip(m) for m in b]
+
+
+def test_a_skewed_run_skews_its_rollouts_only_by_run_quantities(tmp_path):
+  """RLConfig.rollout_skew reaches the arm's rollout engine, not the evaluation's; a step's
+  rollout is a function of (seed, step, policy version) as without a skew, the version one
+  of the skew's counters; the skew raises the step's k3 against the training path. No
+  rollout_skew given is rollout_skew=0: the same config, the same run."""
+  config = _config(
+    arm="fp4-qat", sft_steps=0, eval_every=0, checkpoint_every=0, minibatches=1, group_size=8
+  )
+  assert config.replace(rollout_skew=0.0) == config and config.rollout_skew == 0.0
+  skew = 2**-4
+  trainer = Trainer(config.replace(rollout_skew=skew), str(tmp_path / "skewed"), progress=False)
+  assert trainer.engine.config.skew == skew
+  assert [e.config.skew for e in trainer.eval_engines.values()] == [0.0, 0.0]
+  collect = lambda version: step_lib.collect(  # noqa: E731
+    trainer.spec, trainer.engine, trainer.task, trainer.tokenizer, 1, version
+  )
+  first, again, other = collect(0), collect(0), collect(1)
+  np.testing.assert_array_equal(first.rollout.tokens, again.rollout.tokens)
+  np.testing.assert_array_equal(first.rollout.logprobs, again.rollout.logprobs)
+  assert not np.array_equal(first.rollout.logprobs, other.rollout.logprobs)
+  plain = Trainer(config, str(tmp_path / "plain"), progress=False)
+  k3 = lambda t: t.train_step()["mismatch/k3_kl"]  # noqa: E731
+  assert k3(trainer) > 3 * k3(plain)
 
 
 def test_resume_with_another_config_names_the_fields(tmp_path):

@@ -19,6 +19,7 @@ from trace_jax.rl.metrics import fp4_disagreement, guidance_agreement, mismatch_
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.studies import mismatch, sparse
+from trace_jax.tasks.tokenizer import CharTokenizer
 
 MISMATCH_KEYS = {
   "k3_kl",
@@ -49,6 +50,13 @@ def test_study_config_json_keeps_the_flat_keys():
   assert set(w4a8.to_json()) == keys | {"activations"}
   bf16_kv = dataclasses.replace(config, fp4=QuantConfig(kv="bf16"))
   assert set(bf16_kv.to_json()) == keys | {"kv_precision"}
+  skewed = mismatch.StudyConfig(rollout_skew=2**-7)  # recorded when it is not 0
+  assert skewed.to_json() == {**config.to_json(), "rollout_skew": 2**-7}
+  tokenizer = CharTokenizer()
+  for kind in (dict(precision="fp4"), dict(precision="bf16", guidance="none")):  # both
+    assert mismatch._rollout_config(skewed, tokenizer, **kind).skew == 2**-7
+  with pytest.raises(ValueError, match=r"StudyConfig\.rollout_skew=-0\.5 is not allowed"):
+    mismatch.StudyConfig(rollout_skew=-0.5)
 
 
 def _measurement(rng, quantized: bool, guided: bool) -> mismatch.Measurement:
@@ -174,3 +182,25 @@ def test_one_measurement_on_the_tiny_preset():
     real = np.broadcast_to(mask.reshape(mask.shape + (1,) * (a.ndim - 2)), a.shape)
     differ, total = differ + int(np.sum((a != b) & real)), total + int(real.sum())
   assert row.code_disagree_frac == pytest.approx(differ / total)
+
+
+@pytest.mark.slow  # ~60 s of CPU: two skews' rollouts and training paths compile
+def test_a_skewed_study_rolls_out_farther_from_the_training_path():
+  """The study's rollouts at rollout_skew > 0 are farther from the (never skewed) training
+  path than at 0: k3 of bf16 and of FP4 QAT (nearest) against them, and FP4 code
+  disagreement, all rise."""
+  cfg = tiny(num_layers=2)
+  policy = Transformer(cfg, rngs=nnx.Rngs(int(np.random.default_rng().integers(1 << 16))))
+  prompts = [[1, 5, 6, 7], [2, 9], [3, 4, 8, 10, 11], [12, 13]]
+  rows = []
+  for skew in (0.0, 2**-4):
+    config = mismatch.StudyConfig(
+      preset="tiny", compute_dtype="float32", new_tokens=8, kernels="xla", rollout_skew=skew
+    )
+    rollouts = mismatch._roll_out(config, policy, CharTokenizer(), prompts)
+    full = rollouts.full.sites
+    bf16, _ = mismatch.measure(config, policy, rollouts.bf16, full, None, None, False)
+    qat, _ = mismatch.measure(config, policy, rollouts.fp4, full, QuantConfig(), None, False)
+    rows.append((bf16.k3_kl, qat.k3_kl, qat.code_disagree_frac))
+  (bf16_0, qat_0, codes_0), (bf16_s, qat_s, codes_s) = rows
+  assert bf16_s > 10 * bf16_0 and qat_s > qat_0 and codes_s > codes_0

@@ -3,6 +3,7 @@
 Calling convention (a contract with the rollout and training paths):
 
   out = model(tokens, positions=..., mask=..., cache=..., quant=..., guidance=..., options=...)
+  # and, on a rollout that emulates another engine, skew=... (`skew.py`)
 
 `quant` is what runs in FP4 (`QuantConfig`), `options` how this call runs (`CallOptions`:
 kernels, what it records, compute dtype); `guidance` the one guidance (`Guidance`:
@@ -34,6 +35,7 @@ from trace_jax.model.parameters import normal_param
 from trace_jax.model.quant import CallOptions, QuantConfig
 from trace_jax.model.quantizer import SiteQuantizer
 from trace_jax.model.sites import MLP_IN, collect_site_records, sow_site
+from trace_jax.model.skew import Skew
 
 
 @struct.dataclass
@@ -168,6 +170,7 @@ class Transformer(nnx.Module):
     quant: QuantConfig | None = None,
     guidance: Guidance | None = None,
     options: CallOptions | None = None,
+    skew: Skew | None = None,
   ) -> ModelOutput:
     """Forward over tokens [B, T].
 
@@ -186,6 +189,9 @@ class Transformer(nnx.Module):
       options: how this call runs (default `CallOptions()`): `kernels`, `recording`
         (returned as `ModelOutput.sites`, `fallbacks`, `site_inputs`), `compute_dtype`
         (default cfg.dtype, e.g. bf16 for a rollout of a float32-configured policy).
+      skew: a `Skew` (a rollout engine that computes differently): every layer's output
+        times 1 + skew.amount * u, u hashed from (version, sequence, position, layer,
+        element); None: exactly the unskewed program.
 
     Returns:
       a `ModelOutput`.
@@ -199,9 +205,9 @@ class Transformer(nnx.Module):
     options = CallOptions() if options is None else options
     recording = options.recording
     if not recording.enabled:
-      return self._forward(tokens, positions, mask, cache, quant, guidance, options)
+      return self._forward(tokens, positions, mask, cache, quant, guidance, options, skew)
     out, sown = nnx.capture(Transformer._forward, nnx.Intermediate)(
-      self, tokens, positions, mask, cache, quant, guidance, options
+      self, tokens, positions, mask, cache, quant, guidance, options, skew
     )
     records = collect_site_records(sown)
     if recording.form != "none":
@@ -213,7 +219,9 @@ class Transformer(nnx.Module):
       out = out.replace(site_inputs={k: r.input for k, r in records.items() if r.input is not None})
     return out
 
-  def _forward(self, tokens, positions, mask, cache, quant, guidance, options) -> ModelOutput:
+  def _forward(
+    self, tokens, positions, mask, cache, quant, guidance, options, skew=None
+  ) -> ModelOutput:
     cfg = self.cfg
     dtype = cfg.compute_dtype if options.compute_dtype is None else jnp.dtype(options.compute_dtype)
     b, t = tokens.shape
@@ -269,6 +277,8 @@ class Transformer(nnx.Module):
           (cache.conv[i], cache.recurrent[i]) if block.linear else (cache.k[i], cache.v[i])
         )
         x, entries, stats = block(x, inputs, sq=sq, cache=layer_cache, routing=layer_routing)
+      if skew is not None:  # static: without a skew the program has no multiply
+        x = skew.apply(x, positions, i)
       if entries is not None:
         kv, states = ((None, None), entries) if block.linear else (entries, (None, None))
         new_k.append(kv[0])

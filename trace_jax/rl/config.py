@@ -27,6 +27,7 @@ import os
 from trace_jax import fp4
 from trace_jax.model.config import PRESETS
 from trace_jax.model.quant import QuantConfig, check_run_scheme
+from trace_jax.model.skew import check_amount
 from trace_jax.rl.arms import RUNNABLE, Arm, get_arm
 from trace_jax.rl.decoupled import DecoupledConfig
 from trace_jax.rl.grpo import CORRECTIONS, LossConfig
@@ -241,6 +242,12 @@ class RLConfig:
     "element's bit is recorded.",
   )
   compute_dtype: str = knob("bfloat16", "Activations, both paths.", choices=COMPUTE_DTYPES)
+  rollout_skew: float = knob(
+    0.0,
+    "The arm's rollouts (not the evaluation) scale each layer's output by 1 + s * u, u in "
+    "(-1, 1) hashed from (policy version, sequence, position, layer, element): an engine "
+    "that computes differently from the trainer; 0: none.",
+  )
   mesh: tuple = knob((1, 1, 1), "data,expert,model device counts.", parse=flags.parse_ints)
   source: Source = Source()
   sampling: Sampling = Sampling()
@@ -270,6 +277,13 @@ class RLConfig:
     if not (self.task in registered() or self.task.startswith(("rg:", "dataset:"))):
       raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
     flags.check_choices(self, "RLConfig")  # correction, reward_control, compute_dtype
+    check_amount(self.rollout_skew, "RLConfig.rollout_skew")
+    if self.rollout_skew and self.schedule.steps == 0:
+      raise ValueError(
+        f"RLConfig.rollout_skew={self.rollout_skew!r} skews the RL steps' rollouts, but "
+        "steps=0 runs none (a warm start and evaluation only, never skewed); use "
+        "--rollout_skew=0 or --steps >= 1"
+      )
     if self.loss.rollout_correction != "none":
       raise ValueError(
         f"RLConfig.loss.rollout_correction={self.loss.rollout_correction!r}: the rollout "

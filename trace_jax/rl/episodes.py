@@ -114,11 +114,20 @@ def standard_error(values) -> float:
 
 
 def play(
-  engine: RolloutEngine, task: Task, tokenizer: Tokenizer, items: Sequence[Item], key: jax.Array
+  engine: RolloutEngine,
+  task: Task,
+  tokenizer: Tokenizer,
+  items: Sequence[Item],
+  key: jax.Array,
+  *,
+  version: int = 0,
+  sequences: Sequence[int] | None = None,
 ) -> Episodes:
-  """Roll out `items` (one sequence each) to the end of their episodes and score them."""
+  """Roll out `items` (one sequence each) to the end of their episodes and score them.
+  `version` and `sequences`: the skew's counters (`RolloutEngine.generate`), every turn."""
   prompts = [data.prompt_ids(tokenizer, item) for item in items]
-  rollout = engine.generate(prompts, jax.random.fold_in(key, 0))
+  ids = dict(version=version, sequences=sequences)
+  rollout = engine.generate(prompts, jax.random.fold_in(key, 0), **ids)
   n = len(items)
   if not task.multi_turn:
     texts = data.decode_responses(tokenizer, rollout.responses())
@@ -155,6 +164,6 @@ def play(
         )
     if done.all() or turn == task.max_turns - 1:
       break
-    rollout = engine.continue_(rollout, observations, jax.random.fold_in(key, turn + 1))
+    rollout = engine.continue_(rollout, observations, jax.random.fold_in(key, turn + 1), **ids)
   turns = np.asarray([len(a) for a in actions], np.int32)
   return Episodes(rollout, rewards, actions, turns)

@@ -270,12 +270,25 @@ def _place(tree, mesh, specs=None):
   return jax.tree.map(place, tree, specs)
 
 
-def collect(spec: StepSpec, engine: RolloutEngine, task, tokenizer, step: int) -> Collected:
-  """Roll out step `step`'s problems with `engine` (synced to the policy: `rl.sync`)."""
+def collect(
+  spec: StepSpec, engine: RolloutEngine, task, tokenizer, step: int, version: int = 0
+) -> Collected:
+  """Roll out step `step`'s problems with `engine` (synced to the policy at `version`:
+  `rl.sync`). A skewed engine (RLConfig.rollout_skew) hashes `version` and each row's
+  sequence id in the run, (step - 1) * batch + row, into its perturbation."""
   config, arm = spec.config, spec.arm
   problems = task.sample(1_000_003 * config.seed + step, config.sampling.prompts_per_step)
   items = [item for item in problems for _ in range(config.sampling.group_size)]
-  played = episodes_lib.play(engine, task, tokenizer, items, step_key(config.seed, step))
+  first = (step - 1) * len(items)
+  played = episodes_lib.play(
+    engine,
+    task,
+    tokenizer,
+    items,
+    step_key(config.seed, step),
+    version=version,
+    sequences=range(first, first + len(items)),
+  )
   slots = round_up(played.rollout.used_slots, 16)
   rollout = played.rollout.trim(min(slots, played.rollout.tokens.shape[1]))
   guidance = None

@@ -9,6 +9,7 @@ from trace_jax.fp4 import SparseSpec
 from trace_jax.guidance import GUIDANCE_MODES
 from trace_jax.kernels import KERNEL_MODES
 from trace_jax.model.quant import PRECISIONS, QuantConfig, _check_layers_spec, check_run_scheme
+from trace_jax.model.skew import check_amount
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
 
@@ -93,6 +94,9 @@ class RolloutConfig:
   prompt_bucket: int = 16  # pad prompt / observation chunks to a multiple (fewer recompiles)
   kernels: str = "auto"  # "auto" (Pallas kernels on GPU, XLA elsewhere), "pallas" (on CPU:
   #   interpret mode, slow, for tests) or "xla" (dequantize, then XLA dots)
+  skew: float = 0.0  # >= 0: every layer's output times 1 + skew * u, u in (-1, 1) hashed
+  #   from (version, sequence, position, layer, element) (`model.skew`): an engine that
+  #   computes differently from the trainer by a controlled amount; 0: exactly none
 
   def __post_init__(self):
     where = "RolloutConfig"
@@ -139,6 +143,7 @@ class RolloutConfig:
     if not isinstance(self.guided_layers, (str, int)):
       object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
     _check_layers_spec(self.guided_layers)
+    check_amount(self.skew, f"{where}.skew")
 
   @property
   def quant(self) -> QuantConfig | None:

@@ -44,6 +44,7 @@ from trace_jax.model.cache import init_cache
 from trace_jax.model import sharding as sharding_lib
 from trace_jax.model.sharding import batch_sharding
 from trace_jax.model.quant import CallOptions, Recording, resolve_layers
+from trace_jax.model.skew import Skew
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
 from trace_jax.rollout.params import fuse_for_kernels_jit, quantize_params_jit
@@ -209,10 +210,16 @@ def _empty_records(sites, slots: int):
   return {key: empty(record) for key, record in sites.items()}
 
 
-def _forward(graphdef, params, tokens, positions, mask, cache, st: "_Statics"):
+def _forward(graphdef, params, tokens, positions, mask, cache, st: "_Statics", skew=None):
   model = nnx.merge(graphdef, params)
   return model(
-    tokens, positions=positions, mask=mask, cache=cache, quant=st.config.quant, options=st.options
+    tokens,
+    positions=positions,
+    mask=mask,
+    cache=cache,
+    quant=st.config.quant,
+    options=st.options,
+    skew=skew,
   )
 
 
@@ -258,9 +265,12 @@ def _captured(out, st: _Statics):
 _MASKS = {"prompt": "prompt_mask", "env": "env_mask", "response": "response_mask"}
 
 
-def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Statics, skip=None):
+def _feed(
+  graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Statics, skip=None, skew=None
+):
   """Run a left-padded chunk [B, C] of prompt, observation or sampled tokens at the next
-  slots: write tokens, positions, mask, cache and what is captured.
+  slots: write tokens, positions, mask, cache and what is captured. `skew`: the engine's
+  `Skew` (RolloutConfig.skew), or None.
 
   `skip` (bool scalar, decode steps): a step after every sequence stopped. It writes what
   an unwritten slot holds (the model writes blank cache entries for an all-padding chunk)
@@ -271,7 +281,7 @@ def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Stati
   slot = r.cache.index
   start_pos = jnp.sum(r.mask, axis=-1, dtype=jnp.int32)[:, None]
   positions = start_pos + jnp.maximum(jnp.cumsum(chunk_mask, axis=-1) - 1, 0)
-  out = _forward(graphdef, params, chunk, positions, chunk_mask, r.cache, st)
+  out = _forward(graphdef, params, chunk, positions, chunk_mask, r.cache, st, skew)
   sites, routing, inputs = _captured(out, st)
   cache = out.cache
   if skip is not None:
@@ -301,7 +311,7 @@ def _feed(graphdef, params, r: Rollout, chunk, chunk_mask, kind: str, st: _Stati
   return dataclasses.replace(r, **updates), out.logits[:, -1]
 
 
-def _decode(graphdef, params, r: Rollout, logits, done, key, st: _Statics) -> Rollout:
+def _decode(graphdef, params, r: Rollout, logits, done, key, st: _Statics, skew=None) -> Rollout:
   """Sample up to max_new_tokens per sequence; stop when all are done, asking every
   `st.stop_every` steps (a while loop over fixed-count chunks of steps; see the module
   docstring: the steps after the last stop of a chunk are exact no-ops)."""
@@ -325,7 +335,9 @@ def _decode(graphdef, params, r: Rollout, logits, done, key, st: _Statics) -> Ro
       ),
     )
     # Feed the token (also the last one: the cache and guidance must hold every token).
-    r, logits = _feed(graphdef, params, r, token[:, None], active[:, None], "response", st, skip)
+    r, logits = _feed(
+      graphdef, params, r, token[:, None], active[:, None], "response", st, skip, skew
+    )
     finish = jnp.where(stopped, FINISH_STOP, finish)
     return step + 1, r, logits, done | stopped, finish, key
 
@@ -389,23 +401,24 @@ def _empty_rollout(graphdef, params, batch: int, st: _Statics) -> Rollout:
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _generate(graphdef, params, prompt, prompt_mask, key, st: _Statics) -> Rollout:
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _generate(graphdef, params, prompt, prompt_mask, key, skew, st: _Statics) -> Rollout:
   r = _empty_rollout(graphdef, params, prompt.shape[0], st)
-  r, logits = _feed(graphdef, params, r, prompt, prompt_mask, "prompt", st)
+  r, logits = _feed(graphdef, params, r, prompt, prompt_mask, "prompt", st, skew=skew)
   done = jnp.zeros((prompt.shape[0],), bool)
-  return _finalise(_decode(graphdef, params, r, logits, done, key, st))
+  return _finalise(_decode(graphdef, params, r, logits, done, key, st, skew))
 
 
 # The cache is donated: a continuation writes into it in place instead of copying it (at
 # long context the cache is most of a rollout's memory). `r` comes without it.
-@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=3)
-def _continue(graphdef, params, r: Rollout, cache, chunk, chunk_mask, key, st: _Statics) -> Rollout:
-  r, logits = _feed(
-    graphdef, params, dataclasses.replace(r, cache=cache), chunk, chunk_mask, "env", st
-  )
+@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=3)
+def _continue(
+  graphdef, params, r: Rollout, cache, chunk, chunk_mask, key, skew, st: _Statics
+) -> Rollout:
+  r = dataclasses.replace(r, cache=cache)
+  r, logits = _feed(graphdef, params, r, chunk, chunk_mask, "env", st, skew=skew)
   done = ~jnp.any(chunk_mask, axis=-1)  # no observation: the episode has ended
-  return _finalise(_decode(graphdef, params, r, logits, done, key, st))
+  return _finalise(_decode(graphdef, params, r, logits, done, key, st, skew))
 
 
 def _finalise(r: Rollout) -> Rollout:
@@ -502,9 +515,22 @@ class RolloutEngine:
       # q|k|v and gate|up as the one matrix each FP4 GEMM reads (kernels.layout).
       self.params = fuse_for_kernels_jit(self.params)
 
-  def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array) -> Rollout:
-    """Sample continuations of `prompts` (token lists of any lengths)."""
+  def generate(
+    self,
+    prompts: Sequence[Sequence[int]],
+    key: jax.Array,
+    *,
+    version: int = 0,
+    sequences: Sequence[int] | None = None,
+  ) -> Rollout:
+    """Sample continuations of `prompts` (token lists of any lengths).
+
+    With RolloutConfig.skew > 0, `version` (the policy version rolling out) and `sequences`
+    (each prompt's sequence id; default 0.. B-1) are the counters the skew hashes with the
+    positions, layers and elements (`model.skew`); without a skew they change nothing.
+    """
     _check_tokens(prompts, self.cfg.vocab_size, "prompts", allow_empty=False)
+    skew = self._skew(version, sequences, len(prompts))
     tokens, mask = _pad_left(prompts, self.config.prompt_bucket, self.config.pad_id)
     need = tokens.shape[1] + self.config.sampling.max_new_tokens
     if need > self.config.max_len:
@@ -515,7 +541,22 @@ class RolloutEngine:
         f"max_len={self.config.max_len}"
       )
     tokens, mask = self._place(tokens), self._place(mask)
-    return _generate(self.graphdef, self.params, tokens, mask, key, self.statics)
+    return _generate(self.graphdef, self.params, tokens, mask, key, skew, self.statics)
+
+  def _skew(self, version, sequences, batch: int) -> Skew | None:
+    """The `Skew` of a call (None without RolloutConfig.skew), its counters checked."""
+    if not self.config.skew:
+      return None
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+      raise ValueError(f"version={version!r} must be an integer >= 0 (the policy version)")
+    ids = np.arange(batch) if sequences is None else np.asarray(sequences)
+    if ids.shape != (batch,) or not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any():
+      raise ValueError(
+        f"sequences must be {batch} integer sequence ids >= 0, one per row; got "
+        f"{np.asarray(sequences).tolist()[:8]}"
+      )
+    sequence = self._place(jnp.asarray(ids.astype(np.int64) % 2**32, jnp.uint32))
+    return Skew.of(self.config.skew, int(version) % 2**32, sequence)
 
   def _place(self, array):
     if self.mesh is None:
@@ -524,10 +565,17 @@ class RolloutEngine:
     return global_array(np.asarray(array), batch_sharding(self.mesh, array.ndim))
 
   def continue_(
-    self, rollout: Rollout, observations: Sequence[Sequence[int]], key: jax.Array
+    self,
+    rollout: Rollout,
+    observations: Sequence[Sequence[int]],
+    key: jax.Array,
+    *,
+    version: int = 0,
+    sequences: Sequence[int] | None = None,
   ) -> Rollout:
     """Append each sequence's observation tokens (an empty list ends its episode) and
     keep decoding from the same cache: a multi-turn episode is one growing sequence.
+    `version` and `sequences`: as `generate` was given them (the skew's counters).
 
     The cache is donated to the continuation (updated in place, not copied): `rollout`
     keeps its tokens, masks and log-probabilities, but only the returned rollout can be
@@ -545,6 +593,7 @@ class RolloutEngine:
         f"observations for {len(observations)} sequences; the rollout has {rollout.tokens.shape[0]}"
       )
     _check_tokens(observations, self.cfg.vocab_size, "observations", allow_empty=True)
+    skew = self._skew(version, sequences, len(observations))
     chunk, mask = _pad_left(observations, self.config.prompt_bucket, self.config.pad_id)
     need = int(rollout.cache.index) + chunk.shape[1] + self.config.sampling.max_new_tokens
     if need > self.config.max_len:
@@ -562,6 +611,7 @@ class RolloutEngine:
       chunk,
       mask,
       key,
+      skew,
       self.statics,
     )
 

@@ -118,7 +118,7 @@ class AsyncRollouts:
         self.engine.sync(nnx.merge(self.graphdef, params))
         self._engine_version = version
       collected = step_lib.collect(
-        self.spec, self.engine, self.task, self.tokenizer, batch_index + 1
+        self.spec, self.engine, self.task, self.tokenizer, batch_index + 1, version
       )
     return collected, time.time() - start
 

@@ -90,7 +90,9 @@ class Trainer:
     initial = step_lib.init_state(config, policy, mesh=self.mesh)
     self.state: RLState = self.rundir.restore(initial, slots)
     self.spec = StepSpec.of(config, self.model_cfg.num_layers, self.mesh)
-    self.sync, rollout = WeightSync(), config.arm_spec.rollout(base)
+    # The arm's rollouts (only they: not the evaluation's) skewed by RLConfig.rollout_skew.
+    self.sync = WeightSync()
+    rollout = config.arm_spec.rollout(base).replace(skew=config.rollout_skew)
     self._engine = self.sync.add(RolloutEngine(policy, rollout, mesh=self.mesh), self.state.version)
     self._async = None  # asynchronous RL: the ring, the worker and its engine
     if staleness:
@@ -145,7 +147,8 @@ class Trainer:
     step, spec, extra = self.state.step + 1, self.spec, {}
     start = time.time()
     if self._async is None:
-      collected = step_lib.collect(spec, self.engine, self.task, self.tokenizer, step)
+      version = self.state.version
+      collected = step_lib.collect(spec, self.engine, self.task, self.tokenizer, step, version)
       rollout_seconds, engine = time.time() - start, self._engine
     else:
       collected, rollout_seconds, extra = self._async.receive(self.state.version)

@@ -20,8 +20,11 @@ Each step is a small function over typed values (`Measurement`, `sparse.SparseRo
 `LayerRow`, `Targets`, the `MismatchStudy` they make up); `MismatchStudy.to_json()` is the
 JSON experiments/mismatch.py writes.
 
-No noise is injected anywhere: the paths differ only as real systems do (decode vs prefill
-shapes and reduction orders, bf16 rounding, XLA's fusion of the rollout's step).
+By default no noise is injected anywhere: the paths differ only as real systems do (decode
+vs prefill shapes and reduction orders, bf16 rounding, XLA's fusion of the rollout's step).
+`rollout_skew` > 0 makes both rollouts (FP4 and bf16) an engine that computes differently
+from the trainer by a controlled amount (`model.skew`: every layer's output times
+1 + skew * u); the training path is never skewed, so every mode measures against it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from flax import nnx
 from trace_jax import fp4 as fp4_lib
 from trace_jax.kernels import check_mode as check_kernels
 from trace_jax.model.config import get_preset, qwen3_30b_a3b
+from trace_jax.model.skew import check_amount
 from trace_jax.model.quant import (
   PATH_FIELDS,
   SITE_SCOPES,
@@ -83,6 +87,11 @@ class StudyConfig:
   )
   fp4: QuantConfig = QuantConfig()
   kernels: str = knob("auto", "The FP4 rollout's implementation: auto, pallas or xla.")
+  rollout_skew: float = knob(
+    0.0,
+    "Both rollouts scale each layer's output by 1 + s * u, u in (-1, 1) hashed from "
+    "(version 0, sequence, position, layer, element); the training path never. 0: none.",
+  )
   delta: float = knob(
     fp4_lib.DEFAULT_DELTA,
     "Sparse guidance: margin around an E2M1 midpoint (grid units); modes['sparse'] is "
@@ -104,6 +113,7 @@ class StudyConfig:
   def __post_init__(self):
     check_kernels(self.kernels, "StudyConfig.kernels")
     check_run_scheme(self.fp4, "StudyConfig.fp4")
+    check_amount(self.rollout_skew, "StudyConfig.rollout_skew")
     object.__setattr__(self, "delta_sweep", tuple(float(d) for d in self.delta_sweep))
     for d in (self.delta, *self.delta_sweep):
       fp4_lib.SparseSpec(delta=d)  # a ValueError naming delta and its range
@@ -117,14 +127,16 @@ class StudyConfig:
 
   def to_json(self) -> dict:
     """By flat name, as the study's JSON always held it (`activations` only when not W4A4,
-    `kv_precision` only when not FP4; the scheme's per-path fields, at their defaults here
-    (`check_run_scheme`), not at all)."""
+    `kv_precision` only when not FP4, `rollout_skew` only when not 0; the scheme's per-path
+    fields, at their defaults here (`check_run_scheme`), not at all)."""
     out = flags.to_flat(self)
     for field in PATH_FIELDS:
       del out[flags.flat_name(QuantConfig.__dataclass_fields__[field])]
     for name in ("activations", "kv_precision"):
       if out[name] == "fp4":
         del out[name]
+    if not out["rollout_skew"]:
+      del out["rollout_skew"]
     return out
 
 
@@ -159,6 +171,7 @@ def _rollout_config(config: StudyConfig, tokenizer, **kwargs) -> RolloutConfig:
     max_len=16 * 8 + config.new_tokens,
     prompt_bucket=16,
     sampling=sampling,
+    skew=config.rollout_skew,
     **kwargs,
   )
 
@@ -366,7 +379,10 @@ class _Rollouts:
 
 
 def _roll_out(config: StudyConfig, policy, tokenizer, prompts) -> _Rollouts:
+  """The batch; a skew (`rollout_skew`) hashes version 0 (the warm start, the study's one
+  policy version) and each row's index."""
   key = jax.random.key(config.seed)
+  ids = dict(version=0, sequences=range(len(prompts)))
   fp4_engine = RolloutEngine(
     policy,
     _rollout_config(
@@ -380,9 +396,9 @@ def _roll_out(config: StudyConfig, policy, tokenizer, prompts) -> _Rollouts:
     ),
     capture_inputs=True,
   )  # the sparse records are derived from them
-  fp4_rollout = fp4_engine.generate(prompts, key)
+  fp4_rollout = fp4_engine.generate(prompts, key, **ids)
   bf16_config = _rollout_config(config, tokenizer, precision="bf16", guidance="none")
-  bf16_rollout = RolloutEngine(policy, bf16_config).generate(prompts, key)
+  bf16_rollout = RolloutEngine(policy, bf16_config).generate(prompts, key, **ids)
   return _Rollouts(fp4_rollout, bf16_rollout, (fp4_engine.kernels, fp4_engine.kernels_fallback))
 
 
