@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 
 from absl import app, flags, logging
 import matplotlib
@@ -85,10 +86,11 @@ def cell_path(out: str, skew: float) -> str:
 
 def _same_config(path: str, config: StudyConfig) -> bool:
   """Whether `path` holds a finished cell of `config` (JSON round trip: tuples as lists)."""
-  if not os.path.exists(path):
+  try:
+    with open(path) as f:
+      held = json.load(f).get("config")
+  except (OSError, ValueError, AttributeError):  # none there, or not a cell
     return False
-  with open(path) as f:
-    held = json.load(f).get("config")
   return held == json.loads(json.dumps(config.to_json()))
 
 
@@ -106,7 +108,9 @@ def run_cells(configs: dict, out: str) -> dict:
     if os.path.exists(path):
       tqdm.write(f"skew {skew!r}: {path} holds another config; running it again")
     if warm is None:
+      start = time.time()
       warm = mismatch.warm_start(config)
+      tqdm.write(f"warm start ({config.sft_steps} SFT steps): {time.time() - start:.0f} s")
     study = mismatch.run_study(config, progress=False, warm=warm).to_json()
     write_json(path, study)
     tqdm.write(f"skew {skew!r}: {study['seconds']:.0f} s, wrote {path}")
