@@ -204,3 +204,14 @@ def test_a_skewed_study_rolls_out_farther_from_the_training_path():
     rows.append((bf16.k3_kl, qat.k3_kl, qat.code_disagree_frac))
   (bf16_0, qat_0, codes_0), (bf16_s, qat_s, codes_s) = rows
   assert bf16_s > 10 * bf16_0 and qat_s > qat_0 and codes_s > codes_0
+
+
+@pytest.mark.parametrize("field, value", [("seed", 1), ("sft_steps", 1), ("preset", "small")])
+def test_a_warm_start_is_refused_for_other_warm_start_settings(field, value):
+  """run_study takes a warm start only for the settings it was made for, and says which."""
+  config = mismatch.StudyConfig(preset="tiny", sft_steps=0)
+  warm = mismatch.warm_start(config, progress=False)  # no SFT steps: the initialised policy
+  assert warm.settings == {f: getattr(config, f) for f in mismatch.WARM_START_FIELDS}
+  other = dataclasses.replace(config, **{field: value})
+  with pytest.raises(ValueError, match=f"'{field}': {value!r}"):
+    mismatch.run_study(other, progress=False, warm=warm)

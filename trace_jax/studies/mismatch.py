@@ -492,14 +492,58 @@ def geometry_bytes(costs: dict, best: sparse_study.SparseRow | None, fmt: str) -
   return out
 
 
-def run_study(config: StudyConfig, *, progress: bool = True) -> MismatchStudy:
-  """Run the study (see the module docstring)."""
-  start = time.time()
-  task, tokenizer = get_task(config.task), CharTokenizer()
+# The StudyConfig fields the SFT warm start depends on; the others act only after it.
+WARM_START_FIELDS = ("preset", "task", "seed", "sft_steps", "sft_batch", "sft_lr")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+  """A policy after the study's SFT warm start (`warm_start`), which `run_study` can reuse
+  for every config with the same `WARM_START_FIELDS` (e.g. across rollout skews): the study
+  only reads the policy after it."""
+
+  policy: Any  # model.transformer.Transformer
+  sft_losses: tuple[float, ...]
+  settings: dict  # {field: value} of WARM_START_FIELDS
+
+
+def _warm_settings(config: StudyConfig) -> dict:
+  return {name: getattr(config, name) for name in WARM_START_FIELDS}
+
+
+def _model_config(config: StudyConfig, tokenizer):
   vocab_size = max(get_preset(config.preset).vocab_size, tokenizer.vocab_size)
-  cfg = get_preset(config.preset, vocab_size=vocab_size)
-  policy = Transformer(cfg, rngs=nnx.Rngs(config.seed))
+  return get_preset(config.preset, vocab_size=vocab_size)
+
+
+def warm_start(config: StudyConfig, *, progress: bool = True) -> WarmStart:
+  """The study's policy: initialised from `config.seed` and SFT-trained (`_sft`)."""
+  task, tokenizer = get_task(config.task), CharTokenizer()
+  policy = Transformer(_model_config(config, tokenizer), rngs=nnx.Rngs(config.seed))
   sft_losses = _sft(policy, task, tokenizer, config, progress)
+  return WarmStart(policy, tuple(sft_losses), _warm_settings(config))
+
+
+def run_study(
+  config: StudyConfig, *, progress: bool = True, warm: WarmStart | None = None
+) -> MismatchStudy:
+  """Run the study (see the module docstring); from `warm` (a `warm_start` of a config with
+  the same `WARM_START_FIELDS`) instead of a fresh warm start when given. `seconds` is this
+  call's time (with a `warm` passed in, the warm start's is not in it).
+
+  Raises:
+    ValueError: `warm` was made for other warm-start settings.
+  """
+  start = time.time()
+  if warm is not None and warm.settings != _warm_settings(config):
+    raise ValueError(
+      f"run_study: warm start made for {warm.settings}, the config asks for "
+      f"{_warm_settings(config)}; pass a warm start with the same {WARM_START_FIELDS}"
+    )
+  warm = warm_start(config, progress=progress) if warm is None else warm
+  task, tokenizer = get_task(config.task), CharTokenizer()
+  cfg = _model_config(config, tokenizer)
+  policy, sft_losses = warm.policy, warm.sft_losses
   items = task.sample(config.seed + 10_000, config.rollouts)
   rollouts = _roll_out(config, policy, tokenizer, [data.prompt_ids(tokenizer, i) for i in items])
   fp4_rollout, full = rollouts.fp4, rollouts.full
