@@ -40,7 +40,7 @@ def test_sft_and_rl_steps_draw_train_problems_and_the_evaluation_held_out_ones(
 
   played = []
 
-  def rollout_spy(engine, task, tokenizer, items, key):
+  def rollout_spy(engine, task, tokenizer, items, key, **counters):  # counters: the skew's
     played.append([item.prompt for item in items])
     raise _Stop
 
