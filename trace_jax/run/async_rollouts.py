@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import time
 
@@ -69,10 +70,10 @@ def check_staleness(config) -> int:
   return staleness
 
 
-def device_groups(config) -> tuple[list, list] | None:
+def device_groups(config, *, say_idle: bool = False) -> tuple[list, list] | None:
   """(rollout devices, learner devices) of RLConfig.rollout_devices = N > 0: the job's first
   N devices, and the RLConfig.mesh's data x expert x model devices after them; None for
-  N = 0 (both share the mesh's devices).
+  N = 0 (both share the mesh's devices). `say_idle`: warn of the devices neither uses.
 
   Raises:
     ValueError: N leaves the learner no devices or too few for its mesh, or the job has
@@ -94,6 +95,16 @@ def device_groups(config) -> tuple[list, list] | None:
       f"RLConfig.rollout_devices={n} leaves the learner {max(0, len(devices) - n)} of this "
       f"job's {len(devices)} devices, and its RLConfig.mesh={config.mesh} needs {need}; "
       f"allowed: rollout_devices {allowed}, or 0 (rollouts share the learner's devices)"
+    )
+  if say_idle and len(devices) > n + need:
+    logging.warning(
+      "RLConfig.rollout_devices=%d: the learner's mesh %s uses %d of the %d devices after the "
+      "rollout group; devices %s stay idle",
+      n,
+      config.mesh,
+      need,
+      len(devices) - n,
+      device_ids(devices[n + need :]),
     )
   return list(devices[:n]), list(devices[n : n + need])
 

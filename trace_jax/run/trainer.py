@@ -12,6 +12,10 @@ Asynchronous RL (schedule.max_staleness k > 0): step j + 1 trains on rollouts a 
 thread generated with the weights of version max(0, j - k) (`run.async_rollouts`), with the
 decoupled loss (`rl.decoupled`); the weights are published after each update, and the
 checkpoints hold the older versions the in-flight batches need. k = 0: the plain loop.
+
+Device groups (RLConfig.rollout_devices = N > 0, also with k = 0): the rollouts on the job's
+first N devices, the learner's mesh on the devices after them (`run.async_rollouts`); the
+greedy evaluation runs on the learner's mesh.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class Trainer:
   def __init__(self, config: RLConfig, workdir: str, *, progress: bool = True):
     self.config, self.progress = config, progress
     # RLConfig.rollout_devices against this job's devices, before any work
-    self.groups = async_rollouts.device_groups(config)
+    self.groups = async_rollouts.device_groups(config, say_idle=True)
     self.task = policy_source.preflight(config)  # the task and the checkpoint's files
     # the tokenizer and the template's first renders: a bad checkpoint leaves no workdir
     checked = policy_source.check(config, self.task)
