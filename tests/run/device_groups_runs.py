@@ -134,7 +134,8 @@ def main(out_path, root):
     "worker_thread": zero._async.worker is not None and zero._async.worker._thread is not None,
   }
 
-  # k = 2, 4 steps, a checkpoint at step 2: the uninterrupted run also records the queue's
+  # k = 2, 4 steps, a checkpoint at step 2, the version split every step (on the learner's
+  # ring of master weights): the uninterrupted run also records the queue's
   # depth after every put, the in-flight batches at every generation's start, and the
   # devices of what each side holds; the learner is slowed (the queue then fills).
   depths, in_flight, seen = [], [], {"learner": set(), "rollout": set()}
@@ -171,7 +172,7 @@ def main(out_path, root):
     return score(spec, state, collected, step)
 
   step_lib.collect, step_lib.score = recording_collect, recording_score
-  cfg = config(steps=4, max_staleness=2, checkpoint_every=2)
+  cfg = config(steps=4, max_staleness=2, checkpoint_every=2, version_diag_every=1)
   try:
     straight_history, straight_params, straight = run(cfg, f"{root}/straight")
   finally:
@@ -192,6 +193,7 @@ def main(out_path, root):
     "seen_by_learner": sorted(seen["learner"]),
     "logged": [(m["async/rollout_devices"], m["async/learner_devices"]) for m in straight_history],
     "publish_seconds": [m["async/publish_seconds"] for m in straight_history],
+    "version_k3": [m["mismatch/version_k3"] for m in straight_history],
   }
 
   # Resume mid-pipeline: 2 steps, then a new Trainer continues to 4.

@@ -116,6 +116,9 @@ def test_rollout_and_learner_arrays_never_share_a_device(runs):
   assert d["rollout_ring_versions"] == [2, 3, 4]
   assert d["logged"] == [["0,1,2,3", "4,5,6,7"]] * 4
   assert all(0 < s < 60 for s in d["publish_seconds"])
+  # the version split read the learner's master ring: at gap 0 the two forwards' weights are
+  # the same (0 exactly), at gaps 1, 2, 2 not
+  assert d["version_k3"][0] == 0.0 and all(k > 0 for k in d["version_k3"][1:])
 
 
 def _config(**overrides):
