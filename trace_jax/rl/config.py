@@ -1,6 +1,7 @@
 """The configuration of an RL run: one frozen dataclass per concern, composed.
 
   RLConfig                   the arm, the task, the seed, the rollout correction, the mesh
+                             and the rollout's own devices
     source: Source           where the policy starts: a preset or a checkpoint, warm start,
                              prompt format
     sampling: Sampling       what a step samples: problems, group size, tokens, temperature

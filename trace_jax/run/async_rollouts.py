@@ -188,8 +188,9 @@ class AsyncRollouts:
     self.publish_seconds = None  # the last publish's (groups)
     if groups is not None:
       self.rollout_ring = WeightRing(max_staleness=k)
-      for v in self.ring.versions:
-        self.rollout_ring.put(v, self.engine.weights(self.policy_at(v)))
+      for v in self.ring.versions:  # the engine was just made with the latest's
+        latest = (self.engine.graphdef, self.engine.params) if v == version else None
+        self.rollout_ring.put(v, latest or self.engine.weights(self.policy_at(v)))
     self.worker: RolloutWorker | None = None
 
   @property
