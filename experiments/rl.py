@@ -32,6 +32,7 @@ import matplotlib
 from absl import app, flags, logging
 
 from trace_jax.rl.config import RLConfig
+from trace_jax.rl.pipeline import RolloutWorkerError
 from trace_jax.run import policy_source, report
 from trace_jax.run.checkpoint import CheckpointError
 from trace_jax.run.rundir import read_metrics
@@ -65,7 +66,7 @@ def _run_errors():
   only bad flags are usage errors (app.UsageError passes through)."""
   try:
     yield
-  except (ValueError, OSError, FloatingPointError, CheckpointError) as e:
+  except (ValueError, OSError, FloatingPointError, CheckpointError, RolloutWorkerError) as e:
     print(f"rl.py: error: {e}", file=sys.stderr)
     sys.exit(1)
 

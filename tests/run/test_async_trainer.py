@@ -177,7 +177,9 @@ def test_resume_mid_pipeline_continues_exactly(tmp_path):
   batches 2 and 3, of versions 0 and 1, in flight or queued): the resumed run restores
   versions 0 .. 2 and the counter, regenerates those batches, and ends with the metrics and
   parameters of the uninterrupted run bit for bit."""
-  config = _config(steps=4, max_staleness=2, checkpoint_every=2)
+  # a constant rate: a cosine schedule is built from steps, and a run of steps=2 then
+  # resumed with steps=4 is refused
+  config = _config(steps=4, max_staleness=2, checkpoint_every=2, lr_decay="constant")
   straight_history, straight_params, _ = _run(config, tmp_path / "straight")
   _run(config.replace(steps=2), tmp_path / "resumed")
   with Trainer(config, str(tmp_path / "resumed"), progress=False) as resumed:

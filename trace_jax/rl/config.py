@@ -1,6 +1,7 @@
 """The configuration of an RL run: one frozen dataclass per concern, composed.
 
   RLConfig                   the arm, the task, the seed, the rollout correction, the mesh
+                             and the rollout's own devices
     source: Source           where the policy starts: a preset or a checkpoint, warm start,
                              prompt format
     sampling: Sampling       what a step samples: problems, group size, tokens, temperature
@@ -167,6 +168,12 @@ class Schedule:
     "ahead in a thread, trained with the decoupled loss; 0: the synchronous loop.",
   )
 
+  rollout_timeout: float = knob(
+    3600.0,
+    "Asynchronous RL or --rollout_devices: seconds the learner waits for a batch before "
+    "it stops the run (a hung rollout side).",
+  )
+
   def __post_init__(self):
     flags.check_choices(self, "RLConfig")  # lr_decay
     if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):
@@ -174,7 +181,7 @@ class Schedule:
     names = ("steps", "lr_warmup_steps", "checkpoint_every", "max_staleness")
     _check("RLConfig", self, names, lambda v: v >= 0, "must be >= 0")
     _check("RLConfig", self, ("minibatches", "epochs"), lambda v: v >= 1, "must be >= 1")
-    names = ("learning_rate", "max_grad_norm", "max_param_abs")
+    names = ("learning_rate", "max_grad_norm", "max_param_abs", "rollout_timeout")
     _check("RLConfig", self, names, _finite_positive, "must be a finite number > 0")
     if self.lr_decay != "constant" and 0 < self.steps <= self.lr_warmup_steps:
       raise ValueError(
@@ -249,6 +256,11 @@ class RLConfig:
     "that computes differently from the trainer; 0: none.",
   )
   mesh: tuple = knob((1, 1, 1), "data,expert,model device counts.", parse=flags.parse_ints)
+  rollout_devices: int = knob(
+    0,
+    "The job's first N devices roll out (data-parallel replicas, FP4 weights whole on each), "
+    "the learner's --mesh on the devices after them; 0: both share the mesh's devices.",
+  )
   source: Source = Source()
   sampling: Sampling = Sampling()
   loss: LossConfig = LossConfig(rollout_correction="none")  # set by `correction`
@@ -309,6 +321,18 @@ class RLConfig:
       raise ValueError(
         f"RLConfig: batch {batch} and its minibatches must divide over {data} data-parallel devices"
       )
+    rollout = self.rollout_devices
+    if isinstance(rollout, bool) or not isinstance(rollout, int) or rollout < 0:
+      raise ValueError(
+        f"RLConfig.rollout_devices={rollout!r} must be an integer >= 0 (0: rollouts share "
+        "the learner's devices)"
+      )
+    if rollout and batch % rollout:
+      raise ValueError(
+        f"RLConfig.rollout_devices={rollout}: the rollout replicas split the batch {batch} "
+        f"(prompts_per_step x group_size), which {rollout} does not divide; use a divisor of "
+        f"{batch}, or 0"
+      )
 
   @property
   def batch(self) -> int:
@@ -367,7 +391,9 @@ class RLConfig:
     return out
 
   def differences(
-    self, other: dict, ignore=("steps", "max_param_abs", "remat", "tensorboard")
+    self,
+    other: dict,
+    ignore=("steps", "max_param_abs", "remat", "tensorboard", "rollout_timeout"),
   ) -> list[str]:
     """Flat names of the fields whose values differ from a saved config dict (nested or
     flat); a field the saved config lacks counts as its default there."""

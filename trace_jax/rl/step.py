@@ -307,6 +307,40 @@ def collect(
   return Collected(played=played, rollout=rollout, example=example, guidance=guidance)
 
 
+def on_mesh(collected: Collected, mesh) -> Collected:
+  """`collected`, made on another device group's mesh, moved onto `mesh` device to device
+  (`jax.device_put`): every batch array with its rows over "data" (routing [L, B, S, k]
+  along its axis 1) and guidance by `guidance_specs`, the layouts `collect` gives on
+  `mesh`. The trimmed rollout moves too (the step's metrics read it beside the training
+  path's arrays); the untrimmed one (its cache) is dropped."""
+
+  def rows(tree, axis=0):
+    put = lambda a: jax.device_put(a, batch_sharding(mesh, a.ndim, axis))  # noqa: E731
+    return None if tree is None else jax.tree.map(put, tree)
+
+  def guidance(g):
+    if g is None:
+      return None
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    return jax.tree.map(put, g, guidance_specs(g, mesh))
+
+  r = collected.rollout
+  fields = ("tokens", "positions", "prompt_mask", "response_mask", "env_mask", "logprobs")
+  rollout = dataclasses.replace(
+    r,
+    **{f: rows(getattr(r, f)) for f in fields + ("sampling_logprobs", "finish", "site_inputs")},
+    guidance=guidance(r.guidance),
+    routing=rows(r.routing, axis=1),
+    cache=None,
+  )
+  return Collected(
+    played=dataclasses.replace(collected.played, rollout=rollout),
+    rollout=rollout,
+    example=rows(collected.example),
+    guidance=guidance(collected.guidance),
+  )
+
+
 def advantage_rewards(config: RLConfig, step: int, rewards: np.ndarray) -> np.ndarray:
   """The rewards the advantages are computed from: the episodes' own, or a placebo's.
 

@@ -504,16 +504,23 @@ class RolloutEngine:
 
   def sync(self, policy: Transformer) -> None:
     """Weight sync: re-make the rollout's (packed FP4 or bf16) weights from the policy."""
+    self.graphdef, self.params = self.weights(policy)
+
+  def weights(self, policy: Transformer) -> tuple:
+    """(graphdef, params): the rollout weights `sync` makes of `policy`, without loading
+    them. They are made where the policy lives (`quantize_params` on its devices) and then
+    placed on this engine's mesh by `rollout_param_shardings`: when that mesh is another
+    device group's, a device-to-device `jax.device_put`."""
     graphdef, state = nnx.split(policy)
-    self.graphdef = graphdef
-    self.params = quantize_params_jit(
+    params = quantize_params_jit(
       state, self.config.quant, dtype=jnp.dtype(self.config.compute_dtype)
     )
     if self.mesh is not None:  # experts / model slices, whole on each data replica
-      self.params = sharding_lib.shard_rollout_params(self.params, self.mesh)
+      params = sharding_lib.shard_rollout_params(params, self.mesh)
     elif self.kernels == "pallas" and self.config.quant is not None:
       # q|k|v and gate|up as the one matrix each FP4 GEMM reads (kernels.layout).
-      self.params = fuse_for_kernels_jit(self.params)
+      params = fuse_for_kernels_jit(params)
+    return graphdef, params
 
   def generate(
     self,

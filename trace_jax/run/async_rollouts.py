@@ -15,20 +15,42 @@
    at a crash are not saved: a resume regenerates them, bit for bit the ones the crashed
    run would have consumed.
 
-What this is not (yet): rollout and learner on disjoint device groups. Here both share the
-process's devices, and the overlap is the rollout thread's host and device time against the
-update's (README "Scale-out").
+Device groups (RLConfig.rollout_devices = N > 0, `device_groups`): the job's first N devices
+are the rollout group, with a mesh of their own (N data-parallel replicas, the FP4 weights
+whole on each); the learner's (data, expert, model) mesh lies on the devices after them.
+Then:
+
+5. After each update the learner makes the new version's rollout weights on its own mesh
+   (`quantize_params`, `RolloutEngine.weights`) and publishes them with `jax.device_put`
+   onto the rollout mesh's shardings; the ring the worker reads holds those, the last
+   k + 1 versions, on the rollout group. A second ring, on the learner, holds the master
+   weights of the same versions: the checkpoint's slots and the version-split diagnostic
+   read them.
+6. The worker's batches are made on the rollout mesh and come back through the bounded
+   queue; the learner moves each onto its own shardings (`rl.step.on_mesh`) when it
+   receives it.
+7. With max_staleness = 0 the same groups run the synchronous loop: each batch is
+   generated in the learner's thread, at its call, on the rollout group, with the weights
+   the previous update published; nothing else changes, so a run equals the shared-device
+   synchronous loop on meshes of the same shapes bit for bit.
+
+Without device groups both share the run's mesh, and the overlap is the rollout thread's
+host and device time against the update's (docs/scale-out.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
+import math
 import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trace_jax.model.sharding import make_mesh
 from trace_jax.rl import step as step_lib
 from trace_jax.rl.pipeline import PipelinedRollout, RolloutWorker, WeightRing
 from trace_jax.rl.step import StepSpec
@@ -46,6 +68,50 @@ def check_staleness(config) -> int:
       f"{jax.process_count()} processes: use max_staleness=0"
     )
   return staleness
+
+
+def device_groups(config, *, say_idle: bool = False) -> tuple[list, list] | None:
+  """(rollout devices, learner devices) of RLConfig.rollout_devices = N > 0: the job's first
+  N devices, and the RLConfig.mesh's data x expert x model devices after them; None for
+  N = 0 (both share the mesh's devices). `say_idle`: warn of the devices neither uses.
+
+  Raises:
+    ValueError: N leaves the learner no devices or too few for its mesh, or the job has
+      several processes (one process only).
+  """
+  n = config.rollout_devices
+  if not n:
+    return None
+  if jax.process_count() > 1:
+    raise ValueError(
+      f"RLConfig.rollout_devices={n} runs in one process only (each group's program would "
+      f"issue collectives out of step with the other's); this run has "
+      f"{jax.process_count()} processes: use rollout_devices=0"
+    )
+  devices, need = jax.devices(), math.prod(config.mesh)
+  if len(devices) - n < need:
+    allowed = f"1..{len(devices) - need}" if len(devices) > need else "none but 0"
+    raise ValueError(
+      f"RLConfig.rollout_devices={n} leaves the learner {max(0, len(devices) - n)} of this "
+      f"job's {len(devices)} devices, and its RLConfig.mesh={config.mesh} needs {need}; "
+      f"allowed: rollout_devices {allowed}, or 0 (rollouts share the learner's devices)"
+    )
+  if say_idle and len(devices) > n + need:
+    logging.warning(
+      "RLConfig.rollout_devices=%d: the learner's mesh %s uses %d of the %d devices after the "
+      "rollout group; devices %s stay idle",
+      n,
+      config.mesh,
+      need,
+      len(devices) - n,
+      device_ids(devices[n + need :]),
+    )
+  return list(devices[:n]), list(devices[n : n + need])
+
+
+def device_ids(devices) -> str:
+  """Device ids as metrics.jsonl logs them: "0,1"."""
+  return ",".join(str(d.id) for d in devices)
 
 
 def copy_state(policy) -> nnx.State:
@@ -73,7 +139,7 @@ class AsyncRollouts:
   """The ring, the worker and the worker's engine of one run.
 
   Args:
-    spec: the run's StepSpec (its config's schedule.max_staleness > 0).
+    spec: the run's StepSpec (max_staleness > 0, or device groups); its mesh the learner's.
     policy: the policy at `version` (restored or fresh); the ring takes a copy.
     version: the policy's version (updates done).
     slots: `initial_slots` after the restore: the older versions' states.
@@ -81,6 +147,9 @@ class AsyncRollouts:
     task, tokenizer: what `collect` plays.
     stop_batch: the worker generates batches below this index only (default: the run's
       steps).
+    groups: `device_groups`: (rollout devices, learner devices), or None (shared devices).
+    timeout: seconds the learner waits for a batch before it stops the run (a hung rollout
+      side); None: no limit.
   """
 
   def __init__(
@@ -94,31 +163,60 @@ class AsyncRollouts:
     tokenizer,
     *,
     stop_batch: int | None = None,
+    groups: tuple[list, list] | None = None,
+    timeout: float | None = None,
   ):
     k = spec.config.schedule.max_staleness
     stop_batch = spec.config.schedule.steps if stop_batch is None else stop_batch
     self.spec, self.task, self.tokenizer, self.stop_batch = spec, task, tokenizer, stop_batch
+    self.groups, self.timeout = groups, timeout
     self.graphdef = nnx.graphdef(policy)
-    self.ring = WeightRing(max_staleness=k)
+    self.ring = WeightRing(max_staleness=k)  # master weights, where the policy lives
     names = slot_names(k)
     for v in range(max(0, version - k), version):
       self.ring.put(v, slots[names[v - (version - k)]])
     self.ring.put(version, copy_state(policy))
     # Its own engine: the trainer's engines sync in the learner's thread.
-    self.engine = RolloutEngine(policy, rollout_config, mesh=spec.mesh)
+    self.rollout_mesh = None
+    if groups is not None:  # data-parallel replicas, weights whole on each
+      self.rollout_mesh = make_mesh(len(groups[0]), 1, 1, devices=groups[0])
+      self.rollout_spec = dataclasses.replace(spec, mesh=self.rollout_mesh)
+    self.engine = RolloutEngine(policy, rollout_config, mesh=self.rollout_mesh or spec.mesh)
     self._engine_version = None  # made from the policy, not from a ring version: sync first
+    # What the worker reads: the master ring, or (groups) the published rollout weights.
+    self.rollout_ring = self.ring
+    self.publish_seconds = None  # the last publish's (groups)
+    if groups is not None:
+      self.rollout_ring = WeightRing(max_staleness=k)
+      for v in self.ring.versions:  # the engine was just made with the latest's
+        latest = (self.engine.graphdef, self.engine.params) if v == version else None
+        self.rollout_ring.put(v, latest or self.engine.weights(self.policy_at(v)))
     self.worker: RolloutWorker | None = None
+
+  @property
+  def metrics(self) -> dict:
+    """The device groups' ids (logged with every step's metrics; none without groups)."""
+    if self.groups is None:
+      return {}
+    return {
+      "async/rollout_devices": device_ids(self.groups[0]),
+      "async/learner_devices": device_ids(self.groups[1]),
+    }
 
   def _generate(self, batch_index: int, version: int, params) -> tuple:
     """(Collected, seconds) of batch `batch_index` (step batch_index + 1) at `version`."""
     start = time.time()
-    mesh = self.spec.mesh
+    mesh = self.rollout_mesh or self.spec.mesh
+    spec = self.spec if self.groups is None else self.rollout_spec
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
       if self._engine_version != version:
-        self.engine.sync(nnx.merge(self.graphdef, params))
+        if self.groups is None:
+          self.engine.sync(nnx.merge(self.graphdef, params))
+        else:  # published on the rollout group
+          self.engine.graphdef, self.engine.params = params
         self._engine_version = version
       collected = step_lib.collect(
-        self.spec, self.engine, self.task, self.tokenizer, batch_index + 1, version
+        spec, self.engine, self.task, self.tokenizer, batch_index + 1, version
       )
     return collected, time.time() - start
 
@@ -126,12 +224,19 @@ class AsyncRollouts:
     """The next batch (value: (Collected, generate seconds)); starts the worker if none
     runs (first use, or after `close`: it continues from the ring's latest version)."""
     if self.worker is None:
-      self.worker = RolloutWorker(self._generate, self.ring, stop_batch=self.stop_batch)
-    return self.worker.next()
+      self.worker = RolloutWorker(self._generate, self.rollout_ring, stop_batch=self.stop_batch)
+    try:
+      return self.worker.next(timeout=self.timeout)
+    except TimeoutError as error:
+      raise TimeoutError(
+        f"rollout worker: no batch for step {self.worker.next_batch + 1} within "
+        f"{self.timeout:g} s; the run stops"
+      ) from error
 
   def receive(self, version: int) -> tuple:
     """The batch for the learner at `version`: (Collected, its generate seconds, its
-    async/* metrics); a RolloutWorkerError if its generation failed."""
+    async/* metrics), on the learner's mesh; a RolloutWorkerError if its generation
+    failed, a TimeoutError if nothing came within `timeout`."""
     start = time.time()
     received = self.next()
     wait_seconds = time.time() - start
@@ -139,6 +244,8 @@ class AsyncRollouts:
       raise AssertionError(f"batch {received.batch_index} at version {version}")
     self._received = received
     collected, rollout_seconds = received.value
+    if self.groups is not None:
+      collected = step_lib.on_mesh(collected, self.spec.mesh)
     gap = received.version_gap  # one version per batch: every sequence's gap
     return (
       collected,
@@ -149,6 +256,7 @@ class AsyncRollouts:
         "async/version_gap_max": gap,
         "async/rollout_version": received.version,
         "async/wait_seconds": wait_seconds,
+        **self.metrics,
       },
     )
 
@@ -165,8 +273,18 @@ class AsyncRollouts:
     return step_lib.version_split(self.spec, stale, current, collected)
 
   def publish(self, policy) -> int:
-    """Publish the policy just updated (a copy) as the next version."""
-    return self.worker.publish(copy_state(policy))
+    """Publish the policy just updated (a copy) as the next version; with device groups
+    also its rollout weights, made on the learner's mesh and put onto the rollout group
+    (`publish_seconds`: their making and transfer, waited for)."""
+    if self.groups is None:
+      return self.worker.publish(copy_state(policy))
+    start = time.time()
+    weights = self.engine.weights(policy)
+    jax.block_until_ready(weights[1])
+    self.publish_seconds = time.time() - start
+    version = self.worker.publish(weights)
+    self.ring.put(version, copy_state(policy))
+    return version
 
   def policy_at(self, version: int):
     """The policy of a version the ring holds (its buffers shared with the ring's)."""

@@ -27,6 +27,7 @@ from trace_jax.model.config import PRESETS, ModelConfig, get_preset
 from trace_jax.model.hf import checkpoint_file, from_hf, read_config, shard_files
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl import episodes
+from trace_jax.run import async_rollouts
 from trace_jax.tasks.base import Task
 from trace_jax.tasks.chat import CheckpointTokenizer
 from trace_jax.tasks.registry import get_task
@@ -61,7 +62,9 @@ class PolicySource:
 def preflight(config) -> Task:
   """The run's task, and the checks of a config that need the task or the disk, before any
   work: the task's options (names and values), the checkpoint directory's files, and the
-  policy's widths against the FP4 blocks (`architecture`)."""
+  policy's widths against the FP4 blocks (`architecture`), and RLConfig.rollout_devices
+  against the job's devices (`async_rollouts.device_groups`)."""
+  async_rollouts.device_groups(config)
   task = get_task(config.task, **dict(config.task_options))
   if config.source.sft_warm_start and not task.has_demonstrations:
     raise ValueError(

@@ -12,6 +12,10 @@ Asynchronous RL (schedule.max_staleness k > 0): step j + 1 trains on rollouts a 
 thread generated with the weights of version max(0, j - k) (`run.async_rollouts`), with the
 decoupled loss (`rl.decoupled`); the weights are published after each update, and the
 checkpoints hold the older versions the in-flight batches need. k = 0: the plain loop.
+
+Device groups (RLConfig.rollout_devices = N > 0, also with k = 0): the rollouts on the job's
+first N devices, the learner's mesh on the devices after them (`run.async_rollouts`); the
+greedy evaluation runs on the learner's mesh.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from trace_jax.model.sharding import make_mesh, shard_model
 from trace_jax.rl import data, episodes
 from trace_jax.rl import step as step_lib
 from trace_jax.rl.config import RLConfig
+from trace_jax.rl.pipeline import RolloutWorkerError
 from trace_jax.rl.step import RLState, StepSpec
 from trace_jax.rl.sync import WeightSync
 from trace_jax.rollout.engine import RolloutEngine
@@ -45,6 +50,8 @@ class Trainer:
 
   def __init__(self, config: RLConfig, workdir: str, *, progress: bool = True):
     self.config, self.progress = config, progress
+    # RLConfig.rollout_devices against this job's devices, before any work
+    self.groups = async_rollouts.device_groups(config, say_idle=True)
     self.task = policy_source.preflight(config)  # the task and the checkpoint's files
     # the tokenizer and the template's first renders: a bad checkpoint leaves no workdir
     checked = policy_source.check(config, self.task)
@@ -75,6 +82,8 @@ class Trainer:
     self.source = policy_source.load(config, self.task, checked=checked)
     self.tokenizer, self.model_cfg = self.source.tokenizer, self.source.model_cfg
     self.mesh = make_mesh(*config.mesh) if np.prod(config.mesh) > 1 else None
+    if self.groups is not None:  # the learner's mesh on its own devices (also 1 x 1 x 1)
+      self.mesh = make_mesh(*config.mesh, devices=self.groups[1])
     policy = self.source.policy
     if self.mesh is not None:  # placed before the warm start: its save is then multi-host safe
       shard_model(policy, self.mesh)
@@ -94,10 +103,18 @@ class Trainer:
     self.sync = WeightSync()
     rollout = config.arm_spec.rollout(base).replace(skew=config.rollout_skew)
     self._engine = self.sync.add(RolloutEngine(policy, rollout, mesh=self.mesh), self.state.version)
-    self._async = None  # asynchronous RL: the ring, the worker and its engine
-    if staleness:
+    self._async = None  # asynchronous RL or device groups: the ring, the worker, its engine
+    if staleness or self.groups is not None:
       self._async = async_rollouts.AsyncRollouts(
-        self.spec, policy, self.state.version, slots, rollout, self.task, self.tokenizer
+        self.spec,
+        policy,
+        self.state.version,
+        slots or {},
+        rollout,
+        self.task,
+        self.tokenizer,
+        groups=self.groups,
+        timeout=config.schedule.rollout_timeout,
       )
     # each once: the whole held-out split where the task lists it (chain: 324), else
     # eval_size distinct problems
@@ -162,6 +179,8 @@ class Trainer:
     if self._async is not None:
       metrics.update(extra, **self._async.version_split(step, collected))
       self._async.publish(state.policy)
+      if self.groups is not None:
+        metrics["async/publish_seconds"] = self._async.publish_seconds
     metrics.update(rollout_seconds=rollout_seconds, train_seconds=train_seconds)
     self.state = state
     return metrics
@@ -189,7 +208,7 @@ class Trainer:
       )
       stack.callback(self._stop_rollouts)
       for _ in bar:
-        metrics = self.train_step()
+        metrics = self._step()
         last = self.step == steps
         if every and (self.step % every == 0 or last):
           metrics.update(self.evaluate())
@@ -202,6 +221,25 @@ class Trainer:
         if checkpoint_every and (self.step % checkpoint_every == 0 or last):
           self.save()
     return history
+
+  def _step(self) -> dict:
+    """`train_step`; with a rollout worker beside it, a learner failure is said in one line
+    naming the learner (the worker then stops with the run: `_stop_rollouts`)."""
+    try:
+      return self.train_step()
+    except Exception as error:
+      if self._async is not None and not isinstance(error, (RolloutWorkerError, TimeoutError)):
+        where = (
+          "" if self.groups is None else f" (devices {async_rollouts.device_ids(self.groups[1])})"
+        )
+        logging.error(
+          "learner%s failed at step %d: %s: %s; the rollout worker stops",
+          where,
+          self.step + 1,
+          type(error).__name__,
+          str(error).splitlines()[0] if str(error) else "",
+        )
+      raise
 
   def _stop_rollouts(self) -> None:
     """The rollout worker stops when `run` returns or raises (a later step starts another
