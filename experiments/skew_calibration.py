@@ -163,6 +163,14 @@ def table(rows: list[dict]) -> str:
   )
 
 
+def _skew_label(skew: float) -> str:
+  """0, 2^k for a power of two, else the value."""
+  if skew == 0:
+    return "0"
+  k = math.log2(skew)
+  return f"2^{int(k)}" if k == int(k) else f"{skew:g}"
+
+
 def plot(rows: list[dict], path: str) -> None:
   """k3 against skew per mode on log axes; skew 0 at a marked position 4x left of the
   smallest nonzero skew."""
@@ -174,7 +182,7 @@ def plot(rows: list[dict], path: str) -> None:
   for mode in MODES:
     ks = [max(r["modes"][mode]["k3_kl"], FLOOR) for r in order]
     ax.loglog(xs, ks, marker="o", label=mode)
-  ax.set_xticks(xs, ["0" if r["rollout_skew"] == 0 else f"{r['rollout_skew']:g}" for r in order])
+  ax.set_xticks(xs, [_skew_label(r["rollout_skew"]) for r in order], rotation=45)
   ax.minorticks_off()
   if any(r["rollout_skew"] == 0 for r in rows):
     ax.axvline(zero_x, c="gray", ls=":", lw=0.8)
