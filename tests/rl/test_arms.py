@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from trace_jax import fp4
+from trace_jax.rl import step as step_lib
 from trace_jax.rl.config import RLConfig
 from trace_jax.run.policy_source import preflight
 from trace_jax.run.trainer import Trainer
@@ -119,9 +120,21 @@ CASES = [(arm, "all") for arm in sorted(PROMISES)] + [
 ]
 
 
+def _spy_on_the_step(monkeypatch, captured: dict) -> None:
+  """Keep the step's rollout (`collected`) and training path (`scored`) as the trainer's
+  metrics line reads them."""
+  real = step_lib.step_metrics
+
+  def spy(spec, step, collected, done, engine):
+    captured.update(collected=collected, scored=done.scored)
+    return real(spec, step, collected, done, engine)
+
+  monkeypatch.setattr(step_lib, "step_metrics", spy)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arm, fp4_sites", CASES)
-def test_one_step_keeps_the_arms_promises(tmp_path, arm, fp4_sites, fmt="nvfp4"):
+def test_one_step_keeps_the_arms_promises(tmp_path, monkeypatch, arm, fp4_sites, fmt="nvfp4"):
   packs, quantized, rounding, correction, mode, layers, replay = PROMISES[arm]
   config = RLConfig.from_flat(
     arm=arm,
@@ -162,13 +175,7 @@ def test_one_step_keeps_the_arms_promises(tmp_path, arm, fp4_sites, fmt="nvfp4")
   assert config.loss_config.rollout_correction == correction
 
   captured = {}
-  step_metrics = trainer._metrics
-
-  def metrics_spy(step, collected, scored, *args):  # the step's rollout and training path
-    captured.update(collected=collected, scored=scored)
-    return step_metrics(step, collected, scored, *args)
-
-  trainer._metrics = metrics_spy
+  _spy_on_the_step(monkeypatch, captured)
   metrics = trainer.train_step()
   assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["mismatch/k3_kl"])
   rollout, scored = captured["collected"].rollout, captured["scored"]
@@ -287,7 +294,7 @@ def test_arm_scope_and_format_reach_the_training_path():
   "arm, fp4_sites, activations",
   [("trace", "all", "fp4"), ("fp4-qat", "experts+kv", "fp4"), ("trace", "all", "fp8")],
 )
-def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, arm, fp4_sites, activations):
+def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, monkeypatch, arm, fp4_sites, activations):
   """--fmt=mxfp4 end to end: MXFP4 rollout weights (E8M0 scales, no global scale), MXFP4 KV
   cache, MXFP4 QAT, guidance captured in the MXFP4 layout; and W4A8 (--activations=fp8:
   linear inputs in MXFP8 E4M3, guidance on the FP4 KV cache only)."""
@@ -318,13 +325,7 @@ def test_one_mxfp4_step_on_a_preset_that_fits(tmp_path, arm, fp4_sites, activati
   assert all(np.all(np.asarray(q.global_scale) == 1) for q in packed)  # MXFP4: none
   assert config.train_quant.fmt == "mxfp4"
   captured = {}
-  step_metrics = trainer._metrics
-
-  def metrics_spy(step, collected, scored, *args):
-    captured.update(collected=collected, scored=scored)
-    return step_metrics(step, collected, scored, *args)
-
-  trainer._metrics = metrics_spy
+  _spy_on_the_step(monkeypatch, captured)
   metrics = trainer.train_step()
   assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["mismatch/k3_kl"])
   rollout, scored = captured["collected"].rollout, captured["scored"]

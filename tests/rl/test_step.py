@@ -45,7 +45,8 @@ def captured(models):
 @functools.partial(nnx.jit, static_argnums=4)
 def _independent_logprobs(model, tokens, positions, mask, quant):
   """log p(token j | tokens < j) of `model` under `quant`, from its logits directly."""
-  out = model(tokens, positions=positions, mask=mask, quant=quant)
+  options = M.CallOptions(compute_dtype="float32")
+  out = model(tokens, positions=positions, mask=mask, quant=quant, options=options)
   logp = jax.nn.log_softmax(out.logits[:, :-1] / TEMPERATURE, axis=-1)
   return jax.numpy.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
 
@@ -89,11 +90,7 @@ def test_reference_logprobs_are_the_references_own_unguided_forward(models, capt
   scored = step_lib.score(spec, state, collected, step=1)
 
   plain = M.QuantConfig(
-    fmt=config.fp4.fmt,
-    sites=config.fp4.sites,
-    activations=config.fp4.activations,
-    kv=config.fp4.kv,
-    compute_dtype="float32",
+    fmt=config.fp4.fmt, sites=config.fp4.sites, activations=config.fp4.activations, kv=config.fp4.kv
   )
   want = np.asarray(
     _independent_logprobs(reference, captured.tokens, captured.positions, captured.mask, plain)

@@ -36,7 +36,7 @@ def test_rollout_logprobs_equal_the_training_forward_and_continuation_is_exact(p
   assert first.cache.recurrent[0] is not None and first.cache.k[0] is None
   observations = [[7, 7, 7], [12], [50, 51]]
   second = f32_greedy.continue_(first, observations, jax.random.key(2))
-  logp, _, _ = nnx.jit(lambda m, t, p, mask: training_forward(m, t, p, mask, quant=None))(
+  logp, _ = nnx.jit(lambda m, t, p, mask: training_forward(m, t, p, mask, quant=None))(
     policy, second.tokens, second.positions, second.mask
   )
   response = np.asarray(second.response_mask)
