@@ -160,6 +160,39 @@ def test_worker_runs_exactly_k_plus_one_batches_ahead():
     assert worker.close(timeout=WAIT_S)
 
 
+@pytest.mark.parametrize("slow", ["learner", "rollout"])
+def test_worker_wait_is_the_time_the_worker_is_blocked(slow):
+  """worker_wait_seconds: a slow learner leaves the worker blocked (on weights, or a full
+  queue) about all of the learner's time once it is ahead; a slow rollout never blocks it.
+  The batches' waits add up to the worker's blocked_seconds, within the run's wall time."""
+  k, steps, pause = 1, 6, 0.1
+
+  def generate(j, version, params):
+    if slow == "rollout":
+      time.sleep(pause)
+    return _generate(j, version, params)
+
+  def learner_pause():
+    if slow == "learner":
+      time.sleep(pause)
+
+  start = time.monotonic()
+  worker = RolloutWorker(generate, _ring(k))
+  try:
+    received, _ = _drive(worker, _initial(), steps, on_receive=learner_pause)
+    elapsed = time.monotonic() - start
+    waits = [r.worker_wait_seconds for r in received]
+    assert min(waits) >= 0.0 and sum(waits) <= min(worker.blocked_seconds, elapsed) + 1e-9
+    if slow == "learner":  # blocked for the learner's pauses after the first k + 1 batches
+      assert sum(waits) >= 0.5 * pause * (steps - k - 1)
+    else:
+      assert sum(waits) < 0.5 * pause
+  finally:
+    assert worker.close(timeout=WAIT_S)
+  inline = RolloutWorker(_generate, _ring(0))
+  assert [r.worker_wait_seconds for r in _drive(inline, _initial(), 3)[0]] == [0.0] * 3
+
+
 def test_k0_generates_inline_in_the_callers_thread():
   threads_before = threading.active_count()
   callers = []

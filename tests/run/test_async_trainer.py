@@ -15,7 +15,12 @@ from trace_jax.run import report
 from trace_jax.run.rundir import read_metrics
 from trace_jax.run.trainer import Trainer
 
-TIMING = ("rollout_seconds", "train_seconds", "async/wait_seconds")
+TIMING = (
+  "rollout_seconds",
+  "train_seconds",
+  "async/wait_seconds",
+  "async/rollout_wait_seconds",
+)
 # What a step's metrics say of its batch and of the training path's forward at the start of
 # the update: equal wherever the batch and the weights are.
 ROLLOUT_KEYS = (
@@ -72,6 +77,7 @@ def test_staleness_three_lags_by_three_and_masks_by_the_cap(tmp_path):
   assert [m["async/rollout_version"] for m in history] == [0, 0, 0, 0, 1]
   assert all(m["async/version_gap_max"] <= 3 for m in history)
   assert [m["async/version_gap_mean"] for m in history] == [0.0, 1.0, 2.0, 3.0, 3.0]
+  assert all(0.0 <= m["async/rollout_wait_seconds"] < 600 for m in history)  # the thread's
   for m in history:
     assert "rollout_correction_frac" not in m
     assert m["decoupled/masked_frac"] == m["decoupled/capped_frac"]

@@ -143,6 +143,9 @@ class PipelinedRollout:
   version: int  # the weight version that generated it
   version_gap: int  # the learner's version when it received it, minus `version`
   value: Any  # what generate() returned
+  # Seconds the worker thread spent blocked since the previous batch was received: waiting
+  # for weights (admission) or for room in the full queue (0.0 with k = 0: no thread).
+  worker_wait_seconds: float = 0.0
 
 
 class RolloutWorkerError(RuntimeError):
@@ -196,6 +199,9 @@ class RolloutWorker:
     self._stop = threading.Event()
     # (batch_index, version, value); admission keeps at most k + 1 batches in flight
     self._queue: queue.Queue[tuple[int, int, Any]] = queue.Queue(maxsize=self.max_staleness + 1)
+    self._blocked_lock = threading.Lock()
+    self._blocked_seconds = 0.0  # the thread's time blocked on weights or a full queue
+    self._blocked_reported = 0.0  # the part of it already given to a received batch
     self._thread = None
     if self.max_staleness > 0:
       self._thread = threading.Thread(target=self._run, args=(start,), name=name, daemon=True)
@@ -211,16 +217,30 @@ class RolloutWorker:
     """The latest published version."""
     return self._ring.latest_version
 
+  @property
+  def blocked_seconds(self) -> float:
+    """Seconds the worker thread has spent blocked so far: waiting for a batch's weights
+    (admission) or for room in the full queue; 0.0 with k = 0."""
+    with self._blocked_lock:
+      return self._blocked_seconds
+
+  def _add_blocked(self, seconds: float) -> None:
+    with self._blocked_lock:
+      self._blocked_seconds += seconds
+
   def _run(self, batch_index: int) -> None:
     try:
       while not self._stop.is_set():
         if self.stop_batch is not None and batch_index >= self.stop_batch:
           return
         version = schedule_version(batch_index, self.max_staleness)
+        blocked = time.monotonic()
         while not self._ring.wait_for(version, _POLL_S):  # admission: version >= j - k
           if self._stop.is_set():
             return
+        self._add_blocked(time.monotonic() - blocked)
         item = (batch_index, version, self._generate(batch_index, version, self._ring.get(version)))
+        blocked = time.monotonic()
         while True:
           try:
             self._queue.put(item, timeout=_POLL_S)
@@ -228,6 +248,7 @@ class RolloutWorker:
           except queue.Full:
             if self._stop.is_set():
               return
+        self._add_blocked(time.monotonic() - blocked)
         batch_index += 1
     except BaseException as error:  # noqa: BLE001 - every failure goes to the learner
       self._error = (batch_index, error)
@@ -261,7 +282,15 @@ class RolloutWorker:
     else:
       version, value = self._receive(j, timeout)
     self._next_batch = j + 1
-    return PipelinedRollout(batch_index=j, version=version, version_gap=j - version, value=value)
+    blocked = self.blocked_seconds
+    waited, self._blocked_reported = blocked - self._blocked_reported, blocked
+    return PipelinedRollout(
+      batch_index=j,
+      version=version,
+      version_gap=j - version,
+      value=value,
+      worker_wait_seconds=waited,
+    )
 
   def _receive(self, j: int, timeout: float | None) -> tuple[int, Any]:
     """(version, value) of batch j from the queue; raises the worker's failure once the

@@ -256,6 +256,11 @@ class AsyncRollouts:
         "async/version_gap_max": gap,
         "async/rollout_version": received.version,
         "async/wait_seconds": wait_seconds,
+        **(
+          {"async/rollout_wait_seconds": received.worker_wait_seconds}
+          if self.spec.config.schedule.max_staleness
+          else {}
+        ),
         **self.metrics,
       },
     )
