@@ -167,7 +167,12 @@ def _cases(shape, batch, kv_len, rng):
     (
       "quantize",
       [
-        ("pallas (fused, + guidance bits)", jax.jit(kernels.fused_quantize), (xa,), _nbytes(xa) + q_out),
+        (
+          "pallas (fused, + guidance bits)",
+          jax.jit(kernels.fused_quantize),
+          (xa,),
+          _nbytes(xa) + q_out,
+        ),
         (
           "xla quantize + mantissa_bits",
           jax.jit(quantize_lib.reference),
