@@ -225,7 +225,7 @@ def test_rl_script_flags_are_the_config_fields():
   expected.update({k: v for k, v in FLAT["loss"].items() if k != "rollout_correction"})
   expected.update(activations="fp4", rollout_correction="auto", workdir=None)
   expected.update(coordinator_address=None, num_processes=None, process_id=None)
-  expected.update(learning_rate=8e-5, sft_steps=150, std_norm=False)  # the main job's, since
+  expected.update(learning_rate=8e-5, sft_steps=200, std_norm=False)  # the main job's, since
   expected.update(steps=150, temperature=1.0, sft_target=0.0, lr_decay="cosine")
   expected.update(task="chain_flawed")
   for name, value in expected.items():

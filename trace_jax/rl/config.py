@@ -68,7 +68,7 @@ class Source:
   sft_warm_start: bool | None = knob(
     None, "SFT warm start (default: for a preset, not a checkpoint)."
   )
-  sft_steps: int = knob(150, "Warm-start SFT steps (when the workdir has none).")
+  sft_steps: int = knob(200, "Warm-start SFT steps (when the workdir has none).")
   sft_batch: int = knob(32, "Warm-start demonstrations per step.")
   sft_learning_rate: float = knob(3e-3, "Warm-start learning rate.")
   sft_target: float = knob(
