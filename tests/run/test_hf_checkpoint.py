@@ -293,3 +293,27 @@ def test_load_configures_the_policy(tmp_path, remat):
   source = policy_source.load(RLConfig.from_flat(hf_checkpoint=path, remat=remat, **TINY), task)
   assert source.policy.cfg.remat is remat and source.model_cfg == source.policy.cfg
   chex.assert_trees_all_equal(_params(source.policy), _params(from_hf(path)))
+
+
+def test_a_checkpoint_is_read_through_one_call_that_takes_the_learners_mesh(tmp_path, monkeypatch):
+  """policy_source.load reads a checkpoint through `load_hf_policy`: with the learner's mesh
+  `from_hf` gets it (every parameter built in its sharding), without one it is called as
+  before (one device; the trainer places the policy)."""
+  from trace_jax.model.sharding import make_mesh
+  from trace_jax.tasks.registry import get_task
+
+  calls = []
+
+  def spy(path, **kwargs):
+    calls.append((path, kwargs))
+    return from_hf(path, **{k: v for k, v in kwargs.items() if k != "mesh"})
+
+  monkeypatch.setattr(policy_source, "from_hf", spy)
+  path = checkpoint(tmp_path, "qwen3_moe")
+  config = RLConfig.from_flat(hf_checkpoint=path, **TINY)
+  mesh = make_mesh(1, 1, 1)
+  for given in (None, mesh):
+    source = policy_source.load(config, get_task("arith"), mesh=given)
+    assert source.model_cfg == source.policy.cfg
+  assert calls[0] == (path, policy_source.runtime_fields(config))
+  assert calls[1] == (path, {**policy_source.runtime_fields(config), "mesh": mesh})

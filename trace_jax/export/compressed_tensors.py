@@ -23,7 +23,10 @@ Algorithm:
   1. packed = quantize_params(state, quant): q/k/v of a layer and gate/up of an expert
      already share one global scale (fused serving kernels need it);
   2. every parameter is mapped to its HF tensors (`names.targets`) and written to
-     safetensors shards (+ model.safetensors.index.json when there are several);
+     safetensors shards (+ model.safetensors.index.json when there are several), tensor
+     by tensor: the header is planned from shapes, and each tensor (one expert's slice of
+     stacked experts) is fetched from the devices when its bytes are written, then
+     dropped, so a host never holds more than one tensor of a sharded policy;
   3. config.json = the source's (or one made from the ModelConfig) + quantization_config;
      tokenizer and generation files are copied from the source directory.
 """
@@ -35,13 +38,14 @@ import json
 import os
 import re
 import shutil
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from trace_jax import fp4
 from trace_jax.export import names as names_lib
@@ -173,22 +177,70 @@ def quantization_config(config: ExportConfig, ignore: list[str]) -> dict:
 
 
 def _to_numpy(value) -> np.ndarray:
+  """One array on this host: `jax.device_get` of the shards this process holds, or, for an
+  array spanning processes, `process_allgather` of just that array."""
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
   return np.asarray(jax.device_get(value))
 
 
-def _packed_tensors(q: fp4.QArray, target: names_lib.Target) -> dict[str, np.ndarray]:
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+  """One tensor of the export, not yet on the host: its dtype and shape, and `make`, which
+  fetches just this tensor from the devices (one expert's slice of stacked experts) and
+  gives it in the HF layout."""
+
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  make: Callable[[], np.ndarray]
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _hf_shape(shape: tuple[int, ...], target: names_lib.Target) -> tuple[int, ...]:
+  """The shape `names.hf_array` gives an array of `shape` (a zero-byte view stands in)."""
+  return tuple(names_lib.hf_array(np.broadcast_to(np.zeros((), np.uint8), shape), target).shape)
+
+
+def _selected(value, target: names_lib.Target):
+  """`value` (a device array) cut to `target`'s expert, on the device."""
+  return value if target.expert is None else value[target.expert]
+
+
+def _lazy(value, target: names_lib.Target, dtype, convert=None) -> HFTensor:
+  """The HF tensor of `target` made from device array `value` when it is written."""
+  local = dataclasses.replace(target, expert=None)
+
+  def make() -> np.ndarray:
+    array = names_lib.hf_array(_to_numpy(_selected(value, target)), local)
+    return convert(array) if convert is not None else np.ascontiguousarray(array.astype(dtype))
+
+  return HFTensor(np.dtype(dtype), _hf_shape(value.shape, target), make)
+
+
+def _packed_tensors(q: fp4.QArray, target: names_lib.Target) -> dict[str, HFTensor]:
   """compressed-tensors fields of one packed linear (one expert of stacked experts)."""
-  packed = names_lib.hf_array(_to_numpy(q.packed), target)  # [out, in/2]
-  scales = names_lib.hf_array(_to_numpy(q.scales), target)  # [out, in/block]
-  out = {"weight_packed": np.ascontiguousarray(packed, np.uint8)}
-  if q.format.has_global_scale:
-    out["weight_scale"] = np.ascontiguousarray(scales).view(ml_dtypes.float8_e4m3fn)
-    gs = _to_numpy(q.global_scale)
-    gs = gs[target.expert] if target.expert is not None else gs
-    out["weight_global_scale"] = np.asarray(gs, np.float32).reshape(1)
+  out = {"weight_packed": _lazy(q.packed, target, np.uint8)}  # [out, in/2]
+  if q.format.has_global_scale:  # [out, in/block] E4M3 bits
+    e4m3 = ml_dtypes.float8_e4m3fn
+    out["weight_scale"] = _lazy(
+      q.scales, target, e4m3, lambda a: np.ascontiguousarray(a).view(e4m3)
+    )
+    gs = q.global_scale
+
+    def global_scale() -> np.ndarray:
+      return np.asarray(_to_numpy(_selected(gs, target)), np.float32).reshape(1)
+
+    out["weight_global_scale"] = HFTensor(np.dtype(np.float32), (1,), global_scale)
   else:
-    out["weight_scale"] = np.ascontiguousarray(scales, np.uint8)
+    out["weight_scale"] = _lazy(q.scales, target, np.uint8)
   return out
+
+
+def _constant(array: np.ndarray) -> HFTensor:
+  return HFTensor(array.dtype, tuple(array.shape), lambda: array)
 
 
 def _input_site(path: tuple, variable) -> str:
@@ -200,15 +252,16 @@ def _input_site(path: tuple, variable) -> str:
   return site
 
 
-def hf_tensors(
+def hf_tensor_plan(
   policy: Transformer,
   config: ExportConfig,
   *,
   quant: QuantConfig | None = None,
   input_scales: Mapping[tuple[int, str], float] | None = None,
-) -> tuple[dict[str, np.ndarray], list[str]]:
-  """All tensors of the export by HF name, and the ignore list (Linear modules kept in
-  high precision).
+) -> tuple[dict[str, HFTensor], list[str]]:
+  """Every tensor of the export by HF name, as an `HFTensor` (its bytes stay on the
+  devices until it is written), and the ignore list (Linear modules kept in high
+  precision). Every refusal is raised here, before anything is written.
 
   Args:
     policy: the Transformer (float32 master weights, or packed ones loaded from FP4).
@@ -223,7 +276,7 @@ def hf_tensors(
     raise ValueError(f"quant={quant} does not quantize in fmt={config.fmt!r}")
   packed = quantize_params(nnx.state(policy), quant)
   dtype = UNQUANTIZED_DTYPES[config.unquantized_dtype]
-  tensors: dict[str, np.ndarray] = {}
+  tensors: dict[str, HFTensor] = {}
   ignore: list[str] = []
   for path, variable in nnx.to_flat_state(packed):
     value = variable.get_value()
@@ -240,7 +293,6 @@ def hf_tensors(
           f"{'.'.join(map(str, path))} has FP4 weights but its input site "
           f"{site!r} is not quantized by the QuantConfig; export weight-only"
         )
-    array = None if is_packed else _to_numpy(value)
     for target in names_lib.targets(cfg, path):
       if is_packed:
         fields = _packed_tensors(value, target)
@@ -252,36 +304,67 @@ def hf_tensors(
               f"activations='nvfp4' needs input_scales for (layer {layer}, site "
               f"{site!r}); calibrate them (calibrate_input_scales)"
             )
-          fields["input_global_scale"] = np.asarray([input_scales[(layer, site)]], np.float32)
+          scale = np.asarray([input_scales[(layer, site)]], np.float32)
+          fields["input_global_scale"] = _constant(scale)
         tensors.update({f"{target.module}.{k}": v for k, v in fields.items()})
       else:
-        tensors[target.name] = np.ascontiguousarray(names_lib.hf_array(array, target).astype(dtype))
+        tensors[target.name] = _lazy(value, target, dtype)
         if target.linear:
           ignore.append(target.module)
   return tensors, ignore
 
 
-def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
-  """One .safetensors file (header JSON, then the raw little-endian bytes), atomically."""
+def hf_tensors(
+  policy: Transformer,
+  config: ExportConfig,
+  *,
+  quant: QuantConfig | None = None,
+  input_scales: Mapping[tuple[int, str], float] | None = None,
+) -> tuple[dict[str, np.ndarray], list[str]]:
+  """`hf_tensor_plan` with every tensor on the host at once (small policies; an export
+  writes tensor by tensor instead)."""
+  plan, ignore = hf_tensor_plan(policy, config, quant=quant, input_scales=input_scales)
+  return {name: tensor.make() for name, tensor in plan.items()}, ignore
+
+
+def _spec(array: np.ndarray | HFTensor) -> tuple[np.dtype, tuple[int, ...], int]:
+  return array.dtype, tuple(array.shape), int(array.nbytes)
+
+
+def write_safetensors(path: str, tensors: Mapping[str, np.ndarray | HFTensor]) -> None:
+  """One .safetensors file (header JSON, then the raw little-endian bytes), atomically.
+  The header is made from the tensors' dtypes and shapes; an `HFTensor` is fetched when
+  its bytes are written and dropped right after, so the host holds one tensor at a time."""
   header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
   offset = 0
   for name in sorted(tensors):
-    array = tensors[name]
-    if array.dtype not in _SAFETENSORS_DTYPES:
-      raise ValueError(f"tensor {name!r}: dtype {array.dtype} has no safetensors code")
+    dtype, shape, nbytes = _spec(tensors[name])
+    if dtype not in _SAFETENSORS_DTYPES:
+      raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors code")
     header[name] = {
-      "dtype": _SAFETENSORS_DTYPES[array.dtype],
-      "shape": list(array.shape),
-      "data_offsets": [offset, offset + array.nbytes],
+      "dtype": _SAFETENSORS_DTYPES[dtype],
+      "shape": list(shape),
+      "data_offsets": [offset, offset + nbytes],
     }
-    offset += array.nbytes
+    offset += nbytes
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes
-  body = b"".join(np.ascontiguousarray(tensors[n]).tobytes() for n in sorted(tensors))
-  write_atomic(path, len(blob).to_bytes(8, "little") + blob + body)
+
+  def chunks():
+    yield len(blob).to_bytes(8, "little") + blob
+    for name in sorted(tensors):
+      tensor = tensors[name]
+      array = tensor.make() if isinstance(tensor, HFTensor) else tensor
+      dtype, shape, _ = _spec(tensor)
+      if array.dtype != dtype or tuple(array.shape) != shape:
+        raise AssertionError(f"tensor {name!r} made {array.dtype}{array.shape}, not {dtype}{shape}")
+      yield memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+      del array
+
+  write_atomic(path, chunks())
 
 
-def _shards(tensors: Mapping[str, np.ndarray], max_bytes: int) -> list[list[str]]:
+def _shards(tensors: Mapping[str, np.ndarray | HFTensor], max_bytes: int) -> list[list[str]]:
   """Tensor names in shards of at most max_bytes (a larger tensor gets a shard alone),
   keeping a module's tensors together."""
   modules: dict[str, list[str]] = {}
@@ -355,7 +438,7 @@ def export_compressed_tensors(
     hf.pop("quantization_config", None)
   else:
     hf = names_lib.hf_config(policy.cfg)
-  tensors, ignore = hf_tensors(policy, config, quant=quant, input_scales=input_scales)
+  tensors, ignore = hf_tensor_plan(policy, config, quant=quant, input_scales=input_scales)
   hf["quantization_config"] = quantization_config(config, ignore)
   shards = _shards(tensors, config.max_shard_bytes)
   files = (

@@ -47,7 +47,7 @@ from trace_jax.model.quant import CallOptions, Recording, resolve_layers
 from trace_jax.model.skew import Skew
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
-from trace_jax.rollout.params import fuse_for_kernels_jit, quantize_params_jit
+from trace_jax.rollout.params import fuse_for_kernels_jit, quantize_params_jit, sync_params
 from trace_jax.rollout.sampling import sample
 from trace_jax.utils import round_up
 from trace_jax.utils.distributed import global_array, host_array
@@ -508,16 +508,15 @@ class RolloutEngine:
 
   def weights(self, policy: Transformer) -> tuple:
     """(graphdef, params): the rollout weights `sync` makes of `policy`, without loading
-    them. They are made where the policy lives (`quantize_params` on its devices) and then
-    placed on this engine's mesh by `rollout_param_shardings`: when that mesh is another
-    device group's, a device-to-device `jax.device_put`."""
+    them. On a mesh they are made by `sync_params`: one program whose outputs land in
+    `rollout_param_shardings` when the policy lives on this mesh's devices, else made
+    where the policy lives and moved device to device (another device group's mesh)."""
     graphdef, state = nnx.split(policy)
-    params = quantize_params_jit(
-      state, self.config.quant, dtype=jnp.dtype(self.config.compute_dtype)
-    )
+    dtype = jnp.dtype(self.config.compute_dtype)
     if self.mesh is not None:  # experts / model slices, whole on each data replica
-      params = sharding_lib.shard_rollout_params(params, self.mesh)
-    elif self.kernels == "pallas" and self.config.quant is not None:
+      return graphdef, sync_params(state, self.config.quant, self.mesh, dtype=dtype)
+    params = quantize_params_jit(state, self.config.quant, dtype=dtype)
+    if self.kernels == "pallas" and self.config.quant is not None:
       # q|k|v and gate|up as the one matrix each FP4 GEMM reads (kernels.layout).
       params = fuse_for_kernels_jit(params)
     return graphdef, params

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,6 +11,7 @@ from flax import nnx
 from trace_jax import fp4
 from trace_jax.kernels import layout, moe as moe_kernels
 from trace_jax.model import parameters
+from trace_jax.model import sharding as sharding_lib
 from trace_jax.model.quant import QuantConfig, is_quantized_weight, scale_groups, weight_group
 from trace_jax.model.quantizer import quantize_weight_group
 
@@ -124,3 +127,64 @@ def params_nbytes(params: nnx.State) -> int:
 
 
 quantize_params_jit = jax.jit(quantize_params, static_argnums=1, static_argnames="dtype")
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_rollout(in_tree, avals: tuple, quant: QuantConfig | None, dtype) -> nnx.State:
+  """`jax.eval_shape` of `quantize_params` on parameters of structure `in_tree` and `avals`."""
+  return jax.eval_shape(
+    lambda leaves: quantize_params(jax.tree.unflatten(in_tree, leaves), quant, dtype=dtype),
+    list(avals),
+  )
+
+
+@functools.lru_cache(maxsize=32)
+def _sync_program(in_tree, quant: QuantConfig | None, dtype, out_shardings: tuple):
+  """One jitted `quantize_params` over flat leaves whose flat outputs land on `out_shardings`."""
+
+  def run(leaves):
+    return jax.tree.leaves(quantize_params(jax.tree.unflatten(in_tree, leaves), quant, dtype=dtype))
+
+  return jax.jit(run, out_shardings=list(out_shardings))
+
+
+def _device_order(sharding) -> tuple:
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return tuple(sharding.mesh.devices.flat)
+  return tuple(sorted(sharding.device_set, key=lambda d: (d.process_index, d.id)))
+
+
+def sync_params(
+  params: nnx.State, quant: QuantConfig | None, mesh, *, dtype=jnp.bfloat16
+) -> nnx.State:
+  """Weight sync onto `mesh`: `quantize_params` of the master weights, every output laid out
+  by `sharding.rollout_param_shardings` on `mesh`.
+
+  Where the master weights live on `mesh`'s devices (in its order), this is one jitted
+  program whose outputs are born in their rollout shardings: each device makes its own
+  slices, and no array passes through a host, on one process or many. Master weights on
+  other devices (a separate rollout device group) are packed where they live and then
+  moved device to device (`jax.device_put`). The values are `quantize_params`' bit for bit
+  (packing is elementwise per block and per global-scale group; only maxima reduce).
+
+  Args:
+    params: `nnx.state(policy)`, float32 master weights (sharded or not).
+    quant: the rollout's QuantConfig.
+    mesh: the rollout engine's mesh.
+    dtype: dtype of the unquantized parameters of a bf16 rollout.
+  """
+  dtype = jnp.dtype(dtype)
+  leaves, in_tree = jax.tree.flatten(params)
+  avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
+  abstract = _abstract_rollout(in_tree, avals, quant, dtype)
+  targets = tuple(jax.tree.leaves(sharding_lib.rollout_param_shardings(abstract, mesh)))
+  order = tuple(mesh.devices.flat)
+  same_devices = all(
+    isinstance(x, jax.Array) and _device_order(x.sharding) == order for x in leaves
+  )
+  if same_devices:
+    out = _sync_program(in_tree, quant, dtype, targets)(leaves)
+  else:
+    packed = jax.tree.leaves(quantize_params_jit(params, quant, dtype=dtype))
+    out = [jax.device_put(x, s) for x, s in zip(packed, targets)]
+  return jax.tree.unflatten(jax.tree.structure(abstract), out)

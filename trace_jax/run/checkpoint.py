@@ -47,21 +47,40 @@ class CheckpointError(RuntimeError):
   where, and what to do."""
 
 
+_WEIGHT_MODULUS = 65521
+
+
+def _byte_weights(shape: tuple[int, ...]) -> jax.Array:
+  """uint32 weights 1 + (i mod 65521) of the bytes of an array of `shape` (its bytes along
+  the last axis), i the byte's row-major position, made per dimension from iotas: no array
+  is flattened, so a sharded array's weights are made shard by shard where it lives."""
+  m = jnp.uint32(_WEIGHT_MODULUS)
+  weights = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for dim in reversed(range(len(shape))):
+    index = jax.lax.broadcasted_iota(jnp.uint32, shape, dim) % m
+    # (both factors < 65521: the product and the sum stay below 2^32)
+    weights = (weights + index * jnp.uint32(stride % _WEIGHT_MODULUS)) % m
+    stride *= shape[dim]
+  return weights + jnp.uint32(1)
+
+
 def _leaf_summary(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(checksum, all finite) of one array.
 
-  The checksum is a position-weighted sum of its bytes modulo 2^32 (weights 1..65521):
-  a single flipped bit changes one byte by +-2^k (k < 8) at weight w < 2^16, a change
-  of less than 2^24 that cannot vanish modulo 2^32, so every one-bit error is caught.
+  The checksum is a position-weighted sum of its bytes (row-major order) modulo 2^32
+  (weights 1..65521): a single flipped bit changes one byte by +-2^k (k < 8) at weight
+  w < 2^16, a change of less than 2^24 that cannot vanish modulo 2^32, so every one-bit
+  error is caught. Elementwise products and one sum: a sharded array is summed shard by
+  shard, only the partial sums move.
   """
   if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
     x = jax.random.key_data(x)
   finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
-  data = jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1).astype(jnp.uint32)
-  weights = jax.lax.iota(jnp.uint32, data.size) % jnp.uint32(65521) + jnp.uint32(1)
-  return jnp.sum(data * weights, dtype=jnp.uint32), finite
+  data = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+  return jnp.sum(data * _byte_weights(data.shape), dtype=jnp.uint32), finite
 
 
 @jax.jit

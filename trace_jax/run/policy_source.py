@@ -205,25 +205,39 @@ def runtime_fields(config) -> dict:
   return {"remat": config.source.remat}
 
 
+def load_hf_policy(path: str, mesh=None, **overrides) -> Transformer:
+  """The policy of the Hugging Face checkpoint directory `path` (`model.from_hf`), the one
+  place a run reads one. With `mesh` (the learner's), `from_hf` builds every parameter in
+  its final sharding on that mesh, so no device or host holds the whole model; without, it
+  loads onto one device and the caller places it (`sharding.shard_model`) if it runs on a
+  mesh after all. `overrides`: ModelConfig fields of the run (`runtime_fields`)."""
+  if mesh is None:
+    return from_hf(path, **overrides)
+  return from_hf(path, mesh=mesh, **overrides)
+
+
 def load(
   config,
   task: Task,
   *,
   weights: bool = True,
   checked: tuple[Tokenizer, ModelConfig] | None = None,
+  mesh=None,
 ) -> PolicySource:
   """The run's tokenizer and initial policy (see the module docstring), configured for the
   run (`runtime_fields`): the policy's cfg is final here, nothing mutates it later.
 
   weights=False: the policy is abstract (shapes only, no weight read or initialised), the
   structure a checkpoint of the run restores into. checked: what `check(config, task)`
-  returned, when the caller checked the run before (e.g. before making its workdir)."""
+  returned, when the caller checked the run before (e.g. before making its workdir).
+  mesh: the learner's mesh, which a checkpoint's policy is read onto shard by shard
+  (`load_hf_policy`); a preset's policy is initialised whole and placed by the caller."""
   tokenizer, model_cfg = check(config, task) if checked is None else checked
   model_cfg = model_cfg.replace(**runtime_fields(config))
   if not weights:  # (from_hf's cfg is the same: config_from_hf + the runtime fields)
     policy = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
   elif config.source.hf_checkpoint:
-    policy = from_hf(config.source.hf_checkpoint, **runtime_fields(config))
+    policy = load_hf_policy(config.source.hf_checkpoint, mesh, **runtime_fields(config))
     model_cfg = policy.cfg
   else:
     policy = Transformer(model_cfg, rngs=nnx.Rngs(config.seed))

@@ -79,14 +79,15 @@ class Trainer:
 
   def _start(self, config: RLConfig, progress: bool, checked) -> None:
     # The preset with the character tokenizer, or a checkpoint with its own (policy_source).
-    self.source = policy_source.load(config, self.task, checked=checked)
-    self.tokenizer, self.model_cfg = self.source.tokenizer, self.source.model_cfg
     self.mesh = make_mesh(*config.mesh) if np.prod(config.mesh) > 1 else None
     if self.groups is not None:  # the learner's mesh on its own devices (also 1 x 1 x 1)
       self.mesh = make_mesh(*config.mesh, devices=self.groups[1])
+    # A checkpoint's policy is read onto the learner's mesh shard by shard.
+    self.source = policy_source.load(config, self.task, checked=checked, mesh=self.mesh)
+    self.tokenizer, self.model_cfg = self.source.tokenizer, self.source.model_cfg
     policy = self.source.policy
     if self.mesh is not None:  # placed before the warm start: its save is then multi-host safe
-      shard_model(policy, self.mesh)
+      shard_model(policy, self.mesh)  # (a no-op for a policy read onto the mesh)
     base, self._greedy = episodes.rollout_configs(config, self.task, self.source)
     if policy_source.warm_start(config, self.task):
       self.warmstart = self.rundir.warm_start(

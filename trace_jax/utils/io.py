@@ -27,7 +27,7 @@ import re
 import shutil
 import socket
 import uuid
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +85,10 @@ def publish(tmp: str, path: str) -> None:
   fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
-def write_atomic(path: str, data: bytes | str) -> None:
+def write_atomic(path: str, data: bytes | str | Iterable[bytes]) -> None:
   """Write to a temporary file in the same directory, fsync it, rename it into place and
-  fsync the directory.
+  fsync the directory. `data` may be an iterable of byte chunks, written one by one as it
+  yields them (a file larger than memory).
 
   Raises:
     OSError: naming `path` (e.g. a full disk); the previous file, if any, is untouched.
@@ -104,7 +105,11 @@ def write_atomic(path: str, data: bytes | str) -> None:
     fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     tmp = candidate
     with os.fdopen(fd, "wb") as f:
-      f.write(data.encode() if isinstance(data, str) else data)
+      if isinstance(data, (bytes, bytearray, memoryview, str)):
+        data = [data]
+      for chunk in data:
+        f.write(chunk.encode() if isinstance(chunk, str) else chunk)
+        del chunk  # (before the next chunk is made: one held at a time)
       f.flush()
       os.fsync(f.fileno())
     publish(tmp, path)
