@@ -97,7 +97,7 @@ class Trainer:
         "processes (RLConfig.rollout_devices) start fresh; use another --workdir"
       )
     if self.role == "rollout":  # this process only generates: the learner's side trains
-      self.mesh = None
+      self.mesh, self.warmstart = None, policy_source.skipped_warm_start(self.task)
       base, _ = episodes.rollout_configs(config, self.task, self.source)
       rollout = config.arm_spec.rollout(base).replace(skew=config.rollout_skew)
       self.spec = StepSpec.of(config, self.model_cfg.num_layers)
