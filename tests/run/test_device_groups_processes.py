@@ -1,7 +1,7 @@
 """Device groups across processes (RLConfig.rollout_devices with jax.distributed): two
 processes of 4 CPU devices each on this machine (gloo collectives, a coordinator on
 127.0.0.1), the rollout group process 0's devices, the learner's (4, 1, 1) mesh process 1's,
-max_staleness k = 2, 4 steps of the tiny preset.
+max_staleness k = 2 (and k = 0), 4 steps of the tiny preset.
 
 Bit for bit equal to the one-process run of the same config (8 devices) is not what CPU
 gives: with gloo enabled the learner's all-reduces over its own 4 devices sum in another
@@ -9,8 +9,8 @@ order than one process's (a small matmul's gradient differs in its last bits), s
 properties tested are: a rerun equals the run bit for bit (metrics and parameters); the
 one-process run agrees to float tolerance, its rewards and version gaps exactly; the
 groups' arrays lie on their own processes' devices; and a failing side stops both
-processes in one line each. Slow: each pair compiles the tiny RL step (~2-4 min on 2
-cores for all runs together).
+processes in one line each. Slow: each pair compiles the tiny RL step (on 2 cores:
+~3.5 min for the first test's seven processes at once, ~1 min for the second's four).
 """
 
 import json
@@ -28,8 +28,8 @@ pytestmark = pytest.mark.slow
 
 WORKER = textwrap.dedent("""
     import json, logging, sys
-    workdir, out, nproc, pid, port, fail = sys.argv[1:7]
-    nproc, pid = int(nproc), int(pid)
+    workdir, out, nproc, pid, port, fail, k = sys.argv[1:8]
+    nproc, pid, k = int(nproc), int(pid), int(k)
     from trace_jax.utils import distributed
     distributed.initialize(f"127.0.0.1:{port}" if nproc > 1 else None,
                            nproc if nproc > 1 else None, pid if nproc > 1 else None)
@@ -56,7 +56,7 @@ WORKER = textwrap.dedent("""
     config = RLConfig.from_flat(task="arith", preset="tiny", steps=4, prompts_per_step=2,
       group_size=4, max_new_tokens=4, sft_warm_start=False, eval_every=0, checkpoint_every=0,
       prompt_bucket=32, tensorboard=False, mesh=(4, 1, 1), lr_decay="constant",
-      rollout_devices=4, max_staleness=2)
+      rollout_devices=4, max_staleness=k)
     ids = lambda tree: sorted({d.id for leaf in jax.tree.leaves(tree) for d in leaf.devices()})
     with Trainer(config, workdir, progress=False) as trainer:
       history = trainer.run()
@@ -82,7 +82,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start(workdir, out, nproc, pid, port, fail="none"):
+def _start(workdir, out, nproc, pid, port, fail="none", k=2):
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(
     os.environ,
@@ -91,7 +91,7 @@ def _start(workdir, out, nproc, pid, port, fail="none"):
     XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // nproc}",
   )
   return subprocess.Popen(
-    [sys.executable, "-c", WORKER, str(workdir), str(out), str(nproc), str(pid), str(port), fail],
+    [sys.executable, "-c", WORKER, *map(str, (workdir, out, nproc, pid, port, fail, k))],
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,
@@ -99,9 +99,9 @@ def _start(workdir, out, nproc, pid, port, fail="none"):
   )
 
 
-def _pair(tmp_path, name, fail="none"):
+def _pair(tmp_path, name, fail="none", k=2):
   port = _free_port()
-  return [_start(tmp_path / name, tmp_path / f"{name}{i}.npz", 2, i, port, fail) for i in (0, 1)]
+  return [_start(tmp_path / name, tmp_path / f"{name}{i}.npz", 2, i, port, fail, k) for i in (0, 1)]
 
 
 def _finish(procs, timeout=900):
@@ -120,7 +120,7 @@ def _strip(history):
 
 
 def test_two_processes_reproduce_and_agree_with_one(tmp_path):
-  runs = {"a": _pair(tmp_path, "a"), "b": _pair(tmp_path, "b")}
+  runs = {"a": _pair(tmp_path, "a"), "b": _pair(tmp_path, "b"), "zero": _pair(tmp_path, "z", k=0)}
   runs["one"] = [_start(tmp_path / "one", tmp_path / "one1.npz", 1, 0, 0)]
   done = {name: _finish(procs) for name, procs in runs.items()}
   for name, results in done.items():
@@ -155,6 +155,12 @@ def test_two_processes_reproduce_and_agree_with_one(tmp_path):
     for key in ("rewards/mean", "completions/mean_length", "async/version_gap"):
       assert mine[key] == theirs[key], key
     np.testing.assert_allclose(mine["loss"], theirs["loss"], rtol=1e-4, atol=1e-6)
+  # k = 0 across processes: each batch made with the weights of the update just before it
+  zero = done["zero"][1]["record"]["history"]
+  assert [m["async/version_gap"] for m in zero] == [0, 0, 0, 0]
+  assert [m["async/rollout_version"] for m in zero] == [0, 1, 2, 3]
+  for key in ("rewards/mean", "completions/mean_length"):  # step 1: the same batch
+    assert zero[0][key] == history[0][key], key
 
 
 def test_a_failing_side_stops_both_processes_in_one_line(tmp_path):
