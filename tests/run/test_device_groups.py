@@ -151,3 +151,52 @@ def test_rollout_devices_that_leave_the_learner_too_few_are_refused_before_any_w
   with pytest.raises(ValueError, match=r"allowed: rollout_devices none but 0"):
     async_rollouts.device_groups(wide)
   assert async_rollouts.device_groups(_config()) is None
+
+
+def _fake_processes(monkeypatch, per_process: int, processes: int):
+  """jax.devices() of `processes` processes with `per_process` devices each (ids in the
+  order CPU multi-process gives: process p's from p * 2048)."""
+  import types
+
+  devices = [
+    types.SimpleNamespace(id=p * 2048 + i, process_index=p)
+    for p in range(processes)
+    for i in range(per_process)
+  ]
+  monkeypatch.setattr(jax, "devices", lambda: devices)
+  monkeypatch.setattr(jax, "process_count", lambda: processes)
+  return devices
+
+
+def test_across_processes_groups_must_be_whole_processes(monkeypatch):
+  """2 processes of 4 devices: 4 rollout devices and a (4, 1, 1) learner mesh are process 0's
+  and process 1's; 2 rollout devices (process 0's split between the groups) or a learner
+  mesh of 2 (process 1's partly in neither) are refused, naming the process."""
+  devices = _fake_processes(monkeypatch, 4, 2)
+  rollout, learner = async_rollouts.device_groups(_config(rollout_devices=4, mesh=(4, 1, 1)))
+  assert rollout == devices[:4] and learner == devices[4:]
+  assert async_rollouts.learner_process((rollout, learner)) == 1
+  with pytest.raises(ValueError, match=r"puts process 0's devices \[0, 1, 2, 3\] in both"):
+    async_rollouts.device_groups(_config(rollout_devices=2, mesh=(4, 1, 1)))
+  with pytest.raises(ValueError, match=r"puts process 1's devices \[2048, 2049, 2050, 2051\]"):
+    async_rollouts.device_groups(_config(rollout_devices=4, mesh=(2, 1, 1)))
+
+
+def test_across_processes_staleness_needs_device_groups(monkeypatch):
+  """Several processes: max_staleness > 0 with rollouts on the learner's devices is refused by
+  name (use --rollout_devices); with device groups it is allowed; so is k = 0 without."""
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"RLConfig.max_staleness=2 with rollouts on the learner"):
+    async_rollouts.check_staleness(_config(max_staleness=2))
+  assert async_rollouts.check_staleness(_config(max_staleness=2, rollout_devices=4)) == 2
+  assert async_rollouts.check_staleness(_config()) == 0
+
+
+def test_across_processes_refuses_checkpoints_and_warm_starts(monkeypatch):
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"RLConfig.checkpoint_every=5 .* allowed: checkpoint_every"):
+    async_rollouts.check_across_processes(_config(rollout_devices=4, checkpoint_every=5), False)
+  with pytest.raises(ValueError, match=r"RLConfig.sft_warm_start=True .* allowed: sft_warm_start"):
+    cfg = _config(rollout_devices=4, checkpoint_every=0, sft_warm_start=True)
+    async_rollouts.check_across_processes(cfg, True)
+  async_rollouts.check_across_processes(_config(rollout_devices=4, checkpoint_every=0), False)

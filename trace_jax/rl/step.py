@@ -308,11 +308,12 @@ def collect(
 
 
 def on_mesh(collected: Collected, mesh) -> Collected:
-  """`collected`, made on another device group's mesh, moved onto `mesh` device to device
-  (`jax.device_put`): every batch array with its rows over "data" (routing [L, B, S, k]
-  along its axis 1) and guidance by `guidance_specs`, the layouts `collect` gives on
-  `mesh`. The trimmed rollout moves too (the step's metrics read it beside the training
-  path's arrays); the untrimmed one (its cache) is dropped."""
+  """`collected`, made on another device group's mesh (or `on_host`'s copy of it), moved
+  onto `mesh` (`jax.device_put`: device to device, or host to device): every batch array
+  with its rows over "data" (routing [L, B, S, k] along its axis 1) and guidance by
+  `guidance_specs`, the layouts `collect` gives on `mesh`. The trimmed rollout moves too
+  (the step's metrics read it beside the training path's arrays); the untrimmed one (its
+  cache) is dropped."""
 
   def rows(tree, axis=0):
     put = lambda a: jax.device_put(a, batch_sharding(mesh, a.ndim, axis))  # noqa: E731
@@ -324,6 +325,20 @@ def on_mesh(collected: Collected, mesh) -> Collected:
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
     return jax.tree.map(put, g, guidance_specs(g, mesh))
 
+  return _moved(collected, rows, guidance)
+
+
+def on_host(collected: Collected) -> Collected:
+  """`collected` with every array `on_mesh` moves read into host memory (numpy, the same
+  bits), the untrimmed rollout dropped: what a batch made in one process is sent to
+  another as (`on_mesh` there places it on the learner's mesh)."""
+  rows = lambda tree, axis=0: None if tree is None else jax.tree.map(np.asarray, tree)  # noqa: E731
+  return _moved(collected, rows, rows)
+
+
+def _moved(collected: Collected, rows, guidance) -> Collected:
+  """`collected` with its batch arrays through `rows(tree, axis)` and its guidance through
+  `guidance(g)`; the untrimmed rollout (its cache) dropped."""
   r = collected.rollout
   fields = ("tokens", "positions", "prompt_mask", "response_mask", "env_mask", "logprobs")
   rollout = dataclasses.replace(

@@ -15,7 +15,9 @@ checkpoints hold the older versions the in-flight batches need. k = 0: the plain
 
 Device groups (RLConfig.rollout_devices = N > 0, also with k = 0): the rollouts on the job's
 first N devices, the learner's mesh on the devices after them (`run.async_rollouts`); the
-greedy evaluation runs on the learner's mesh.
+greedy evaluation runs on the learner's mesh. Across processes (`jax.distributed`) a process
+of the rollout group only serves batches (`run` returns no metrics there) and the learner's
+processes train (`Trainer.role`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from trace_jax.rl.sync import WeightSync
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.run import async_rollouts, policy_source
 from trace_jax.run.rundir import RunDir
+from trace_jax.utils import distributed
 
 
 class Trainer:
@@ -52,7 +55,12 @@ class Trainer:
     self.config, self.progress = config, progress
     # RLConfig.rollout_devices against this job's devices, before any work
     self.groups = async_rollouts.device_groups(config, say_idle=True)
+    # across processes: which group this process runs; the learner's first writes the files
+    self.role = async_rollouts.group_role(self.groups)
     self.task = policy_source.preflight(config)  # the task and the checkpoint's files
+    if self.role is not None:
+      async_rollouts.check_across_processes(config, policy_source.warm_start(config, self.task))
+      distributed.set_main_process(async_rollouts.learner_process(self.groups))
     # the tokenizer and the template's first renders: a bad checkpoint leaves no workdir
     checked = policy_source.check(config, self.task)
     policy_source.check_fits(config, self.task, checked)  # episodes and the batch fit
@@ -66,8 +74,9 @@ class Trainer:
   def close(self) -> None:
     """Stop the rollout worker (asynchronous RL) and release the workdir (idempotent)."""
     try:
-      if getattr(self, "_async", None) is not None:
-        self._async.close()
+      for side in ("_async", "_server"):
+        if getattr(self, side, None) is not None:
+          getattr(self, side).close()
     finally:
       self.rundir.close()
 
@@ -78,11 +87,34 @@ class Trainer:
     self.close()
 
   def _start(self, config: RLConfig, progress: bool, checked) -> None:
-    # The preset with the character tokenizer, or a checkpoint with its own (policy_source).
+    self._server = None  # the rollout side of device groups across processes
+    if self.role is not None and self.rundir.checkpoints.latest_step() is not None:
+      raise ValueError(
+        f"{self.rundir.checkpoints.directory} holds a checkpoint: device groups across "
+        "processes (RLConfig.rollout_devices) start fresh; use another --workdir"
+      )
+    if self.role == "rollout":  # this process only generates: the learner's side trains
+      self.source = policy_source.load(config, self.task, checked=checked)
+      self.tokenizer, self.model_cfg = self.source.tokenizer, self.source.model_cfg
+      self.mesh, self.warmstart = None, policy_source.skipped_warm_start(self.task)
+      base, _ = episodes.rollout_configs(config, self.task, self.source)
+      rollout = config.arm_spec.rollout(base).replace(skew=config.rollout_skew)
+      self.spec = StepSpec.of(config, self.model_cfg.num_layers)
+      self._server = async_rollouts.RolloutServer(
+        self.spec,
+        self.source.policy,
+        rollout,
+        self.task,
+        self.tokenizer,
+        groups=self.groups,
+        timeout=config.schedule.rollout_timeout,
+      )
+      return
     self.mesh = make_mesh(*config.mesh) if np.prod(config.mesh) > 1 else None
     if self.groups is not None:  # the learner's mesh on its own devices (also 1 x 1 x 1)
       self.mesh = make_mesh(*config.mesh, devices=self.groups[1])
-    # A checkpoint's policy is read onto the learner's mesh shard by shard.
+    # The preset with the character tokenizer, or a checkpoint with its own (policy_source);
+    # a checkpoint's policy is read onto the learner's mesh shard by shard.
     self.source = policy_source.load(config, self.task, checked=checked, mesh=self.mesh)
     self.tokenizer, self.model_cfg = self.source.tokenizer, self.source.model_cfg
     policy = self.source.policy
@@ -106,7 +138,10 @@ class Trainer:
     self._engine = self.sync.add(RolloutEngine(policy, rollout, mesh=self.mesh), self.state.version)
     self._async = None  # asynchronous RL or device groups: the ring, the worker, its engine
     if staleness or self.groups is not None:
-      self._async = async_rollouts.AsyncRollouts(
+      rollouts = async_rollouts.AsyncRollouts
+      if self.role == "learner":  # the batches come from the rollout processes
+        rollouts = async_rollouts.RemoteRollouts
+      self._async = rollouts(
         self.spec,
         policy,
         self.state.version,
@@ -191,6 +226,11 @@ class Trainer:
 
   def run(self) -> list[dict]:
     """Train until the schedule's steps; returns the metrics of the steps run now."""
+    if self._server is not None:  # the rollout side across processes: it serves batches
+      try:
+        return self._server.run()
+      finally:
+        self._server.close()
     steps, every = self.config.schedule.steps, self.config.evaluation.eval_every
     history = []
     with contextlib.ExitStack() as stack:
@@ -233,13 +273,14 @@ class Trainer:
         where = (
           "" if self.groups is None else f" (devices {async_rollouts.device_ids(self.groups[1])})"
         )
-        logging.error(
-          "learner%s failed at step %d: %s: %s; the rollout worker stops",
+        line = "learner%s failed at step %d: %s: %s; the rollout worker stops" % (
           where,
           self.step + 1,
           type(error).__name__,
           str(error).splitlines()[0] if str(error) else "",
         )
+        logging.error("%s", line)
+        self._async.failed(line)
       raise
 
   def _stop_rollouts(self) -> None:

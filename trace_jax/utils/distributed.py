@@ -81,9 +81,21 @@ def initialize(
   return jax.process_count() > 1
 
 
+_MAIN_PROCESS = [0]  # the process that writes (`set_main_process`)
+
+
 def is_main_process() -> bool:
-  """Process 0 writes metrics, plots and summaries (checkpoints: orbax coordinates)."""
-  return jax.process_index() == 0
+  """Process 0 (or `set_main_process`'s) writes metrics, plots and summaries (checkpoints:
+  orbax coordinates)."""
+  return jax.process_index() == _MAIN_PROCESS[0]
+
+
+def set_main_process(index: int) -> None:
+  """Make process `index` the one that writes (a job whose process 0 does not train:
+  device groups across processes, the learner's first process)."""
+  if not 0 <= index < jax.process_count():
+    raise ValueError(f"process index {index} must lie in [0, {jax.process_count()})")
+  _MAIN_PROCESS[0] = index
 
 
 def global_array(host: np.ndarray, sharding) -> jax.Array:
