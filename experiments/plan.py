@@ -47,6 +47,13 @@ _LAYERS = flags.DEFINE_integer(
 _PROMPT = flags.DEFINE_integer(
   "check_prompt", 0, "--check: prompt tokens of the compiled rollout; 0: a quarter of context."
 )
+_REMAT = flags.DEFINE_enum(
+  "remat",
+  "preset",
+  ("preset", "on", "off"),
+  "Per-layer remat of the training forward (--check compiles the update so): the preset's, on "
+  "or off.",
+)
 _DEVICES_ENV = "_TRACE_JAX_PLAN_CHECK_CHILD"
 
 
@@ -86,7 +93,12 @@ def check(name: str, cfg, config, rows) -> str:
     "rollout": memory_check.compile_rollout(cfg, config, mesh, prompt),
   }
   planned = memory_check.planner_programs(cfg, config, rows, prompt)
-  return memory_check.format_comparison(name, config, rows, planned, compiled)
+  table = memory_check.format_comparison(name, config, rows, planned, compiled)
+  return (
+    f"{table}\nupdate: {memory_check.micro_rows(config)} sequences of {config.context} slots, "
+    f"remat {'on' if cfg.remat else 'off'}; rollout: {config.batch} prompts of {prompt} "
+    f"tokens decoded to {config.context} slots; {cfg.num_layers} layers"
+  )
 
 
 def main(argv):
@@ -95,6 +107,8 @@ def main(argv):
   try:
     config = config_flags.from_flags(plan_lib.PlanConfig, _CONFIG)
     cfgs = [with_layers(get_preset(name), _LAYERS.value) for name in names]
+    if _REMAT.value != "preset":
+      cfgs = [cfg.replace(remat=_REMAT.value == "on") for cfg in cfgs]
   except ValueError as e:
     raise app.UsageError(f"{e} (presets: {sorted(PRESETS)})") from e
   if _CHECK.value:
