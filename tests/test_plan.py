@@ -239,3 +239,127 @@ def test_kept_activations_against_the_compiled_forward():
       quant,
     )
     assert abs((compiled - guidance) / kept - 1) < 0.2, (compiled, guidance, kept)
+
+
+# What --check's compiled column must equal, computed another way: the update compiled from
+# a real tiny policy and optimizer (`rl.step.init_state`) placed on a fake mesh, and its
+# guidance from a real rollout of a real engine; the rollout's generate from that engine's
+# own weights and statics. Printed as {program: memory_analysis fields} (JSON).
+_INDEPENDENT = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from trace_jax import model as M
+from trace_jax.model.sharding import make_mesh, shard_model, batch_sharding, guidance_specs
+from trace_jax.rl import step as T
+from trace_jax.rl.config import RLConfig
+from trace_jax.rollout import engine as E
+from trace_jax.rollout.config import RolloutConfig, SamplingConfig
+from jax.sharding import NamedSharding
+
+batch, context, prompt, mesh_shape = {batch}, {context}, {prompt}, {mesh}
+mesh = make_mesh(*mesh_shape)
+rl = RLConfig(arm="trace", mesh=mesh_shape, compute_dtype="bfloat16")
+cfg = M.get_preset("tiny").replace(dtype="bfloat16")
+policy = shard_model(M.Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+state = T.init_state(rl, policy, mesh=mesh)
+spec = T.StepSpec.of(rl, cfg.num_layers, mesh)
+base = RolloutConfig(
+  max_len=context,
+  sampling=SamplingConfig(max_new_tokens=context - prompt),
+  compute_dtype="bfloat16",
+  fp4=rl.fp4,
+)
+engine = E.RolloutEngine(policy, rl.arm_spec.rollout(base), mesh=mesh)
+rng = np.random.default_rng(0)
+prompts = rng.integers(1, cfg.vocab_size, (batch, prompt)).tolist()
+key = jax.random.key(0)
+tokens = engine._place(jnp.asarray(prompts, jnp.int32))
+mask = engine._place(jnp.ones((batch, prompt), bool))
+out = {{}}
+m = E._generate.lower(engine.graphdef, engine.params, tokens, mask, key, None, engine.statics)
+out["rollout"] = m.compile().memory_analysis()
+micro = mesh_shape[0]
+r = engine.generate(prompts[:micro], key)
+g = r.guidance.select_layers(spec.guided_layers)
+g = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), g, guidance_specs(g, mesh))
+put = lambda a: jax.device_put(a, batch_sharding(mesh, a.ndim))
+example = T.TrainExample(
+  tokens=put(r.tokens), positions=put(r.positions), mask=put(r.mask),
+  response_mask=put(r.response_mask), rollout_logp=put(r.logprobs),
+  advantages=put(jnp.ones((micro,), jnp.float32)),
+)
+with jax.set_mesh(mesh):
+  m = T._train_step.lower(
+    state.policy, state.opt, example, g, None, loss_config=rl.loss_config, fused=spec.fused,
+    record=spec.arm.measured, **spec.static,
+  )
+  out["update"] = m.compile().memory_analysis()
+fields = ("argument", "output", "alias", "temp", "generated_code")
+print("JSON" + json.dumps({{
+  k: {{f: int(getattr(v, f + "_size_in_bytes")) for f in fields}} for k, v in out.items()
+}}))
+"""
+
+
+def _fake_devices_env(count: int) -> dict:
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  flag = f"--xla_force_host_platform_device_count={count}"
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
+  return env
+
+
+@pytest.mark.slow
+def test_check_prints_the_planner_beside_the_compiled_programs():
+  """`plan.py --check` (tiny preset, 8 fake devices on a 2 x 2 x 2 mesh; ~1 min): both
+  columns for both programs, and its compiled bytes exactly XLA's memory_analysis of the
+  trainer's update and the engine's generate compiled from real arrays on the same mesh."""
+  batch, context, mesh = 8, 64, (2, 2, 2)
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "experiments", "plan.py"),
+    "--preset=tiny",
+    f"--mesh={','.join(map(str, mesh))}",
+    f"--batch={batch}",
+    f"--context={context}",
+    "--check",
+  ]
+  result = subprocess.run(
+    cmd, capture_output=True, text=True, timeout=900, env=_fake_devices_env(1)
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  table = {}
+  for line in result.stdout.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) == 6 and cells[0] in ("update", "rollout"):
+      table[cells[0], cells[1]] = cells[2:]
+  script = _INDEPENDENT.format(batch=batch, context=context, prompt=context // 4, mesh=mesh)
+  ref = subprocess.run(
+    [sys.executable, "-c", script],
+    capture_output=True,
+    text=True,
+    timeout=900,
+    env=_fake_devices_env(8),
+  )
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  import json  # noqa: PLC0415
+
+  memory = json.loads(ref.stdout.split("JSON", 1)[1])
+  for program, m in memory.items():
+    expected = {
+      "arguments": m["argument"],
+      "outputs (not aliased)": m["output"] - m["alias"],
+      "aliased outputs (donated)": m["alias"],
+      "temporaries": m["temp"],
+      "generated code": m["generated_code"],
+      "program peak": m["argument"] + m["output"] - m["alias"] + m["temp"],
+    }
+    for item, value in expected.items():
+      planner, compiled_gb, ratio, compiled = table[program, item]
+      assert int(compiled) == value, (program, item, compiled, value)
+      assert compiled_gb == f"{value / 1e9:,.3f}"
+      if item in ("arguments", "outputs (not aliased)", "temporaries"):
+        assert planner != "—" and float(planner.replace(",", "")) >= 0, (program, item)
+        if ratio == "—":  # no planned bytes (the rollout's temporaries)
+          assert float(planner.replace(",", "")) == 0, (program, item)
+  assert "H200 (141 GB): update: planner" in result.stdout
