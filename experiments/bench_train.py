@@ -5,9 +5,16 @@
 
 One rollout batch (FP4, full guidance on every layer, routing) feeds all four; each step is a
 jitted forward + backward of a policy-gradient surrogate over the response tokens plus an
-Adam update, measured in the same run. A second table: the recording cost of the trainer's
-pi_old forward (every site's FP4 outcome returned beside the log-probabilities).
+Adam update. Every arm is compiled and warmed up first, and its guidance is already on the
+device, so a timed call is the update alone; the arms are then timed round robin (each
+round calls every arm once, `utils.time_interleaved`), so a load that comes and goes on a
+shared machine falls on every arm alike, and each ratio is the median of the per-round
+ratios. A second table: the recording cost of the trainer's pi_old forward (every site's FP4
+outcome returned beside the log-probabilities), timed the same way.
 """
+
+import functools
+import statistics
 
 from absl import app, flags
 import jax
@@ -19,7 +26,7 @@ from trace_jax import model as M
 from trace_jax import rollout as R
 from trace_jax.model.quant import resolve_layers
 from trace_jax.training import training_forward
-from trace_jax.utils import markdown_table, time_jitted
+from trace_jax.utils import markdown_table, median_ratio, time_interleaved
 
 _PRESETS = flags.DEFINE_list("presets", ["tiny", "small"], "Presets.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step.")
@@ -33,7 +40,7 @@ _BF16 = M.CallOptions(compute_dtype="bfloat16")  # the trainer's compute dtype
 def _recording_cost(name, policy, rollout, guidance):
   """The trainer's pi_old forward (guided, full guidance, every layer) with and without
   recording every site's outcome (what the per-layer disagreement metrics read)."""
-  seconds = {}
+  calls = {}
   for record in (False, True):
     quant = M.QuantConfig(rounding="guided", guided_layers="all")
     options = M.CallOptions(
@@ -54,12 +61,13 @@ def _recording_cost(name, policy, rollout, guidance):
       )
       return logp, out.sites
 
-    seconds[record] = time_jitted(forward, policy, rollout, guidance, repeats=_REPEATS.value)
+    calls[record] = functools.partial(forward, policy, rollout, guidance)
+  samples = time_interleaved(calls, repeats=_REPEATS.value)
   return (
     name,
-    f"{seconds[False] * 1e3:.1f}",
-    f"{seconds[True] * 1e3:.1f}",
-    f"{seconds[True] / seconds[False]:.2f}x",
+    f"{statistics.median(samples[False]) * 1e3:.1f}",
+    f"{statistics.median(samples[True]) * 1e3:.1f}",
+    f"{median_ratio(samples, True, False):.2f}x",
   )
 
 
@@ -87,7 +95,7 @@ def main(argv):
       ),
       "trace full": (M.QuantConfig(rounding="guided", guided_layers="all"), rollout.guidance, True),
     }
-    seconds, bytes_per_token = {}, {}
+    calls, bytes_per_token = {}, {}
     for arm, (quant, guidance, replay) in arms.items():
       model = M.Transformer(policy.cfg, rngs=nnx.Rngs(0))
       opt = nnx.Optimizer(model, optax.adam(1e-5), wrt=nnx.Param)
@@ -111,15 +119,17 @@ def main(argv):
         opt.update(model, grads)
         return loss
 
-      seconds[arm] = time_jitted(step, model, opt, rollout, guidance, repeats=_REPEATS.value)
+      calls[arm] = functools.partial(step, model, opt, rollout, guidance)
       bytes_per_token[arm] = 0 if guidance is None else guidance.bytes_per_token()
+    samples = time_interleaved(calls, repeats=_REPEATS.value)
     for arm in arms:
       rows.append(
         (
           name,
           arm,
-          f"{seconds[arm] * 1e3:.1f}",
-          f"{seconds[arm] / seconds['bf16']:.2f}x",
+          f"{statistics.median(samples[arm]) * 1e3:.1f}",
+          f"{median_ratio(samples, arm, 'bf16'):.2f}x",
+          f"{median_ratio(samples, arm, 'fp4-qat'):.2f}x",
           f"{bytes_per_token[arm]:.0f}",
         )
       )
@@ -128,7 +138,8 @@ def main(argv):
     f"\nbatch {_BATCH.value} x {16 + _NEW.value} slots, bf16 compute, backend "
     f"{jax.default_backend()}\n"
   )
-  print(markdown_table(["preset", "arm", "step ms", "vs bf16", "guidance bytes/token"], rows))
+  headers = ["preset", "arm", "step ms (median)", "vs bf16", "vs fp4-qat", "guidance bytes/token"]
+  print(markdown_table(headers, rows))
   print()
   print(
     markdown_table(
