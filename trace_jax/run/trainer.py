@@ -40,7 +40,7 @@ from trace_jax.rl.pipeline import RolloutWorkerError
 from trace_jax.rl.step import RLState, StepSpec
 from trace_jax.rl.sync import WeightSync
 from trace_jax.rollout.engine import RolloutEngine
-from trace_jax.run import async_rollouts, policy_source
+from trace_jax.run import async_rollouts, policy_source, remote_rollouts
 from trace_jax.run.rundir import RunDir
 from trace_jax.utils import distributed
 
@@ -100,7 +100,7 @@ class Trainer:
       base, _ = episodes.rollout_configs(config, self.task, self.source)
       rollout = config.arm_spec.rollout(base).replace(skew=config.rollout_skew)
       self.spec = StepSpec.of(config, self.model_cfg.num_layers)
-      self._server = async_rollouts.RolloutServer(
+      self._server = remote_rollouts.RolloutServer(
         self.spec,
         self.source.policy,
         rollout,
@@ -140,7 +140,7 @@ class Trainer:
     if staleness or self.groups is not None:
       rollouts = async_rollouts.AsyncRollouts
       if self.role == "learner":  # the batches come from the rollout processes
-        rollouts = async_rollouts.RemoteRollouts
+        rollouts = remote_rollouts.RemoteRollouts
       self._async = rollouts(
         self.spec,
         policy,
