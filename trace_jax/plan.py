@@ -60,8 +60,10 @@ on mesh 8 x 8 x 1, batch 256, context 8192, micro-batch 8, remat off, 48 layers)
   the rollout's (FP4 rollout weights + prompt) are exact, the rollout's outputs (FP4 KV
   cache + every layer's guidance + slot buffers) within 0.4%, the update's temporaries
   (gradients + activations without remat) within 1.2%;
-- the update returns 1.75x the training-path records row: XLA leaves the moe_mid records
-  of the unguided layers replicated (the update constrains no output), 8x their share;
+- the update returned 1.75x the training-path records row while it constrained no output
+  (XLA left the moe_mid records of the unguided layers replicated, 8x their share); it now
+  lays its records and fallbacks out by `guidance_site_specs`: 1.000x (4 layers, mesh
+  2 x 4 x 1, 16 x 256; 1.108x before);
 - the rollout's temporaries, which the planner leaves out, are most of its footprint
   (2.96 TB per device at a 2048-token prompt, ~48 GB more per layer), nearly all of it the
   prefill of 32 sequences per device (8 layers: 1,043 GB at a 2048-token prompt, 50 GB
