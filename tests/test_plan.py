@@ -292,7 +292,7 @@ example = T.TrainExample(
 with jax.set_mesh(mesh):
   m = T._train_step.lower(
     state.policy, state.opt, example, g, None, loss_config=rl.loss_config, fused=spec.fused,
-    record=spec.arm.measured, **spec.static,
+    record=spec.arm.measured, mesh=mesh, **spec.static,
   )
   out["update"] = m.compile().memory_analysis()
 fields = ("argument", "output", "alias", "temp", "generated_code")

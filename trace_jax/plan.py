@@ -60,12 +60,20 @@ on mesh 8 x 8 x 1, batch 256, context 8192, micro-batch 8, remat off, 48 layers)
   the rollout's (FP4 rollout weights + prompt) are exact, the rollout's outputs (FP4 KV
   cache + every layer's guidance + slot buffers) within 0.4%, the update's temporaries
   (gradients + activations without remat) within 1.2%;
-- the update returns 1.75x the training-path records row: XLA leaves the moe_mid records
-  of the unguided layers replicated (the update constrains no output), 8x their share;
+- the update returned 1.75x the training-path records row while it constrained no output
+  (XLA left the moe_mid records of the unguided layers replicated, 8x their share); it now
+  lays its records and fallbacks out by `guidance_site_specs`: 1.000x (4 layers, mesh
+  2 x 4 x 1, 16 x 256; 1.108x before);
 - the rollout's temporaries, which the planner leaves out, are most of its footprint
   (2.96 TB per device at a 2048-token prompt, ~48 GB more per layer), nearly all of it the
   prefill of 32 sequences per device (8 layers: 1,043 GB at a 2048-token prompt, 50 GB
-  at 16 tokens);
+  at 16 tokens). Its largest buffers (1 layer, mesh 2 x 4 x 1, 64 prompts of 1024 tokens,
+  4096 slots; 94 GB of temporaries per device): the grouped MoE's weights gathered per tile
+  of 256 token-expert rows (`layers.ragged_matmul`: f32 [2176 tiles, 768, 2048], 12.75 GiB,
+  five such live with their bf16 copies), growing with the prompt's tokens, and the
+  attention scores over every cache slot in float32 (f32 [32, 4, 8, 1024, 4096], 16 GiB,
+  two live); the engine computes the LM head at the prompt's last slot only
+  (`CallOptions.last_logits`), so no [B, T, V] float32 logits;
 - with remat the update's temporaries stay near the no-remat figure on XLA:CPU (8 layers:
   277 GB against 313 GB without, the planner's 43 GB), as above.
 """

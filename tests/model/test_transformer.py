@@ -333,3 +333,21 @@ def test_stochastic_rounding_draws_from_the_guidance_key(tiny_model):
   assert float(jnp.abs(a - other).max()) > 0 and float(jnp.abs(a - nearest).max()) > 0
   with pytest.raises(ValueError, match="needs a key"):
     tiny_model(tokens, quant=quant)
+
+
+@pytest.mark.parametrize("quant", [None, FP4])
+def test_last_logits_are_the_last_slot_of_the_full_head(tiny_model, quant):
+  """`CallOptions.last_logits`: logits [B, 1, V], bit for bit the last slot's row of the full
+  head's [B, T, V], and everything else the call returns unchanged."""
+  seed = int(np.random.default_rng().integers(1 << 30))
+  tokens = _tokens(b=3, t=10, seed=seed)
+  full = _jitted_forward(quant, M.CallOptions())(tiny_model, tokens, {})
+  last = _jitted_forward(quant, M.CallOptions(last_logits=True))(tiny_model, tokens, {})
+  assert last.logits.shape == (3, 1, full.logits.shape[-1])
+  np.testing.assert_array_equal(np.asarray(last.logits), np.asarray(full.logits[:, -1:]))
+  np.testing.assert_array_equal(np.asarray(last.routing), np.asarray(full.routing))
+
+
+def test_last_logits_must_be_a_bool():
+  with pytest.raises(ValueError, match="last_logits"):
+    M.CallOptions(last_logits=1)

@@ -304,15 +304,19 @@ def check_run_scheme(scheme, where: str) -> None:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CallOptions:
   """How one model call runs, beside the QuantConfig of what it quantizes (static: part of
-  the jit key): the FP4 kernels, what it records of its sites, its activations' dtype."""
+  the jit key): the FP4 kernels, what it records of its sites, its activations' dtype,
+  whether it needs the logits of every slot or of the last only."""
 
   kernels: str = "xla"  # "xla" or "pallas": whether packed FP4 weights and the FP4 cache go
   #   through `trace_jax.kernels` (forward only: the rollout); a run's "auto" is resolved
   #   where it is set up (`kernels.resolve`, outside jit), never inside a model call
   recording: Recording = Recording()  # what the call records of its sites (ModelOutput.sites)
   compute_dtype: str | None = None  # activations' dtype; None: the model's (ModelConfig.dtype)
+  last_logits: bool = False  # the LM head at each row's last slot only: logits [B, 1, V]
 
   def __post_init__(self):
+    if not isinstance(self.last_logits, bool):
+      raise ValueError(f"CallOptions.last_logits must be a bool, got {self.last_logits!r}")
     kernels_lib.check_mode(self.kernels, "CallOptions.kernels", kernels_lib.IMPLEMENTATIONS)
     if not isinstance(self.recording, Recording):
       raise ValueError(

@@ -188,7 +188,8 @@ class Transformer(nnx.Module):
         its key draws quant.rounding == "stochastic".
       options: how this call runs (default `CallOptions()`): `kernels`, `recording`
         (returned as `ModelOutput.sites`, `fallbacks`, `site_inputs`), `compute_dtype`
-        (default cfg.dtype, e.g. bf16 for a rollout of a float32-configured policy).
+        (default cfg.dtype, e.g. bf16 for a rollout of a float32-configured policy),
+        `last_logits` (`ModelOutput.logits` [B, 1, V] at the last slot only).
       skew: a `Skew` (a rollout engine that computes differently): every layer's output
         times 1 + skew.amount * u, u hashed from (version, sequence, position, layer,
         element); None: exactly the unskewed program.
@@ -288,6 +289,8 @@ class Transformer(nnx.Module):
       if stats is not None:
         moe_stats.append(stats)
     # Final norm and LM head in float32: the log-probabilities RL needs are read here.
+    if options.last_logits:  # (the prefill samples from its last slot only)
+      x = x[:, -1:]
     h = self.final_norm(x).astype(jnp.float32)
     head = self.embed.get_value().T if self.lm_head is None else self.lm_head.get_value()
     logits = jnp.einsum("btd,dv->btv", h, head, precision=jax.lax.Precision.HIGHEST)

@@ -32,7 +32,13 @@ from jax.sharding import NamedSharding
 
 from trace_jax.guidance import Guidance
 from trace_jax.model.quant import CallOptions, Recording, resolve_layers
-from trace_jax.model.sharding import batch_sharding, guidance_specs, shard_model, shard_optimizer
+from trace_jax.model.sharding import (
+  batch_sharding,
+  constrain_guidance_sites,
+  guidance_specs,
+  shard_model,
+  shard_optimizer,
+)
 from trace_jax.rl import episodes as episodes_lib
 from trace_jax.rl.arms import Arm
 from trace_jax.rl.config import LR_DECAYS, RLConfig
@@ -418,6 +424,7 @@ def update(spec: StepSpec, state: RLState, scored: Scored) -> tuple[RLState, Upd
       loss_config=config.loss_config,
       fused=True,
       record=spec.arm.measured,
+      mesh=spec.mesh,
       **_loss_static(spec),
       **static,
     )
@@ -606,7 +613,7 @@ def _old_logprobs(
 # step holds one copy of parameters and Adam moments, not two.
 @functools.partial(
   nnx.jit,
-  static_argnames=_STATIC + ("loss_config", "fused", "record", "decoupled"),
+  static_argnames=_STATIC + ("loss_config", "fused", "record", "decoupled", "mesh"),
   donate_argnums=(0, 1),
 )
 def _train_step(
@@ -624,6 +631,7 @@ def _train_step(
   fused: bool = False,
   record: bool = False,
   decoupled: DecoupledConfig | None = None,
+  mesh=None,
 ):
   """One GRPO update on `example` (a minibatch): (loss, stats, gradient norm).
 
@@ -634,7 +642,11 @@ def _train_step(
   update starts from, so its log-probs are this forward's own, held without gradient
   (`example.old_logp` is not read and `_old_logprobs` need not run), and the update also
   returns what `_old_logprobs` would have: log pi_old, token entropy, guidance fallbacks
-  and (with `record`) the training path's site records."""
+  and (with `record`) the training path's site records.
+
+  mesh: the run's mesh; the returned site records and fallbacks are then laid out by
+  `guidance_site_specs` (batch over "data", each site's declared dimension over "model"),
+  not left to XLA, which may keep them whole on every device."""
   if record:
     options = options.replace(recording=Recording(form="full"))
 
@@ -684,6 +696,14 @@ def _train_step(
 
   (loss, (stats, scored)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
   opt.update(policy, grads)
+  if fused:
+    old_logp, entropy, fallbacks, sites = scored
+    scored = (
+      old_logp,
+      entropy,
+      constrain_guidance_sites(fallbacks, mesh),
+      constrain_guidance_sites(sites, mesh),
+    )
   return (loss, stats, optax.global_norm(grads)) + tuple(scored)
 
 

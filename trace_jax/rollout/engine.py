@@ -211,6 +211,9 @@ def _empty_records(sites, slots: int):
 
 
 def _forward(graphdef, params, tokens, positions, mask, cache, st: "_Statics", skew=None):
+  """The model on a chunk [B, C] at the cache's next slots; its logits [B, 1, V] at the
+  chunk's last slot only (all the engine samples from: a prompt's LM head on every slot
+  would be [B, C, V] float32, the largest buffer of a long prefill)."""
   model = nnx.merge(graphdef, params)
   return model(
     tokens,
@@ -218,7 +221,7 @@ def _forward(graphdef, params, tokens, positions, mask, cache, st: "_Statics", s
     mask=mask,
     cache=cache,
     quant=st.config.quant,
-    options=st.options,
+    options=st.options.replace(last_logits=True),
     skew=skew,
   )
 

@@ -98,6 +98,13 @@ def micro_rows(config: plan_lib.PlanConfig) -> int:
 def compile_update(cfg: ModelConfig, config: plan_lib.PlanConfig, mesh) -> Compiled:
   """`rl.step._train_step` compiled for one micro-batch of `micro_rows(config)` sequences of
   `config.context` slots on `mesh`, as `rl.step.update` calls it for the trace arm."""
+  start = time.time()
+  compiled = update_program(cfg, config, mesh)
+  return Compiled.of(compiled, time.time() - start)
+
+
+def update_program(cfg: ModelConfig, config: plan_lib.PlanConfig, mesh):
+  """The XLA executable `compile_update` measures (its `output_shardings`, `as_text()`)."""
   cfg = cfg.replace(dtype="bfloat16")
   rl = rl_config(config)
   spec = step_lib.StepSpec.of(rl, cfg.num_layers, mesh)
@@ -145,9 +152,8 @@ def compile_update(cfg: ModelConfig, config: plan_lib.PlanConfig, mesh) -> Compi
       guidance,
       specs,
     )
-  start = time.time()
   with jax.set_mesh(mesh):
-    compiled = step_lib._train_step.lower(
+    return step_lib._train_step.lower(
       policy,
       opt,
       example,
@@ -156,9 +162,9 @@ def compile_update(cfg: ModelConfig, config: plan_lib.PlanConfig, mesh) -> Compi
       loss_config=rl.loss_config,
       fused=spec.fused,
       record=spec.arm.measured,
+      mesh=mesh,
       **spec.static,
     ).compile()
-  return Compiled.of(compiled, time.time() - start)
 
 
 def rollout_config(config: plan_lib.PlanConfig, prompt: int) -> RolloutConfig:
@@ -179,6 +185,15 @@ def compile_rollout(
   """`rollout.engine._generate` compiled for `config.batch` prompts of `prompt` tokens
   decoded to `config.context` slots on `mesh`, with the statics a `RolloutEngine` of the
   trace arm's rollout makes (`kernels`: "xla" on CPU; a GPU run may take "pallas")."""
+  start = time.time()
+  compiled = rollout_program(cfg, config, mesh, prompt, kernels)
+  return Compiled.of(compiled, time.time() - start)
+
+
+def rollout_program(
+  cfg: ModelConfig, config: plan_lib.PlanConfig, mesh, prompt: int, kernels: str = "xla"
+):
+  """The XLA executable `compile_rollout` measures (its `as_text()`: the largest buffers)."""
   if not 0 < prompt < config.context:
     raise ValueError(f"prompt={prompt} must lie in [1, context={config.context})")
   cfg = cfg.replace(dtype="bfloat16")
@@ -202,10 +217,8 @@ def compile_rollout(
   tokens = jax.ShapeDtypeStruct((config.batch, prompt), jnp.int32, sharding=rows)
   mask = jax.ShapeDtypeStruct((config.batch, prompt), bool, sharding=rows)
   key = jax.eval_shape(lambda: jax.random.key(0))
-  start = time.time()
   with jax.set_mesh(mesh):
-    compiled = engine_lib._generate.lower(graphdef, params, tokens, mask, key, None, st).compile()
-  return Compiled.of(compiled, time.time() - start)
+    return engine_lib._generate.lower(graphdef, params, tokens, mask, key, None, st).compile()
 
 
 def trajectory_bytes(rows: int, slots: int) -> int:

@@ -1,0 +1,64 @@
+"""The compiled update's returned records on a mesh of fake CPU devices (a subprocess)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Compiles the trainer's update (tiny preset, 8 sequences of 64 slots, the trace arm: guided,
+# routing replay, full records) on a 2 x 4 x 1 mesh and prints, for every returned fallback and
+# site-record leaf, its shape, the compiled output's shard shape and the shard shape the
+# guidance rule's spec gives.
+_SCRIPT = """
+import json
+import jax
+from jax.sharding import NamedSharding
+from trace_jax import plan as plan_lib
+from trace_jax.model import sharding
+from trace_jax.model.config import get_preset
+from trace_jax.run import memory_check
+
+mesh_shape = (2, 4, 1)
+mesh = sharding.make_mesh(*mesh_shape)
+config = plan_lib.PlanConfig(mesh=mesh_shape, batch=8, context=64)
+compiled = memory_check.update_program(get_preset("tiny"), config, mesh)
+# the jitted function's own outputs: the last of (arguments out, keywords out, outputs)
+info, out = compiled.compiled.out_info[-1], compiled.compiled.output_shardings[-1]
+rows = []
+for index, name in ((5, "fallbacks"), (6, "sites")):
+  specs = sharding.guidance_site_specs(info[index], mesh)
+  leaves = jax.tree_util.tree_flatten_with_path(info[index])[0]
+  for (path, a), s, spec in zip(leaves, jax.tree.leaves(out[index]), jax.tree.leaves(specs)):
+    rows.append(dict(
+      name=name + jax.tree_util.keystr(path),
+      shape=list(a.shape),
+      shard=list(s.shard_shape(a.shape)),
+      rule=list(NamedSharding(mesh, spec).shard_shape(a.shape)),
+    ))
+print("JSON" + json.dumps(rows))
+"""
+
+
+def test_update_returns_records_laid_out_by_the_guidance_rule():
+  """Every site record and fallback the fused, recording update returns is split as
+  `guidance_site_specs` says (batch over "data"), none held whole on every device: without
+  the update's constraint XLA kept an unguided layer's moe_mid records replicated on this
+  mesh (2 x 4: the experts over 4 devices)."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  flag = "--xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
+  result = subprocess.run(
+    [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, env=env
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  line = next(x for x in result.stdout.splitlines() if x.startswith("JSON"))
+  rows = json.loads(line[4:])
+  names = {r["name"] for r in rows}
+  assert any("moe_mid" in n and n.startswith("sites") for n in names)
+  assert any(n.startswith("fallbacks") for n in names)
+  for r in rows:
+    assert r["shard"] == r["rule"], r
+    if r["shape"][0] > 1:  # the batch over data = 2: half the rows on each device
+      assert r["shard"][0] * 2 == r["shape"][0], r
