@@ -280,16 +280,32 @@ def _check_float_weights(hf: dict, tensors: dict, file_of) -> None:
       )
 
 
-def _release_pages(tensors: dict) -> None:
+def _memory_maps(tensors: dict) -> list:
+  """The distinct memory maps the checkpoint's arrays view."""
+  maps = {id(m): m for a in tensors.values() if (m := getattr(a, "_mmap", None)) is not None}
+  return list(maps.values())
+
+
+def _release_pages(maps: list) -> None:
   """Drop the pages of the checkpoint's memory maps from this process's resident set (the
   kernel's page cache keeps them; a later read maps them again): what a slice read touched
   is not held on to while the next parameter loads."""
-  maps = {id(m): m for a in tensors.values() if (m := getattr(a, "_mmap", None)) is not None}
-  for m in maps.values():
+  for m in maps:
     try:
       m.madvise(mmap.MADV_DONTNEED)
     except (AttributeError, OSError, ValueError):  # a platform without madvise, a closed map
       pass
+
+
+_EXPONENT_BITS = {np.dtype(jnp.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
+
+
+def _all_finite(block: np.ndarray) -> bool:
+  """Whether a float array holds no NaN or Inf (16-bit floats: from their exponent bits)."""
+  bits = _EXPONENT_BITS.get(block.dtype)
+  if bits is None:
+    return bool(np.isfinite(block).all())
+  return not np.any((block.view(np.uint16) & bits) == bits)
 
 
 def _slice_text(index: tuple[slice, ...]) -> str:
@@ -306,7 +322,11 @@ def _slice_reader(source, sources, tensors, named, name, dtype, allow_nonfinite)
     bounds = source.bounds(index)
     key = tuple((s.start, s.stop) for s in bounds)
     if key not in done:
-      block = np.asarray(source.read(bounds), np.float32)
+      block = np.asarray(source.read(bounds))
+      if block.dtype == np.dtype(dtype) and _all_finite(block):  # e.g. bf16 on disk and here:
+        done[key] = np.ascontiguousarray(block)  # as its float32 round trip would give
+        return done[key]
+      block = np.asarray(block, np.float32)
       if not allow_nonfinite and not np.isfinite(block).all():
         culprits = sources
         if source.expert_names is not None:  # the experts in this slice with bad values
@@ -382,6 +402,7 @@ def from_hf(
   missing_from_map = [p for p in flat if p not in arch.names]
   if missing_from_map:
     raise ValueError(f"no checkpoint mapping for parameters {missing_from_map}")
+  maps = _memory_maps(raw)
   specs = {  # a rule the mesh cannot follow is refused before any tensor is read
     p: sharding.param_spec(v, mesh, what="parameter " + ".".join(map(str, p)))
     for p, v in (flat.items() if mesh is not None else ())
@@ -424,7 +445,7 @@ def from_hf(
         _slice_reader(source, sources, checkpoint.tensors, named, name, dtype, allow_nonfinite),
       )
     )
-    _release_pages(raw)
+    _release_pages(maps)
   unused = sorted(
     n for n in set(checkpoint.tensors) - checkpoint.used if not n.endswith(_IGNORED_SUFFIXES)
   )

@@ -225,9 +225,9 @@ class NameTable:
       array = checkpoint[first_present([t.format(**fields) for t in row.theirs])]
       held = tuple(array.shape)
       if row.kind == "conv1d" and len(held) == 3:  # [C, 1, K] -> [K, C]
-        return Source((held[2], held[0]), lambda i: _transpose(array[i[1], 0, i[0]]))
+        return Source((held[2], held[0]), lambda i: _transposed_slice(array, (i[1], 0, i[0])))
       if row.kind == "linear" and len(held) >= 2:
-        return Source(held[:-2] + held[:-3:-1], lambda i: _transpose(array[_swap_last(i)]))
+        return Source(held[:-2] + held[:-3:-1], lambda i: _transposed_slice(array, _swap_last(i)))
       return Source(held, lambda i: array[i])
     if row.fused is not None and row.fused[0].format(**fields) in checkpoint:
       name, part, parts = row.fused
@@ -240,7 +240,7 @@ class NameTable:
 
       def read_fused(index):
         e, i, o = index
-        return _transpose(fused[e, lo + o.start : lo + o.stop, i])
+        return _transposed_slice(fused, (e, slice(lo + o.start, lo + o.stop), i))
 
       return Source((num, cols, hi - lo), read_fused)
     expected = (shape[2], shape[1])  # one expert, Hugging Face [out, in]
@@ -257,7 +257,7 @@ class NameTable:
 
     def read_stacked(index):
       e, i, o = index
-      return np.stack([_transpose(arrays[k][o, i]) for k in range(e.start, e.stop)])
+      return np.stack([_transposed_slice(arrays[k], (o, i)) for k in range(e.start, e.stop)])
 
     return Source(tuple(shape), read_stacked, tuple(names))
 
@@ -305,6 +305,12 @@ class Source:
 
 def _swap_last(index: tuple) -> tuple:
   return index[:-2] + (index[-1], index[-2])
+
+
+def _transposed_slice(array, index: tuple) -> np.ndarray:
+  """`_transpose(array[index])`, the slice copied out in the stored layout first (one
+  sequential read of a memory map rather than a strided one)."""
+  return _transpose(np.array(array[index]))
 
 
 def _same(tensors: dict) -> dict:
