@@ -16,7 +16,9 @@ shards and their index; procedurally generated tensor by tensor, never held whol
              what the sharding rules say they hold (`expected_device_bytes`);
   load GB/s  the checkpoint's bytes on disk over the load's time, beside a plain read of the
              same files (every byte once, in 64 MiB reads, timed after the load; both from a
-             warm page cache when the files were just written).
+             warm page cache when the files were just written); "held GB/s" is the bytes
+             its devices hold over the load's time less the abstract model's construction
+             (`nnx.eval_shape`, timed apart: the load spends it whether sharded or not).
 --verify then also compares every shard with the whole-tensor load (`from_hf` without a
 mesh, on one device). Multi-process RL steps from the loaded policy are not done here.
 """
@@ -251,6 +253,10 @@ def worker(process_id: int, port: int, path: str) -> dict:
 
   data, expert, model = (int(x) for x in _MESH.value)
   mesh = sharding.make_mesh(data, expert, model)
+  cfg, _ = hf.read_config(os.path.join(path, "config.json"), jnp.bfloat16)
+  start = time.perf_counter()
+  _abstract(cfg)  # what the load spends building the abstract model, apart
+  abstract_seconds = time.perf_counter() - start
   rss_before = _status_kib("VmRSS")
   reset = _reset_peak()
   start = time.perf_counter()
@@ -280,6 +286,8 @@ def worker(process_id: int, port: int, path: str) -> dict:
     checkpoint_bytes=disk,
     load_seconds=seconds,
     load_gb_s=disk / seconds / GB,
+    abstract_seconds=abstract_seconds,
+    held_gb_s=sum(per_device.values()) / max(seconds - abstract_seconds, 1e-9) / GB,
     read_bytes=read_bytes,
     read_seconds=read_seconds,
     read_gb_s=read_bytes / read_seconds / GB,
@@ -317,6 +325,8 @@ def _table(rows: list[dict]) -> str:
       "rules MiB",
       "load s",
       "load GB/s",
+      "abstract model s",
+      "held GB/s",
       "plain read GB/s",
     ],
     [
@@ -328,6 +338,8 @@ def _table(rows: list[dict]) -> str:
         mib(r["expected_device_bytes"] * r["devices"]),
         f"{r['load_seconds']:.2f}",
         f"{r['load_gb_s']:.3f}",
+        f"{r['abstract_seconds']:.2f}",
+        f"{r['held_gb_s']:.3f}",
         f"{r['read_gb_s']:.3f}",
       ]
       for r in rows
