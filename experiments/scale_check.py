@@ -291,7 +291,10 @@ def worker(process_id: int, port: int, path: str) -> dict:
     load_gb_s=disk / seconds / GB,
     abstract_cold_seconds=abstract_seconds[0],
     abstract_seconds=abstract_seconds[1],
-    held_gb_s=sum(per_device.values()) / max(seconds - abstract_seconds[1], 1e-9) / GB,
+    # (None when the warm abstract model alone took longer than the whole load: noise)
+    held_gb_s=sum(per_device.values()) / (seconds - abstract_seconds[1]) / GB
+    if seconds > abstract_seconds[1]
+    else None,
     read_bytes=read_bytes,
     read_seconds=read_seconds,
     read_gb_s=read_bytes / read_seconds / GB,
@@ -343,7 +346,7 @@ def _table(rows: list[dict]) -> str:
         f"{r['load_seconds']:.2f}",
         f"{r['load_gb_s']:.3f}",
         f"{r['abstract_seconds']:.2f} ({r['abstract_cold_seconds']:.2f})",
-        f"{r['held_gb_s']:.3f}",
+        "n/a" if r["held_gb_s"] is None else f"{r['held_gb_s']:.3f}",
         f"{r['read_gb_s']:.3f}",
       ]
       for r in rows

@@ -50,7 +50,8 @@ def test_two_processes_hold_what_the_rules_put_on_their_devices(tmp_path):
     assert r["model_bytes"] / 4 <= r["expected_device_bytes"] < r["model_bytes"] / 2
     assert r["verified_shards_mismatched"] == 0
     assert r["peak_reset"] and 0 < r["rss_rise_bytes"] < 512 * 2**20
-    assert r["load_gb_s"] > 0 and r["read_gb_s"] > 0 and r["held_gb_s"] > 0
+    assert r["load_gb_s"] > 0 and r["read_gb_s"] > 0
+    assert r["held_gb_s"] is None or r["held_gb_s"] > 0
     assert 0 < r["abstract_seconds"] < r["load_seconds"]
     devices |= set(r["device_bytes"])
   assert len(devices) == 4  # each process its own devices
