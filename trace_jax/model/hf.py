@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
-from trace_jax.model import compressed
+from trace_jax.model import compressed, sharding
 from trace_jax.model.archs import Checkpoint, detect_arch, get_arch
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.transformer import Transformer
@@ -277,8 +280,76 @@ def _check_float_weights(hf: dict, tensors: dict, file_of) -> None:
       )
 
 
+def _memory_maps(tensors: dict) -> list:
+  """The distinct memory maps the checkpoint's arrays view."""
+  maps = {id(m): m for a in tensors.values() if (m := getattr(a, "_mmap", None)) is not None}
+  return list(maps.values())
+
+
+def _release_pages(maps: list) -> None:
+  """Drop the pages of the checkpoint's memory maps from this process's resident set (the
+  kernel's page cache keeps them; a later read maps them again): what a slice read touched
+  is not held on to while the next parameter loads."""
+  for m in maps:
+    try:
+      m.madvise(mmap.MADV_DONTNEED)
+    except (AttributeError, OSError, ValueError):  # a platform without madvise, a closed map
+      pass
+
+
+_EXPONENT_BITS = {np.dtype(jnp.bfloat16): 0x7F80, np.dtype(np.float16): 0x7C00}
+
+
+def _all_finite(block: np.ndarray) -> bool:
+  """Whether a float array holds no NaN or Inf (16-bit floats: from their exponent bits)."""
+  bits = _EXPONENT_BITS.get(block.dtype)
+  if bits is None:
+    return bool(np.isfinite(block).all())
+  return not np.any((block.view(np.uint16) & bits) == bits)
+
+
+def _slice_text(index: tuple[slice, ...]) -> str:
+  return "[" + ", ".join(f"{s.start}:{s.stop}" for s in index) + "]"
+
+
+def _slice_reader(source, sources, tensors, named, name, dtype, allow_nonfinite):
+  """The `make_array_from_callback` callback of one parameter: its slice `index`, read from
+  `source` as float32 (as the whole-tensor load keeps it), checked finite, cast to `dtype`;
+  a slice several local devices hold is read once."""
+  done = {}
+
+  def read(index):
+    bounds = source.bounds(index)
+    key = tuple((s.start, s.stop) for s in bounds)
+    if key not in done:
+      block = np.asarray(source.read(bounds))
+      if block.dtype == np.dtype(dtype) and _all_finite(block):  # e.g. bf16 on disk and here:
+        done[key] = np.ascontiguousarray(block)  # as its float32 round trip would give
+        return done[key]
+      block = np.asarray(block, np.float32)
+      if not allow_nonfinite and not np.isfinite(block).all():
+        culprits = sources
+        if source.expert_names is not None:  # the experts in this slice with bad values
+          rows = (~np.isfinite(block)).reshape(block.shape[0], -1).any(axis=1)
+          culprits = [source.expert_names[bounds[0].start + k] for k in np.flatnonzero(rows)]
+        raise ValueError(
+          f"tensor {named(culprits, tensors)} holds {_nonfinite_count(block)} NaN or Inf "
+          f"values (read as {name}{_slice_text(bounds)}): non-finite weights are refused "
+          "(from_hf(..., allow_nonfinite=True) loads them, for debugging)"
+        )
+      done[key] = block.astype(jnp.dtype(dtype))
+    return done[key]
+
+  return read
+
+
 def from_hf(
-  path: str, dtype=jnp.float32, *, allow_nonfinite: bool = False, **overrides
+  path: str,
+  dtype=jnp.float32,
+  *,
+  allow_nonfinite: bool = False,
+  mesh: Mesh | None = None,
+  **overrides,
 ) -> Transformer:
   """A Transformer with the weights of a local Hugging Face checkpoint directory.
 
@@ -288,6 +359,14 @@ def from_hf(
     dtype: parameter and compute dtype (float32 or bfloat16).
     allow_nonfinite: load weights that hold NaN or Inf (for debugging a damaged
       checkpoint); refused by default, naming the tensor.
+    mesh: make every parameter directly in its final sharding on this (data, expert,
+      model) mesh (the rule it declares, `sharding.param_spec`), with
+      `jax.make_array_from_callback`: each process reads from the files only the slices its
+      own devices hold (transposes, expert stacking, the fused gate/up split and FP4
+      dequantization are done per slice, bit for bit as the whole-tensor load), so no
+      process holds a whole tensor its devices do not need; works under `jax.distributed`.
+      The non-finite check is then per slice. None: every parameter whole on the default
+      device.
     **overrides: ModelConfig fields a checkpoint does not hold, how this run computes
       (e.g. remat=True); they change no weight's shape.
 
@@ -314,7 +393,8 @@ def from_hf(
 
   _check_config_claims(config_path, hf, cfg, tensors)  # headers only, before anything is built
   _check_float_weights(hf, tensors, lambda name: files.get(id(tensors[name]), path))
-  checkpoint = Checkpoint(compressed.decompress(hf, tensors))  # FP4 checkpoints: dequantized
+  # FP4 checkpoints: dequantized (with a mesh, slice by slice as each is read).
+  checkpoint = Checkpoint(compressed.decompress(hf, tensors, lazy=mesh is not None))
 
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
@@ -322,7 +402,12 @@ def from_hf(
   missing_from_map = [p for p in flat if p not in arch.names]
   if missing_from_map:
     raise ValueError(f"no checkpoint mapping for parameters {missing_from_map}")
-  for param_path, variable in flat.items():
+  maps = _memory_maps(raw)
+  specs = {  # a rule the mesh cannot follow is refused before any tensor is read
+    p: sharding.param_spec(v, mesh, what="parameter " + ".".join(map(str, p)))
+    for p, v in (flat.items() if mesh is not None else ())
+  }
+  for param_path, variable in flat.items() if mesh is None else ():
     expected = variable.get_value().shape
     first = len(checkpoint.reads)
     array = np.asarray(arch.names.read(param_path, expected, checkpoint), dtype=np.float32)
@@ -342,6 +427,25 @@ def from_hf(
         "(from_hf(..., allow_nonfinite=True) loads them, for debugging)"
       )
     variable.set_value(jnp.asarray(array, dtype))
+  for param_path, variable in flat.items() if mesh is not None else ():
+    name = ".".join(str(p) for p in param_path)
+    expected = tuple(variable.get_value().shape)
+    first = len(checkpoint.reads)
+    source = arch.names.source(param_path, expected, checkpoint)
+    sources = list(dict.fromkeys(checkpoint.reads[first:]))
+    if source.shape != expected:
+      raise ValueError(
+        f"tensor for {name} has shape {source.shape} ({named(sources, checkpoint.tensors)}); "
+        f"the config implies {expected}"
+      )
+    variable.set_value(
+      jax.make_array_from_callback(
+        expected,
+        NamedSharding(mesh, specs[param_path]),
+        _slice_reader(source, sources, checkpoint.tensors, named, name, dtype, allow_nonfinite),
+      )
+    )
+    _release_pages(maps)
   unused = sorted(
     n for n in set(checkpoint.tensors) - checkpoint.used if not n.endswith(_IGNORED_SUFFIXES)
   )

@@ -206,6 +206,112 @@ class NameTable:
       stacked.append(_transpose(array))
     return np.stack(stacked)
 
+  def source(self, path: tuple, shape: tuple[int, ...], checkpoint: Checkpoint) -> Source:
+    """Import, slice by slice: our parameter at `path` (of `shape`) as a `Source`, whose
+    `source[index]` equals `read(path, shape, checkpoint)[index]` and reads only what that
+    slice needs from the checkpoint's arrays (any arrays with `shape` and basic slicing:
+    memory maps, `compressed.Dequantized`). The same tensors are marked read, in the same
+    order, as by `read`; nothing but their headers is read here.
+
+    Raises:
+      ValueError: naming the missing tensor, or an expert's tensor of the wrong shape.
+    """
+    row, fields = self.row(path)
+
+    def first_present(names):
+      return next((n for n in names if n in checkpoint), names[0])
+
+    if not row.experts:
+      array = checkpoint[first_present([t.format(**fields) for t in row.theirs])]
+      held = tuple(array.shape)
+      if row.kind == "conv1d" and len(held) == 3:  # [C, 1, K] -> [K, C]
+        return Source((held[2], held[0]), lambda i: _transposed_slice(array, (i[1], 0, i[0])))
+      if row.kind == "linear" and len(held) >= 2:
+        return Source(held[:-2] + held[:-3:-1], lambda i: _transposed_slice(array, _swap_last(i)))
+      return Source(held, lambda i: array[i])
+    if row.fused is not None and row.fused[0].format(**fields) in checkpoint:
+      name, part, parts = row.fused
+      fused = checkpoint[name.format(**fields)]  # [E, parts * out, in]
+      if len(fused.shape) != 3:
+        return Source(tuple(fused.shape), lambda i: fused[i])
+      num, rows, cols = fused.shape
+      width = rows // parts
+      lo, hi = part * width, rows if part == parts - 1 else (part + 1) * width
+
+      def read_fused(index):
+        e, i, o = index
+        return _transposed_slice(fused, (e, slice(lo + o.start, lo + o.stop), i))
+
+      return Source((num, cols, hi - lo), read_fused)
+    expected = (shape[2], shape[1])  # one expert, Hugging Face [out, in]
+    names, arrays = [], []
+    for e in range(shape[0]):
+      name = first_present([t.format(**fields, expert=e) for t in row.theirs])
+      array = checkpoint[name]
+      if tuple(array.shape) != expected:
+        raise ValueError(
+          f"tensor {name!r} has shape {tuple(array.shape)}; the config implies {expected}"
+        )
+      names.append(name)
+      arrays.append(array)
+
+    def read_stacked(index):
+      e, i, o = index
+      return np.stack([_transposed_slice(arrays[k], (o, i)) for k in range(e.start, e.stop)])
+
+    return Source(tuple(shape), read_stacked, tuple(names))
+
+
+def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
+  """`index` (basic slices, one per dimension; missing ones whole) as slices with explicit
+  start and stop, of step 1."""
+  if len(index) > len(shape):
+    raise ValueError(f"index {index} has more entries than shape {shape} has dimensions")
+  out = []
+  for entry, size in zip(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape):
+    if not isinstance(entry, slice):
+      raise ValueError(f"index {index}: every entry is a slice; got {entry!r}")
+    start, stop, step = entry.indices(size)
+    if step != 1:
+      raise ValueError(f"index {index}: slices of step 1 only; got step {step}")
+    out.append(slice(start, max(start, stop)))
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One of our parameters as a checkpoint holds it, assembled slice by slice: `source[index]`
+  is `NameTable.read(...)[index]` (the same values, bit for bit), reading from the
+  checkpoint's arrays (memory maps) only the rows and columns the slice needs.
+
+  Attributes:
+    shape: the shape the whole parameter has (what `read` would return).
+    read: (index of explicit step-1 slices, one per dimension) -> that slice, in our layout.
+    expert_names: for one tensor per expert, the tensor of each index along axis 0 (to name
+      the one a bad value came from); else None.
+  """
+
+  shape: tuple[int, ...]
+  read: Callable[[tuple[slice, ...]], np.ndarray]
+  expert_names: tuple[str, ...] | None = None
+
+  def bounds(self, index: tuple) -> tuple[slice, ...]:
+    """`index` with explicit starts and stops (for a slice of this parameter)."""
+    return _bounds(index, self.shape)
+
+  def __getitem__(self, index) -> np.ndarray:
+    return np.asarray(self.read(self.bounds(index if isinstance(index, tuple) else (index,))))
+
+
+def _swap_last(index: tuple) -> tuple:
+  return index[:-2] + (index[-1], index[-2])
+
+
+def _transposed_slice(array, index: tuple) -> np.ndarray:
+  """`_transpose(array[index])`, the slice copied out in the stored layout first (one
+  sequential read of a memory map rather than a strided one)."""
+  return _transpose(np.array(array[index]))
+
 
 def _same(tensors: dict) -> dict:
   return tensors
