@@ -63,7 +63,6 @@ _DEVICES = flags.DEFINE_integer("devices_per_process", 2, "CPU devices per proce
 _MESH = flags.DEFINE_list("mesh", ["2", "2", "1"], "data,expert,model (product: all devices).")
 _VERIFY = flags.DEFINE_bool("verify", False, "Compare every shard with the whole-tensor load.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the per-process figures here.")
-_RL_STEPS = flags.DEFINE_integer("rl_steps", 0, "RL steps after the load (not supported yet).")
 _WORKER = flags.DEFINE_string("worker", None, "(internal) process_id,port of a worker process.")
 
 GB = 1e9
@@ -362,8 +361,6 @@ def main(argv):
       f"--mesh={','.join(_MESH.value)}: three sizes data,expert,model whose product is "
       f"--processes x --devices_per_process = {_PROCESSES.value * _DEVICES.value}"
     )
-  if _RL_STEPS.value:
-    raise ValueError(f"--rl_steps={_RL_STEPS.value}: RL steps after the load are not built yet")
   if _WORKER.value is not None:
     process_id, port = (int(x) for x in _WORKER.value.split(","))
     print("RESULT " + json.dumps(worker(process_id, port, _CHECKPOINT_DIR.value)), flush=True)
