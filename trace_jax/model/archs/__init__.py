@@ -5,7 +5,7 @@ from trace_jax.model.archs.table import (
   Arch,
   Checkpoint,
   NameTable,
-  Source,
+  SliceSource,
   Target,
   detect_arch,
   get_arch,

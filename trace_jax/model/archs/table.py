@@ -206,8 +206,8 @@ class NameTable:
       stacked.append(_transpose(array))
     return np.stack(stacked)
 
-  def source(self, path: tuple, shape: tuple[int, ...], checkpoint: Checkpoint) -> Source:
-    """Import, slice by slice: our parameter at `path` (of `shape`) as a `Source`, whose
+  def source(self, path: tuple, shape: tuple[int, ...], checkpoint: Checkpoint) -> SliceSource:
+    """Import, slice by slice: our parameter at `path` (of `shape`) as a `SliceSource`, whose
     `source[index]` equals `read(path, shape, checkpoint)[index]` and reads only what that
     slice needs from the checkpoint's arrays (any arrays with `shape` and basic slicing:
     memory maps, `compressed.Dequantized`). The same tensors are marked read, in the same
@@ -225,15 +225,17 @@ class NameTable:
       array = checkpoint[first_present([t.format(**fields) for t in row.theirs])]
       held = tuple(array.shape)
       if row.kind == "conv1d" and len(held) == 3:  # [C, 1, K] -> [K, C]
-        return Source((held[2], held[0]), lambda i: _transposed_slice(array, (i[1], 0, i[0])))
+        return SliceSource((held[2], held[0]), lambda i: _transposed_slice(array, (i[1], 0, i[0])))
       if row.kind == "linear" and len(held) >= 2:
-        return Source(held[:-2] + held[:-3:-1], lambda i: _transposed_slice(array, _swap_last(i)))
-      return Source(held, lambda i: array[i])
+        return SliceSource(
+          held[:-2] + held[:-3:-1], lambda i: _transposed_slice(array, _swap_last(i))
+        )
+      return SliceSource(held, lambda i: array[i])
     if row.fused is not None and row.fused[0].format(**fields) in checkpoint:
       name, part, parts = row.fused
       fused = checkpoint[name.format(**fields)]  # [E, parts * out, in]
       if len(fused.shape) != 3:
-        return Source(tuple(fused.shape), lambda i: fused[i])
+        return SliceSource(tuple(fused.shape), lambda i: fused[i])
       num, rows, cols = fused.shape
       width = rows // parts
       lo, hi = part * width, rows if part == parts - 1 else (part + 1) * width
@@ -242,7 +244,7 @@ class NameTable:
         e, i, o = index
         return _transposed_slice(fused, (e, slice(lo + o.start, lo + o.stop), i))
 
-      return Source((num, cols, hi - lo), read_fused)
+      return SliceSource((num, cols, hi - lo), read_fused)
     expected = (shape[2], shape[1])  # one expert, Hugging Face [out, in]
     names, arrays = [], []
     for e in range(shape[0]):
@@ -259,7 +261,7 @@ class NameTable:
       e, i, o = index
       return np.stack([_transposed_slice(arrays[k], (o, i)) for k in range(e.start, e.stop)])
 
-    return Source(tuple(shape), read_stacked, tuple(names))
+    return SliceSource(tuple(shape), read_stacked, tuple(names))
 
 
 def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -279,7 +281,7 @@ def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Source:
+class SliceSource:
   """One of our parameters as a checkpoint holds it, assembled slice by slice: `source[index]`
   is `NameTable.read(...)[index]` (the same values, bit for bit), reading from the
   checkpoint's arrays (memory maps) only the rows and columns the slice needs.
