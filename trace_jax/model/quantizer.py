@@ -20,6 +20,8 @@ All arithmetic is `trace_jax.fp4`'s; nothing here rounds by itself.
 
 from __future__ import annotations
 
+import copy
+
 import zlib
 from typing import Any, Mapping, Sequence
 
@@ -247,6 +249,7 @@ class SiteQuantizer:
     self.dtype = dtype
     self.guidance = dict(guidance or {})
     self.key = key
+    self.layer_ids = {}  # layer -> the traced layer id it stands for (`relabelled`)
     self.guided = set()
     if self.quant is not None and self.quant.rounding != "nearest":
       self.guided = set(self.quant.guided_layer_ids(num_layers))
@@ -257,6 +260,16 @@ class SiteQuantizer:
         )
     if self.guidance and (self.quant is None or self.quant.rounding != "guided"):
       raise ValueError("guidance was given but QuantConfig.rounding is not 'guided'")
+
+  def relabelled(self, layer: int, layer_id: jax.Array, guidance: Mapping[str, Any]):
+    """A copy in which `layer` stands for the traced layer `layer_id` (one step of a scan
+    over alike layers): its guidance is `guidance` ({site: entry}) and its stochastic keys
+    fold `layer_id`, so the step quantizes as the real layer would."""
+    out = copy.copy(self)
+    out.guidance = {k: v for k, v in self.guidance.items() if k[0] != layer}
+    out.guidance.update({(layer, site): g for site, g in guidance.items()})
+    out.layer_ids = {**self.layer_ids, layer: layer_id}
+    return out
 
   def active(self, site: str) -> bool:
     return self.quant is not None and self.quant.quantizes(site)
@@ -269,7 +282,10 @@ class SiteQuantizer:
     if layer not in self.guided:
       return {}
     if self.quant.rounding == "stochastic":
-      site_key = jax.random.fold_in(jax.random.fold_in(self.key, layer), zlib.crc32(site.encode()))
+      layer_id = self.layer_ids.get(layer, layer)
+      site_key = jax.random.fold_in(
+        jax.random.fold_in(self.key, layer_id), zlib.crc32(site.encode())
+      )
       return dict(rounding="stochastic", key=site_key)
     if (layer, site) not in self.guidance:
       raise ValueError(

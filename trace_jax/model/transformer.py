@@ -34,6 +34,7 @@ from trace_jax.model.moe import MLP, MoE
 from trace_jax.model.parameters import normal_param
 from trace_jax.model.quant import CallOptions, QuantConfig
 from trace_jax.model.quantizer import SiteQuantizer
+from trace_jax.model.scan import LayerGroup, layer_groups
 from trace_jax.model.sites import MLP_IN, collect_site_records, sow_site
 from trace_jax.model.skew import Skew
 
@@ -141,6 +142,56 @@ def _rematerialized(block: Block, sq: SiteQuantizer):
   return call
 
 
+def _layer_signature(block: Block, sq: SiteQuantizer):
+  """What shapes a layer's program in this forward: two layers with equal signatures run
+  the same computation on different parameters, guidance and layer ids."""
+  layer = block.layer
+  params = nnx.state(block)
+  guide = tuple(
+    (site, jax.tree.structure(g), tuple((a.shape, a.dtype) for a in jax.tree.leaves(g)))
+    for (at, site), g in sorted(sq.guidance.items())
+    if at == layer
+  )
+  return (
+    block.linear,
+    block.moe is None,
+    layer in sq.guided,
+    sq.records(layer),
+    jax.tree.structure(params),
+    tuple((a.shape, a.dtype) for a in jax.tree.leaves(params)),
+    guide,
+  )
+
+
+def _stack(trees):
+  """Trees of equal structure stacked leaf by leaf along a new leading axis."""
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def _scanned_layer(graphdef, sq: SiteQuantizer, inputs: LayerInputs, remat: bool):
+  """One layer of a scan step as a pure function of its stacked slices:
+  (state, x, layer_id, routing, guidance) -> (x, RouterStats or None, {path: sown}).
+
+  The block is rebuilt from `graphdef` (the pattern's template layer, whose static facts
+  every layer of the run shares) and its slice of the parameters; `sq` is relabelled so
+  that its guidance is this layer's and its stochastic keys fold the real layer id. Under
+  `remat` the function is rematerialised (jax.checkpoint) per layer."""
+
+  def call(state, x, layer_id, routing, guidance):
+    block = nnx.merge(graphdef, state)
+    layer_sq = sq.relabelled(block.layer, layer_id, guidance)
+    run = lambda blk, x: blk(x, inputs, sq=layer_sq, routing=routing)
+    if not layer_sq.records(block.layer):
+      x, _, stats = run(block, x)
+      return x, stats, {}
+    (x, _, stats), sown = nnx.capture(run, nnx.Intermediate)(block, x)
+    flat = nnx.to_flat_state(sown)
+    values = {tuple(path): v.get_value() if hasattr(v, "get_value") else v for path, v in flat}
+    return x, stats, values
+
+  return jax.checkpoint(call) if remat else call
+
+
 class Transformer(nnx.Module):
   """Embedding, `num_layers` blocks, final RMSNorm and LM head."""
 
@@ -220,6 +271,58 @@ class Transformer(nnx.Module):
       out = out.replace(site_inputs={k: r.input for k, r in records.items() if r.input is not None})
     return out
 
+  def _layer_groups(self, sq: SiteQuantizer, cache) -> list[LayerGroup]:
+    """The forward's layers, cut into scanned runs of alike layers (`scan.layer_groups`)
+    where `cfg.scan_layers` holds and the call has no cache, else one group per layer."""
+    if not self.cfg.scan_layers or cache is not None:
+      return [LayerGroup(i, 1, 1) for i in range(self.cfg.num_layers)]
+    return layer_groups([_layer_signature(block, sq) for block in self.blocks])
+
+  def _scan_group(self, group: LayerGroup, x, inputs, sq, routing, moe_index, skew, positions):
+    """Layers of `group` under one `jax.lax.scan` over its repeats: each step runs the
+    pattern's layers once, from their parameters stacked by repeat (and their routing to
+    replay, guidance and layer ids). What the layers sow is sown back onto their own
+    blocks, so the records are keyed exactly as unrolled. Returns (x, {layer: stats})."""
+    templates = [self.blocks[group.start + j] for j in range(group.period)]
+    calls, xs = [], []
+    for j, template in enumerate(templates):
+      layers = group.layers(j)
+      state = _stack([nnx.state(self.blocks[layer]) for layer in layers])
+      layer_routing = None
+      if routing is not None and template.moe is not None:
+        layer_routing = routing[np.array([moe_index[layer] for layer in layers])]
+      guide = {
+        site: _stack([sq.guidance[(layer, site)] for layer in layers])
+        for (at, site) in sq.guidance
+        if at == template.layer
+      }
+      calls.append(_scanned_layer(nnx.graphdef(template), sq, inputs, self.cfg.remat))
+      xs.append((state, jnp.asarray(layers, jnp.int32), layer_routing, guide))
+
+    def step(x, xs):
+      outs = []
+      for call, (state, layer_id, layer_routing, guide) in zip(calls, xs):
+        x, stats, sown = call(state, x, layer_id, layer_routing, guide)
+        if skew is not None:
+          x = skew.apply(x, positions, layer_id)
+        outs.append((stats, sown))
+      return x, outs
+
+    x, outs = jax.lax.scan(step, x, xs)
+    stats_by_layer = {}
+    for j, (stats, sown) in enumerate(outs):
+      for r, layer in enumerate(group.layers(j)):
+        at = lambda tree: jax.tree.map(lambda a: a[r], tree)
+        if stats is not None:
+          stats_by_layer[layer] = at(stats)
+        for path, items in sown.items():
+          module = self.blocks[layer]
+          for name in path[:-1]:
+            module = module[name] if isinstance(name, int) else getattr(module, name)
+          for item in at(items):
+            module.sow(nnx.Intermediate, path[-1], item)
+    return x, stats_by_layer
+
   def _forward(
     self, tokens, positions, mask, cache, quant, guidance, options, skew=None
   ) -> ModelOutput:
@@ -263,12 +366,19 @@ class Transformer(nnx.Module):
     inputs = LayerInputs(cos=cos, sin=sin, attn_mask=attn_mask, valid=mask, start=start)
 
     x = embed_tokens(self.embed.get_value(), tokens).astype(dtype)
-    new_k, new_v, new_conv, new_recurrent, moe_stats = [], [], [], [], []
-    for block in self.blocks:
+    new_k, new_v, new_conv, new_recurrent = [], [], [], []
+    moe_stats = {}  # layer -> RouterStats
+    moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
+    for group in self._layer_groups(sq, cache):
+      if group.scanned:
+        x, stats = self._scan_group(group, x, inputs, sq, routing, moe_index, skew, positions)
+        moe_stats.update(stats)
+        continue
+      block = self.blocks[group.start]
       i = block.layer
       layer_routing = None
       if routing is not None and block.moe is not None:
-        layer_routing = routing[len(moe_stats)]
+        layer_routing = routing[moe_index[i]]
       if cache is None and cfg.remat:
         x, entries, stats = _rematerialized(block, sq)(x, inputs, routing=layer_routing)
       elif cache is None:
@@ -287,7 +397,8 @@ class Transformer(nnx.Module):
         new_conv.append(states[0])
         new_recurrent.append(states[1])
       if stats is not None:
-        moe_stats.append(stats)
+        moe_stats[i] = stats
+    moe_stats = [moe_stats[layer] for layer in sorted(moe_stats)]
     # Final norm and LM head in float32: the log-probabilities RL needs are read here.
     if options.last_logits:  # (the prefill samples from its last slot only)
       x = x[:, -1:]
