@@ -1,6 +1,6 @@
 """The main job on several seeds, each against its matched placebo (resumable).
 
-  python experiments/main_job.py                       # seeds 0, 1, 2: 6 runs, about 30 min
+  python experiments/main_job.py                       # seeds 0, 1, 2: 6 runs, about 25 min
   python experiments/main_job.py --seeds=3 --workdir=runs/main_job
 
 Per seed: `python experiments/rl.py --seed=S` as it is, in its own process (a fresh warm start:
