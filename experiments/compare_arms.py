@@ -9,6 +9,8 @@
       --sft_target=0.6 --steps=60 --workdir=runs/arms                         # the long setting
   python experiments/compare_arms.py --results=experiments/results/arms/long --name=kv_bf16 \
       --arms=trace --kv_precision=bf16 --warmstarts_from=runs/arms/long ...  # + its KV ablation
+  python experiments/compare_arms.py --results=experiments/results/arms/skew --name=s0.0625 \
+      --tasks=chain_flawed --arms=bf16,fp4-qat,trace,trace-full --rollout_skew=0.0625  # a skewed engine
 
 Arms: bf16, fp4-rollout, fp4-qat, trace, trace-full (trained), then ptq and ptq-46 (the bf16
 run's final policy quantized to FP4 after training, with the standard and the "4over6"
@@ -43,6 +45,7 @@ from trace_jax.studies import compare, ptq
 from trace_jax.run import report, warmstart
 from trace_jax.rl.arms import ARMS
 from trace_jax.rl.config import LR_DECAYS, RLConfig
+from trace_jax.rl.grpo import CORRECTIONS
 from trace_jax.run.rundir import read_metrics
 from trace_jax.run.trainer import Trainer
 from trace_jax.utils import flags as config_flags
@@ -82,6 +85,18 @@ _STALENESS = flags.DEFINE_integer(
 )
 _VERSION_DIAG = flags.DEFINE_integer(
   "version_diag_every", None, "Asynchronous RL: precision / version k3 split period."
+)
+_SKEW = flags.DEFINE_float(
+  "rollout_skew",
+  None,
+  "A rollout engine that computes differently: each layer's output on the rollout path times "
+  "1 + s * u (RLConfig.rollout_skew; default 0: none).",
+)
+_CORRECTION = flags.DEFINE_enum(
+  "rollout_correction",
+  None,
+  ["auto", *CORRECTIONS],
+  "Correction on pi_old / pi_rollout for every arm (RLConfig.correction; default auto: the arm's).",
 )
 _WORKDIR = flags.DEFINE_string("workdir", "runs/arms", "Root of the run directories.")
 _WARMSTARTS = flags.DEFINE_string(
@@ -125,12 +140,14 @@ def _overrides() -> dict:
     ),
     "max_staleness": _STALENESS.value,
     "version_diag_every": _VERSION_DIAG.value,
+    "rollout_skew": _SKEW.value,
+    "correction": _CORRECTION.value,
   }
   out = {k: v for k, v in values.items() if v is not None}
   if _STRESS.value:
     out["steps"] = out.get("steps", _D.schedule.steps * STRESS_STEPS_FACTOR)
     out["learning_rate"] = out.get("learning_rate", _D.schedule.learning_rate * STRESS_LR_FACTOR)
-    out["correction"] = "none"
+    out.setdefault("correction", "none")
   return out
 
 
