@@ -133,3 +133,10 @@ def test_skew_labels_and_points():
   rng = np.random.default_rng()
   cell = _cell(rng, "trace", 1, skew.Point("tis", 0.0625), 0.4)
   assert skew.point_of(cell) == skew.Point("tis", 0.0625)
+
+
+@pytest.mark.parametrize("arm", skew.STUDY_ARMS)
+def test_the_study_arms_run_without_a_correction_by_default(arm):
+  """Why the study's correction variant is TIS: "correction off" is these arms' own loss."""
+  assert RLConfig(arm=arm).loss_config == RLConfig(arm=arm, correction="none").loss_config
+  assert RLConfig(arm=arm, correction="tis").loss_config.rollout_correction == "tis"
