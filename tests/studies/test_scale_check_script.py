@@ -1,7 +1,8 @@
 """experiments/scale_check.py at a tiny size, 2 processes x 2 CPU devices: the synthetic
 checkpoint has the parameters its flags imply, every process holds what the sharding rules
 put on its devices (and no device holds a shard the whole-tensor load disagrees with), and
-the timings and resident-set figures are there."""
+the timings and resident-set figures are there (their values are the script's to print,
+not the test's to judge)."""
 
 import json
 import os
@@ -52,7 +53,8 @@ def test_two_processes_hold_what_the_rules_put_on_their_devices(tmp_path):
     assert r["peak_reset"] and 0 < r["rss_rise_bytes"] < 512 * 2**20
     assert r["load_gb_s"] > 0 and r["read_gb_s"] > 0
     assert r["held_gb_s"] is None or r["held_gb_s"] > 0
-    assert 0 < r["abstract_seconds"] < r["load_seconds"]
+    # Timings are reported, never compared: on a loaded machine either may be the larger.
+    assert r["abstract_seconds"] > 0 and r["load_seconds"] > 0
     devices |= set(r["device_bytes"])
   assert len(devices) == 4  # each process its own devices
   assert "| process | devices | rss rise MiB |" in done.stdout
