@@ -41,6 +41,13 @@ from trace_jax.utils import flags as config_flags
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
+_MORE_SEEDS = flags.DEFINE_list(
+  "more_seeds",
+  ["3", "4"],
+  "Seeds added at each point where trace's or trace-full's paired difference against fp4-qat "
+  "on --seeds does not exclude 0 (so lies within one interval width of excluding it); empty: "
+  "none.",
+)
 _SKEWS = flags.DEFINE_list(
   "skews",
   [repr(s) for s in sorted(skew.SKEWS, reverse=True)] + ["0.0"],
@@ -73,12 +80,18 @@ _RESULTS = flags.DEFINE_string(
 )
 
 
-def _parse() -> tuple[list[int], list[skew.Point], list[str]]:
-  """Seeds, points (in run order) and arms, or a UsageError naming the bad value."""
+def _parse() -> tuple[list[int], list[int], list[skew.Point], list[str]]:
+  """Seeds, added seeds, points (in run order) and arms, or a UsageError naming the bad
+  value."""
   try:
     seeds = [int(s) for s in _SEEDS.value]
+    more = [int(s) for s in _MORE_SEEDS.value]
   except ValueError as e:
-    raise app.UsageError(f"--seeds takes integers: {e}") from e
+    raise app.UsageError(f"--seeds and --more_seeds take integers: {e}") from e
+  if set(seeds) & set(more):
+    raise app.UsageError(
+      f"--more_seeds={','.join(_MORE_SEEDS.value)} repeats seeds of --seeds={','.join(_SEEDS.value)}"
+    )
   try:
     skews = [float(s) for s in _SKEWS.value]
     for s in skews:
@@ -106,7 +119,7 @@ def _parse() -> tuple[list[int], list[skew.Point], list[str]]:
   points = [skew.Point(skew.DEFAULT_CORRECTION, s) for s in skews]
   if _VARIANT.value and max(skews) > 0:
     points.append(skew.Point(_VARIANT.value, max(skews)))
-  return seeds, points, [a for a in trained if a in _ARMS.value]
+  return seeds, more, points, [a for a in trained if a in _ARMS.value]
 
 
 def _name(point: skew.Point) -> str:
@@ -141,7 +154,7 @@ def _compare_arms(point, seeds, arms, work_root, results_root, warmstarts) -> No
 def main(argv):
   matplotlib.use("Agg")  # files, not windows: the script chooses the backend
   del argv
-  seeds, points, arms = _parse()
+  seeds, more, points, arms = _parse()
   task = RLConfig().task
   work_root = os.path.abspath(_WORKDIR.value)
   results_root = os.path.abspath(_RESULTS.value)
@@ -151,18 +164,26 @@ def main(argv):
   cells_by_point = {}
   for point in points:
     own = os.path.join(results_root, _name(point))
-    from_base = {  # skew 0: the comparison's cells, only on the setting it ran
-      (s, a): None if (point != base or _SETTING.value) else _read(unskewed, task, s, a)
-      for s in seeds
-      for a in arms
-    }
-    missing = sorted({s for (s, a), cell in from_base.items() if cell is None})
-    if missing:
-      _compare_arms(point, missing, arms, work_root, results_root, warmstarts)
+    point_seeds, ran = list(seeds), False
+    while True:
+      cells = {
+        (s, a): _read(unskewed, task, s, a) if point == base and not _SETTING.value else None
+        for s in point_seeds
+        for a in arms
+      }  # skew 0: the comparison's cells, on the setting it ran
+      if any(cell is None for cell in cells.values()):  # compare_arms keeps finished cells
+        _compare_arms(point, point_seeds, arms, work_root, results_root, warmstarts)
+        ran = True
+      cells_by_point[point] = [
+        cells[(s, a)] or _read(own, task, s, a) for s in point_seeds for a in arms
+      ]
+      open_arms = skew.undecided(cells_by_point[point])
+      if point_seeds != seeds or not more or not open_arms:
+        break
+      print(f"{point.label}: {', '.join(open_arms)} - fp4-qat does not exclude 0; seeds {more} too")
+      point_seeds = seeds + more
+    if ran:
       warmstarts = os.path.join(work_root, _name(point))  # the next points start there
-    cells_by_point[point] = [
-      from_base[(s, a)] or _read(own, task, s, a) for s in seeds for a in arms
-    ]
   settings = {
     "task": task,
     "seeds": seeds,

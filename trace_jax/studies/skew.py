@@ -185,6 +185,26 @@ def rows(cells_by_point: Mapping[Point, Sequence[compare.Cell]]) -> list[SkewRow
   return out
 
 
+GUIDED_ARMS = ("trace", "trace-full")  # whose paired difference against fp4-qat is the claim
+
+
+def undecided(cells: Sequence[compare.Cell]) -> list[str]:
+  """The guided arms whose paired difference against fp4-qat at one point does not exclude 0
+  at 95%: every such interval lies within one interval width of excluding it, so more seeds
+  may decide it. An arm with fewer than two seeds paired counts as undecided."""
+  qat = {c.seed: c for c in cells if c.arm == "fp4-qat"}
+  out = []
+  for arm in GUIDED_ARMS:
+    mine = [c for c in cells if c.arm == arm]
+    if not mine or not qat:
+      continue
+    paired = _paired(mine, qat)
+    finite = paired is not None and math.isfinite(paired.lo) and math.isfinite(paired.hi)
+    if not finite or paired.lo <= 0.0 <= paired.hi:
+      out.append(arm)
+  return out
+
+
 def _sci(value: float | None) -> str:
   return "-" if value is None else f"{value:.1e}"
 
