@@ -173,6 +173,7 @@ def test_a_config_saved_flat_compares_by_leaf_name():
     "mesh",
   ]
   assert changed.replace(steps=7, remat=True).differences(changed.to_dict()) == []
+  assert changed.replace(scan_layers=False).differences(changed.to_dict()) == []
   # and so may the learner's wait for a batch
   assert changed.replace(rollout_timeout=5.0).differences(changed.to_dict()) == []
   assert changed.replace(rollout_devices=2).differences(changed.to_dict()) == ["rollout_devices"]
@@ -188,7 +189,7 @@ def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
   # the flat config's names, and the knobs added since (asynchronous RL, lr_decay, sft_target)
   added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every", "lr_decay"}
   added |= {"sft_target", "kv_precision", "max_grad_norm", "tensorboard", "rollout_skew"}
-  added |= {"rollout_devices", "rollout_timeout"}
+  added |= {"rollout_devices", "rollout_timeout", "scan_layers"}
   # the scheme's per-path fields: leaves of the run's QuantConfig, never flags
   added |= {"fp4_precision", "fp4_weights", "fp4_rounding", "fp4_guided_layers"}
   assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT)) | added

@@ -70,8 +70,9 @@ class ModelConfig:
   delta_chunk_size: int = 64  # chunk length of the chunked gated delta rule (prefill/train)
   remat: bool = False  # training: recompute each block's activations in the backward pass
   #   (jax.checkpoint per layer) instead of keeping them; see experiments/plan.py
-  scan_layers: bool = False  # calls without a cache run each run of alike layers (a
-  #   repeating pattern of them) under one jax.lax.scan: compiled once, not once per layer
+  scan_layers: bool = True  # calls without a cache run each run of alike layers (a
+  #   repeating pattern of them) under one jax.lax.scan: compiled once, not once per layer;
+  #   layers that start no repeat (dense-first layers) stay unrolled
 
   def __post_init__(self):
     _require(self.arch in ARCHS, "arch", self.arch, f"use one of {ARCHS}")

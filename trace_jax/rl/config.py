@@ -87,6 +87,11 @@ class Source:
     (), "key=value template variables.", parse=flags.parse_bool_pairs
   )
   remat: bool = knob(False, "Recompute each block's activations in the backward pass.")
+  scan_layers: bool = knob(
+    True,
+    "Run alike layers of the training path's calls under one scan (compiled once, not once "
+    "per layer); off: the unrolled stack (gradients differ in the last bits).",
+  )
 
   def __post_init__(self):
     where = "RLConfig"
@@ -393,7 +398,7 @@ class RLConfig:
   def differences(
     self,
     other: dict,
-    ignore=("steps", "max_param_abs", "remat", "tensorboard", "rollout_timeout"),
+    ignore=("steps", "max_param_abs", "remat", "scan_layers", "tensorboard", "rollout_timeout"),
   ) -> list[str]:
     """Flat names of the fields whose values differ from a saved config dict (nested or
     flat); a field the saved config lacks counts as its default there."""

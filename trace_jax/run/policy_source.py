@@ -201,8 +201,8 @@ def _check_block_fit(config, model_cfg: ModelConfig) -> None:
 
 def runtime_fields(config) -> dict:
   """The ModelConfig fields an RLConfig sets on any architecture: how the policy computes
-  (per-layer remat), not what it is."""
-  return {"remat": config.source.remat}
+  (per-layer remat, layers under a scan), not what it is."""
+  return {"remat": config.source.remat, "scan_layers": config.source.scan_layers}
 
 
 def load_hf_policy(path: str, mesh=None, **overrides) -> Transformer:
