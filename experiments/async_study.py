@@ -2,17 +2,23 @@
 
   python experiments/async_study.py          # fp4-qat, trace, trace-full x k = 0, 1, 3 x seeds 0-2
   python experiments/async_study.py --seeds=0 --staleness=0,3 --arms=trace
+  python experiments/async_study.py --staleness=0,3 --lr_scales=1,0.5 --sync_results= \
+      --results=experiments/results/async/chain_flawed      # the rate question, all run here
 
 For each k > 0: `experiments/compare_arms.py --name=staleness<k> --max_staleness=<k>
 --version_diag_every=<n>` on the main job's task (results in <results>/staleness<k>/, runs in
 <workdir>/staleness<k>/), cell by cell, so a killed study resumes where it stopped. k = 0 is the
 synchronous loop: on the main job's setting its cells are read from the arms comparison
 (--sync_results, the chain sweep) where it has them; the missing ones (all of them with
---setting) run as <results>/staleness0/. --setting=key=value,... passes flags to every
+--setting, or an empty --sync_results) run as <results>/staleness0/. --lr_scales runs every k
+at each learning rate scale too (the run's rate times it: RLConfig's, or --setting's
+learning_rate), as <results>/staleness<k>_lr<rate>/ (a scale of 1 is the plain name), each
+paired against k = 0 at its own rate. --setting=key=value,... passes flags to every
 compare_arms.py run (e.g. a tiny smoke: preset=tiny,steps=2,sft_steps=4). Each run starts from
 its seed's warm start in --warmstarts_from (a directory of compare_arms runs:
-<task>/seed<S>/bf16/warmstart; compare_arms' flag of that name) when one is there; warm starts
-are keyed by their settings, so one made for anything else is rebuilt, never reused.
+<task>/seed<S>/<arm>/warmstart; compare_arms' flag of that name) when one is there, the later
+points from the first's; warm starts are keyed by their settings, so one made for anything
+else is rebuilt, never reused.
 
 Then <results>/study/: results.json (`settings`, `cells` with their `staleness`, `rows`),
 table.md (per arm and k: gain with its 95% interval, paired difference against k = 0, total /
@@ -38,6 +44,9 @@ _STALENESS = flags.DEFINE_list(
   "staleness", [str(k) for k in staleness.STALENESS], "Max staleness values (0: synchronous)."
 )
 _ARMS = flags.DEFINE_list("arms", list(staleness.STUDY_ARMS), "Trained arms.")
+_LR_SCALES = flags.DEFINE_list(
+  "lr_scales", ["1"], "Learning-rate scales: every k runs at the run's rate times each."
+)
 _DIAG = flags.DEFINE_integer(
   "version_diag_every", 20, "Steps between precision / version k3 diagnostics (k > 0)."
 )
@@ -54,15 +63,17 @@ _WARMSTARTS = flags.DEFINE_string(
 _SYNC = flags.DEFINE_string(
   "sync_results",
   os.path.join(_ROOT, "experiments", "results", "arms", "chain"),
-  "An arms comparison on the same setting whose cells serve as k = 0.",
+  "An arms comparison on the same setting whose cells serve as k = 0 (empty: run them here, "
+  "e.g. on a machine whose warm starts differ from that comparison's).",
 )
 _RESULTS = flags.DEFINE_string(
   "results", os.path.join(_ROOT, "experiments", "results", "async"), "Results root."
 )
 
 
-def _parse() -> tuple[list[int], list[int], list[str]]:
-  """Seeds, staleness values and arms, or a UsageError naming the bad value."""
+def _parse() -> tuple[list[int], list[int], list[str], list[float]]:
+  """Seeds, staleness values, arms and learning rates, or a UsageError naming the bad
+  value."""
   try:
     seeds = [int(s) for s in _SEEDS.value]
     ks = sorted({int(k) for k in _STALENESS.value})
@@ -70,6 +81,12 @@ def _parse() -> tuple[list[int], list[int], list[str]]:
     raise app.UsageError(f"--seeds and --staleness take integers: {e}") from e
   if any(k < 0 for k in ks):
     raise app.UsageError(f"--staleness={ks}: each k must be >= 0")
+  try:
+    scales = [float(x) for x in _LR_SCALES.value]
+  except ValueError as e:
+    raise app.UsageError(f"--lr_scales takes numbers: {e}") from e
+  if not scales or any(not (x > 0 and x < float("inf")) for x in scales):
+    raise app.UsageError(f"--lr_scales={_LR_SCALES.value}: each scale must be a finite number > 0")
   trained = [a for a, spec in ARMS.items() if not spec.post_training]
   bad = sorted(set(_ARMS.value) - set(trained))
   if bad:
@@ -79,12 +96,15 @@ def _parse() -> tuple[list[int], list[int], list[str]]:
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   reserved = {"max_staleness", "version_diag_every", "name", "seeds", "arms", "tasks"}
-  clash = sorted(reserved & {pair.split("=", 1)[0] for pair in _SETTING.value})
+  setting = dict(pair.split("=", 1) for pair in _SETTING.value)
+  clash = sorted(reserved & set(setting))
   if clash:
     raise app.UsageError(f"--setting: {clash} are set by the study itself; use its own flags")
   if _DIAG.value < 1:
     raise app.UsageError(f"--version_diag_every={_DIAG.value} must be >= 1")
-  return seeds, ks, [a for a in trained if a in _ARMS.value]
+  base = float(setting.get("learning_rate", RLConfig().schedule.learning_rate))
+  rates = list(dict.fromkeys(base * x for x in scales))
+  return seeds, ks, [a for a in trained if a in _ARMS.value], rates
 
 
 def _read(results_dir: str, task: str, seed: int, arm: str) -> compare.Cell | None:
@@ -92,7 +112,7 @@ def _read(results_dir: str, task: str, seed: int, arm: str) -> compare.Cell | No
   return None if summary is None else compare.Cell(arm=arm, task=task, seed=seed, summary=summary)
 
 
-def _compare_arms(name: str, k: int, seeds, arms, work_root, results_root) -> None:
+def _compare_arms(name: str, k: int, seeds, arms, work_root, results_root, warmstarts, rate=None):
   command = [
     sys.executable,
     os.path.join(_ROOT, "experiments", "compare_arms.py"),
@@ -102,8 +122,12 @@ def _compare_arms(name: str, k: int, seeds, arms, work_root, results_root) -> No
     f"--arms={','.join(arms)}",
     f"--workdir={work_root}",
     f"--results={results_root}",
-    f"--warmstarts_from={os.path.abspath(_WARMSTARTS.value)}",
-  ] + [f"--{pair}" for pair in _SETTING.value]
+    f"--warmstarts_from={warmstarts}",
+  ] + [
+    f"--{pair}" for pair in _SETTING.value if rate is None or not pair.startswith("learning_rate=")
+  ]
+  if rate is not None:
+    command.append(f"--learning_rate={rate!r}")
   if k:
     command += [f"--max_staleness={k}", f"--version_diag_every={_DIAG.value}"]
   subprocess.run(command, check=True)
@@ -112,38 +136,49 @@ def _compare_arms(name: str, k: int, seeds, arms, work_root, results_root) -> No
 def main(argv):
   matplotlib.use("Agg")  # files, not windows: the script chooses the backend
   del argv
-  seeds, ks, arms = _parse()
+  seeds, ks, arms, rates = _parse()
   task = RLConfig().task
   work_root = os.path.abspath(_WORKDIR.value)
   results_root = os.path.abspath(_RESULTS.value)
-  sync_results = os.path.abspath(_SYNC.value)
-  cells_by_k = {}
-  for k in ks:
-    name = f"staleness{k}"
-    own = os.path.join(results_root, name)
-    if k == 0:  # the comparison's synchronous cells where it has them
-      from_sync = {  # only on the main job's setting, which the comparison ran
-        (s, a): None if _SETTING.value else _read(sync_results, task, s, a)
-        for s in seeds
-        for a in arms
-      }
-      missing = sorted({s for (s, a), cell in from_sync.items() if cell is None})
-      if missing:
-        _compare_arms(name, 0, missing, arms, work_root, results_root)
-      cells = [from_sync[(s, a)] or _read(own, task, s, a) for s in seeds for a in arms]
-    else:
-      _compare_arms(name, k, seeds, arms, work_root, results_root)
-      cells = [_read(own, task, s, a) for s in seeds for a in arms]
-    cells_by_k[k] = cells
+  sync_results = os.path.abspath(_SYNC.value) if _SYNC.value else None
+  cells_by_k = {k: [] for k in ks}
+  warmstarts = os.path.abspath(_WARMSTARTS.value)
+  for rate in rates:
+    scaled = rate != rates[0]
+    for k in ks:
+      name = f"staleness{k}_lr{rate:g}" if scaled else f"staleness{k}"
+      own = os.path.join(results_root, name)
+      passed = rate if scaled else None
+      if k == 0:  # the comparison's synchronous cells where it has them
+        from_sync = {  # only on the main job's setting (and rate), which the comparison ran
+          (s, a): None
+          if (_SETTING.value or scaled or sync_results is None)
+          else _read(sync_results, task, s, a)
+          for s in seeds
+          for a in arms
+        }
+        missing = sorted({s for (s, a), cell in from_sync.items() if cell is None})
+        if missing:
+          _compare_arms(name, 0, missing, arms, work_root, results_root, warmstarts, passed)
+          warmstarts = os.path.join(work_root, name)  # the next points start there
+        cells = [from_sync[(s, a)] or _read(own, task, s, a) for s in seeds for a in arms]
+      else:
+        _compare_arms(name, k, seeds, arms, work_root, results_root, warmstarts, passed)
+        warmstarts = os.path.join(work_root, name)
+        cells = [_read(own, task, s, a) for s in seeds for a in arms]
+      cells_by_k[k] += cells
   settings = {
     "task": task,
     "seeds": seeds,
     "staleness": ks,
     "arms": arms,
     "setting": _SETTING.value,
+    "learning_rates": rates,
   }
   settings["version_diag_every"] = _DIAG.value
   title = f"asynchronous RL on {task}: {len(arms)} arms x k = {ks} x {len(seeds)} seeds"
+  if len(rates) > 1:
+    title += f" x learning rates {', '.join(f'{r:.2g}' for r in rates)}"
   try:
     staleness.write_results(os.path.join(results_root, "study"), cells_by_k, settings, title)
   except ValueError as e:

@@ -190,10 +190,16 @@ def main(argv):
   def run_trained(task, seed, arm):
     config = _rl_config(task, seed, arm, overrides)
     path = workdir(task, seed, arm)
-    first = os.path.join(workdir(task, seed, "bf16"), warmstart.WARMSTART_DIR)
-    if not os.path.exists(first) and _WARMSTARTS.value:  # keyed: other settings are rebuilt
-      root = os.path.abspath(_WARMSTARTS.value)
-      first = os.path.join(workdir(task, seed, "bf16", root), warmstart.WARMSTART_DIR)
+    # One start policy per seed: the warm start of this seed's bf16 run, else of another arm
+    # of it run before (a comparison without bf16), else --warmstarts_from's (keyed: one made
+    # for other settings is rebuilt, never reused).
+    roots = [work_root] + ([os.path.abspath(_WARMSTARTS.value)] if _WARMSTARTS.value else [])
+    made = [
+      os.path.join(workdir(task, seed, a, root), warmstart.WARMSTART_DIR)
+      for root in roots
+      for a in ("bf16", *(a for a in arms if a not in compare.DERIVED_ARMS))
+    ]
+    first = next((p for p in made if os.path.exists(p)), made[0])
     target = os.path.join(path, warmstart.WARMSTART_DIR)
     if first != target and os.path.exists(first) and not os.path.exists(target):
       shutil.copytree(first, target)  # one start policy

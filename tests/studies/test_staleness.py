@@ -97,8 +97,8 @@ def test_rows_match_a_hand_computation():
 def test_unmatched_cells_are_refused_naming_the_difference():
   rng = np.random.default_rng()
   grid = _grid(rng)
-  grid[3][1] = _cell(rng, "trace", 0, 3, 0.5, learning_rate=1e-4)
-  with pytest.raises(ValueError, match=r"trace seed 0.*staleness 3.*learning_rate"):
+  grid[3][1] = _cell(rng, "trace", 0, 3, 0.5, temperature=0.5)
+  with pytest.raises(ValueError, match=r"trace seed 0.*staleness 3.*temperature"):
     staleness.rows(grid)
   grid = _grid(rng)
   for cells in grid.values():  # every cell run with a level stop at 0.65
@@ -119,6 +119,37 @@ def test_unmatched_cells_are_refused_naming_the_difference():
   grid[1] = grid[3]  # cells that ran at k = 3 listed as k = 1
   with pytest.raises(ValueError, match="listed at staleness 1 but ran at max_staleness=3"):
     staleness.rows(grid)
+
+
+def test_a_second_learning_rate_pairs_against_k_0_at_that_rate():
+  rng = np.random.default_rng()
+  rates = (8e-5, 4e-5)
+  initial = {s: float(rng.uniform(0.4, 0.8)) for s in SEEDS}
+  grid = {
+    k: [
+      _cell(rng, a, s, k, initial[s], learning_rate=lr) for lr in rates for s in SEEDS for a in ARMS
+    ]
+    for k in (0, 3)
+  }
+  table = staleness.rows(grid)
+  keys = [(r.arm, r.learning_rate, r.staleness) for r in table]
+  assert keys == [(a, lr, k) for a in ARMS for lr in rates for k in (0, 3)]
+  final = {
+    (c.arm, staleness.learning_rate_of(c), k, c.seed): c.summary["final_eval_reward"]
+    for k, cells in grid.items()
+    for c in cells
+  }
+  for r in table:
+    if r.staleness == 0:
+      continue
+    diffs = [
+      final[(r.arm, r.learning_rate, 3, s)] - final[(r.arm, r.learning_rate, 0, s)] for s in SEEDS
+    ]
+    np.testing.assert_allclose(
+      (r.vs_sync.mean, r.vs_sync.lo, r.vs_sync.hi), _t_interval(diffs), rtol=1e-12
+    )
+  text = staleness.markdown(grid)
+  assert text.count("| 4e-05 |") == len(ARMS) * 2 and text.count("| 8e-05 |") == len(ARMS) * 2
 
 
 def test_write_results_writes_the_table_the_json_and_the_plot(tmp_path):

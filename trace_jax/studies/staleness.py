@@ -2,8 +2,12 @@
 recorded under old weights still does.
 
 The study runs the arms fp4-qat, trace and trace-full at staleness k = 0, 1, 3 on the same
-seeds and setting (one `compare_arms.py` results directory per k; k = 0 is the synchronous
-loop, so its cells may be the arms comparison's own). Per (arm, k), over seeds:
+seeds and setting (one `compare_arms.py` results directory per k and learning rate; k = 0 is
+the synchronous loop, so its cells may be the arms comparison's own). A study may run some k
+at a second learning rate too (a rate tuned for k = 0 may be too large a step for gradients
+on data k versions old); each cell's rate is the one its run saved, and a row is one (arm,
+learning rate, k), paired against the same arm at k = 0 at the same rate. Per row, over
+seeds:
   1. the gain of the greedy evaluation (final - initial) with its 95% Student-t interval, and
      the paired difference of the final evaluation against the same arm at k = 0 on the same
      seed (one warm start per seed, so the initial evaluations are equal and the difference
@@ -37,19 +41,19 @@ from trace_jax.utils import markdown_table, write_json  # noqa: E402
 
 STUDY_ARMS = ("fp4-qat", "trace", "trace-full")
 STALENESS = (0, 1, 3)
-# The fields that may differ between the cells of one (arm, seed) across k.
-ASYNC_FIELDS = ("max_staleness", "version_diag_every")
+# The fields that may differ between the cells of one (arm, seed) across k and rates.
+ASYNC_FIELDS = ("max_staleness", "version_diag_every", "learning_rate")
 
 
 @dataclasses.dataclass(frozen=True)
 class StalenessRow:
-  """One (arm, k): the aggregates over its seeds."""
+  """One (arm, learning rate, k): the aggregates over its seeds."""
 
   arm: str
   staleness: int
   seeds: int
   gain: compare.Interval  # final - initial eval, per seed
-  vs_sync: compare.Interval | None  # final(k) - final(0), paired by seed; None at k = 0
+  vs_sync: compare.Interval | None  # final(k) - final(0) at this rate, by seed; None at k = 0
   lowest_eval: float | None  # mean over seeds of each run's lowest evaluation (its dips)
   train_reward: compare.Interval  # each run's mean sampled reward over its steps
   total_k3: float | None  # geometric means over seeds of each run's mean
@@ -59,6 +63,7 @@ class StalenessRow:
   max_version_gap: int | None
   followed_by_gap: dict[str, float]  # {gap: mean over seeds}
   seconds: float  # mean wall time per cell
+  learning_rate: float | None = None  # the cells' RLConfig.learning_rate
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -67,6 +72,13 @@ class StalenessRow:
 def staleness_of(cell: compare.Cell) -> int:
   """The cell's max_staleness, from the config its run saved."""
   return int(RLConfig.flat_dict(cell.summary["config"]).get("max_staleness", 0))
+
+
+def learning_rate_of(cell: compare.Cell) -> float:
+  """The cell's learning rate, from the config its run saved (a field it lacks: the
+  default)."""
+  saved = RLConfig.flat_dict(cell.summary["config"])
+  return float(saved.get("learning_rate", RLConfig().schedule.learning_rate))
 
 
 def check_matched(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> None:
@@ -112,26 +124,32 @@ def _gain(cell: compare.Cell) -> float | None:
 
 
 def rows(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> list[StalenessRow]:
-  """One row per (arm, k), arms in the registry's order, then k ascending."""
+  """One row per (arm, learning rate, k): arms in the registry's order, then rates from the
+  largest, then k ascending."""
   check_matched(cells_by_k)
   present = {c.arm for cells in cells_by_k.values() for c in cells}
   arms = [a for a in compare.ALL_ARMS if a in present] + sorted(present - set(compare.ALL_ARMS))
-  sync = {(c.arm, c.seed): c for c in cells_by_k.get(0, ())}
+  rates = sorted(
+    {learning_rate_of(c) for cells in cells_by_k.values() for c in cells}, reverse=True
+  )
+  sync = {(c.arm, learning_rate_of(c), c.seed): c for c in cells_by_k.get(0, ())}
   out = []
-  for arm in arms:
+  for arm, rate in ((a, r) for a in arms for r in rates):
     for k in sorted(cells_by_k):
-      mine = sorted((c for c in cells_by_k[k] if c.arm == arm), key=lambda c: c.seed)
+      mine = sorted(
+        (c for c in cells_by_k[k] if c.arm == arm and learning_rate_of(c) == rate),
+        key=lambda c: c.seed,
+      )
       if not mine:
         continue
       if k == 0:
         vs_sync, precision, version = None, [c.value("mean_k3_kl") for c in mine], []
       else:
+        paired = [(c, sync.get((arm, rate, c.seed))) for c in mine]
         vs_sync = compare.interval(
-          c.value() - sync[(arm, c.seed)].value()
-          for c in mine
-          if (arm, c.seed) in sync
-          and c.value() is not None
-          and sync[(arm, c.seed)].value() is not None
+          c.value() - s.value()
+          for c, s in paired
+          if s is not None and c.value() is not None and s.value() is not None
         )
         precision = [c.value("mean_precision_k3") for c in mine]
         version = [c.value("mean_version_k3") for c in mine]
@@ -158,6 +176,7 @@ def rows(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> list[StalenessRow]
           max_version_gap=max(gaps) if gaps else (0 if k == 0 else None),
           followed_by_gap={g: float(np.mean(v)) for g, v in sorted(by_gap.items(), key=_gap)},
           seconds=float(np.mean([c.value("wall_seconds") or 0.0 for c in mine])),
+          learning_rate=rate,
         )
       )
   return out
@@ -184,6 +203,7 @@ def markdown(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> str:
   body = [
     (
       r.arm,
+      "-" if r.learning_rate is None else f"{r.learning_rate:.2g}",
       r.staleness,
       r.seeds,
       signed(r.gain),
@@ -203,10 +223,11 @@ def markdown(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> str:
   return markdown_table(
     [
       "arm",
+      "learning rate",
       "k",
       "seeds",
       "gain (mean [95% CI])",
-      "vs k = 0 (paired)",
+      "vs k = 0 (paired, same rate)",
       "lowest eval",
       "mean train reward",
       "total k3",
@@ -222,17 +243,21 @@ def markdown(cells_by_k: Mapping[int, Sequence[compare.Cell]]) -> str:
 
 
 def plot(cells_by_k: Mapping[int, Sequence[compare.Cell]], path: str, title: str = "") -> str:
-  """Left: each arm's gain against k (mean, 95% interval, seeds as dots). Right: its
-  precision and version k3 against k (log axis)."""
+  """Left: each arm's gain against k (mean, 95% interval, seeds as dots), one line per
+  learning rate (the largest solid, smaller ones dotted). Right: its precision and version
+  k3 against k (log axis)."""
   table = rows(cells_by_k)
-  arms = list(dict.fromkeys(r.arm for r in table))
+  lines = list(dict.fromkeys((r.arm, r.learning_rate) for r in table))
+  top_rate = max((r.learning_rate for r in table if r.learning_rate is not None), default=None)
   colors = {arm: plt.cm.tab10(i) for i, arm in enumerate(compare.ALL_ARMS)}
   fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-  for j, arm in enumerate(arms):
-    mine = [r for r in table if r.arm == arm]
-    ks = np.asarray([r.staleness for r in mine], np.float64) + 0.08 * (j - 1)
+  for j, (arm, rate) in enumerate(lines):
+    mine = [r for r in table if r.arm == arm and r.learning_rate == rate]
+    scaled = len({r for _, r in lines}) > 1 and rate != top_rate
+    label = f"{arm}, lr {rate:.2g}" if rate is not None and len({r for _, r in lines}) > 1 else arm
+    ks = np.asarray([r.staleness for r in mine], np.float64) + 0.06 * (j - len(lines) / 2)
     for x, k in zip(ks, (r.staleness for r in mine)):
-      dots = [_gain(c) for c in cells_by_k[k] if c.arm == arm]
+      dots = [_gain(c) for c in cells_by_k[k] if c.arm == arm and learning_rate_of(c) == rate]
       left.scatter([x] * len(dots), dots, color=colors.get(arm), alpha=0.4, s=10)
     means = [r.gain.mean for r in mine]
     err = np.asarray(
@@ -241,11 +266,14 @@ def plot(cells_by_k: Mapping[int, Sequence[compare.Cell]], path: str, title: str
         [r.gain.hi - r.gain.mean if math.isfinite(r.gain.hi) else 0.0 for r in mine],
       ]
     )
-    left.errorbar(ks, means, yerr=err, fmt="o-", color=colors.get(arm), capsize=4, label=arm)
+    style = "o:" if scaled else "o-"
+    left.errorbar(ks, means, yerr=err, fmt=style, color=colors.get(arm), capsize=4, label=label)
     precision = [r.precision_k3 or math.nan for r in mine]
     version = [math.nan if r.staleness == 0 else (r.version_k3 or math.nan) for r in mine]
-    right.plot(ks, precision, "o-", color=colors.get(arm), label=f"{arm} precision")
-    right.plot(ks, version, "s--", color=colors.get(arm), label=f"{arm} version")
+    right.plot(ks, precision, style, color=colors.get(arm), label=f"{label} precision")
+    right.plot(
+      ks, version, "s:" if scaled else "s--", color=colors.get(arm), label=f"{label} version"
+    )
   ks = sorted(cells_by_k)
   left.axhline(0.0, color="grey", lw=0.5)
   left.set(xlabel="max staleness k", ylabel="eval gain (final - initial)", xticks=ks)
