@@ -87,6 +87,9 @@ class StudyConfig:
   )
   fp4: QuantConfig = QuantConfig()
   kernels: str = knob("auto", "The FP4 rollout's implementation: auto, pallas or xla.")
+  scan_layers: bool = knob(
+    True, "Training path's alike layers under one scan (off: unrolled; last bits may differ)."
+  )
   rollout_skew: float = knob(
     0.0,
     "Both rollouts scale each layer's output by 1 + s * u, u in (-1, 1) hashed from "
@@ -127,7 +130,8 @@ class StudyConfig:
 
   def to_json(self) -> dict:
     """By flat name, as the study's JSON always held it (`activations` only when not W4A4,
-    `kv_precision` only when not FP4, `rollout_skew` only when not 0; the scheme's per-path
+    `kv_precision` only when not FP4, `rollout_skew` only when not 0, `scan_layers` only when
+    off; the scheme's per-path
     fields, at their defaults here (`check_run_scheme`), not at all)."""
     out = flags.to_flat(self)
     for field in PATH_FIELDS:
@@ -137,6 +141,8 @@ class StudyConfig:
         del out[name]
     if not out["rollout_skew"]:
       del out["rollout_skew"]
+    if out["scan_layers"]:
+      del out["scan_layers"]
     return out
 
 
@@ -513,7 +519,7 @@ def _warm_settings(config: StudyConfig) -> dict:
 
 def _model_config(config: StudyConfig, tokenizer):
   vocab_size = max(get_preset(config.preset).vocab_size, tokenizer.vocab_size)
-  return get_preset(config.preset, vocab_size=vocab_size)
+  return get_preset(config.preset, vocab_size=vocab_size, scan_layers=config.scan_layers)
 
 
 def warm_start(config: StudyConfig, *, progress: bool = True) -> WarmStart:
