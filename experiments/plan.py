@@ -54,6 +54,13 @@ _REMAT = flags.DEFINE_enum(
   "Per-layer remat of the training forward (--check compiles the update so): the preset's, on "
   "or off.",
 )
+_SCAN = flags.DEFINE_enum(
+  "scan_layers",
+  "preset",
+  ("preset", "on", "off"),
+  "Alike layers of the training forward under one scan (--check compiles the update so): the "
+  "preset's, on or off.",
+)
 _DEVICES_ENV = "_TRACE_JAX_PLAN_CHECK_CHILD"
 
 
@@ -96,7 +103,8 @@ def check(name: str, cfg, config, rows) -> str:
   table = memory_check.format_comparison(name, config, rows, planned, compiled)
   return (
     f"{table}\nupdate: {memory_check.micro_rows(config)} sequences of {config.context} slots, "
-    f"remat {'on' if cfg.remat else 'off'}; rollout: {config.batch} prompts of {prompt} "
+    f"remat {'on' if cfg.remat else 'off'}, scan_layers {'on' if cfg.scan_layers else 'off'}; "
+    f"rollout: {config.batch} prompts of {prompt} "
     f"tokens decoded to {config.context} slots; {cfg.num_layers} layers"
   )
 
@@ -109,6 +117,8 @@ def main(argv):
     cfgs = [with_layers(get_preset(name), _LAYERS.value) for name in names]
     if _REMAT.value != "preset":
       cfgs = [cfg.replace(remat=_REMAT.value == "on") for cfg in cfgs]
+    if _SCAN.value != "preset":
+      cfgs = [cfg.replace(scan_layers=_SCAN.value == "on") for cfg in cfgs]
   except ValueError as e:
     raise app.UsageError(f"{e} (presets: {sorted(PRESETS)})") from e
   if _CHECK.value:
