@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -127,6 +128,21 @@ def test_pack_unpack_round_trip(axis):
   expected_shape[axis] //= 2
   assert packed.shape == tuple(expected_shape) and packed.dtype == jnp.uint8
   np.testing.assert_array_equal(fp4.unpack_codes(packed, axis), codes)
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_unpack_codes_against_numpy_nibbles_every_byte(axis):
+  # Every byte value, at a random place on each axis: element 2i is the low nibble, 2i + 1
+  # the high one (NumPy shifts and masks, independent of the packing code).
+  rng = np.random.default_rng(11)
+  packed = rng.permutation(np.tile(np.arange(256, dtype=np.uint8), 6)).reshape(8, 16, 12)
+  last = np.moveaxis(packed, axis, -1)
+  want = np.stack([last & 0xF, last >> 4], axis=-1).reshape(*last.shape[:-1], -1)
+  want = np.moveaxis(want, -1, axis)
+  np.testing.assert_array_equal(fp4.unpack_codes(jnp.asarray(packed), axis), want)
+  # Fused into a consumer under jit (how guided rounding reads full guidance).
+  fused = jax.jit(lambda p: fp4.e2m1_decode(fp4.unpack_codes(p, axis)) * 3.0)
+  np.testing.assert_array_equal(fused(jnp.asarray(packed)), np.asarray(fp4.e2m1_decode(want)) * 3)
 
 
 def test_pack_codes_puts_even_elements_in_the_low_nibble():

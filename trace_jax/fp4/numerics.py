@@ -313,9 +313,18 @@ def pack_codes(codes: jax.Array, axis: int = -1) -> jax.Array:
 
 
 def unpack_codes(packed: jax.Array, axis: int = -1) -> jax.Array:
-  """uint8 [..., n/2] -> 4-bit codes uint8 [..., n] (inverse of `pack_codes`)."""
+  """uint8 [..., n/2] -> 4-bit codes uint8 [..., n] (inverse of `pack_codes`).
+
+  Each byte is spread into a uint16 word, low nibble in the low byte and high nibble in the
+  high byte, and the words are bitcast to byte pairs (little-endian, as `_pack_nibble_pairs`
+  packs them) rather than stacking the two nibbles: fused into its consumer (guided rounding
+  with full guidance), a stack is a concatenate, which XLA on CPU does not vectorise; it
+  made that quantizer about 3x slower than nearest rounding's.
+  """
   packed = jnp.moveaxis(jnp.asarray(packed).astype(jnp.uint8), axis, -1)
-  pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+  word = packed.astype(jnp.uint16)
+  word = (word & 0xF) | ((word & 0xF0) << 4)
+  pairs = jax.lax.bitcast_convert_type(word, jnp.uint8)  # [..., n/2, 2]
   codes = pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
   return jnp.moveaxis(codes, -1, axis)
 
