@@ -9,12 +9,12 @@ the sharded model's logits, and RL steps on the mesh from the loaded policy.
       --devices_per_process=2 --mesh=2,2,1 --verify --json_out=/tmp/scale.json   # tiny
 
 Writes a synthetic checkpoint in the Qwen3-MoE layout (config.json, bf16 *.safetensors
-shards and their index; procedurally generated tensor by tensor, never held whole; the tiny
-Qwen3-MoE fixture's 96-id tokenizer and ChatML template, whose ids are the embedding's
-first rows), unless --checkpoint_dir already holds one, then loads it in --dtype with
-`from_hf(..., mesh=)` on --processes processes of --devices_per_process CPU devices each
-(`jax.distributed` with a 127.0.0.1 coordinator, one subprocess per process). Per process
-it prints:
+shards and their index, procedurally generated in blocks of rows and never held whole:
+`trace_jax/export/synthetic.py`; the tiny Qwen3-MoE fixture's 96-id tokenizer and ChatML
+template, whose ids are the embedding's first rows), unless --checkpoint_dir already holds
+one, then loads it in --dtype with `from_hf(..., mesh=)` on --processes processes of
+--devices_per_process CPU devices each (`jax.distributed` with a 127.0.0.1 coordinator, one
+subprocess per process). Per process it prints:
   rss rise   the peak resident set during the load over the one before it (VmHWM, reset
              just before the load through /proc/self/clear_refs where the kernel allows it),
              beside the bound 2 x held + 0.4 GB;
@@ -137,96 +137,13 @@ def _abstract(cfg):
   return nnx.eval_shape(lambda: M.Transformer(cfg, rngs=nnx.Rngs(0)))
 
 
-def param_count(cfg) -> int:
-  from flax import nnx
-
-  return sum(
-    math.prod(v.get_value().shape) for _, v in nnx.to_flat_state(nnx.state(_abstract(cfg)))
-  )
-
-
 def layers_for(params_b: float) -> int:
   """The number of layers whose model is nearest `params_b` billion parameters (>= 1)."""
+  from trace_jax.model.accounting import param_count
+
   one, two = param_count(model_config(1)), param_count(model_config(2))
   per_layer = two - one
   return max(1, round((params_b * 1e9 - (one - per_layer)) / per_layer))
-
-
-def hf_shapes(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
-  """{HF tensor name: (shape, kind)} of the checkpoint, from the name table (no arrays)."""
-  import numpy as np
-  from flax import nnx
-
-  from trace_jax.export import names as names_lib
-
-  out = {}
-  for path, variable in nnx.to_flat_state(nnx.state(_abstract(cfg))):
-    shape = variable.get_value().shape
-    kind = "norm" if str(path[-1]) == "scale" else "weight"
-    for target in names_lib.targets(cfg, path):
-      view = names_lib.hf_array(np.broadcast_to(np.zeros((), np.float32), shape), target)
-      out[target.name] = (tuple(view.shape), kind)
-  return out
-
-
-def _values(name: str, shape: tuple[int, ...], kind: str, rows: slice):
-  """Rows `rows` of tensor `name`, procedurally (seeded by the name), as bf16."""
-  import ml_dtypes
-  import numpy as np
-
-  rng = np.random.default_rng([zlib.crc32(name.encode()), rows.start])
-  block = (rows.stop - rows.start,) + shape[1:]
-  x = rng.standard_normal(block, np.float32)
-  x = 1.0 + 0.05 * x if kind == "norm" else 0.02 * x
-  return x.astype(ml_dtypes.bfloat16)
-
-
-def write_checkpoint(directory: str, cfg) -> int:
-  """Write the synthetic checkpoint (bf16 shards of at most --shard_gb, an index and
-  config.json), tensor by tensor in blocks of rows; returns its bytes on disk."""
-  from trace_jax.export import names as names_lib
-
-  shapes = hf_shapes(cfg)
-  limit = int(_SHARD_GB.value * GB)
-  shards, current, size = [], [], 0
-  for name in sorted(shapes):
-    nbytes = math.prod(shapes[name][0]) * 2
-    if current and size + nbytes > limit:
-      shards.append(current)
-      current, size = [], 0
-    current.append(name)
-    size += nbytes
-  shards.append(current)
-  os.makedirs(directory, exist_ok=True)
-  weight_map, total = {}, 0
-  for i, names in enumerate(shards):
-    file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name in names:
-      nbytes = math.prod(shapes[name][0]) * 2
-      header[name] = {
-        "dtype": "BF16",
-        "shape": list(shapes[name][0]),
-        "data_offsets": [offset, offset + nbytes],
-      }
-      offset += nbytes
-      weight_map[name] = file
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(os.path.join(directory, file + ".tmp"), "wb") as f:
-      f.write(len(blob).to_bytes(8, "little") + blob)
-      for name in names:
-        shape, kind = shapes[name]
-        step = max(1, (16 << 20) // max(1, math.prod(shape[1:]) * 4))  # ~16 MiB of float32
-        for start in range(0, shape[0], step):
-          f.write(_values(name, shape, kind, slice(start, min(shape[0], start + step))).tobytes())
-      total += f.tell()
-    os.replace(os.path.join(directory, file + ".tmp"), os.path.join(directory, file))
-  with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
-    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
-  with open(os.path.join(directory, "config.json"), "w") as f:
-    json.dump(names_lib.hf_config(cfg), f)
-  return total
 
 
 def _status_kib(field: str) -> int:
@@ -627,12 +544,16 @@ def main(argv):
   out_dir = tempfile.mkdtemp(prefix="scale_check_out_")
   try:
     if not os.path.exists(os.path.join(path, "config.json")):
+      from trace_jax.export import synthetic
+      from trace_jax.model import accounting
+
+      shard_bytes = int(_SHARD_GB.value * GB)
       layers = _NUM_LAYERS.value if _PARAMS_B.value is None else layers_for(_PARAMS_B.value)
       cfg = model_config(layers)
       start = time.perf_counter()
-      total = write_checkpoint(path, cfg)
+      total = synthetic.write_synthetic_checkpoint(path, cfg, max_shard_bytes=shard_bytes)
       print(
-        f"wrote {path}: {param_count(cfg) / 1e9:.3f}B parameters, {layers} layers, "
+        f"wrote {path}: {accounting.param_count(cfg) / 1e9:.3f}B parameters, {layers} layers, "
         f"{total / GB:.3f} GB in {time.perf_counter() - start:.1f} s",
         flush=True,
       )
