@@ -129,14 +129,6 @@ def model_config(num_layers: int):
   )
 
 
-def _abstract(cfg):
-  from flax import nnx
-
-  from trace_jax import model as M
-
-  return nnx.eval_shape(lambda: M.Transformer(cfg, rngs=nnx.Rngs(0)))
-
-
 def layers_for(params_b: float) -> int:
   """The number of layers whose model is nearest `params_b` billion parameters (>= 1)."""
   from trace_jax.model.accounting import param_count
@@ -179,17 +171,20 @@ def plain_read(files: list[str]) -> tuple[int, float]:
 def expected_device_bytes(cfg, mesh_shape: dict[str, int], itemsize: int) -> int:
   """Bytes one device holds of the parameters by their declared rules (every device holds
   the same on a (data, expert, model) mesh whose axes divide what they split)."""
-  from flax import nnx
-
-  from trace_jax.model import sharding
+  from trace_jax.model import accounting, sharding
 
   mesh = type("Shape", (), {"shape": mesh_shape})()  # the rules read only the axis sizes
   total = 0
-  for path, variable in nnx.to_flat_state(nnx.state(_abstract(cfg))):
+  for path, variable in accounting.abstract_variables(cfg).items():
     spec = sharding.param_spec(variable, mesh, what="/".join(map(str, path)))
     splits = math.prod(mesh_shape[a] for a in spec if a is not None)
     total += math.prod(variable.get_value().shape) * itemsize // splits
   return total
+
+
+def _say(text: str) -> None:
+  """A progress line on stderr (the figures come on stdout at the end)."""
+  print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def write_tokenizer(directory: str) -> None:
@@ -257,6 +252,8 @@ def rl_steps(path: str, mesh_shape: list[int], workdir: str, loaded: dict[str, i
   """`--rl_steps` GRPO steps of `--arm` on task arith, on the mesh, through the Trainer with
   `hf_checkpoint=path` (it reads the checkpoint onto the mesh itself); `loaded`: the measured
   load's `shard_fingerprints`, which the Trainer's starting weights must equal."""
+  import jax
+
   from trace_jax.run.trainer import Trainer
 
   data = mesh_shape[0]
@@ -278,6 +275,7 @@ def rl_steps(path: str, mesh_shape: list[int], workdir: str, loaded: dict[str, i
   start = time.perf_counter()
   trainer = Trainer(config, workdir, progress=False)
   setup_seconds = time.perf_counter() - start
+  _say(f"process {jax.process_index()}: Trainer ready in {setup_seconds:.1f} s")
   start_equals_load = shard_fingerprints(trainer.policy) == loaded
   start = time.perf_counter()
   history = trainer.run()
@@ -308,7 +306,7 @@ def worker(process_id: int, port: int, path: str, out_dir: str) -> dict:
   import numpy as np
   from flax import nnx
 
-  from trace_jax.model import hf, sharding
+  from trace_jax.model import accounting, hf, sharding
 
   data, expert, model = (int(x) for x in _MESH.value)
   mesh = sharding.make_mesh(data, expert, model)
@@ -317,7 +315,7 @@ def worker(process_id: int, port: int, path: str, out_dir: str) -> dict:
   abstract_seconds = []
   for _ in range(2):  # what the load spends building the abstract model: cold, then warm
     start = time.perf_counter()
-    _abstract(cfg)
+    accounting.abstract_variables(cfg)
     abstract_seconds.append(time.perf_counter() - start)
   rss_before = _status_kib("VmRSS")
   reset = _reset_peak()
@@ -364,6 +362,7 @@ def worker(process_id: int, port: int, path: str, out_dir: str) -> dict:
     read_seconds=read_seconds,
     read_gb_s=read_bytes / read_seconds / GB,
   )
+  _say(f"process {out['process']}: loaded in {seconds:.1f} s")
   if _VERIFY.value:
     whole = hf.from_hf(path, dtype)
     wants = [v.get_value() for _, v in nnx.to_flat_state(nnx.state(whole))]
@@ -377,6 +376,7 @@ def worker(process_id: int, port: int, path: str, out_dir: str) -> dict:
   if _LOGITS.value:
     logits = forward_logits(policy, probe_tokens(policy.cfg.vocab_size, data), mesh)
     np.save(os.path.join(out_dir, f"logits_{out['process']}.npy"), logits)
+    _say(f"process {out['process']}: logits of the sharded model gathered")
   if _RL_STEPS.value:
     loaded = shard_fingerprints(policy)
     del policy, params
@@ -516,9 +516,9 @@ def _report(rows: list[dict]) -> None:
       f"\n{len(rl['steps'])} RL steps of arm {rl['arm']} on mesh {','.join(_MESH.value)} "
       f"across {len(rows)} process(es), process 0's metrics (every process's "
       f"{'the same' if same else 'NOT the same'}); starting weights equal the measured "
-      f"load's on every process: {'yes' if starts else 'no'}; the Trainer's setup (reading "
-      f"the checkpoint again, compiling nothing yet) {rl['setup_seconds']:.1f} s, the steps "
-      f"{rl['seconds']:.1f} s"
+      f"load's on every process: {'yes' if starts else 'no'}; the Trainer's construction "
+      f"(it reads the checkpoint again) {rl['setup_seconds']:.1f} s, the steps (compilation "
+      f"included) {rl['seconds']:.1f} s"
     )
     print(_rl_table(rl))
 
