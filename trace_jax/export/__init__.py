@@ -1,4 +1,5 @@
-"""Export of trained FP4 policies in the formats serving engines load (compressed-tensors)."""
+"""Export of trained FP4 policies in the formats serving engines load (compressed-tensors), and
+synthetic checkpoints of any size in the Hugging Face layout (load and scale checks)."""
 
 from trace_jax.export.calibration import calibrate_input_scales, input_scale_distance
 from trace_jax.export.compressed_tensors import (
@@ -8,3 +9,4 @@ from trace_jax.export.compressed_tensors import (
   tensor_listing,
 )
 from trace_jax.export.names import hf_config
+from trace_jax.export.synthetic import write_synthetic_checkpoint
