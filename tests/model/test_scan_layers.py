@@ -4,11 +4,13 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from trace_jax import guidance as G
 from trace_jax import model as M
 from trace_jax.model.quant import CallOptions, QuantConfig, Recording
+from trace_jax.model.config import hybrid_layer_types
 from trace_jax.model.scan import LayerGroup, layer_groups
 
 
@@ -60,3 +62,95 @@ def test_scanned_forward_and_guided_gradient_match_unrolled():
   flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]).astype(np.float64)
   diff = np.linalg.norm(flat(s_grads) - flat(grads)) / np.linalg.norm(flat(grads))
   assert diff < 1e-5, diff
+
+
+def _groups(model, quant=None):
+  from trace_jax.model.quantizer import SiteQuantizer  # noqa: PLC0415
+
+  sq = SiteQuantizer(quant, model.cfg.num_layers, jnp.float32, options=CallOptions())
+  return model._layer_groups(sq, None)
+
+
+def test_what_runs_under_a_scan():
+  hybrid = M.Transformer(
+    M.qwen3_5_tiny(num_layers=8, layer_types=hybrid_layer_types(8)), rngs=nnx.Rngs(0)
+  )
+  assert _groups(hybrid) == [LayerGroup(0, 4, 2)]  # the 3 + 1 pattern, twice
+  dense_first = M.Transformer(M.tiny(num_layers=5, dense_layers=(0,), ffn_dim=64), rngs=nnx.Rngs(0))
+  assert _groups(dense_first) == [LayerGroup(0, 1, 1), LayerGroup(1, 1, 4)]
+  plain = M.Transformer(M.tiny(num_layers=6), rngs=nnx.Rngs(0))
+  assert _groups(plain) == [LayerGroup(0, 1, 6)]
+  # the deeper half guided: two runs, the unguided half and the guided one
+  assert _groups(plain, QuantConfig(rounding="guided", guided_layers="last_half")) == [
+    LayerGroup(0, 1, 3),
+    LayerGroup(3, 1, 3),
+  ]
+  assert _groups(M.Transformer(M.tiny(num_layers=6, scan_layers=False), rngs=nnx.Rngs(0))) == [
+    LayerGroup(i, 1, 1) for i in range(6)
+  ]
+
+
+@pytest.mark.parametrize(
+  "preset, overrides",
+  [
+    ("small", {}),
+    ("tiny", {"num_layers": 5, "dense_layers": (0,), "ffn_dim": 64, "remat": True}),
+    pytest.param(
+      "qwen3_5_tiny",
+      {"num_layers": 8, "layer_types": hybrid_layer_types(8)},
+      marks=pytest.mark.slow,  # two 8-layer hybrid compiles, about a minute
+    ),
+  ],
+)
+def test_scanned_float32_logits_are_the_unrolled_stacks_bit_for_bit(preset, overrides):
+  rng = np.random.default_rng()
+  np.testing.assert_array_equal(
+    *_logits_both_ways(preset, overrides, "float32", QuantConfig(), rng)
+  )
+
+
+def _logits_both_ways(preset, overrides, dtype, quant, rng):
+  """Logits [2, 19, V] of one set of fresh random weights, unrolled and scanned."""
+  tokens = jnp.asarray(rng.integers(0, 128, (2, 19)), jnp.int32)
+  mask = jnp.asarray(rng.random((2, 19)) < 0.9)
+  options = CallOptions(compute_dtype=dtype)
+  seed, logits = int(rng.integers(1 << 30)), []
+  for scan in (False, True):
+    model = M.Transformer(M.get_preset(preset, scan_layers=scan, **overrides), rngs=nnx.Rngs(seed))
+    fn = nnx.jit(lambda m, t, k: m(t, mask=k, quant=quant, options=options).logits)
+    logits.append(np.asarray(fn(model, tokens, mask), np.float32))
+  assert np.isfinite(logits[0]).all()
+  return logits
+
+
+_BF16_CHILD = """
+import numpy as np
+from tests.model.test_scan_layers import _logits_both_ways
+from trace_jax.model.quant import QuantConfig
+rng = np.random.default_rng()
+for quant in (None, QuantConfig()):
+  plain, scanned = _logits_both_ways("small", {}, "bfloat16", quant, rng)
+  np.testing.assert_array_equal(scanned, plain)
+print("equal")
+"""
+
+
+def test_scanned_bf16_logits_differ_only_by_excess_precision():
+  """In bf16 the scan's carry rounds the residual stream to bf16 at every layer boundary, where
+  the unrolled program may keep it in float32 across fusions (XLA's default
+  --xla_allow_excess_precision); with that off, the two programs agree bit for bit."""
+  import os  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, XLA_FLAGS="--xla_allow_excess_precision=false", PYTHONPATH=root)
+  done = subprocess.run(
+    [sys.executable, "-c", _BF16_CHILD],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=root,
+    timeout=600,
+  )
+  assert done.returncode == 0 and "equal" in done.stdout, done.stderr[-3000:]
