@@ -53,17 +53,19 @@ def test_remat_keeps_fewer_activations():
   assert kept(True) < kept(False) / 2
 
 
-def _remat_prims(jaxpr) -> int:
-  """How many remat (jax.checkpoint) equations a jaxpr holds, nested ones included."""
+def _remat_prims(jaxpr, only_in_scan=False) -> int:
+  """How many remat (jax.checkpoint) equations a jaxpr holds, nested ones included; with
+  `only_in_scan`, only those inside a scan's body (which run once per scanned layer)."""
   count = 0
   for eqn in jaxpr.eqns:
-    count += eqn.primitive.name in ("remat2", "checkpoint")
+    count += eqn.primitive.name in ("remat2", "checkpoint") and not only_in_scan
+    still_outside = only_in_scan and eqn.primitive.name != "scan"
     for param in eqn.params.values():
       for sub in param if isinstance(param, (list, tuple)) else (param,):
         if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          count += _remat_prims(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          count += _remat_prims(sub)
+          sub = sub.jaxpr
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          count += _remat_prims(sub, still_outside)
   return count
 
 
@@ -91,12 +93,13 @@ def _objective(model, batch, quant, guidance=None, options=None):
   return jnp.sum(logp * weights) + 0.01 * out.lb_loss, out
 
 
+@pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.parametrize("form", ["none", "compact", "full"])
-def test_remat_runs_when_sites_are_recorded(form):
-  """Issue 27, defect 1: the gradient of a recording training forward rematerialises its
-  blocks (one remat per block), as a forward that records nothing does; before the fix a
-  recording forward dropped remat silently."""
-  cfg = M.tiny(remat=True)
+def test_remat_runs_when_sites_are_recorded(form, scan):
+  """The gradient of a recording training forward rematerialises its blocks, as a forward
+  that records nothing does (a recording forward once dropped remat silently): one remat per
+  block unrolled, and under a scan one remat in the scan's body, which runs once per layer."""
+  cfg = M.tiny(remat=True, scan_layers=scan)
   model = nnx.eval_shape(lambda: M.Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
   options = CallOptions(recording=Recording(form=form))
@@ -104,7 +107,11 @@ def test_remat_runs_when_sites_are_recorded(form):
   grad = lambda s: nnx.grad(_objective, has_aux=True)(  # noqa: E731
     nnx.merge(graphdef, s), batch, QuantConfig(), None, options
   )
-  assert _remat_prims(jax.make_jaxpr(grad)(state).jaxpr) == cfg.num_layers
+  jaxpr = jax.make_jaxpr(grad)(state).jaxpr
+  if scan:
+    assert _remat_prims(jaxpr, only_in_scan=True) == _remat_prims(jaxpr) == 1
+  else:
+    assert _remat_prims(jaxpr) == cfg.num_layers
 
 
 def _run(remat, batch, quant, options, guidance, compute_dtype):
