@@ -69,6 +69,21 @@ def _remat_prims(jaxpr, only_in_scan=False) -> int:
   return count
 
 
+def _scan_lengths(jaxpr) -> list[int]:
+  """The lengths of the scans a jaxpr holds outside any scan, nested calls included."""
+  lengths = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      lengths.append(eqn.params["length"])
+      continue
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        sub = sub.jaxpr if isinstance(sub, jax.extend.core.ClosedJaxpr) else sub
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          lengths += _scan_lengths(sub)
+  return lengths
+
+
 def _batch(cfg, seed, b=2, t=12):
   rng = np.random.default_rng(seed)
   tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
@@ -108,7 +123,8 @@ def test_remat_runs_when_sites_are_recorded(form, scan):
     nnx.merge(graphdef, s), batch, QuantConfig(), None, options
   )
   jaxpr = jax.make_jaxpr(grad)(state).jaxpr
-  if scan:
+  if scan:  # scans over every layer (the forward and its transpose), the body's remat the only one
+    assert set(_scan_lengths(jaxpr)) == {cfg.num_layers}
     assert _remat_prims(jaxpr, only_in_scan=True) == _remat_prims(jaxpr) == 1
   else:
     assert _remat_prims(jaxpr) == cfg.num_layers
