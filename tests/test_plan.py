@@ -16,6 +16,7 @@ from trace_jax import model as M
 from trace_jax.model.config import get_preset
 from trace_jax import plan
 from trace_jax.model.quant import CallOptions, QuantConfig, Recording
+from trace_jax.rl import programs
 from trace_jax.rl import step as T
 from trace_jax.rl.grpo import LossConfig
 from trace_jax.training.forward import training_forward
@@ -117,7 +118,7 @@ def test_bad_plan_configs():
 @pytest.mark.slow
 def test_train_peak_against_the_compiled_update():
   """The planner against XLA's compiled memory of the update the default trace arm runs
-  (`trainer._train_step`, fused, recording, guided, routing replay, remat on), tiny preset,
+  (`rl.programs.train_step`, fused, recording, guided, routing replay, remat on), tiny preset,
   8 sequences of 256 slots on one device (~2 min of compile on 2 loaded cores).
 
   - arguments: master weights + Adam + guidance, plus the trajectories' own arrays, exactly;
@@ -148,7 +149,7 @@ def test_train_peak_against_the_compiled_update():
   )
   quant = QuantConfig(rounding="guided", guided_layers=config.guided_layers)
   memory = (
-    T._train_step.lower(
+    programs.train_step.lower(
       policy,
       opt,
       example,
@@ -251,6 +252,7 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from trace_jax import model as M
 from trace_jax.model.sharding import make_mesh, shard_model, batch_sharding, guidance_specs
+from trace_jax.rl import programs
 from trace_jax.rl import step as T
 from trace_jax.rl.config import RLConfig
 from trace_jax.rollout import engine as E
@@ -290,7 +292,7 @@ example = T.TrainExample(
   advantages=put(jnp.ones((micro,), jnp.float32)),
 )
 with jax.set_mesh(mesh):
-  m = T._train_step.lower(
+  m = programs.train_step.lower(
     state.policy, state.opt, example, g, None, loss_config=rl.loss_config, fused=spec.fused,
     record=spec.arm.measured, mesh=mesh, **spec.static,
   )

@@ -33,7 +33,7 @@ Multi-turn episodes: one `generate` call plays a whole batch with one version, s
 episode never continues across a weight change.
 
 The ring holds references to what is published. A learner whose update donates its
-parameter buffers (the trainer's `_train_step` does) must publish buffers of their own: a
+parameter buffers (the trainer's `rl.programs.train_step` does) must publish buffers of their own: a
 copy, or the rollout-ready weights (`quantize_params` makes new arrays), placed on the
 rollout devices if those are a separate group.
 """

@@ -13,6 +13,7 @@
   4. `step_metrics`, and `check_update`: the divergence guard, which raises before anything
      of a bad step is logged or saved.
 
+The compiled programs it runs (pi_old's forward, the update) are `rl.programs`'.
 Everything random derives from (seed, step).
 """
 
@@ -31,10 +32,9 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 
 from trace_jax.guidance import Guidance
-from trace_jax.model.quant import CallOptions, Recording, resolve_layers
+from trace_jax.model.quant import CallOptions, resolve_layers
 from trace_jax.model.sharding import (
   batch_sharding,
-  constrain_guidance_sites,
   guidance_specs,
   shard_model,
   shard_optimizer,
@@ -42,20 +42,18 @@ from trace_jax.model.sharding import (
 from trace_jax.rl import episodes as episodes_lib
 from trace_jax.rl.arms import Arm
 from trace_jax.rl.config import LR_DECAYS, RLConfig
-from trace_jax.rl.decoupled import DecoupledConfig, decoupled_loss
-from trace_jax.rl.grpo import group_advantages, grpo_loss
+from trace_jax.rl.decoupled import DecoupledConfig
+from trace_jax.rl.grpo import group_advantages
 from trace_jax.rl.metrics import (
   disagreement_metrics,
   group_reward_metrics,
   guidance_agreement,
   mismatch_metrics,
 )
+from trace_jax.rl.programs import TrainExample, loss_static, old_logprobs, param_health, train_step
 from trace_jax.rollout.engine import Rollout, RolloutEngine
-from trace_jax.training.forward import token_entropy, training_forward
 from trace_jax.utils import round_up
 from trace_jax.utils.distributed import global_array, host_array
-
-_STATIC = ("quant", "options", "replay", "temperature")
 
 
 class DivergenceError(FloatingPointError):
@@ -73,20 +71,6 @@ class RLState:
   reference: Any = None  # Transformer: a frozen copy of the initial policy (kl_coef > 0)
   step: int = 0  # RL steps done
   version: int = 0  # policy updates done: rollout weights are made per version (`rl.sync`)
-
-
-@struct.dataclass
-class TrainExample:
-  """One step's trajectories, the update's unit (minibatch rows taken by `jax.tree.map`).
-  `old_logp` and `advantages` are filled in by scoring."""
-
-  tokens: jax.Array  # int32 [B, S]
-  positions: jax.Array  # int32 [B, S]
-  mask: jax.Array  # bool [B, S], every real token
-  response_mask: jax.Array  # bool [B, S], the tokens the loss trains
-  rollout_logp: jax.Array  # float32 [B, S], log pi_rollout
-  old_logp: jax.Array | None = None  # float32 [B, S], log pi_old (training path, step start)
-  advantages: jax.Array | None = None  # float32 [B]
 
 
 @struct.dataclass
@@ -387,12 +371,12 @@ def score(spec: StepSpec, state: RLState, collected: Collected, step: int) -> Sc
   config, static, c = spec.config, spec.static, collected
   old_logp = entropy = fallbacks = train_sites = None  # the fused update gives them
   if not spec.fused:
-    old_logp, entropy, fallbacks, train_sites = _old_logprobs(
+    old_logp, entropy, fallbacks, train_sites = old_logprobs(
       state.policy, c.example, c.guidance, record=spec.arm.measured, **static
     )
   ref_logp = None
   if state.reference is not None:
-    ref_logp = _old_logprobs(
+    ref_logp = old_logprobs(
       state.reference, c.example, None, record=False, **spec.reference_static
     )[0]
   advantages = group_advantages(
@@ -415,7 +399,7 @@ def update(spec: StepSpec, state: RLState, scored: Scored) -> tuple[RLState, Upd
   updated in place); returns the next state (one version on) and what the updates did."""
   config, static, s = spec.config, spec.static, scored
   if spec.fused:  # one update: pi_old's forward is the update's own
-    loss, stats, norm, old_logp, entropy, fallbacks, sites = _train_step(
+    loss, stats, norm, old_logp, entropy, fallbacks, sites = train_step(
       state.policy,
       state.opt,
       s.example,
@@ -425,7 +409,7 @@ def update(spec: StepSpec, state: RLState, scored: Scored) -> tuple[RLState, Upd
       fused=True,
       record=spec.arm.measured,
       mesh=spec.mesh,
-      **_loss_static(spec),
+      **loss_static(spec),
       **static,
     )
     s = s.replace(
@@ -447,19 +431,19 @@ def update(spec: StepSpec, state: RLState, scored: Scored) -> tuple[RLState, Upd
           mini_guidance = None if s.guidance is None else s.guidance.take(rows)
           mini_ref = None if s.ref_logp is None else s.ref_logp[rows]
         updates.append(
-          _train_step(
+          train_step(
             state.policy,
             state.opt,
             mini,
             mini_guidance,
             mini_ref,
             loss_config=config.loss_config,
-            **_loss_static(spec),
+            **loss_static(spec),
             **static,
           )
         )
   (losses, stats, norms), (finite, max_abs) = jax.device_get(
-    (tuple(zip(*updates)), _param_health(state.policy))
+    (tuple(zip(*updates)), param_health(state.policy))
   )
   if spec.mesh is not None:  # XLA may pick other layouts for the outputs: keep the rules'
     shard_model(state.policy, spec.mesh)  # (a no-op for every array already placed so)
@@ -487,7 +471,7 @@ def check_update(spec: StepSpec, step: int, done: Update, last_good: str, before
     )
   if not problems:
     return
-  if before is not None and not bool(jax.device_get(_param_health(before)[0])):
+  if before is not None and not bool(jax.device_get(param_health(before)[0])):
     raise DivergenceError(
       f"step {step} failed: {'; '.join(problems)}, but the policy's weights held NaN or "
       f"Inf before step {step}, so the learning rate is not the cause (the initial "
@@ -560,14 +544,14 @@ def version_split(spec: StepSpec, stale_policy, policy, collected: Collected) ->
   removes), and the training path at the current weights (`policy`, the update's start)
   against it the version gap (staleness).
 
-  Both forwards are one compiled program (`_old_logprobs`), so at gap 0 the version gap is
+  Both forwards are one compiled program (`old_logprobs`), so at gap 0 the version gap is
   exactly 0: the fused update's own forward (pi_old) is another program, whose bf16
   reduction order differs and FP4 rounding amplifies (k3 ~2e-5 on the tiny preset).
 
   Returns {"mismatch/precision_k3", "mismatch/version_k3"}: k3 estimates of KL over the
   response tokens, as `mismatch/k3_kl` (which mixes both)."""
   example, guidance = collected.example, collected.guidance
-  logp = lambda p: _old_logprobs(p, example, guidance, record=False, **spec.static)[0]  # noqa: E731
+  logp = lambda p: old_logprobs(p, example, guidance, record=False, **spec.static)[0]  # noqa: E731
   stale_logp, current_logp = logp(stale_policy), logp(policy)
   mask = example.response_mask
   precision = mismatch_metrics(example.rollout_logp, stale_logp, mask)
@@ -576,141 +560,3 @@ def version_split(spec: StepSpec, stale_policy, policy, collected: Collected) ->
     "mismatch/precision_k3": precision["mismatch/k3_kl"],
     "mismatch/version_k3": version["mismatch/k3_kl"],
   }
-
-
-# --- the jitted training path -----------------------------------------------------------------
-
-
-def _loss_static(spec: StepSpec) -> dict:
-  """The update's loss choice as static arguments: none for the synchronous loop, so its
-  compiled update is the one it always was."""
-  return {} if spec.decoupled is None else {"decoupled": spec.decoupled}
-
-
-@functools.partial(nnx.jit, static_argnames=_STATIC + ("record",))
-def _old_logprobs(
-  policy, example: TrainExample, guidance, *, quant, options, replay, temperature, record: bool
-):
-  """(log pi_old, entropy, guidance fallbacks, training-path site records): the records
-  (full QArrays, for the per-layer disagreement) only when `record`."""
-  if record:
-    options = options.replace(recording=Recording(form="full"))
-  logp, out = training_forward(
-    policy,
-    example.tokens,
-    example.positions,
-    example.mask,
-    quant=quant,
-    guidance=guidance,
-    routing_replay=replay,
-    temperature=temperature,
-    options=options,
-  )
-  return logp, token_entropy(out.logits, temperature), out.fallbacks, out.sites
-
-
-# The policy's and the optimizer's state are donated: the update writes them in place, so a
-# step holds one copy of parameters and Adam moments, not two.
-@functools.partial(
-  nnx.jit,
-  static_argnames=_STATIC + ("loss_config", "fused", "record", "decoupled", "mesh"),
-  donate_argnums=(0, 1),
-)
-def _train_step(
-  policy,
-  opt,
-  example: TrainExample,
-  guidance,
-  ref_logp,
-  *,
-  quant,
-  options,
-  replay,
-  temperature,
-  loss_config,
-  fused: bool = False,
-  record: bool = False,
-  decoupled: DecoupledConfig | None = None,
-  mesh=None,
-):
-  """One GRPO update on `example` (a minibatch): (loss, stats, gradient norm).
-
-  decoupled: asynchronous RL's loss (`rl.decoupled`), pi_old the proximal policy and the
-  rollout's log-probs the behaviour policy; None: `grpo_loss` with the rollout correction.
-
-  fused: the step's only update (one minibatch, one epoch). pi_old is then the policy this
-  update starts from, so its log-probs are this forward's own, held without gradient
-  (`example.old_logp` is not read and `_old_logprobs` need not run), and the update also
-  returns what `_old_logprobs` would have: log pi_old, token entropy, guidance fallbacks
-  and (with `record`) the training path's site records.
-
-  mesh: the run's mesh; the returned site records and fallbacks are then laid out by
-  `guidance_site_specs` (batch over "data", each site's declared dimension over "model"),
-  not left to XLA, which may keep them whole on every device."""
-  if record:
-    options = options.replace(recording=Recording(form="full"))
-
-  def loss_fn(policy):
-    logp, out = training_forward(
-      policy,
-      example.tokens,
-      example.positions,
-      example.mask,
-      quant=quant,
-      guidance=guidance,
-      routing_replay=replay,
-      temperature=temperature,
-      options=options,
-    )
-    old_logp = jax.lax.stop_gradient(logp) if fused else example.old_logp
-    if decoupled is None:
-      loss, stats = grpo_loss(
-        logp,
-        old_logp,
-        example.rollout_logp,
-        example.advantages,
-        example.response_mask,
-        loss_config,
-        ref_logp,
-      )
-    else:
-      loss, stats = decoupled_loss(
-        logp,
-        old_logp,
-        example.rollout_logp,
-        example.advantages,
-        example.response_mask,
-        loss_config,
-        decoupled,
-        ref_logp,
-      )
-    scored = ()
-    if fused:
-      scored = (
-        old_logp,
-        token_entropy(jax.lax.stop_gradient(out.logits), temperature),
-        out.fallbacks,
-        out.sites,
-      )
-    return loss + policy.cfg.router_aux_loss_coef * out.lb_loss, (stats, scored)
-
-  (loss, (stats, scored)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
-  opt.update(policy, grads)
-  if fused:
-    old_logp, entropy, fallbacks, sites = scored
-    scored = (
-      old_logp,
-      entropy,
-      constrain_guidance_sites(fallbacks, mesh),
-      constrain_guidance_sites(sites, mesh),
-    )
-  return (loss, stats, optax.global_norm(grads)) + tuple(scored)
-
-
-@nnx.jit
-def _param_health(policy) -> tuple[jax.Array, jax.Array]:
-  """(every parameter finite, max |parameter|): the divergence guard's two numbers."""
-  leaves = jax.tree.leaves(nnx.state(policy, nnx.Param))
-  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-  max_abs = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
-  return finite, max_abs

@@ -2,7 +2,7 @@
 
 Compiles, from abstract shapes and without weights, the two programs a run's phases are:
 
-  update   the learner's step as `Trainer.train_step` runs it (`rl.step._train_step`, the
+  update   the learner's step as `Trainer.train_step` runs it (`rl.programs.train_step`, the
            function `rl.step.update` calls), with the trace arm's static arguments
            (`StepSpec.of`: guided at the arm's layers, routing replay, recording, fused),
            on one micro-batch: the policy and Adam's state placed by `model.sharding`'s
@@ -32,6 +32,7 @@ from trace_jax.model import sharding
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.quant import resolve_layers
 from trace_jax.model.transformer import Transformer
+from trace_jax.rl import programs
 from trace_jax.rl import step as step_lib
 from trace_jax.rl.config import RLConfig
 from trace_jax.rollout import engine as engine_lib
@@ -96,7 +97,7 @@ def micro_rows(config: plan_lib.PlanConfig) -> int:
 
 
 def compile_update(cfg: ModelConfig, config: plan_lib.PlanConfig, mesh) -> Compiled:
-  """`rl.step._train_step` compiled for one micro-batch of `micro_rows(config)` sequences of
+  """`rl.programs.train_step` compiled for one micro-batch of `micro_rows(config)` sequences of
   `config.context` slots on `mesh`, as `rl.step.update` calls it for the trace arm."""
   start = time.time()
   compiled = update_program(cfg, config, mesh)
@@ -153,7 +154,7 @@ def update_program(cfg: ModelConfig, config: plan_lib.PlanConfig, mesh):
       specs,
     )
   with jax.set_mesh(mesh):
-    return step_lib._train_step.lower(
+    return programs.train_step.lower(
       policy,
       opt,
       example,
