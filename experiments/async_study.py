@@ -21,8 +21,10 @@ points from the first's; warm starts are keyed by their settings, so one made fo
 else is rebuilt, never reused.
 
 Then <results>/study/: results.json (`settings`, `cells` with their `staleness`, `rows`),
-table.md (per arm and k: gain with its 95% interval, paired difference against k = 0, total /
-precision / version k3, masked share, largest gap, followed share by gap) and study.png.
+table.md (per arm and k: gain with its 95% interval, paired difference against k = 0, the
+mean evaluation over the run and its paired difference, total / precision / version k3,
+masked share, largest gap, followed share by gap; with several rates, what the smaller rate
+removes of k's cost, `staleness.rate_effects`) and study.png.
 Run it alone on the machine: the cells' wall times are reported.
 """
 
@@ -185,6 +187,9 @@ def main(argv):
     raise app.UsageError(str(e)) from e
   print()
   print(staleness.markdown(cells_by_k))
+  effects = staleness.rate_markdown(cells_by_k)
+  if effects:
+    print(f"\nWhat the smaller learning rate removes of k's cost:\n{effects}")
   print(f"\nwrote {results_root}/study/results.json, table.md, study.png")
 
 

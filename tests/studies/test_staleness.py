@@ -72,6 +72,13 @@ def test_rows_match_a_hand_computation():
       )
       lowest = [min(curve[1]) for curve in get(k, arm, "curve_eval")]
       assert row.lowest_eval == pytest.approx(np.mean(lowest))
+      run = [  # the curve's points after step 0 (steps 20 and 40), less the initial eval
+        np.mean(curve[1][1:]) - initial
+        for curve, initial in zip(get(k, arm, "curve_eval"), get(k, arm, "initial_eval_reward"))
+      ]
+      np.testing.assert_allclose(
+        (row.run_gain.mean, row.run_gain.lo, row.run_gain.hi), _t_interval(run), rtol=1e-12
+      )
       total = get(k, arm, "mean_k3_kl")
       np.testing.assert_allclose(row.total_k3, np.prod(total) ** (1 / len(total)), rtol=1e-9)
       assert row.seeds == len(SEEDS)
@@ -83,6 +90,15 @@ def test_rows_match_a_hand_computation():
       diffs = np.subtract(get(k, arm, "final_eval_reward"), get(0, arm, "final_eval_reward"))
       np.testing.assert_allclose(
         (row.vs_sync.mean, row.vs_sync.lo, row.vs_sync.hi), _t_interval(diffs), rtol=1e-12
+      )
+      run_diffs = [
+        np.mean(a[1][1:]) - np.mean(b[1][1:])  # one warm start: the initial evals cancel
+        for a, b in zip(get(k, arm, "curve_eval"), get(0, arm, "curve_eval"))
+      ]
+      np.testing.assert_allclose(
+        (row.run_vs_sync.mean, row.run_vs_sync.lo, row.run_vs_sync.hi),
+        _t_interval(run_diffs),
+        rtol=1e-12,
       )
       version = get(k, arm, "mean_version_k3")
       np.testing.assert_allclose(row.version_k3, np.prod(version) ** (1 / len(version)), rtol=1e-9)
@@ -150,6 +166,27 @@ def test_a_second_learning_rate_pairs_against_k_0_at_that_rate():
     )
   text = staleness.markdown(grid)
   assert text.count("| 4e-05 |") == len(ARMS) * 2 and text.count("| 8e-05 |") == len(ARMS) * 2
+
+  # what the smaller rate removes of k = 3's cost: per seed, a difference of paired differences
+  cells = {
+    (c.arm, staleness.learning_rate_of(c), k, c.seed): c for k, cs in grid.items() for c in cs
+  }
+  run = lambda c: np.mean(c.summary["curve_eval"][1][1:]) - c.summary["initial_eval_reward"]  # noqa: E731
+  effects = staleness.rate_effects(grid)
+  assert [(e.arm, e.staleness, e.rate, e.top_rate) for e in effects] == [
+    (a, 3, 4e-5, 8e-5) for a in ARMS
+  ]
+  for e in effects:
+    for name, f in (("final", lambda c: c.summary["final_eval_reward"]), ("run", run)):
+      x = {(lr, k, s): f(cells[(e.arm, lr, k, s)]) for lr in rates for k in (0, 3) for s in SEEDS}
+      want = [
+        (x[(4e-5, 3, s)] - x[(4e-5, 0, s)]) - (x[(8e-5, 3, s)] - x[(8e-5, 0, s)]) for s in SEEDS
+      ]
+      got = getattr(e, name)
+      np.testing.assert_allclose((got.mean, got.lo, got.hi), _t_interval(want), rtol=1e-12)
+      np.testing.assert_allclose(list(getattr(e, f"{name}_by_seed").values()), want, rtol=1e-12)
+  assert staleness.rate_markdown(grid).count("| 4e-05 vs 8e-05 |") == len(ARMS)
+  assert staleness.rate_effects(_grid(rng)) == [] and staleness.rate_markdown(_grid(rng)) == ""
 
 
 def test_write_results_writes_the_table_the_json_and_the_plot(tmp_path):
