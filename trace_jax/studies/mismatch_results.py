@@ -6,12 +6,9 @@ sweep's `LayerRow`, the `Targets` the study checks, and the `MismatchStudy` they
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any
 
 from trace_jax.studies import sparse as sparse_study
-
-if TYPE_CHECKING:
-  from trace_jax.studies.mismatch import StudyConfig
 
 # The log-probability mismatch fields every mode reports (`rl.metrics.mismatch_metrics`).
 REPORTED = ("k3_kl", "kl", "logp_abs_diff", "prob_diff_mean", "prob_diff_max")
@@ -144,7 +141,7 @@ class Targets:
 class MismatchStudy:
   """The study's results (`to_json()`: the JSON experiments/mismatch.py writes)."""
 
-  config: StudyConfig
+  config: Any  # studies.mismatch.StudyConfig (its to_json() is the JSON's "config")
   preset: str
   layers: int
   guided_half: tuple[int, ...]
