@@ -42,15 +42,12 @@ def loss_static(spec) -> dict:
   return {} if spec.decoupled is None else {"decoupled": spec.decoupled}
 
 
-@functools.partial(nnx.jit, static_argnames=STATIC + ("record",))
-def old_logprobs(
-  policy, example: TrainExample, guidance, *, quant, options, replay, temperature, record: bool
-):
-  """(log pi_old, entropy, guidance fallbacks, training-path site records): the records
-  (full QArrays, for the per-layer disagreement) only when `record`."""
+def _forward(policy, example: TrainExample, guidance, quant, options, replay, temperature, record):
+  """The training path's forward of `example` (log-probs, `ModelOutput`), recording every
+  site's full QArrays when `record`."""
   if record:
     options = options.replace(recording=Recording(form="full"))
-  logp, out = training_forward(
+  return training_forward(
     policy,
     example.tokens,
     example.positions,
@@ -61,6 +58,15 @@ def old_logprobs(
     temperature=temperature,
     options=options,
   )
+
+
+@functools.partial(nnx.jit, static_argnames=STATIC + ("record",))
+def old_logprobs(
+  policy, example: TrainExample, guidance, *, quant, options, replay, temperature, record: bool
+):
+  """(log pi_old, entropy, guidance fallbacks, training-path site records): the records
+  (full QArrays, for the per-layer disagreement) only when `record`."""
+  logp, out = _forward(policy, example, guidance, quant, options, replay, temperature, record)
   return logp, token_entropy(out.logits, temperature), out.fallbacks, out.sites
 
 
@@ -102,43 +108,22 @@ def train_step(
   mesh: the run's mesh; the returned site records and fallbacks are then laid out by
   `guidance_site_specs` (batch over "data", each site's declared dimension over "model"),
   not left to XLA, which may keep them whole on every device."""
-  if record:
-    options = options.replace(recording=Recording(form="full"))
+  # grpo_loss, or the decoupled loss with its config before the reference's log-probs
+  loss_of, extra = (grpo_loss, ()) if decoupled is None else (decoupled_loss, (decoupled,))
 
   def loss_fn(policy):
-    logp, out = training_forward(
-      policy,
-      example.tokens,
-      example.positions,
-      example.mask,
-      quant=quant,
-      guidance=guidance,
-      routing_replay=replay,
-      temperature=temperature,
-      options=options,
-    )
+    logp, out = _forward(policy, example, guidance, quant, options, replay, temperature, record)
     old_logp = jax.lax.stop_gradient(logp) if fused else example.old_logp
-    if decoupled is None:
-      loss, stats = grpo_loss(
-        logp,
-        old_logp,
-        example.rollout_logp,
-        example.advantages,
-        example.response_mask,
-        loss_config,
-        ref_logp,
-      )
-    else:
-      loss, stats = decoupled_loss(
-        logp,
-        old_logp,
-        example.rollout_logp,
-        example.advantages,
-        example.response_mask,
-        loss_config,
-        decoupled,
-        ref_logp,
-      )
+    loss, stats = loss_of(
+      logp,
+      old_logp,
+      example.rollout_logp,
+      example.advantages,
+      example.response_mask,
+      loss_config,
+      *extra,
+      ref_logp,
+    )
     scored = ()
     if fused:
       scored = (
