@@ -255,6 +255,7 @@ from trace_jax.model.sharding import make_mesh, shard_model, batch_sharding, gui
 from trace_jax.rl import programs
 from trace_jax.rl import step as T
 from trace_jax.rl.config import RLConfig
+from trace_jax.rollout import decode as D
 from trace_jax.rollout import engine as E
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from jax.sharding import NamedSharding
@@ -279,7 +280,7 @@ key = jax.random.key(0)
 tokens = engine._place(jnp.asarray(prompts, jnp.int32))
 mask = engine._place(jnp.ones((batch, prompt), bool))
 out = {{}}
-m = E._generate.lower(engine.graphdef, engine.params, tokens, mask, key, None, engine.statics)
+m = D.generate_program.lower(engine.graphdef, engine.params, tokens, mask, key, None, engine.statics)
 out["rollout"] = m.compile().memory_analysis()
 micro = mesh_shape[0]
 r = engine.generate(prompts[:micro], key)

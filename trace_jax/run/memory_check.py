@@ -7,7 +7,7 @@ Compiles, from abstract shapes and without weights, the two programs a run's pha
            (`StepSpec.of`: guided at the arm's layers, routing replay, recording, fused),
            on one micro-batch: the policy and Adam's state placed by `model.sharding`'s
            rules, the trajectories batch over "data", the guidance by `guidance_specs`;
-  rollout  the rollout engine's generate (`rollout.engine._generate`: prefill of the prompt,
+  rollout  the rollout engine's generate (`rollout.decode.generate_program`: prefill of the prompt,
            then the decode loop over the KV cache), with the trace arm's rollout settings
            (`Arm.rollout`) and the FP4 rollout weights placed by `rollout_param_shardings`.
 
@@ -35,7 +35,7 @@ from trace_jax.model.transformer import Transformer
 from trace_jax.rl import programs
 from trace_jax.rl import step as step_lib
 from trace_jax.rl.config import RLConfig
-from trace_jax.rollout import engine as engine_lib
+from trace_jax.rollout import decode as decode_lib
 from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.params import quantize_params
 
@@ -183,7 +183,7 @@ def rollout_config(config: plan_lib.PlanConfig, prompt: int) -> RolloutConfig:
 def compile_rollout(
   cfg: ModelConfig, config: plan_lib.PlanConfig, mesh, prompt: int, kernels: str = "xla"
 ) -> Compiled:
-  """`rollout.engine._generate` compiled for `config.batch` prompts of `prompt` tokens
+  """`rollout.decode.generate_program` compiled for `config.batch` prompts of `prompt` tokens
   decoded to `config.context` slots on `mesh`, with the statics a `RolloutEngine` of the
   trace arm's rollout makes (`kernels`: "xla" on CPU; a GPU run may take "pallas")."""
   start = time.time()
@@ -200,14 +200,14 @@ def rollout_program(
   cfg = cfg.replace(dtype="bfloat16")
   rollout = rollout_config(config, prompt)
   guided = resolve_layers(rollout.guided_layers, cfg.num_layers, field="guided_layers")
-  st = engine_lib._Statics(
+  st = decode_lib.Statics(
     config=rollout,
     guided_layers=guided if rollout.guidance != "none" else (),
     routing_dtype=guidance_lib.routing_dtype(cfg.num_experts),
     capture_inputs=False,
     kernels=kernels,
     mesh=mesh,
-    stop_every=engine_lib.stop_check_every(rollout.sampling),
+    stop_every=decode_lib.stop_check_every(rollout.sampling),
   )
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
@@ -219,7 +219,9 @@ def rollout_program(
   mask = jax.ShapeDtypeStruct((config.batch, prompt), bool, sharding=rows)
   key = jax.eval_shape(lambda: jax.random.key(0))
   with jax.set_mesh(mesh):
-    return engine_lib._generate.lower(graphdef, params, tokens, mask, key, None, st).compile()
+    return decode_lib.generate_program.lower(
+      graphdef, params, tokens, mask, key, None, st
+    ).compile()
 
 
 def trajectory_bytes(rows: int, slots: int) -> int:
