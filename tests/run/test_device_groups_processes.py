@@ -3,14 +3,14 @@ processes of 4 CPU devices each on this machine (gloo collectives, a coordinator
 127.0.0.1), the rollout group process 0's devices, the learner's (4, 1, 1) mesh process 1's,
 max_staleness k = 2 (and k = 0), 4 steps of the tiny preset.
 
-Bit for bit equal to the one-process run of the same config (8 devices) is not what CPU
-gives: with gloo enabled the learner's all-reduces over its own 4 devices sum in another
-order than one process's (a small matmul's gradient differs in its last bits), so the
-properties tested are: a rerun equals the run bit for bit (metrics and parameters); the
-one-process run agrees to float tolerance, its rewards and version gaps exactly; the
-groups' arrays lie on their own processes' devices; and a failing side stops both
-processes in one line each. Slow: each pair compiles the tiny RL step (on 2 cores:
-~3.5 min for the first test's seven processes at once, ~1 min for the second's four).
+Bit for bit equal to the one-process run of the same config (8 devices) is not what CPU gives:
+with gloo enabled the learner's all-reduces over its own 4 devices sum in another order than
+one process's (a small matmul's gradient differs in its last bits), so the properties tested
+are: a rerun equals the run bit for bit (metrics and parameters); the one-process run agrees to
+float tolerance (all but a few elements; those within the Adam steps' size), its rewards and
+version gaps exactly; the groups' arrays lie on their own processes' devices; and a failing
+side stops both processes in one line each. Slow: each pair compiles the tiny RL step (on 2
+cores: ~3.5 min for the first test's seven processes at once, ~1 min for the second's four).
 """
 
 import json
@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 import pytest
+
+from trace_jax.rl.config import RLConfig
 
 pytestmark = pytest.mark.slow
 
@@ -147,9 +149,16 @@ def test_two_processes_reproduce_and_agree_with_one(tmp_path):
   assert _strip(history) == _strip(rerun["history"])
   a, b, c = (np.load(tmp_path / f) for f in ("a1.npz", "b1.npz", "one1.npz"))
   assert sorted(a.files) == sorted(c.files)
+  # Against one process: an all-reduce's last-bit difference can tip a near-zero Adam
+  # moment, and Adam moves an element by about the learning rate a step whatever its
+  # gradient's size. So nearly every element agrees to float tolerance, and none differs
+  # by more than the 4 steps' largest total move, 2 * lr each.
+  lr = RLConfig.from_flat(task="arith", preset="tiny").schedule.learning_rate
   for key in a.files:
     np.testing.assert_array_equal(a[key], b[key], err_msg=key)
-    np.testing.assert_allclose(a[key], c[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    close = np.isclose(a[key], c[key], rtol=1e-5, atol=1e-6)
+    assert close.mean() >= 0.999, (key, int((~close).sum()), close.size)
+    np.testing.assert_allclose(a[key], c[key], rtol=0, atol=4 * 2 * lr, err_msg=key)
   # one process, 8 devices: the same batches (rewards, lengths, gaps), floats to tolerance
   for mine, theirs in zip(history, one["history"]):
     for key in ("rewards/mean", "completions/mean_length", "async/version_gap"):
