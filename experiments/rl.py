@@ -35,6 +35,7 @@ from trace_jax.rl.config import RLConfig
 from trace_jax.rl.pipeline import RolloutWorkerError
 from trace_jax.run import policy_source, report
 from trace_jax.run.checkpoint import CheckpointError
+from trace_jax.run.remote_rollouts import LearnerError
 from trace_jax.run.rundir import read_metrics
 from trace_jax.run.trainer import Trainer
 from trace_jax.utils import distributed
@@ -66,7 +67,14 @@ def _run_errors():
   only bad flags are usage errors (app.UsageError passes through)."""
   try:
     yield
-  except (ValueError, OSError, FloatingPointError, CheckpointError, RolloutWorkerError) as e:
+  except (
+    ValueError,
+    OSError,
+    FloatingPointError,
+    CheckpointError,
+    RolloutWorkerError,
+    LearnerError,
+  ) as e:
     print(f"rl.py: error: {e}", file=sys.stderr)
     sys.exit(1)
 

@@ -182,6 +182,22 @@ def test_across_processes_groups_must_be_whole_processes(monkeypatch):
     async_rollouts.device_groups(_config(rollout_devices=4, mesh=(2, 1, 1)))
 
 
+def test_across_processes_each_group_is_one_process(monkeypatch):
+  """4 processes of 2 devices: rollout devices 0-3 (processes 0 and 1) and a (4, 1, 1)
+  learner mesh (processes 2 and 3) cover every process whole, but each group would span two
+  processes, whose batches and weights are one process's messages: refused, naming both
+  groups' processes; one process each (2 + 2 devices) leaves processes 2 and 3 out."""
+  _fake_processes(monkeypatch, 2, 4)
+  with pytest.raises(
+    ValueError, match=r"rollout and the learner group processes \[0, 1\] and \[2, 3\]"
+  ):
+    async_rollouts.device_groups(_config(rollout_devices=4, mesh=(4, 1, 1)))
+  with pytest.raises(
+    ValueError, match=r"puts process 2's devices \[4096, 4097\] in both groups or partly in neither"
+  ):
+    async_rollouts.device_groups(_config(rollout_devices=2, mesh=(2, 1, 1)))
+
+
 def test_across_processes_staleness_needs_device_groups(monkeypatch):
   """Several processes: max_staleness > 0 with rollouts on the learner's devices is refused by
   name (use --rollout_devices); with device groups it is allowed; so is k = 0 without."""

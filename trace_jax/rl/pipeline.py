@@ -208,6 +208,11 @@ class RolloutWorker:
       self._thread.start()
 
   @property
+  def running(self) -> bool:
+    """Whether the worker's thread is still alive (after `close()`: still in generate())."""
+    return self._thread is not None and self._thread.is_alive()
+
+  @property
   def next_batch(self) -> int:
     """The index of the batch `next()` returns."""
     return self._next_batch

@@ -73,7 +73,7 @@ def check_staleness(config) -> int:
       f"RLConfig.max_staleness={staleness} with rollouts on the learner's devices runs in "
       f"one process only (its rollout thread would issue collectives out of step with the "
       f"learner's); this run has {jax.process_count()} processes: use --rollout_devices "
-      f"(the rollouts on whole processes of their own), or max_staleness=0"
+      f"(the rollouts on a process of their own), or max_staleness=0"
     )
   return staleness
 
@@ -83,8 +83,8 @@ def device_groups(config, *, say_idle: bool = False) -> tuple[list, list] | None
   N devices, and the RLConfig.mesh's data x expert x model devices after them; None for
   N = 0 (both share the mesh's devices). `say_idle`: warn of the devices neither uses.
 
-  In a job of several processes every process's devices must lie in one group (`group_role`:
-  the rollout group is whole processes, the learner's mesh the processes after them).
+  In a job of several processes each group is one whole process (`group_role`: the rollout
+  group one process's devices, the learner's mesh the next one's).
 
   Raises:
     ValueError: N leaves the learner no devices or too few for its mesh, or (several
@@ -118,8 +118,9 @@ def device_groups(config, *, say_idle: bool = False) -> tuple[list, list] | None
 
 
 def _check_whole_processes(config, rollout: list, learner: list) -> None:
-  """A ValueError unless every process's devices lie all in the rollout group or all in the
-  learner's (each group's programs then run on its own processes only)."""
+  """A ValueError unless the rollout group is one process's devices and the learner's mesh
+  another's, and no process is left out: each group's programs then run on its own process
+  only, and the batches and weights between them are one process's messages."""
   groups = {"rollout": {d.id for d in rollout}, "learner": {d.id for d in learner}}
   per_process = {}
   for device in jax.devices():
@@ -132,9 +133,23 @@ def _check_whole_processes(config, rollout: list, learner: list) -> None:
         f"RLConfig.rollout_devices={config.rollout_devices} with RLConfig.mesh={config.mesh} "
         f"puts process {process}'s devices {ids} in both groups or partly in neither; across "
         f"{len(per_process)} processes ({sizes} devices each) each process's devices must "
-        f"lie in one group: allowed: rollout_devices and the mesh's size whole multiples of "
-        f"the devices per process, covering every process"
+        f"lie in one group: allowed: rollout_devices and the mesh's size each one process's "
+        f"devices, covering every process"
       )
+  processes = {
+    name: sorted({d.process_index for d in group})
+    for name, group in (("rollout", rollout), ("learner", learner))
+  }
+  wide = {name: procs for name, procs in processes.items() if len(procs) > 1}
+  if wide:
+    raise ValueError(
+      f"RLConfig.rollout_devices={config.rollout_devices} with RLConfig.mesh={config.mesh} "
+      f"gives the {' and the '.join(wide)} group processes "
+      f"{' and '.join(str(p) for p in wide.values())}; across processes each group is one "
+      f"process (its batches and weights are messages of one process); allowed: "
+      f"rollout_devices and the mesh's size each equal to one process's "
+      f"{len(per_process[rollout[0].process_index])} devices"
+    )
 
 
 def group_role(groups) -> str | None:
@@ -287,6 +302,12 @@ class AsyncRollouts:
     """The next batch (value: (Collected, generate seconds)); starts the worker if none
     runs (first use, or after `close`: it continues from the ring's latest version)."""
     if self.worker is None:
+      lingering = getattr(self, "_closed_worker", None)
+      if lingering is not None and lingering.running:  # it would share the engine
+        raise RuntimeError(
+          f"rollout worker: the worker closed at step {lingering.next_batch + 1} is still in "
+          "generate(); a new one would share its engine and weights, so the run stops"
+        )
       self.worker = RolloutWorker(self._generate, self.rollout_ring, stop_batch=self.stop_batch)
     try:
       return self.worker.next(timeout=self.timeout)
@@ -370,4 +391,4 @@ class AsyncRollouts:
     """Stop the worker (idempotent); queued batches are dropped, the ring is kept."""
     if self.worker is not None:
       self.worker.close()
-      self.worker = None
+      self._closed_worker, self.worker = self.worker, None

@@ -1,8 +1,7 @@
-"""Device groups across processes (`jax.distributed`): the rollout group is whole processes
-(the job's first N devices: processes 0..r-1, `async_rollouts.group_role`) and the learner's
-mesh the whole processes after them. Each process runs one side only, in its main thread, so
-every device program of a group is issued by that group's processes alone and in the same
-order on each:
+"""Device groups across processes (`jax.distributed`): the rollout group is one whole process
+(the job's first N devices, `async_rollouts.group_role`) and the learner's mesh the next
+process's devices. Each process runs one side only, in its main thread, so every device
+program of a group is issued by that group's process alone:
 
 1. The rollout processes run `RolloutServer`: batch j, with the weights of version
    max(0, j - k) (fixed lag, as in one process), for j from the learner's start version to
@@ -95,11 +94,13 @@ class GroupLink:
     except JaxRuntimeError:  # the other side said so first
       pass
 
-  def receive(self, name: str, *, waiting: str, error):
+  def receive(self, name: str, *, waiting: str, error, timeout: float | None = None):
     """The value sent as `name`: raises `error(the other side's line)` if it failed first, a
-    TimeoutError (said to the other side too) after `timeout` seconds; `waiting` names
-    the wait in that line."""
-    deadline = time.monotonic() + self.timeout
+    TimeoutError (said to the other side too) after `timeout` seconds (default the link's);
+    `waiting` names the wait in that line, and in the error of a coordination service that
+    failed under it."""
+    timeout = self.timeout if timeout is None else timeout
+    deadline = time.monotonic() + timeout
     while True:
       line = self.failure()
       if line is not None:
@@ -109,9 +110,10 @@ class GroupLink:
         return pickle.loads(data)
       except JaxRuntimeError as e:  # a deadline: the other side is still working
         if "DEADLINE_EXCEEDED" not in str(e):
-          raise
+          first = str(e).splitlines()[0] if str(e) else type(e).__name__
+          raise error(f"{waiting}: the job's coordination service failed: {first}") from e
       if time.monotonic() > deadline:
-        line = f"{waiting} within {self.timeout:g} s; the run stops"
+        line = f"{waiting} within {timeout:g} s; the run stops"
         self.fail(line)
         raise TimeoutError(line)
 
@@ -157,7 +159,8 @@ class RemoteRollouts(AsyncRollouts):
     # the learner's engine: it makes the rollout weights on the learner's mesh
     self.engine = RolloutEngine(policy, rollout_config, mesh=spec.mesh)
     self.link, self.publish_seconds, self.worker = GroupLink(timeout), None, None
-    self._next_batch, self._finished, self._closed = version, False, False
+    self._next_batch, self._closed = version, False
+    self._finished = version >= self.stop_batch  # (a run of 0 steps has nothing to train)
     self.link.send("start", version)
     for v in self.ring.versions:
       if v >= max(0, version - k) and weights_needed(v, k, self.stop_batch):
@@ -240,11 +243,12 @@ class RolloutServer:
     self.engine = RolloutEngine(policy, rollout_config, mesh=self.mesh)
     self._version = None  # the engine's weights are its own until the first received
 
-  def _wait(self, name: str, what: str):
+  def _wait(self, name: str, what: str, timeout: float | None = None):
     return self.link.receive(
       name,
       waiting=f"learner (devices {device_ids(self.groups[1])}): no {what}",
       error=LearnerError,
+      timeout=timeout,
     )
 
   def run(self) -> list[dict]:
@@ -280,12 +284,21 @@ class RolloutServer:
           logging.error("%s", line)
           raise RolloutWorkerError(line) from error
         self.link.send(f"batch/{j}", (version, collected, seconds, waited))
-      self._wait("done", "end of the run")
-    except LearnerError as error:
+      # after the last batch the learner still makes up to k + 1 updates and its evaluation
+      self._wait("done", "end of the run", timeout=self.link.timeout * (k + 2))
+      if self._version is not None:
+        self.link.delete(f"weights/{self._version}")
+    except (LearnerError, TimeoutError, RolloutWorkerError) as error:  # said already
       logging.error("%s", error)
       raise
-    except TimeoutError as error:
-      logging.error("%s", error)
+    except BaseException as error:  # anything else here, Ctrl-C included: said to the learner
+      message = str(error).splitlines()[0] if str(error) else ""
+      line = (
+        f"rollout worker (devices {device_ids(self.groups[0])}) stopped: "
+        f"{type(error).__name__}: {message}"
+      )
+      self.link.fail(line)
+      logging.error("%s", line)
       raise
     return []
 

@@ -67,7 +67,14 @@ class Trainer:
     self.rundir = RunDir(workdir, config)  # locks it: a busy workdir is refused before any write
     try:
       self._start(config, progress, checked)
-    except BaseException:
+    except BaseException as error:
+      if self.role is not None and getattr(self, "_async", None) is None and not self._server:
+        # across processes, before this side's link was made: tell the other side in one line
+        message = str(error).splitlines()[0] if str(error) else ""
+        remote_rollouts.GroupLink(config.schedule.rollout_timeout).fail(
+          f"{self.role} (process {jax.process_index()}) failed starting: "
+          f"{type(error).__name__}: {message}"
+        )
       self.close()
       raise
 
