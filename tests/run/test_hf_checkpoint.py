@@ -131,10 +131,13 @@ def test_multi_turn_observations_go_in_as_template_turns(tmp_path):
   config = RLConfig.from_flat(
     arm="trace",
     hf_checkpoint=path,
-    task="search",
-    task_options=(("bits", 2), ("max_turns", 3)),
     observation_role="tool",
-    **{**TINY, "max_new_tokens": 3},
+    **{
+      **TINY,
+      "task": "search",
+      "task_options": (("bits", 2), ("max_turns", 3)),
+      "max_new_tokens": 3,
+    },
   )
   trainer = Trainer(config, str(tmp_path / "run"), progress=False)
   tok = trainer.tokenizer
