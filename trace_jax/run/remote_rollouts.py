@@ -288,7 +288,9 @@ class RolloutServer:
       self._wait("done", "end of the run", timeout=self.link.timeout * (k + 2))
       if self._version is not None:
         self.link.delete(f"weights/{self._version}")
-    except (LearnerError, TimeoutError, RolloutWorkerError) as error:  # said already
+    except RolloutWorkerError:  # said and logged where the batch failed
+      raise
+    except (LearnerError, TimeoutError) as error:  # the learner's line, or this wait's
       logging.error("%s", error)
       raise
     except BaseException as error:  # anything else here, Ctrl-C included: said to the learner
