@@ -275,13 +275,7 @@ class RolloutServer:
             collected = step_lib.on_host(collected)
           seconds = time.time() - begun
         except Exception as error:
-          message = str(error).splitlines()[0] if str(error) else ""
-          line = (
-            f"rollout worker (devices {device_ids(self.groups[0])}) failed generating batch "
-            f"{j}: {type(error).__name__}: {message}"
-          )
-          self.link.fail(line)
-          logging.error("%s", line)
+          line = self._failed(f"failed generating batch {j}", error)
           raise RolloutWorkerError(line) from error
         self.link.send(f"batch/{j}", (version, collected, seconds, waited))
       # after the last batch the learner still makes up to k + 1 updates and its evaluation
@@ -294,15 +288,20 @@ class RolloutServer:
       logging.error("%s", error)
       raise
     except BaseException as error:  # anything else here, Ctrl-C included: said to the learner
-      message = str(error).splitlines()[0] if str(error) else ""
-      line = (
-        f"rollout worker (devices {device_ids(self.groups[0])}) stopped: "
-        f"{type(error).__name__}: {message}"
-      )
-      self.link.fail(line)
-      logging.error("%s", line)
+      self._failed("stopped", error)
       raise
     return []
+
+  def _failed(self, what: str, error: BaseException) -> str:
+    """Say this side failed, to the learner and in the log, in one line naming it."""
+    message = str(error).splitlines()[0] if str(error) else ""
+    line = (
+      f"rollout worker (devices {device_ids(self.groups[0])}) {what}: "
+      f"{type(error).__name__}: {message}"
+    )
+    self.link.fail(line)
+    logging.error("%s", line)
+    return line
 
   def close(self) -> None:
     pass
