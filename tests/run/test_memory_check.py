@@ -28,15 +28,19 @@ compiled = memory_check.update_program(get_preset("tiny"), config, mesh)
 info, out = compiled.compiled.out_info[-1], compiled.compiled.output_shardings[-1]
 rows = []
 for index, name in ((5, "fallbacks"), (6, "sites")):
-  specs = sharding.guidance_site_specs(info[index], mesh)
-  leaves = jax.tree_util.tree_flatten_with_path(info[index])[0]
-  for (path, a), s, spec in zip(leaves, jax.tree.leaves(out[index]), jax.tree.leaves(specs)):
-    rows.append(dict(
-      name=name + jax.tree_util.keystr(path),
-      shape=list(a.shape),
-      shard=list(s.shard_shape(a.shape)),
-      rule=list(NamedSharding(mesh, spec).shard_shape(a.shape)),
-    ))
+  # a ByLayer: one stack [layers, B, S, ...] per site
+  specs = sharding.by_layer_site_specs(info[index], mesh)
+  for keys, stack, shardings, spec in zip(
+    info[index].keys_by_stack, info[index].stacks, out[index].stacks, specs
+  ):
+    leaves = jax.tree_util.tree_flatten_with_path(stack)[0]
+    for (path, a), s, p in zip(leaves, jax.tree.leaves(shardings), jax.tree.leaves(spec)):
+      rows.append(dict(
+        name=f"{name}[{keys[0][1]}, layers {[k[0] for k in keys]}]" + jax.tree_util.keystr(path),
+        shape=list(a.shape),
+        shard=list(s.shard_shape(a.shape)),
+        rule=list(NamedSharding(mesh, p).shard_shape(a.shape)),
+      ))
 print("JSON" + json.dumps(rows))
 """
 
@@ -60,5 +64,6 @@ def test_update_returns_records_laid_out_by_the_guidance_rule():
   assert any(n.startswith("fallbacks") for n in names)
   for r in rows:
     assert r["shard"] == r["rule"], r
-    if r["shape"][0] > 1:  # the batch over data = 2: half the rows on each device
-      assert r["shard"][0] * 2 == r["shape"][0], r
+    assert r["shard"][0] == r["shape"][0], r  # every layer of a stack on each device
+    if r["shape"][1] > 1:  # the batch over data = 2: half the rows on each device
+      assert r["shard"][1] * 2 == r["shape"][1], r

@@ -49,3 +49,32 @@ def test_a_readable_checkpoint_is_compared_and_says_nothing_more(tmp_path, caplo
   assert not [r for r in caplog.records if r.name == "trace_jax.run.rundir"]
   with pytest.raises(ValueError, match=r"fields that differ: \['seed'\]"):
     RunDir(workdir, RLConfig.from_flat(preset="tiny", seed=0))
+
+
+def test_a_checkpoint_of_the_other_optimizer_layout_names_scan_layers(tmp_path):
+  """Under scan_layers the optimizer's moments are stored by layer stack, without it per
+  layer: a checkpoint saved one way does not restore the other, and the error says to resume
+  with the --scan_layers it was saved with."""
+  from flax import nnx
+
+  from trace_jax import model as M
+  from trace_jax.rl import step as step_lib
+  from trace_jax.run.checkpoint import CheckpointError
+
+  workdir = str(tmp_path / "run")
+  config = RLConfig.from_flat(preset="tiny", seed=0, lr_decay="constant")
+
+  def state(scan):
+    policy = M.Transformer(M.tiny(num_layers=2, scan_layers=scan), rngs=nnx.Rngs(0))
+    return step_lib.init_state(config, policy).replace(step=1)
+
+  run = RunDir(workdir, config)
+  run.save(state(False))
+  run.close()
+  run = RunDir(workdir, config)
+  with pytest.raises(CheckpointError, match=r"scan_layers=True\); resume with the --scan_layers"):
+    run.restore(state(True))
+  run.close()
+  run = RunDir(workdir, config)
+  assert run.restore(state(False)).step == 1  # the layout it was saved with restores
+  run.close()

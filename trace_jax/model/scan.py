@@ -12,7 +12,11 @@ layers) and leaves every layer that starts no repeat, such as dense-first layers
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, traverse_util
 
 MAX_PERIOD = 8  # the longest repeating pattern looked for
 
@@ -58,3 +62,82 @@ def layer_groups(signatures: Sequence[Hashable], max_period: int = MAX_PERIOD) -
     out.append(best)
     i += best.period * best.repeats
   return out
+
+
+def _layer_position(path: tuple) -> int | None:
+  """Where in `path` the layer index sits (the integer key right under "blocks"), or None."""
+  for i, key in enumerate(path[:-1]):
+    if key == "blocks" and isinstance(path[i + 1], int):
+      return i + 1
+  return None
+
+
+def layer_stack_key(path: tuple) -> tuple | None:
+  """A leaf's path with its layer index taken out (None for a leaf of no layer): the leaves
+  of one key (and shape and dtype) in different layers are one parameter of each layer,
+  which a by-layer stack holds along a leading axis, layers in order."""
+  at = _layer_position(path)
+  return None if at is None else path[:at] + path[at + 1 :]
+
+
+STACKED = "layers"  # a stacked tree's subtree of layer stacks, by stack key
+UNSTACKED = "rest"  # and of every other leaf, at its own path
+
+
+@dataclasses.dataclass(frozen=True)
+class StackLayout:
+  """How a tree's leaves map to its by-layer stacked form {STACKED: ..., UNSTACKED: ...}:
+  per stack key, the paths of its leaves (layers in order); the paths left as they are."""
+
+  stacks: dict[tuple, tuple[tuple, ...]]
+  rest: tuple[tuple, ...]
+
+  @classmethod
+  def of(cls, tree) -> "StackLayout":
+    """A stack per (stack key, shape, dtype) that two or more layers share; a leaf of no
+    layer, or of a parameter no other layer has alike, left at its path."""
+    flat = flat_paths(tree)
+    groups: dict[tuple, list[tuple]] = {}
+    for path, leaf in flat.items():
+      key = layer_stack_key(path)
+      if key is not None:
+        groups.setdefault((key, tuple(leaf.shape), str(leaf.dtype)), []).append(path)
+    stacks: dict[tuple, tuple[tuple, ...]] = {}
+    for (key, _, _), paths in groups.items():
+      if len(paths) < 2:
+        continue
+      while key in stacks:  # the same parameter, shaped otherwise in other layers
+        key = key + ("alt",)
+      stacks[key] = tuple(sorted(paths, key=lambda p: p[_layer_position(p)]))
+    taken = {p for paths in stacks.values() for p in paths}
+    return cls(stacks, tuple(p for p in flat if p not in taken))
+
+  def stack(self, tree) -> dict:
+    """`tree`'s leaves in stacked form: {STACKED: {key...: [n, ...]}, UNSTACKED: {path...}}."""
+    flat = flat_paths(tree)
+    stacked = {key: jnp.stack([flat[p] for p in paths]) for key, paths in self.stacks.items()}
+    return {
+      STACKED: traverse_util.unflatten_dict(stacked),
+      UNSTACKED: traverse_util.unflatten_dict({p: flat[p] for p in self.rest}),
+    }
+
+  def unstack(self, stacked: dict, like):
+    """The inverse of `stack`: a tree of `like`'s structure (and type)."""
+    flat = flat_paths(stacked)
+    out = {p[1:]: leaf for p, leaf in flat.items() if p[0] == UNSTACKED}
+    for key, paths in self.stacks.items():
+      whole = flat[(STACKED,) + key]
+      out.update({path: whole[i] for i, path in enumerate(paths)})
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+    return jax.tree_util.tree_unflatten(treedef, [out[_keys(p)] for p, _ in leaves])
+
+
+def _keys(path) -> tuple:
+  """A jax key path as plain keys (dict keys, sequence indices, attribute names)."""
+  return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+
+
+def flat_paths(tree) -> dict[tuple, Any]:
+  """{path: leaf} of a nested dict or an nnx.State (its variables' values)."""
+  tree = nnx.as_pure(tree) if isinstance(tree, nnx.State) else tree
+  return {_keys(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}

@@ -42,7 +42,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from trace_jax import fp4
 from trace_jax.model import parameters
-from trace_jax.model.sites import site_spec
+from trace_jax.model.scan import STACKED, StackLayout
+from trace_jax.model.sites import ByLayer, site_spec
 
 MESH_AXES = parameters.MESH_AXES
 
@@ -153,13 +154,21 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
 
 
 def _param_rules_by_path(model: nnx.Module, mesh: Mesh) -> dict[tuple, tuple[tuple, tuple]]:
-  return {
+  """{path: (shape, rule)} of every parameter, and of every by-layer stack of them
+  (`scan.StackLayout`, as an optimizer over layer stacks holds its moments): the stack's
+  path under `scan.STACKED`, its layers' leading axis unsplit."""
+  params = nnx.state(model, nnx.Param)
+  rules = {
     tuple(str(p) for p in path): (
       tuple(v.get_value().shape),
       param_rule(v, mesh, what=f"parameter {_path_str(path)}"),
     )
-    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    for path, v in nnx.to_flat_state(params)
   }
+  for key, paths in StackLayout.of(params).stacks.items():
+    shape, rule = rules[tuple(str(p) for p in paths[0])]
+    rules[(STACKED,) + tuple(str(k) for k in key)] = ((len(paths),) + shape, (None,) + rule)
+  return rules
 
 
 def optimizer_shardings(opt: nnx.Optimizer, model: nnx.Module, mesh: Mesh):
@@ -302,14 +311,27 @@ def guidance_specs(guidance, mesh: Mesh):
   )
 
 
-def constrain_guidance_sites(sites: dict, mesh: Mesh | None) -> dict:
-  """Inside jit: pin guidance site buffers to `guidance_site_specs` (no-op without a mesh)."""
+def by_layer_site_specs(records: ByLayer, mesh: Mesh) -> tuple:
+  """PartitionSpecs of a `ByLayer`'s stacks of site records, one tree per stack: each
+  layer's `guidance_site_specs`, the stack's leading layer axis unsplit."""
+  out = []
+  for stack, keys in zip(records.stacks, records.keys_by_stack):
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stack)
+    specs = guidance_site_specs({keys[0]: one}, mesh)[keys[0]]
+    out.append(jax.tree.map(lambda spec: P(None, *spec), specs))
+  return tuple(out)
+
+
+def constrain_guidance_sites(sites, mesh: Mesh | None):
+  """Inside jit: pin guidance site buffers ({(layer, site): record}, or a `ByLayer` of
+  them) to `guidance_site_specs` (no-op without a mesh)."""
   if mesh is None or not sites:
     return sites
-  specs = guidance_site_specs(sites, mesh)
-  return jax.tree.map(
-    lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)), sites, specs
-  )
+  pin = lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))  # noqa: E731
+  if isinstance(sites, ByLayer):
+    stacks = jax.tree.map(pin, sites.stacks, by_layer_site_specs(sites, mesh))
+    return sites.replace(stacks=stacks)
+  return jax.tree.map(pin, sites, guidance_site_specs(sites, mesh))
 
 
 def device_bytes(tree) -> int:

@@ -20,9 +20,11 @@ forward's `SiteQuantizer` and sows the site's `SiteRecord` into `nnx.Intermediat
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+import functools
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx, struct
 
 from trace_jax.guidance import SiteKey
@@ -179,3 +181,56 @@ def collect_site_records(sown) -> dict[SiteKey, SiteRecord]:
       if isinstance(item, SiteRecord):
         out[(int(path[1]), str(path[-1]))] = item
   return out
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(keys_by_stack: tuple) -> dict:
+  """{key: (stack, index)} of a `ByLayer`'s keys."""
+  return {key: (s, i) for s, group in enumerate(keys_by_stack) for i, key in enumerate(group)}
+
+
+@struct.dataclass
+class ByLayer(Mapping):
+  """{(layer, site): record} held as one stack per site: the records of a site whose layers
+  have alike records (one tree structure, shapes and dtypes) stacked along a new leading
+  axis, in layer order. A jitted program returns this in place of the dict: a scanned stack
+  of L layers makes each site's records as one stacked array, which the dict would cut into
+  L slices inside the program. Read like the dict; an item is its stack's slice (numpy
+  after `jax.tree.map(np.asarray, ...)`: every stack read to the host at once)."""
+
+  stacks: tuple  # per stack: the stacked tree
+  keys_by_stack: tuple = struct.field(pytree_node=False)  # per stack: its (layer, site) keys
+
+  @classmethod
+  def of(cls, records: Mapping | None) -> "ByLayer | None":
+    """`records` ({(layer, site): tree}, layers in any order) stacked; None stays None."""
+    if records is None:
+      return None
+    groups: dict[tuple, list] = {}
+    for key in sorted(records):
+      tree = records[key]
+      shapes = tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(tree))
+      groups.setdefault((key[1], jax.tree.structure(tree), shapes), []).append(key)
+    keys = tuple(tuple(group) for group in groups.values())
+    stacks = tuple(
+      jax.tree.map(lambda *leaves: jnp.stack(leaves), *[records[k] for k in group])
+      for group in keys
+    )
+    return cls(stacks=stacks, keys_by_stack=keys)
+
+  def _where(self) -> dict:
+    return _positions(self.keys_by_stack)
+
+  def __getitem__(self, key):
+    s, i = self._where()[key]
+    return jax.tree.map(lambda a: a[i], self.stacks[s])
+
+  def __iter__(self):
+    return iter(sorted(self._where()))
+
+  def __len__(self) -> int:
+    return sum(len(group) for group in self.keys_by_stack)
+
+  def unstack(self) -> dict:
+    """The plain dict (every record sliced out)."""
+    return {key: self[key] for key in self}

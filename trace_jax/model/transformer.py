@@ -312,7 +312,7 @@ class Transformer(nnx.Module):
     stats_by_layer = {}
     for j, (stats, sown) in enumerate(outs):
       for r, layer in enumerate(group.layers(j)):
-        at = lambda tree: jax.tree.map(lambda a: a[r], tree)
+        at = lambda tree: jax.tree.map(lambda a: jax.lax.index_in_dim(a, r, keepdims=False), tree)
         if stats is not None:
           stats_by_layer[layer] = at(stats)
         for path, items in sown.items():

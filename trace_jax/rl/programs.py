@@ -9,14 +9,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx, struct
 
 from trace_jax.model.quant import Recording
 from trace_jax.model.sharding import constrain_guidance_sites
+from trace_jax.model.sites import ByLayer
 from trace_jax.rl.decoupled import DecoupledConfig, decoupled_loss
 from trace_jax.rl.grpo import grpo_loss
 from trace_jax.training.forward import token_entropy, training_forward
+from trace_jax.training.optim import apply_update
 
 # The static arguments every program takes from a run's `StepSpec.static`.
 STATIC = ("quant", "options", "replay", "temperature")
@@ -67,7 +68,12 @@ def old_logprobs(
   """(log pi_old, entropy, guidance fallbacks, training-path site records): the records
   (full QArrays, for the per-layer disagreement) only when `record`."""
   logp, out = _forward(policy, example, guidance, quant, options, replay, temperature, record)
-  return logp, token_entropy(out.logits, temperature), out.fallbacks, out.sites
+  return (
+    logp,
+    token_entropy(out.logits, temperature),
+    ByLayer.of(out.fallbacks),
+    ByLayer.of(out.sites),
+  )
 
 
 # The policy's and the optimizer's state are donated: the update writes them in place, so a
@@ -135,16 +141,16 @@ def train_step(
     return loss + policy.cfg.router_aux_loss_coef * out.lb_loss, (stats, scored)
 
   (loss, (stats, scored)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
-  opt.update(policy, grads)
+  grad_norm = apply_update(opt, policy, grads)
   if fused:
     old_logp, entropy, fallbacks, sites = scored
     scored = (
       old_logp,
       entropy,
-      constrain_guidance_sites(fallbacks, mesh),
-      constrain_guidance_sites(sites, mesh),
+      constrain_guidance_sites(ByLayer.of(fallbacks), mesh),
+      constrain_guidance_sites(ByLayer.of(sites), mesh),
     )
-  return (loss, stats, optax.global_norm(grads)) + tuple(scored)
+  return (loss, stats, grad_norm) + tuple(scored)
 
 
 @nnx.jit

@@ -51,6 +51,7 @@ from trace_jax.rl.metrics import (
   mismatch_metrics,
 )
 from trace_jax.rl.programs import TrainExample, loss_static, old_logprobs, param_health, train_step
+from trace_jax.training.optim import by_layer_stacks
 from trace_jax.rollout.engine import Rollout, RolloutEngine
 from trace_jax.utils import round_up
 from trace_jax.utils.distributed import global_array, host_array
@@ -159,15 +160,16 @@ class StepSpec:
     return dict(static, quant=nearest, replay=False)
 
 
-@functools.lru_cache(maxsize=None)
 def optimizer(
   learning_rate: float,
   warmup_updates: int = 0,
   decay: str = "constant",
   total_updates: int = 0,
   max_grad_norm: float = 1.0,
+  by_layer: bool = False,
 ):
   """One transformation per schedule, so runs of one config share compiled steps.
+  (`_optimizer`, cached by its arguments given in one way.)
 
   The gradient is clipped to global norm `max_grad_norm` before Adam.
 
@@ -178,7 +180,19 @@ def optimizer(
   the last updates move the policy less, so its final evaluation is less one update's noise.
   A decay needs updates after the warmup (`total_updates > warmup_updates`); with
   `total_updates=0` (a run of no updates) there is nothing to decay and nothing is refused.
+
+  by_layer: clip and Adam run over the parameters stacked by layer (`training.optim`), as a
+  model under `scan_layers` is trained: its update compiles them once per parameter of a
+  layer, not once per layer (the same arithmetic per element; the clip's global norm sums
+  by stack, which can move its last bit).
   """
+  return _optimizer(
+    learning_rate, warmup_updates, decay, total_updates, max_grad_norm, bool(by_layer)
+  )
+
+
+@functools.lru_cache(maxsize=None)
+def _optimizer(learning_rate, warmup_updates, decay, total_updates, max_grad_norm, by_layer):
   if decay not in LR_DECAYS:
     raise ValueError(f"lr_decay={decay!r} is not allowed; use one of {LR_DECAYS}")
   if not (
@@ -204,7 +218,8 @@ def optimizer(
       schedule = optax.join_schedules([warm, schedule], [warmup_updates])
   elif warmup_updates > 0:
     schedule = optax.linear_schedule(floor, learning_rate, warmup_updates)
-  return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(schedule))
+  tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(schedule))
+  return by_layer_stacks(tx) if by_layer else tx
 
 
 def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
@@ -222,6 +237,7 @@ def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
     schedule.lr_decay,
     schedule.steps * per_step,
     schedule.max_grad_norm,
+    by_layer=scans_layers(policy),
   )
   opt = nnx.Optimizer(policy, tx, wrt=nnx.Param)
   if mesh is not None:
@@ -232,6 +248,12 @@ def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
     _commit(policy)
     _commit(opt)
   return RLState(policy=policy, opt=opt, reference=reference)
+
+
+def scans_layers(policy) -> bool:
+  """Whether `policy` runs its layers under a scan (ModelConfig.scan_layers): its optimizer
+  then runs over its parameters stacked by layer (`optimizer(by_layer=True)`)."""
+  return bool(getattr(getattr(policy, "cfg", None), "scan_layers", False))
 
 
 def _commit(module) -> None:

@@ -118,6 +118,7 @@ def update_program(cfg: ModelConfig, config: plan_lib.PlanConfig, mesh):
     schedule.lr_decay,
     schedule.steps * per_step,
     schedule.max_grad_norm,
+    by_layer=cfg.scan_layers,
   )
   opt = nnx.eval_shape(lambda: nnx.Optimizer(Transformer(cfg, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param))
   opt_shardings = sharding.optimizer_shardings(opt, policy, mesh)

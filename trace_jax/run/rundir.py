@@ -32,9 +32,9 @@ import jax
 from flax import nnx
 
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.step import RLState, step_key
+from trace_jax.rl.step import RLState, scans_layers, step_key
 from trace_jax.run import report, tensorboard, warmstart
-from trace_jax.run.checkpoint import Checkpoints
+from trace_jax.run.checkpoint import CheckpointError, Checkpoints
 from trace_jax.utils import append_jsonl, read_jsonl, write_atomic
 from trace_jax.utils.distributed import is_main_process
 from trace_jax.utils.lock import lock_run_workdir
@@ -223,7 +223,16 @@ class RunDir:
     """`state` with the newest usable checkpoint restored into it (as it is if none), and
     metrics.jsonl cut back to the steps it holds. `extra`: more nnx.States saved beside the
     state ({name: state}, restored in place; an asynchronous run's older weight versions)."""
-    found = self.checkpoints.restore_latest(self._arrays(state, extra))
+    try:
+      found = self.checkpoints.restore_latest(self._arrays(state, extra))
+    except CheckpointError as e:
+      if "tree structures do not match" not in str(e):
+        raise
+      raise CheckpointError(
+        f"{e} The optimizer's state is stored by layer stack under scan_layers and per layer "
+        f"without (this run: scan_layers={scans_layers(state.policy)}); resume with the "
+        "--scan_layers the checkpoint was saved with."
+      ) from e
     if found is not None:
       _, restored, meta = found
       nnx.update(state.policy, restored["policy"])

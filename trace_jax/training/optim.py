@@ -1,0 +1,62 @@
+"""Optimizer updates over a model's parameters stacked by layer.
+
+An elementwise optimizer (a clip by global norm, Adam) applied leaf by leaf to a model of L
+alike layers puts L copies of its update into the compiled program, one per layer's
+parameter, and compile time grows with depth. `by_layer_stacks(inner)` runs `inner` on the
+parameters stacked by layer (`scan.StackLayout`: one array per parameter of a layer, its
+layers along a leading axis) and keeps `inner`'s state (Adam's moments) in that form;
+`apply_update` also adds the updates to the parameters in their stacks. Per element the
+arithmetic is the leaf-by-leaf one; the global norm sums the same squares grouped by stack,
+so it (and a clipped update) can differ from optax's per-leaf sum in the last bit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import optax
+from flax import nnx
+
+from trace_jax.model.scan import StackLayout
+
+
+class LayerStacked(NamedTuple):
+  """An optax transformation (init, update) running `inner` over its tree's layer stacks."""
+
+  init: optax.TransformInitFn
+  update: optax.TransformUpdateFn
+  inner: optax.GradientTransformation
+
+
+def by_layer_stacks(inner: optax.GradientTransformation) -> LayerStacked:
+  """`inner` over the parameters stacked by layer, its state (moments) stacked too."""
+
+  def init(params):
+    return inner.init(StackLayout.of(params).stack(params))
+
+  def update(updates, state, params=None):
+    layout = StackLayout.of(updates)
+    stacked_params = None if params is None else layout.stack(params)
+    out, state = inner.update(layout.stack(updates), state, stacked_params)
+    return layout.unstack(out, updates), state
+
+  return LayerStacked(init, update, inner)
+
+
+def apply_update(opt: nnx.Optimizer, model: nnx.Module, grads) -> jax.Array:
+  """`opt.update(model, grads)`; returns the gradients' global norm. With a `LayerStacked`
+  transformation the updates are also added to the parameters in their stacks (one add
+  per stack, not per layer) and the norm is summed by stack."""
+  if not isinstance(opt.tx, LayerStacked):
+    opt.update(model, grads)
+    return optax.global_norm(grads)
+  params = nnx.as_pure(nnx.state(model, opt.wrt))
+  grads = nnx.as_pure(nnx.state(grads, opt.wrt))
+  layout = StackLayout.of(grads)
+  stacked_grads, stacked_params = layout.stack(grads), layout.stack(params)
+  updates, state = opt.tx.inner.update(stacked_grads, nnx.as_pure(opt.opt_state), stacked_params)
+  nnx.update(model, layout.unstack(optax.apply_updates(stacked_params, updates), params))
+  nnx.update(opt.opt_state, nnx.state(state))
+  opt.step[...] += 1
+  return optax.global_norm(stacked_grads)
