@@ -72,7 +72,11 @@ def test_a_checkpoint_of_the_other_optimizer_layout_names_scan_layers(tmp_path):
   run.save(state(False))
   run.close()
   run = RunDir(workdir, config)
-  with pytest.raises(CheckpointError, match=r"scan_layers=True\); resume with the --scan_layers"):
+  with pytest.raises(
+    CheckpointError,
+    match=r"per layer \(no scan_layers\), this run's by layer "
+    r"stack \(scan_layers\): resume with --scan_layers=false, as it was saved",
+  ):
     run.restore(state(True))
   run.close()
   run = RunDir(workdir, config)

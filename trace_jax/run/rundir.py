@@ -32,9 +32,10 @@ import jax
 from flax import nnx
 
 from trace_jax.rl.config import RLConfig
-from trace_jax.rl.step import RLState, scans_layers, step_key
+from trace_jax.rl.step import RLState, step_key
 from trace_jax.run import report, tensorboard, warmstart
 from trace_jax.run.checkpoint import CheckpointError, Checkpoints
+from trace_jax.training.optim import LayerStacked
 from trace_jax.utils import append_jsonl, read_jsonl, write_atomic
 from trace_jax.utils.distributed import is_main_process
 from trace_jax.utils.lock import lock_run_workdir
@@ -65,6 +66,17 @@ def check_workdir(workdir: str) -> str:
 def read_metrics(workdir: str) -> list[dict]:
   """The metrics lines of a run (a torn last line, from an interrupted append, dropped)."""
   return read_jsonl(os.path.join(os.path.abspath(workdir), "metrics.jsonl"))
+
+
+_LAYOUTS = {
+  "by_layer_stack": "by layer stack (scan_layers)",
+  "per_layer": "per layer (no scan_layers)",
+}
+
+
+def _optimizer_layout(state: RLState) -> str:
+  """How `state`'s optimizer holds its moments (`training.optim`)."""
+  return "by_layer_stack" if isinstance(state.opt.tx, LayerStacked) else "per_layer"
 
 
 class RunDir:
@@ -226,13 +238,10 @@ class RunDir:
     try:
       found = self.checkpoints.restore_latest(self._arrays(state, extra))
     except CheckpointError as e:
-      if "tree structures do not match" not in str(e):
+      hint = self._layout_hint(state)
+      if hint is None:
         raise
-      raise CheckpointError(
-        f"{e} The optimizer's state is stored by layer stack under scan_layers and per layer "
-        f"without (this run: scan_layers={scans_layers(state.policy)}); resume with the "
-        "--scan_layers the checkpoint was saved with."
-      ) from e
+      raise CheckpointError(f"{e} {hint}") from e
     if found is not None:
       _, restored, meta = found
       nnx.update(state.policy, restored["policy"])
@@ -244,6 +253,25 @@ class RunDir:
     self._truncate_metrics(state.step)
     return state
 
+  def _layout_hint(self, state: RLState) -> str | None:
+    """Why the newest checkpoint cannot restore into `state` when its optimizer's state is
+    laid out otherwise (saved by layer stack under scan_layers, or per layer without);
+    None when the layouts agree or its metadata does not read."""
+    steps = self.checkpoints.all_steps()
+    try:
+      meta = self.checkpoints.read_meta(steps[0]) if steps else None
+    except Exception:  # noqa: BLE001 - damaged metadata: nothing to compare
+      return None
+    if meta is None:
+      return None
+    saved, wanted = meta.get("optimizer_layout", "per_layer"), _optimizer_layout(state)
+    if saved == wanted:
+      return None
+    return (
+      f"Its optimizer state is stored {_LAYOUTS[saved]}, this run's {_LAYOUTS[wanted]}: resume "
+      f"with --scan_layers={str(saved == 'by_layer_stack').lower()}, as it was saved."
+    )
+
   def save(self, state: RLState, extra: dict | None = None) -> None:
     """Checkpoint `state` (and `extra`, as `restore` takes it) at its step."""
     meta = {
@@ -251,6 +279,7 @@ class RunDir:
       "config": self.config.to_dict(),
       "seed_key": [int(x) for x in jax.random.key_data(step_key(self.config.seed, state.step))],
       "version": state.version,
+      "optimizer_layout": _optimizer_layout(state),
     }
     self.checkpoints.save(state.step, self._arrays(state, extra), meta)
 
