@@ -222,6 +222,21 @@ def _optimizer(learning_rate, warmup_updates, decay, total_updates, max_grad_nor
   return by_layer_stacks(tx) if by_layer else tx
 
 
+def run_optimizer(config: RLConfig, by_layer: bool):
+  """`optimizer` as a run of `config` trains: its schedule counted in optimizer updates
+  (minibatches x epochs per RL step), over layer stacks where the policy scans its layers."""
+  schedule = config.schedule
+  per_step = schedule.minibatches * schedule.epochs  # optimizer updates per RL step
+  return optimizer(
+    schedule.learning_rate,
+    schedule.lr_warmup_steps * per_step,
+    schedule.lr_decay,
+    schedule.steps * per_step,
+    schedule.max_grad_norm,
+    by_layer=by_layer,
+  )
+
+
 def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
   """A fresh state around `policy` (placed, warm-started): its optimizer (Adam's moments
   placed like their parameters on a mesh) and, with kl_coef > 0, the reference copy."""
@@ -229,17 +244,7 @@ def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:
   if config.loss.kl_coef > 0:  # its own buffers: the update donates the policy's
     graphdef, state = nnx.split(policy)
     reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
-  schedule = config.schedule
-  per_step = schedule.minibatches * schedule.epochs  # optimizer updates per RL step
-  tx = optimizer(
-    schedule.learning_rate,
-    schedule.lr_warmup_steps * per_step,
-    schedule.lr_decay,
-    schedule.steps * per_step,
-    schedule.max_grad_norm,
-    by_layer=scans_layers(policy),
-  )
-  opt = nnx.Optimizer(policy, tx, wrt=nnx.Param)
+  opt = nnx.Optimizer(policy, run_optimizer(config, scans_layers(policy)), wrt=nnx.Param)
   if mesh is not None:
     shard_optimizer(opt, policy, mesh)
   else:  # jit compiles anew when an input turns from uncommitted (the optimizer's step

@@ -110,16 +110,7 @@ def update_program(cfg: ModelConfig, config: plan_lib.PlanConfig, mesh):
   rl = rl_config(config)
   spec = step_lib.StepSpec.of(rl, cfg.num_layers, mesh)
   policy = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-  schedule = rl.schedule
-  per_step = schedule.minibatches * schedule.epochs
-  tx = step_lib.optimizer(
-    schedule.learning_rate,
-    schedule.lr_warmup_steps * per_step,
-    schedule.lr_decay,
-    schedule.steps * per_step,
-    schedule.max_grad_norm,
-    by_layer=cfg.scan_layers,
-  )
+  tx = step_lib.run_optimizer(rl, cfg.scan_layers)
   opt = nnx.eval_shape(lambda: nnx.Optimizer(Transformer(cfg, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param))
   opt_shardings = sharding.optimizer_shardings(opt, policy, mesh)
   policy = _with_state(policy, _placed(nnx.state(policy), sharding.param_shardings(policy, mesh)))
