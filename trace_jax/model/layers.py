@@ -109,8 +109,11 @@ def ragged_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.A
   # each row's slot in the tiled layout; rows past the groups go out of range (dropped)
   slot = (tile_ends[group] - group_tiles[group]) * tile + row - starts[group]
   slot = jnp.where(row < ends[-1], slot, tiles * tile)
-  tiled = jnp.zeros((tiles * tile, width), lhs.dtype)
-  tiled = tiled.at[slot].set(lhs, mode="drop", unique_indices=True)
+  # each slot's row (`rows`, out of range, for the padding): the tiles are gathered from lhs,
+  # so the backward keeps only these indices (a scatter into zeros would keep the zeros)
+  source = jnp.full((tiles * tile,), rows, jnp.int32)
+  source = source.at[slot].set(row, mode="drop", unique_indices=True)
+  tiled = lhs.at[source].get(mode="fill", fill_value=0, unique_indices=True)
   tile_group = jnp.searchsorted(tile_ends, jnp.arange(tiles, dtype=jnp.int32), side="right")
   y = jnp.einsum(
     "nti,nio->nto",
