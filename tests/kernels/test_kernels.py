@@ -367,7 +367,7 @@ def test_auto_is_resolved_once_where_the_rollout_is_set_up():
 def test_generation_with_pallas_kernels_equals_the_xla_path():
   """A whole tiny-model FP4 generation (prefill and decode, FP4 cache, compact guidance)
   with every kernel in interpret mode gives the XLA path's tokens, log-probabilities (float32
-  compute: the two differ only in summation order) and guidance records."""
+  compute: the two differ only in summation order) and guidance records' codes."""
   policy = M.Transformer(M.tiny(), rngs=nnx.Rngs(3))
   prompts = [[5, 17, 3], [9, 2, 44, 7, 61, 8, 30], [100]]
   results = {}
@@ -390,10 +390,18 @@ def test_generation_with_pallas_kernels_equals_the_xla_path():
   np.testing.assert_allclose(
     np.asarray(pallas_run.logprobs), np.asarray(xla_run.logprobs), atol=1e-4
   )
+  # A record's codes (block-scale bits, mantissa bits) are equal; its float global scales
+  # follow the site's input, whose summation order differs after the attention kernel, so
+  # they agree to float32 rounding. A code would differ only for an element within an ulp
+  # of a rounding boundary.
   mask = np.asarray(xla_run.mask)
   for key, record in xla_run.guidance.sites.items():
     for a, b in zip(jax.tree.leaves(record), jax.tree.leaves(pallas_run.guidance.sites[key])):
-      np.testing.assert_array_equal(np.asarray(a)[mask], np.asarray(b)[mask], err_msg=str(key))
+      a, b = np.asarray(a)[mask], np.asarray(b)[mask]
+      if np.issubdtype(a.dtype, np.floating):
+        np.testing.assert_allclose(b, a, rtol=2e-6, atol=0, err_msg=str(key))
+      else:
+        np.testing.assert_array_equal(b, a, err_msg=str(key))
 
 
 @pytest.mark.slow
