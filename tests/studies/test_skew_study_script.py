@@ -41,6 +41,7 @@ def test_skew_study_runs_every_point_and_aggregates(tmp_path):
     sys.executable,
     SCRIPT,
     "--seeds=0",
+    "--more_seeds=",  # one seed never decides a point: no seeds added
     "--skews=0.25,0",
     "--arms=fp4-qat,trace",
     "--correction_variant=tis",
