@@ -43,6 +43,14 @@ if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # also when a plugin imported j
   )
 
 
+def pytest_runtest_teardown(item):
+  """A worker compiles thousands of distinct programs; JAX keeps them all, and past the
+  kernel's limit on memory maps XLA segfaults. Release them before that."""
+  from trace_jax.utils.compiled import release_compiled_near_map_limit  # noqa: PLC0415
+
+  release_compiled_near_map_limit()
+
+
 def pytest_unconfigure(config):
   """The session that made the cache directory removes it (not the xdist workers)."""
   if os.environ.get(_OWNED) == str(os.getpid()) and not hasattr(config, "workerinput"):

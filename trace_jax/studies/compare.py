@@ -30,6 +30,7 @@ from scipy import stats  # noqa: E402
 
 from trace_jax.rl.arms import ARMS, COMPARED  # noqa: E402
 from trace_jax.utils import markdown_table, write_json  # noqa: E402
+from trace_jax.utils.compiled import release_compiled_near_map_limit  # noqa: E402
 
 ALL_ARMS = COMPARED  # the registry's arms the comparison runs by default, in its order
 TRAINED_ARMS = tuple(a for a in ALL_ARMS if not ARMS[a].post_training)
@@ -194,6 +195,7 @@ def run_cells(
       if progress:
         print(f"[{i + 1}/{len(plan)}] {arm} on {task}, seed {seed}", flush=True)
       summary = dict(runner(task, seed, arm), cell_config=jsonish(config))
+      release_compiled_near_map_limit()  # cells of other arms compile other programs
       write_json(os.path.join(cell_dir(results_dir, task, seed, arm), "summary.json"), summary)
     elif progress:
       print(
