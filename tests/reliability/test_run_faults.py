@@ -177,7 +177,8 @@ def test_divergence_stops_before_saving_and_keeps_the_last_good_checkpoint(strai
   # the weights up to ~1e30, finite and with a healthy loss.
   trainer = Trainer(_config(steps=4), str(workdir), progress=False)
   assert trainer.step == 3
-  opt = nnx.Optimizer(trainer.policy, step_lib.optimizer(1e30), wrt=nnx.Param)
+  by_layer = step_lib.scans_layers(trainer.policy)  # the restored moments' layout
+  opt = nnx.Optimizer(trainer.policy, step_lib.optimizer(1e30, by_layer=by_layer), wrt=nnx.Param)
   nnx.update(opt, nnx.state(trainer.state.opt))
   trainer.state = trainer.state.replace(opt=opt)
   with pytest.raises(
