@@ -9,6 +9,8 @@ fails and XLA crashes with a segmentation fault while compiling or serializing.
 `release_compiled_near_map_limit` drops JAX's compiled-program caches before that.
 """
 
+import gc
+
 import jax
 
 _MAPS = "/proc/self/maps"
@@ -35,12 +37,15 @@ def memory_map_limit() -> int | None:
 
 def release_compiled_near_map_limit(fraction: float = 0.5) -> bool:
   """`jax.clear_caches()` when this process maps more than `fraction` of the kernel's limit
-  on memory regions; returns whether it did. The programs still in use compile again on
-  their next call (or load from the persistent compilation cache, where one is set)."""
+  on memory regions, then a garbage collection (an executable held in a reference cycle
+  unmaps its code only then); returns whether it did. The programs still in use compile
+  again on their next call (or load from the persistent compilation cache, where one is
+  set)."""
   if not 0.0 < fraction <= 1.0:
     raise ValueError(f"fraction={fraction!r}; it must lie in (0, 1]")
   count, limit = memory_map_count(), memory_map_limit()
   if count is None or limit is None or count <= fraction * limit:
     return False
   jax.clear_caches()
+  gc.collect()
   return True
