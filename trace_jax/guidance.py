@@ -62,6 +62,9 @@ class Guidance:
   def __post_init__(self):
     if self.mode not in GUIDANCE_MODES:
       raise ValueError(f"Guidance.mode={self.mode!r} is not allowed; use one of {GUIDANCE_MODES}")
+    if isinstance(self.sites, Mapping) and not isinstance(self.sites, dict):
+      # records stacked by layer (`ModelOutput.sites` of a scanned call): one entry per site
+      object.__setattr__(self, "sites", dict(self.sites))
 
   @classmethod
   def of_key(cls, key) -> "Guidance":

@@ -279,7 +279,9 @@ def train_record_bytes(cfg: ModelConfig, config: PlanConfig, quant: QuantConfig,
       ).sites
     )
   )
-  per_token = sum(math.prod(x.shape[2:]) * x.dtype.itemsize for x in jax.tree.leaves(sites))
+  per_token = sum(
+    math.prod(x.shape[2:]) * x.dtype.itemsize for q in sites.values() for x in jax.tree.leaves(q)
+  )
   if config.guidance != "none":
     guided = set(resolve_layers(config.guided_layers, cfg.num_layers))
     per_token += sum(math.prod(q.shape[2:]) for key, q in sites.items() if key[0] in guided)

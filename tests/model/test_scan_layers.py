@@ -11,7 +11,8 @@ from trace_jax import guidance as G
 from trace_jax import model as M
 from trace_jax.model.quant import CallOptions, QuantConfig, Recording
 from trace_jax.model.config import hybrid_layer_types
-from trace_jax.model.scan import LayerGroup, layer_groups
+from trace_jax.model.scan import LayerGroup, in_key_order, layer_groups
+from trace_jax.model.sites import ByLayer
 
 
 def test_layer_groups_cut_repeats_and_leave_singles():
@@ -30,12 +31,49 @@ def _records(scan, tokens, num_layers=4):
   return nnx.jit(lambda m, t: m(t, quant=QuantConfig(), options=options))(model, tokens)
 
 
+def test_parts_join_in_key_order_as_stacked_one_by_one():
+  rng = np.random.default_rng()
+  layers = list(rng.permutation(12))
+  cuts = sorted(rng.choice(np.arange(1, 12), 3, replace=False))
+  runs = [tuple(int(x) for x in run) for run in np.split(np.array(layers), cuts)]
+  value = {i: rng.normal(size=(2, 3)).astype(np.float32) for i in range(12)}
+  parts = [(run, jnp.stack([value[i] for i in run])) for run in runs]
+  keys, whole = in_key_order(parts)
+  assert keys == tuple(range(12))
+  np.testing.assert_array_equal(whole, np.stack([value[i] for i in range(12)]))
+  # records of two sites, one with two shapes: the same stacks as ByLayer.of's, one by one
+  records = {(i, "a"): {"x": jnp.asarray(value[i])} for i in range(12)}
+  records |= {(i, "b"): {"x": jnp.asarray(value[i][:, : 1 + i % 2])} for i in range(12)}
+  parts = [
+    (tuple((i, site) for i in run), {"x": jnp.stack([records[(i, site)]["x"] for i in run])})
+    for site in ("b", "a")
+    for run in runs
+    for run in [r for r in (run[::2], run[1::2]) if r]
+    if len({records[(i, site)]["x"].shape for i in run}) == 1
+  ]
+  parts += [
+    ((k,), jax.tree.map(lambda a: a[None], records[k]))
+    for k in records
+    if not any(k in keys for keys, _ in parts)
+  ]
+  joined, one_by_one = ByLayer.from_parts(parts), ByLayer.of(records)
+  assert joined.keys_by_stack == one_by_one.keys_by_stack
+  chex.assert_trees_all_equal(joined, one_by_one)
+  chex.assert_trees_all_equal(dict(joined), records)
+  assert ByLayer.of(joined) is joined
+
+
 def test_scanned_forward_and_guided_gradient_match_unrolled():
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, (2, 13)), jnp.int32)
   plain, scanned = _records(False, tokens), _records(True, tokens)
   assert len(plain.sites) > 8
-  for name in ("logits", "routing", "sites", "router_load"):
+  for name in ("logits", "routing", "router_load"):
     chex.assert_trees_all_equal(getattr(scanned, name), getattr(plain, name))
+  # the scanned run's records stay stacked by layer: one stack per site, read like the dict
+  assert isinstance(scanned.sites, ByLayer) and isinstance(plain.sites, dict)
+  assert all(len(keys) == 4 for keys in scanned.sites.keys_by_stack)
+  chex.assert_trees_all_equal(dict(scanned.sites), plain.sites)
+  chex.assert_trees_all_equal(scanned.sites, ByLayer.of(plain.sites))
   layers = tuple(range(4))
   guidance = G.Guidance(
     sites=G.from_records(plain.sites, "compact", layers),
@@ -56,8 +94,8 @@ def test_scanned_forward_and_guided_gradient_match_unrolled():
     results.append((value, out, nnx.to_pure_dict(grads)))
   (value, out, grads), (s_value, s_out, s_grads) = results
   chex.assert_trees_all_equal(s_value, value)
-  chex.assert_trees_all_equal(s_out.sites, out.sites)
-  chex.assert_trees_all_equal(s_out.fallbacks, out.fallbacks)
+  chex.assert_trees_all_equal(dict(s_out.sites), out.sites)
+  chex.assert_trees_all_equal(dict(s_out.fallbacks), out.fallbacks)
   # the backward through the scan is fused otherwise: float32 gradients agree to 1e-5 (L2)
   flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]).astype(np.float64)
   diff = np.linalg.norm(flat(s_grads) - flat(grads)) / np.linalg.norm(flat(grads))

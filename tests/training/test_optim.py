@@ -12,9 +12,23 @@ from flax import nnx
 from trace_jax import model as M
 from trace_jax.model import sharding
 from trace_jax.model.config import hybrid_layer_types
-from trace_jax.model.scan import STACKED, UNSTACKED, StackLayout, flat_paths
+from trace_jax.model.quant import CallOptions, QuantConfig, Recording
+from trace_jax.model.scan import (
+  STACKED,
+  UNSTACKED,
+  StackLayout,
+  flat_paths,
+  layer_views,
+  stack_layers,
+)
 from trace_jax.model.sites import ByLayer
-from trace_jax.training.optim import LayerStacked, apply_update, by_layer_stacks
+from trace_jax.training.optim import (
+  LayerStacked,
+  apply_stacked_update,
+  apply_update,
+  by_layer_stacks,
+  value_and_grad_by_layer,
+)
 
 # Plain MoE layers; dense-first then MoE layers; a hybrid of linear and full attention.
 CONFIGS = {
@@ -75,6 +89,80 @@ def test_stacked_adam_is_leaf_by_leaf_adam_bit_for_bit(name):
   layout = StackLayout.of(nnx.state(models[0], nnx.Param))
   for key, paths in layout.stacks.items():
     assert flat_paths(mu[STACKED])[key].shape[0] == len(paths)
+
+
+def test_views_of_a_stack_stack_back_as_its_slices():
+  rng = np.random.default_rng()
+  params = {
+    "blocks": {i: {"w": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)} for i in range(6)}
+  }
+  layout = StackLayout.of(params)
+  stacked = layout.stack(params)
+  whole = stacked[STACKED]["blocks"]["w"]
+  with layer_views():
+    views = layout.views(stacked, params)
+    leaf = lambda i: views["blocks"][i]["w"]
+    assert stack_layers([leaf(i) for i in range(6)]) is whole
+    np.testing.assert_array_equal(stack_layers([leaf(i) for i in (1, 3, 5)]), whole[1::2])
+    np.testing.assert_array_equal(stack_layers([leaf(i) for i in (2, 3)]), whole[2:4])
+    # not evenly spaced, or not views: stacked as they are
+    np.testing.assert_array_equal(
+      stack_layers([leaf(i) for i in (0, 1, 3)]), whole[np.array([0, 1, 3])]
+    )
+    fresh = [jnp.asarray(np.asarray(leaf(i))) for i in range(6)]
+    assert stack_layers(fresh) is not whole
+    np.testing.assert_array_equal(stack_layers(fresh), whole)
+  views = layout.views(stacked, params)  # no context: nothing registered
+  assert stack_layers([views["blocks"][i]["w"] for i in range(6)]) is not whole
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_gradient_in_layer_stacks_is_the_per_layer_gradient(name):
+  """A guided, recorded QAT loss (scanned runs, and unrolled layers where the pattern
+  leaves them): the gradient made in the layer stacks is the per-layer gradient stacked,
+  and its update is the per-layer update, bit for bit, compared in this process."""
+  cfg = CONFIGS[name]()
+  tokens = jnp.asarray(np.random.default_rng().integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+  quant = QuantConfig()
+  options = CallOptions(recording=Recording(form="compact"))
+
+  def loss(model):
+    out = model(tokens, quant=quant, options=options)
+    return jnp.mean(out.logits**2) + out.lb_loss, out.sites
+
+  tx = optax.adam(1e-2)
+  models = [M.Transformer(cfg, rngs=nnx.Rngs(2)) for _ in range(2)]
+  opts = [nnx.Optimizer(m, by_layer_stacks(tx), wrt=nnx.Param) for m in models]
+
+  @nnx.jit
+  def per_layer(opt, model):
+    (value, sites), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    return value, sites, grads, apply_update(opt, model, grads)
+
+  @nnx.jit
+  def by_layer(opt, model):
+    (value, sites), (layout, params, grads) = value_and_grad_by_layer(loss, model)
+    return value, sites, grads, apply_stacked_update(opt, model, layout, params, grads)
+
+  value, sites, grads, norm = per_layer(opts[0], models[0])
+  s_value, s_sites, s_grads, s_norm = by_layer(opts[1], models[1])
+  chex.assert_trees_all_equal(s_value, value)
+  chex.assert_trees_all_equal(dict(s_sites), dict(sites))
+  grads = nnx.as_pure(nnx.state(grads, nnx.Param))
+  chex.assert_trees_all_equal(s_grads, StackLayout.of(grads).stack(grads))
+  chex.assert_trees_all_equal(s_norm, norm)
+  chex.assert_trees_all_equal(
+    nnx.to_pure_dict(nnx.state(models[1], nnx.Param)),
+    nnx.to_pure_dict(nnx.state(models[0], nnx.Param)),
+  )
+  assert int(opts[1].step[...]) == 1
+
+
+def test_a_stacked_update_needs_an_optimizer_over_stacks():
+  model = M.Transformer(M.tiny(num_layers=2), rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+  with pytest.raises(ValueError, match="by_layer_stacks"):
+    apply_stacked_update(opt, model, None, None, None)
 
 
 def test_stacked_clip_scales_like_optax_to_rounding():

@@ -11,11 +11,14 @@ layers) and leaves every layer that starts no repeat, such as dense-first layers
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from typing import Any, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, traverse_util
 
 MAX_PERIOD = 8  # the longest repeating pattern looked for
@@ -62,6 +65,22 @@ def layer_groups(signatures: Sequence[Hashable], max_period: int = MAX_PERIOD) -
     out.append(best)
     i += best.period * best.repeats
   return out
+
+
+def in_key_order(parts: Sequence[tuple[tuple, Any]]) -> tuple[tuple, Any]:
+  """Stacked trees joined in key order: `parts` is [(keys, tree stacked along a leading
+  axis, one entry per key)]; returns (the keys sorted, one tree of every entry in that
+  order). A scan's outputs (a run of alike layers) join the unrolled layers' this way with
+  one concatenate (and, where the runs interleave, one gather) per leaf, not a slice per
+  layer and a stack."""
+  keys = [key for part_keys, _ in parts for key in part_keys]
+  trees = [tree for _, tree in parts]
+  whole = trees[0] if len(trees) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *trees)
+  order = sorted(range(len(keys)), key=keys.__getitem__)
+  if order != list(range(len(keys))):
+    index = np.asarray(order)
+    whole = jax.tree.map(lambda a: a[index], whole)
+  return tuple(keys[i] for i in order), whole
 
 
 def _layer_position(path: tuple) -> int | None:
@@ -130,6 +149,60 @@ class StackLayout:
       out.update({path: whole[i] for i, path in enumerate(paths)})
     leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
     return jax.tree_util.tree_unflatten(treedef, [out[_keys(p)] for p, _ in leaves])
+
+  def views(self, stacked: dict, like):
+    """`unstack`, its slices registered as views of their stacks while a `layer_views()`
+    context is open: `stack_layers` then takes a run of layers from the stack as one
+    strided slice. Differentiated through, a parameter's gradient is then made in its
+    stack (a pad per run of layers), not as one slice per layer stacked again."""
+    tree = self.unstack(stacked, like)
+    registry = _view_registry()
+    if registry is not None:
+      flat, views = flat_paths(stacked), flat_paths(tree)
+      for key, paths in self.stacks.items():
+        for i, path in enumerate(paths):
+          registry[id(views[path])] = (views[path], flat[(STACKED,) + key], i)
+    return tree
+
+
+_VIEWS = threading.local()
+
+
+def _view_registry() -> dict | None:
+  return getattr(_VIEWS, "registry", None)
+
+
+@contextlib.contextmanager
+def layer_views():
+  """While open, `StackLayout.views` registers its slices (by identity) for `stack_layers`."""
+  outer = _view_registry()
+  _VIEWS.registry = {}
+  try:
+    yield
+  finally:
+    _VIEWS.registry = outer
+
+
+def stack_layers(trees):
+  """Trees of equal structure stacked leaf by leaf along a new leading axis; a leaf whose
+  entries are registered views (`StackLayout.views`) of one stack, at evenly spaced
+  layers, is that stack's strided slice (the same values)."""
+  registry = _view_registry() or {}
+
+  def stack(*leaves):
+    seen = [registry.get(id(leaf)) for leaf in leaves]
+    if all(v is not None and v[0] is leaf for v, leaf in zip(seen, leaves)):
+      whole, index = seen[0][1], [v[2] for v in seen]
+      step = index[1] - index[0] if len(index) > 1 else 1
+      spaced = step > 0 and index == list(range(index[0], index[0] + step * len(index), step))
+      if spaced and all(v[1] is whole for v in seen):
+        if index == list(range(whole.shape[0])):
+          return whole
+        stop = index[-1] + 1
+        return jax.lax.slice_in_dim(whole, index[0], stop, stride=step, axis=0)
+    return jnp.stack(leaves)
+
+  return jax.tree.map(stack, *trees)
 
 
 def _keys(path) -> tuple:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from trace_jax.guidance import SiteKey
+from trace_jax.model.scan import in_key_order
 
 # Named FP4 scopes (DESIGN.md section 2); each site declares the scopes that include it.
 SITE_SCOPES = ("all", "experts+kv")
@@ -171,9 +172,20 @@ def sow_cache_entry(module: nnx.Module, sq, x: jax.Array, *, layer: int, site: S
   return entry
 
 
+@struct.dataclass
+class ScannedSiteRecord:
+  """The `SiteRecord`s of one site at the layers of a scanned run (`Transformer` sows it on
+  itself): each field stacked along a leading axis, one entry per layer of `layers`."""
+
+  record: SiteRecord
+  layers: tuple = struct.field(pytree_node=False)
+  site: str = struct.field(pytree_node=False)
+
+
 def collect_site_records(sown) -> dict[SiteKey, SiteRecord]:
   """The `SiteRecord`s of a forward's captured `nnx.Intermediate` state (what `nnx.capture`
-  returns): {(layer, site): record}. Sites live at `blocks/<layer>/.../<site>`."""
+  returns): {(layer, site): record}. Sites live at `blocks/<layer>/.../<site>`; the runs
+  of scanned layers, kept stacked, are `collect_scanned_site_records`'."""
   out = {}
   for path, variable in nnx.to_flat_state(sown):
     value = variable.get_value() if hasattr(variable, "get_value") else variable
@@ -183,10 +195,42 @@ def collect_site_records(sown) -> dict[SiteKey, SiteRecord]:
   return out
 
 
+def collect_scanned_site_records(sown) -> list[ScannedSiteRecord]:
+  """The `ScannedSiteRecord`s of a forward's captured `nnx.Intermediate` state."""
+  out = []
+  for _, variable in nnx.to_flat_state(sown):
+    value = variable.get_value() if hasattr(variable, "get_value") else variable
+    for item in value if isinstance(value, tuple) else (value,):
+      if isinstance(item, ScannedSiteRecord):
+        out.append(item)
+  return out
+
+
+def site_record_field(records, scanned, field: str):
+  """One `SiteRecord` field of a forward's records ({(layer, site): SiteRecord}, the
+  unrolled layers') and its scanned runs' (`ScannedSiteRecord`s): {(layer, site): value}
+  where nothing ran under a scan, else a `ByLayer` of the same items, its runs kept in
+  their stacks. A None field is left out."""
+  per_layer = {k: getattr(r, field) for k, r in records.items() if getattr(r, field) is not None}
+  runs = [s for s in scanned if getattr(s.record, field) is not None]
+  if not runs:
+    return per_layer
+  parts = [((k,), jax.tree.map(lambda a: a[None], v)) for k, v in per_layer.items()]
+  parts += [(tuple((layer, s.site) for layer in s.layers), getattr(s.record, field)) for s in runs]
+  return ByLayer.from_parts(parts)
+
+
 @functools.lru_cache(maxsize=64)
 def _positions(keys_by_stack: tuple) -> dict:
   """{key: (stack, index)} of a `ByLayer`'s keys."""
   return {key: (s, i) for s, group in enumerate(keys_by_stack) for i, key in enumerate(group)}
+
+
+def _entry(stack, i: int):
+  """Entry `i` of a stack (its shape and dtype, for an abstract one)."""
+  if isinstance(stack, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype)
+  return stack[i]
 
 
 @struct.dataclass
@@ -204,8 +248,8 @@ class ByLayer(Mapping):
   @classmethod
   def of(cls, records: Mapping | None) -> "ByLayer | None":
     """`records` ({(layer, site): tree}, layers in any order) stacked; None stays None."""
-    if records is None:
-      return None
+    if records is None or isinstance(records, ByLayer):
+      return records
     groups: dict[tuple, list] = {}
     for key in sorted(records):
       tree = records[key]
@@ -218,12 +262,25 @@ class ByLayer(Mapping):
     )
     return cls(stacks=stacks, keys_by_stack=keys)
 
+  @classmethod
+  def from_parts(cls, parts) -> "ByLayer":
+    """The `ByLayer` of records already stacked in parts: [(keys, tree stacked along a
+    leading axis, one entry per key)], keys (layer, site) in any order. A site's parts of
+    alike entries (structure, shapes and dtypes) join in one stack in layer order
+    (`scan.in_key_order`), as `of` would stack the same records one by one."""
+    groups: dict[tuple, list] = {}
+    for keys, tree in sorted(parts, key=lambda part: min(part[0])):
+      shapes = tuple((tuple(a.shape[1:]), str(a.dtype)) for a in jax.tree.leaves(tree))
+      groups.setdefault((keys[0][1], jax.tree.structure(tree), shapes), []).append((keys, tree))
+    joined = [in_key_order(group) for group in groups.values()]
+    return cls(stacks=tuple(t for _, t in joined), keys_by_stack=tuple(k for k, _ in joined))
+
   def _where(self) -> dict:
     return _positions(self.keys_by_stack)
 
   def __getitem__(self, key):
     s, i = self._where()[key]
-    return jax.tree.map(lambda a: a[i], self.stacks[s])
+    return jax.tree.map(lambda a: _entry(a, i), self.stacks[s])
 
   def __iter__(self):
     return iter(sorted(self._where()))

@@ -14,10 +14,13 @@ router_load [num_moe_layers, E]; with a cache, the updated cache (K/V at attenti
 conv and recurrent states at Gated DeltaNet layers); and what `options.recording` asked for:
 sites ({(layer, site): record in the recording's form}), fallbacks ({(layer, site): bool
 mask} of guidance fallbacks at guided sites) and site_inputs (the inputs before
-quantization).
+quantization). Where the call ran layers under a scan these three are `sites.ByLayer`s
+(one stack per site, read like the dict: the scan's records are not cut per layer).
 """
 
 from __future__ import annotations
+
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +37,15 @@ from trace_jax.model.moe import MLP, MoE
 from trace_jax.model.parameters import normal_param
 from trace_jax.model.quant import CallOptions, QuantConfig
 from trace_jax.model.quantizer import SiteQuantizer
-from trace_jax.model.scan import LayerGroup, layer_groups
-from trace_jax.model.sites import MLP_IN, collect_site_records, sow_site
+from trace_jax.model.scan import LayerGroup, in_key_order, layer_groups, stack_layers
+from trace_jax.model.sites import (
+  MLP_IN,
+  ScannedSiteRecord,
+  collect_scanned_site_records,
+  collect_site_records,
+  site_record_field,
+  sow_site,
+)
 from trace_jax.model.skew import Skew
 
 
@@ -48,11 +58,11 @@ class ModelOutput:
   lb_loss: jax.Array  # float32 [], the load-balancing loss, mean over MoE layers
   router_load: jax.Array  # float32 [num_moe_layers, E]
   cache: KVCache | None = None  # the updated cache, when the call had one
-  sites: dict = struct.field(default_factory=dict)  # {(layer, site): record} (recording.form)
-  fallbacks: dict = struct.field(default_factory=dict)  # {(layer, site): bool} guided sites
-  site_inputs: dict = struct.field(
-    default_factory=dict
-  )  # {(layer, site): input} (recording.inputs)
+  # {(layer, site): ...} (a `ByLayer` where layers ran under a scan): the records in
+  # recording.form, the guided sites' bool fallbacks, the inputs (recording.inputs)
+  sites: Mapping = struct.field(default_factory=dict)
+  fallbacks: Mapping = struct.field(default_factory=dict)
+  site_inputs: Mapping = struct.field(default_factory=dict)
 
 
 class Block(nnx.Module):
@@ -163,11 +173,6 @@ def _layer_signature(block: Block, sq: SiteQuantizer):
   )
 
 
-def _stack(trees):
-  """Trees of equal structure stacked leaf by leaf along a new leading axis."""
-  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
-
-
 def _scanned_layer(graphdef, sq: SiteQuantizer, inputs: LayerInputs, remat: bool):
   """One layer of a scan step as a pure function of its stacked slices:
   (state, x, layer_id, routing, guidance) -> (x, RouterStats or None, {path: sown}).
@@ -261,14 +266,14 @@ class Transformer(nnx.Module):
     out, sown = nnx.capture(Transformer._forward, nnx.Intermediate)(
       self, tokens, positions, mask, cache, quant, guidance, options, skew
     )
-    records = collect_site_records(sown)
+    records, scanned = collect_site_records(sown), collect_scanned_site_records(sown)
     if recording.form != "none":
       out = out.replace(
-        sites={k: r.record for k, r in records.items() if r.record is not None},
-        fallbacks={k: r.fallback for k, r in records.items() if r.fallback is not None},
+        sites=site_record_field(records, scanned, "record"),
+        fallbacks=site_record_field(records, scanned, "fallback"),
       )
     if recording.inputs:
-      out = out.replace(site_inputs={k: r.input for k, r in records.items() if r.input is not None})
+      out = out.replace(site_inputs=site_record_field(records, scanned, "input"))
     return out
 
   def _layer_groups(self, sq: SiteQuantizer, cache) -> list[LayerGroup]:
@@ -281,18 +286,19 @@ class Transformer(nnx.Module):
   def _scan_group(self, group: LayerGroup, x, inputs, sq, routing, moe_index, skew, positions):
     """Layers of `group` under one `jax.lax.scan` over its repeats: each step runs the
     pattern's layers once, from their parameters stacked by repeat (and their routing to
-    replay, guidance and layer ids). What the layers sow is sown back onto their own
-    blocks, so the records are keyed exactly as unrolled. Returns (x, {layer: stats})."""
+    replay, guidance and layer ids). What the layers sow stays stacked by layer: one
+    `ScannedSiteRecord` per site and pattern layer, sown on the transformer. Returns
+    (x, [(layers, stats stacked by layer)])."""
     templates = [self.blocks[group.start + j] for j in range(group.period)]
     calls, xs = [], []
     for j, template in enumerate(templates):
       layers = group.layers(j)
-      state = _stack([nnx.state(self.blocks[layer]) for layer in layers])
+      state = stack_layers([nnx.state(self.blocks[layer]) for layer in layers])
       layer_routing = None
       if routing is not None and template.moe is not None:
         layer_routing = routing[np.array([moe_index[layer] for layer in layers])]
       guide = {
-        site: _stack([sq.guidance[(layer, site)] for layer in layers])
+        site: stack_layers([sq.guidance[(layer, site)] for layer in layers])
         for (at, site) in sq.guidance
         if at == template.layer
       }
@@ -309,19 +315,15 @@ class Transformer(nnx.Module):
       return x, outs
 
     x, outs = jax.lax.scan(step, x, xs)
-    stats_by_layer = {}
+    stats_parts = []
     for j, (stats, sown) in enumerate(outs):
-      for r, layer in enumerate(group.layers(j)):
-        at = lambda tree: jax.tree.map(lambda a: jax.lax.index_in_dim(a, r, keepdims=False), tree)
-        if stats is not None:
-          stats_by_layer[layer] = at(stats)
-        for path, items in sown.items():
-          module = self.blocks[layer]
-          for name in path[:-1]:
-            module = module[name] if isinstance(name, int) else getattr(module, name)
-          for item in at(items):
-            module.sow(nnx.Intermediate, path[-1], item)
-    return x, stats_by_layer
+      layers = group.layers(j)
+      if stats is not None:
+        stats_parts.append((layers, stats))
+      for path, items in sown.items():
+        for item in items:  # a site's records stay stacked by layer (`ByLayer` joins them)
+          self.sow(nnx.Intermediate, "scanned_sites", ScannedSiteRecord(item, layers, path[-1]))
+    return x, stats_parts
 
   def _forward(
     self, tokens, positions, mask, cache, quant, guidance, options, skew=None
@@ -367,12 +369,12 @@ class Transformer(nnx.Module):
 
     x = embed_tokens(self.embed.get_value(), tokens).astype(dtype)
     new_k, new_v, new_conv, new_recurrent = [], [], [], []
-    moe_stats = {}  # layer -> RouterStats
+    moe_stats = []  # (layers, RouterStats stacked by layer)
     moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
     for group in self._layer_groups(sq, cache):
       if group.scanned:
         x, stats = self._scan_group(group, x, inputs, sq, routing, moe_index, skew, positions)
-        moe_stats.update(stats)
+        moe_stats += stats
         continue
       block = self.blocks[group.start]
       i = block.layer
@@ -397,8 +399,7 @@ class Transformer(nnx.Module):
         new_conv.append(states[0])
         new_recurrent.append(states[1])
       if stats is not None:
-        moe_stats[i] = stats
-    moe_stats = [moe_stats[layer] for layer in sorted(moe_stats)]
+        moe_stats.append(((i,), jax.tree.map(lambda a: a[None], stats)))
     # Final norm and LM head in float32: the log-probabilities RL needs are read here.
     if options.last_logits:  # (the prefill samples from its last slot only)
       x = x[:, -1:]
@@ -407,9 +408,8 @@ class Transformer(nnx.Module):
     logits = jnp.einsum("btd,dv->btv", h, head, precision=jax.lax.Precision.HIGHEST)
 
     if moe_stats:
-      routing_out = jnp.stack([s.experts for s in moe_stats])
-      lb_loss = jnp.mean(jnp.stack([s.lb_loss for s in moe_stats]))
-      router_load = jnp.stack([s.load for s in moe_stats])
+      _, stats = in_key_order(moe_stats)  # MoE layers in order
+      routing_out, lb_loss, router_load = stats.experts, jnp.mean(stats.lb_loss), stats.load
     else:
       routing_out = jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32)
       lb_loss = jnp.zeros((), jnp.float32)

@@ -17,7 +17,12 @@ from trace_jax.model.sites import ByLayer
 from trace_jax.rl.decoupled import DecoupledConfig, decoupled_loss
 from trace_jax.rl.grpo import grpo_loss
 from trace_jax.training.forward import token_entropy, training_forward
-from trace_jax.training.optim import apply_update
+from trace_jax.training.optim import (
+  LayerStacked,
+  apply_stacked_update,
+  apply_update,
+  value_and_grad_by_layer,
+)
 
 # The static arguments every program takes from a run's `StepSpec.static`.
 STATIC = ("quant", "options", "replay", "temperature")
@@ -140,8 +145,12 @@ def train_step(
       )
     return loss + policy.cfg.router_aux_loss_coef * out.lb_loss, (stats, scored)
 
-  (loss, (stats, scored)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
-  grad_norm = apply_update(opt, policy, grads)
+  if isinstance(opt.tx, LayerStacked):  # the gradient made in the parameters' layer stacks
+    (loss, (stats, scored)), stacked = value_and_grad_by_layer(loss_fn, policy, opt.wrt)
+    grad_norm = apply_stacked_update(opt, policy, *stacked)
+  else:
+    (loss, (stats, scored)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
+    grad_norm = apply_update(opt, policy, grads)
   if fused:
     old_logp, entropy, fallbacks, sites = scored
     scored = (
