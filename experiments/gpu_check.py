@@ -1,7 +1,8 @@
 """One prepared command for an H100 / H200: does the FP4 decode beat a fair bf16 decode in
 device time, do the kernels reach the HBM roofline, and does kernels="auto" pick them?
 
-  python experiments/gpu_check.py                    # every section: ~6 minutes on an H200
+  python experiments/gpu_check.py --out=DIR          # every section, within --budget_s
+  python experiments/gpu_check.py --sections=rollout  # the full-depth rollout alone
   python experiments/gpu_check.py --sections=probe,kernels
   python experiments/gpu_check.py --peak_gbps=3350   # an H100 SXM's roofline
   python experiments/gpu_check.py --smoke            # tiny shapes on any backend (CPU:
@@ -9,7 +10,12 @@ device time, do the kernels reach the HBM roofline, and does kernels="auto" pick
 
 Without a GPU (and without --smoke) it says so and exits 0. Each section prints its own
 table; a section that fails prints its error and the others still run. The last table lists
-the targets of issue 29, each with its measured value and PASS / FAIL.
+the targets, each with its measured value and PASS / FAIL. Sections run in the order
+`rollout`, `probe`, `kernels`, `decode`; one that would start with less than a minute of
+--budget_s left is skipped (and listed), so the run ends inside the budget. With --out, the
+printed report (`report.md`) and what each section measured (`results.json`: its table,
+seconds and status, and the targets) are written there after every section, so a run cut
+short keeps what finished.
 
 Every time is device time: the calls run back to back under `jax.profiler` and the device
 kernels' durations are read from the trace (`trace_jax.utils.device_time`; no sync per
@@ -24,6 +30,16 @@ Note that profiling turns XLA's command buffers off (op by op), as on any profil
            (gate|up + down) at batch 1 / 32 / 128 against the fair bf16 MoE (the same
            expert-major grouped GEMM on bf16 weights, and a gather of the routed experts'
            weights; the faster of the two is the decode's bf16 MoE).
+  rollout  the full Qwen3-30B-A3B geometry (48 layers) with random weights made on the
+           device block by block, in each arm's own precision (no float32 master copy):
+           the FP4 rollout (the trace arm's: NVFP4 weights, activations and KV cache,
+           compact guidance captured at the last half of the layers, kernels as "auto"
+           picks) of --rollout_prompts prompts of --rollout_prompt_len random tokens and
+           --rollout_new_tokens new tokens each, against the bf16 rollout (bf16 weights and
+           cache, nothing captured, XLA) of the same prompts: compile seconds, the generate's
+           wall seconds and tokens/s (new tokens of every prompt over the wall time, prefill
+           included), the compiled program's bytes (arguments, outputs, temporaries), the
+           device's bytes in use and its peak. Each arm frees its weights before the next.
   decode   first, one FP4 decode step on the Pallas kernels against the XLA path (logits'
            relative L2 error and argmax agreement, at 4K/b8: a correctness check at the
            real geometry); then --layers layers of Qwen3-30B-A3B, one decode step per call
@@ -39,6 +55,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
+import io
+import json
 import os
 import sys
 import time
@@ -52,22 +71,39 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax import fp4
+from trace_jax import guidance as guidance_lib
 from trace_jax import kernels as kernels_lib
 from trace_jax import model as M
 from trace_jax.kernels import moe as moe_lib, probe
 from trace_jax.model import moe as moe_module
 from trace_jax.model.cache import init_cache
 from trace_jax.model.quantizer import quantize_weight_group
-from trace_jax.rollout.params import fuse_for_kernels, quantize_params
+from trace_jax.rollout.params import (
+  fuse_for_kernels,
+  fuse_for_kernels_jit,
+  quantize_params,
+  quantize_params_jit,
+)
 from trace_jax.utils import markdown_table
+from trace_jax.utils.io import write_atomic
 from trace_jax.utils.device_time import device_time, device_time_carried
 
-SECTIONS = ("probe", "kernels", "decode")
+SECTIONS = ("rollout", "probe", "kernels", "decode")
 _SECTIONS = flags.DEFINE_list("sections", list(SECTIONS), f"Which of {SECTIONS} to run.")
 _PEAK = flags.DEFINE_float("peak_gbps", 4800.0, "HBM bandwidth of the roofline, GB/s.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers of Qwen3-30B-A3B in `decode`.")
 _CALLS = flags.DEFINE_integer("calls", 8, "Profiled calls per measurement (after 2 warm-up).")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend: checks the script.")
+_OUT = flags.DEFINE_string("out", None, "Also write report.md and results.json into this dir.")
+_BUDGET = flags.DEFINE_float(
+  "budget_s", 540.0, "Seconds for the whole run: a section starting with < 60 s left is skipped."
+)
+_ROLLOUT_PROMPTS = flags.DEFINE_integer("rollout_prompts", 128, "`rollout`: prompts.")
+_ROLLOUT_PROMPT_LEN = flags.DEFINE_integer("rollout_prompt_len", 64, "`rollout`: prompt tokens.")
+_ROLLOUT_NEW = flags.DEFINE_integer("rollout_new_tokens", 1024, "`rollout`: new tokens each.")
+_ROLLOUT_ARMS = flags.DEFINE_list(
+  "rollout_arms", ["trace", "bf16"], "`rollout`: trace (the FP4 rollout) and / or bf16, in order."
+)
 
 FULL_DEPTH = 48  # Qwen3-30B-A3B's layers
 FULL = dict(
@@ -79,6 +115,7 @@ FULL = dict(
   moe_batches=(1, 32, 128),
   tie_rows=96,
   parity=(4096, 8),  # (context, batch) of the decode-step parity check
+  rollout_layers=FULL_DEPTH,
 )
 SMOKE = dict(
   preset="tiny",
@@ -89,6 +126,7 @@ SMOKE = dict(
   moe_batches=(1, 4),
   tie_rows=2,
   parity=(64, 2),
+  rollout_layers=0,  # the preset's own
 )
 # Issue 29's targets: FP4 / fair-bf16 tokens/s per decode case.
 SPEEDUP_TARGETS = {0: 1.5, 1: 1.2, 2: 2.0}
@@ -102,6 +140,8 @@ class Run:
   peak: float  # bytes / s
   targets: list = dataclasses.field(default_factory=list)  # (target, measured, goal, ok)
   fair_moe: dict = dataclasses.field(default_factory=dict)  # batch -> "grouped" | "gather"
+  deadline: float = float("inf")  # time.time() by which the run must end
+  results: dict = dataclasses.field(default_factory=dict)  # section -> what it measured
 
   def target(self, name: str, measured: str, goal: str, ok: bool | None) -> None:
     self.targets.append((name, measured, goal, "-" if ok is None else ("PASS" if ok else "FAIL")))
@@ -113,6 +153,182 @@ def _nbytes(*trees) -> int:
 
 def _us(seconds: float) -> str:
   return f"{seconds * 1e6:.1f}"
+
+
+# --- rollout --------------------------------------------------------------------------
+
+
+def _random_block_values(key, like, std: float):
+  """Random float32 values of abstract leaves `like`: matrices normal * std, vectors (norm
+  scales) ones, integer leaves zeros."""
+  leaves, tree = jax.tree.flatten(like)
+  keys = jax.random.split(key, max(len(leaves), 1))
+  out = []
+  for k, leaf in zip(keys, leaves):
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+      out.append(jnp.zeros(leaf.shape, leaf.dtype))
+    elif len(leaf.shape) < 2:
+      out.append(jnp.ones(leaf.shape, jnp.float32))
+    else:
+      out.append(jax.random.normal(k, leaf.shape, jnp.float32) * std)
+  return tree.unflatten(out)
+
+
+def _random_rollout_params(cfg, rollout_config, kernels: str, key):
+  """(graphdef, params): a random `cfg` policy's rollout weights made on the device one block
+  at a time (random float32 weights of one block, then `quantize_params` and, for the Pallas
+  kernels, `fuse_for_kernels` of that block), so the whole float32 model is never held."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: M.Transformer(cfg, rngs=nnx.Rngs(0))))
+  parts: dict = {}
+  for path, variable in nnx.to_flat_state(state):
+    parts.setdefault(tuple(path[:2]) if path[0] == "blocks" else (), []).append((path, variable))
+  fill = jax.jit(_random_block_values, static_argnums=2)
+  dtype = jnp.dtype(rollout_config.compute_dtype)
+  fp4_weights = rollout_config.quant is not None
+  out = []
+  for i, part in enumerate(parts.values()):
+    like = [variable.get_value() for _, variable in part]
+    values = fill(jax.random.fold_in(key, i), tuple(like), cfg.init_std) if like else []
+    block = nnx.from_flat_state([(p, v.replace(x)) for (p, v), x in zip(part, values)])
+    block = quantize_params_jit(block, rollout_config.quant, dtype=dtype)
+    if kernels == "pallas" and fp4_weights:
+      block = fuse_for_kernels_jit(block)
+    out.extend(nnx.to_flat_state(block))
+    del values
+  return graphdef, nnx.from_flat_state(out)
+
+
+def _device_bytes() -> tuple[float | None, float | None]:
+  """(bytes in use, peak bytes in use) of the first device, None where it does not say."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
+
+
+def _gb(value) -> str:
+  return "-" if value is None else f"{value / 1e9:.2f}"
+
+
+def _rollout_arm(name: str, cfg, tokens, mask, key) -> dict:
+  """One arm's full-depth rollout: weights, compile, one timed generate, bytes."""
+  from trace_jax.rl.arms import get_arm  # noqa: PLC0415 (a section's own import)
+  from trace_jax.rollout import decode as decode_lib  # noqa: PLC0415
+  from trace_jax.rollout.config import RolloutConfig, SamplingConfig  # noqa: PLC0415
+
+  batch, prompt = tokens.shape
+  new = _ROLLOUT_NEW.value
+  base = RolloutConfig(
+    max_len=prompt + new, sampling=SamplingConfig(max_new_tokens=new), prompt_bucket=1
+  )
+  config = get_arm(name).rollout(base)
+  if name == "bf16":
+    config = config.replace(kernels="xla")
+  kernels, reason = kernels_lib.resolve_with_reason(config.kernels)
+  start = time.time()
+  graphdef, params = _random_rollout_params(cfg, config, kernels, key)
+  jax.block_until_ready(params)
+  made = time.time() - start
+  weights = _nbytes(params)
+  in_use_before, _ = _device_bytes()
+  guided = M.resolve_layers(config.guided_layers, cfg.num_layers, field="guided_layers")
+  st = decode_lib.Statics(
+    config=config,
+    guided_layers=guided if config.guidance != "none" else (),
+    routing_dtype=guidance_lib.routing_dtype(cfg.num_experts),
+    capture_inputs=False,
+    kernels=kernels,
+    mesh=None,
+    stop_every=decode_lib.stop_check_every(config.sampling),
+  )
+  start = time.time()
+  compiled = decode_lib.generate_program.lower(graphdef, params, tokens, mask, key, None, st)
+  compiled = compiled.compile()
+  compile_s = time.time() - start
+  memory = compiled.memory_analysis()
+  start = time.time()
+  out = jax.block_until_ready(compiled(params, tokens, mask, key, None))
+  seconds = time.time() - start
+  generated = int(np.asarray(out.response_mask).sum())
+  in_use, peak = _device_bytes()
+  result = dict(
+    arm=name,
+    kernels=kernels + (f" ({reason})" if reason else ""),
+    prompts=batch,
+    prompt_tokens=prompt,
+    new_tokens=new,
+    generated_tokens=generated,
+    weights_bytes=weights,
+    weights_seconds=round(made, 2),
+    compile_seconds=round(compile_s, 2),
+    generate_seconds=round(seconds, 3),
+    tokens_per_second=generated / seconds,
+    program_argument_bytes=int(memory.argument_size_in_bytes),
+    program_output_bytes=int(memory.output_size_in_bytes),
+    program_temp_bytes=int(memory.temp_size_in_bytes),
+    device_bytes_in_use_before=in_use_before,
+    device_bytes_in_use_after=in_use,
+    device_peak_bytes=peak,
+  )
+  del out, params, compiled
+  gc.collect()
+  return result
+
+
+def rollout_section(run: Run) -> None:
+  layers = run.shapes["rollout_layers"]
+  cfg = M.get_preset(run.shapes["preset"], **({"num_layers": layers} if layers else {}))
+  key = jax.random.key(0)
+  batch, prompt = _ROLLOUT_PROMPTS.value, _ROLLOUT_PROMPT_LEN.value
+  tokens = jax.random.randint(key, (batch, prompt), 1, cfg.vocab_size, jnp.int32)
+  mask = jnp.ones((batch, prompt), bool)
+  arms, rows = [], []
+  for name in _ROLLOUT_ARMS.value:
+    if arms and time.time() + arms[-1]["compile_seconds"] + 2 * arms[-1]["generate_seconds"] > (
+      run.deadline
+    ):
+      print(f"{name}: skipped, too little of --budget_s left after the {arms[-1]['arm']} arm")
+      continue
+    arms.append(_rollout_arm(name, cfg, tokens, mask, key))
+    run.results["rollout"] = {"model": cfg.name, "layers": cfg.num_layers, "arms": arms}
+    a = arms[-1]
+    rows.append(
+      (
+        "FP4 (trace arm)" if name == "trace" else "bf16",
+        a["kernels"],
+        _gb(a["weights_bytes"]),
+        f"{a['compile_seconds']:.1f}",
+        f"{a['generate_seconds']:.2f}",
+        f"{a['tokens_per_second']:.0f}",
+        f"{_gb(a['program_argument_bytes'])} / {_gb(a['program_output_bytes'])} / "
+        f"{_gb(a['program_temp_bytes'])}",
+        f"{_gb(a['device_bytes_in_use_after'])} / {_gb(a['device_peak_bytes'])}",
+      )
+    )
+  print(
+    f"{cfg.num_layers} layers of {cfg.name}, random weights; {batch} prompts of {prompt} tokens,"
+    f" {_ROLLOUT_NEW.value} new tokens each (tokens/s: generated tokens over the generate's wall"
+    " time, prefill included; the device peak is the process's so far)\n"
+  )
+  print(
+    markdown_table(
+      [
+        "rollout",
+        "kernels",
+        "weights GB",
+        "compile s",
+        "generate s",
+        "tokens/s",
+        "program args / out / temp GB",
+        "device in use / peak GB",
+      ],
+      rows,
+    )
+  )
+  speed = {a["arm"]: a["tokens_per_second"] for a in arms}
+  if len(speed) == 2:
+    ratio = speed["trace"] / speed["bf16"]
+    run.target(
+      f"FP4 / bf16 rollout tokens/s, {cfg.num_layers} layers", f"{ratio:.2f}x", "measured", None
+    )
 
 
 # --- probe ----------------------------------------------------------------------------
@@ -451,9 +667,41 @@ def decode_section(run: Run) -> None:
 # --- main -----------------------------------------------------------------------------
 
 
+class _Tee(io.TextIOBase):
+  """stdout that also keeps what was printed (the report --out writes)."""
+
+  def __init__(self, stream):
+    self.stream, self.kept = stream, io.StringIO()
+
+  def write(self, text):
+    self.kept.write(text)
+    return self.stream.write(text)
+
+  def flush(self):
+    self.stream.flush()
+
+
+def _write_out(out: str | None, run: Run, sections: dict, report: str) -> None:
+  """report.md and results.json under `out` (each replaced whole, never half-written)."""
+  if out is None:
+    return
+  os.makedirs(out, exist_ok=True)
+  write_atomic(os.path.join(out, "report.md"), report)
+  results = dict(
+    device=jax.devices()[0].device_kind,
+    jax=jax.__version__,
+    smoke=_SMOKE.value,
+    sections=sections,
+    measured=run.results,
+    targets=[dict(zip(("target", "measured", "goal", "verdict"), t)) for t in run.targets],
+  )
+  write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=1, default=str))
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  started = time.time()
   backend = jax.default_backend()
   if backend != "gpu" and not _SMOKE.value:
     print(
@@ -465,29 +713,56 @@ def main(argv):
   bad = [s for s in _SECTIONS.value if s not in SECTIONS]
   if bad:
     raise ValueError(f"--sections={bad} is not allowed; use some of {SECTIONS}")
-  run = Run(shapes=SMOKE if _SMOKE.value else FULL, peak=_PEAK.value * 1e9)
-  device = jax.devices()[0]
-  print(
-    f"# gpu_check on {device.device_kind} ({jax.device_count()} device(s)), jax "
-    f"{jax.__version__}, roofline {_PEAK.value:.0f} GB/s, XLA_FLAGS="
-    f"{os.environ.get('XLA_FLAGS', '')!r}{' (smoke shapes)' if _SMOKE.value else ''}\n"
+  bad = [name for name in _ROLLOUT_ARMS.value if name not in ("trace", "bf16")]
+  if bad:
+    raise ValueError(f"--rollout_arms={bad} is not allowed; use trace and / or bf16")
+  if _OUT.value is not None:
+    os.makedirs(_OUT.value, exist_ok=True)  # refused here, before any device work
+  run = Run(
+    shapes=SMOKE if _SMOKE.value else FULL,
+    peak=_PEAK.value * 1e9,
+    deadline=started + _BUDGET.value,
   )
-  failed = []
-  order = [s for s in SECTIONS if s in _SECTIONS.value]  # kernels picks decode's bf16 MoE
-  for section in order:
-    print(f"\n## {section}\n")
-    start = time.time()
-    try:
-      globals()[f"{section}_section"](run)
-    except Exception as error:  # noqa: BLE001 (one section's failure must not hide the rest)
-      failed.append(section)
-      print(f"{section} failed: {type(error).__name__}: {error}")
-      traceback.print_exc(limit=4, file=sys.stdout)
-    print(f"\n({section}: {time.time() - start:.0f} s)")
-  print("\n## targets (issue 29)\n")
-  print(markdown_table(["target", "measured", "goal", "verdict"], run.targets))
+  tee = _Tee(sys.stdout)
+  sections: dict = {}
+  with contextlib.redirect_stdout(tee):
+    device = jax.devices()[0]
+    print(
+      f"# gpu_check on {device.device_kind} ({jax.device_count()} device(s)), jax "
+      f"{jax.__version__}, roofline {_PEAK.value:.0f} GB/s, XLA_FLAGS="
+      f"{os.environ.get('XLA_FLAGS', '')!r}{' (smoke shapes)' if _SMOKE.value else ''}\n"
+    )
+    order = [s for s in SECTIONS if s in _SECTIONS.value]  # kernels picks decode's bf16 MoE
+    for section in order:
+      print(f"\n## {section}\n")
+      left = run.deadline - time.time()
+      if left < 60:
+        print(f"skipped: {left:.0f} s of --budget_s={_BUDGET.value:.0f} left")
+        sections[section] = dict(status="skipped", seconds=0.0)
+        _write_out(_OUT.value, run, sections, tee.kept.getvalue())
+        continue
+      start = time.time()
+      status = "ok"
+      try:
+        globals()[f"{section}_section"](run)
+      except Exception as error:  # noqa: BLE001 (one section's failure must not hide the rest)
+        status = f"failed: {type(error).__name__}: {str(error)[:300]}"
+        print(f"{section} failed: {type(error).__name__}: {error}")
+        traceback.print_exc(limit=4, file=sys.stdout)
+      print(f"\n({section}: {time.time() - start:.0f} s)")
+      sections[section] = dict(status=status, seconds=round(time.time() - start, 1))
+      _write_out(_OUT.value, run, sections, tee.kept.getvalue())
+    print("\n## targets\n")
+    print(markdown_table(["target", "measured", "goal", "verdict"], run.targets))
+    skipped = [s for s, r in sections.items() if r["status"] == "skipped"]
+    failed = [s for s, r in sections.items() if r["status"].startswith("failed")]
+    if skipped:
+      print(f"\nsections skipped for time: {skipped}")
+    if failed:
+      print(f"\nsections that failed to run: {failed}")
+    print(f"\n(total: {time.time() - started:.0f} s)")
+  _write_out(_OUT.value, run, sections, tee.kept.getvalue())
   if failed:
-    print(f"\nsections that failed to run: {failed}")
     sys.exit(1)
 
 
