@@ -92,6 +92,9 @@ class RolloutConfig:
   record_routing: bool = True  # keep every MoE layer's experts (routing replay)
   pad_id: int = 0  # token written to slots that hold nothing
   prompt_bucket: int = 16  # pad prompt / observation chunks to a multiple (fewer recompiles)
+  prefill_chunk: int = 256  # prompt slots per sequence the prefill feeds at once (a scan over
+  #   chunks: its attention scores and expert tiles are a chunk's, not the prompt's); 0: the
+  #   whole prompt in one forward
   kernels: str = "auto"  # "auto" (Pallas kernels on GPU, XLA elsewhere), "pallas" (on CPU:
   #   interpret mode, slow, for tests) or "xla" (dequantize, then XLA dots)
   skew: float = 0.0  # >= 0: every layer's output times 1 + skew * u, u in (-1, 1) hashed
@@ -137,6 +140,13 @@ class RolloutConfig:
       f"sparse guidance needs fmt='nvfp4' (E4M3 block scales); fmt={self.fp4.fmt!r}",
     )
     _require(self.prompt_bucket > 0, where, "prompt_bucket", self.prompt_bucket, "must be > 0")
+    _require(
+      isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 0,
+      where,
+      "prefill_chunk",
+      self.prefill_chunk,
+      "must be an int >= 0 (0: the whole prompt at once)",
+    )
     _require(
       self.kernels in KERNEL_MODES, where, "kernels", self.kernels, f"use one of {KERNEL_MODES}"
     )

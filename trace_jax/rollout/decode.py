@@ -173,6 +173,36 @@ def _feed(
   return dataclasses.replace(r, **updates), out.logits[:, -1]
 
 
+def _feed_prompt(graphdef, params, r: Rollout, prompt, prompt_mask, st: Statics, skew=None):
+  """`_feed` of the prompt [B, P], `st.config.prefill_chunk` slots at a time: a first chunk
+  of P mod chunk slots (if any), then a scan over the whole chunks, each attending over the
+  cache the chunks before it wrote. Every slot sees the same cache entries, positions and
+  mask as in one forward over the whole prompt; a chunk's forward holds a chunk's attention
+  scores and expert tiles, not the prompt's. A prompt of at most one chunk is one `_feed`.
+  Returns the rollout and the logits [B, V] after the prompt's last slot."""
+  chunk, width = st.config.prefill_chunk, prompt.shape[1]
+  feed = lambda r, tokens, mask: _feed(  # noqa: E731
+    graphdef, params, r, tokens, mask, "prompt", st, skew=skew
+  )
+  if not chunk or width <= chunk:
+    return feed(r, prompt, prompt_mask)
+  first, whole = width % chunk, width // chunk
+  if first:
+    r, _ = feed(r, prompt[:, :first], prompt_mask[:, :first])
+
+  def split(a):  # [B, P] -> [chunks, B, chunk] of the whole chunks
+    return a[:, first:].reshape(a.shape[0], whole, chunk).swapaxes(0, 1)
+
+  def step(carry, xs):
+    r, _ = carry
+    return feed(r, *xs), None
+
+  vocab = nnx.merge(graphdef, params).cfg.vocab_size
+  logits = jnp.zeros((prompt.shape[0], vocab), jnp.float32)
+  (r, logits), _ = jax.lax.scan(step, (r, logits), (split(prompt), split(prompt_mask)))
+  return r, logits
+
+
 def _decode(graphdef, params, r: Rollout, logits, done, key, st: Statics, skew=None) -> Rollout:
   """Sample up to max_new_tokens per sequence; stop when all are done, asking every
   `st.stop_every` steps (a while loop over fixed-count chunks of steps; see the module
@@ -266,7 +296,7 @@ def _empty_rollout(graphdef, params, batch: int, st: Statics) -> Rollout:
 @functools.partial(jax.jit, static_argnums=(0, 6))
 def generate_program(graphdef, params, prompt, prompt_mask, key, skew, st: Statics) -> Rollout:
   r = _empty_rollout(graphdef, params, prompt.shape[0], st)
-  r, logits = _feed(graphdef, params, r, prompt, prompt_mask, "prompt", st, skew=skew)
+  r, logits = _feed_prompt(graphdef, params, r, prompt, prompt_mask, st, skew=skew)
   done = jnp.zeros((prompt.shape[0],), bool)
   return _finalise(_decode(graphdef, params, r, logits, done, key, st, skew))
 
