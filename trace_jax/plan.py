@@ -64,16 +64,16 @@ on mesh 8 x 8 x 1, batch 256, context 8192, micro-batch 8, remat off, 48 layers)
   (XLA left the moe_mid records of the unguided layers replicated, 8x their share); it now
   lays its records and fallbacks out by `guidance_site_specs`: 1.000x (4 layers, mesh
   2 x 4 x 1, 16 x 256; 1.108x before);
-- the rollout's temporaries, which the planner leaves out, are most of its footprint
-  (2.96 TB per device at a 2048-token prompt, ~48 GB more per layer), nearly all of it the
-  prefill of 32 sequences per device (8 layers: 1,043 GB at a 2048-token prompt, 50 GB
-  at 16 tokens). Its largest buffers (1 layer, mesh 2 x 4 x 1, 64 prompts of 1024 tokens,
-  4096 slots; 94 GB of temporaries per device): the grouped MoE's weights gathered per tile
-  of 256 token-expert rows (`layers.ragged_matmul`: f32 [2176 tiles, 768, 2048], 12.75 GiB,
-  five such live with their bf16 copies), growing with the prompt's tokens, and the
-  attention scores over every cache slot in float32 (f32 [32, 4, 8, 1024, 4096], 16 GiB,
-  two live); the engine computes the LM head at the prompt's last slot only
-  (`CallOptions.last_logits`), so no [B, T, V] float32 logits;
+- the rollout's temporaries, which the planner leaves out, were most of its footprint while
+  the prefill fed the whole prompt in one forward (2.96 TB per device at a 2048-token prompt,
+  ~48 GB more per layer): the grouped MoE's weights gathered per tile of 256 token-expert rows
+  (`layers.ragged_matmul`: f32 [2176 tiles, 768, 2048], 12.75 GiB, five such live with their
+  bf16 copies) and the attention scores over every cache slot in float32 (f32 [32, 4, 8, 1024,
+  4096], 16 GiB, two live, at 1 layer, mesh 2 x 4 x 1, 64 prompts of 1024 tokens). With the
+  prompt fed `RolloutConfig.prefill_chunk` (128) slots at a time they are 62.4 GB at full size
+  (103.6 GB with 256-slot chunks) and the rollout's phase peak, 120.5 GB, fits an H200; the
+  engine computes the LM head at the prompt's last slot only (`CallOptions.last_logits`), so no
+  [B, T, V] float32 logits;
 - with remat the update's temporaries stay near the no-remat figure on XLA:CPU (8 layers:
   277 GB against 313 GB without, the planner's 43 GB), as above.
 """

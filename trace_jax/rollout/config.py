@@ -92,7 +92,7 @@ class RolloutConfig:
   record_routing: bool = True  # keep every MoE layer's experts (routing replay)
   pad_id: int = 0  # token written to slots that hold nothing
   prompt_bucket: int = 16  # pad prompt / observation chunks to a multiple (fewer recompiles)
-  prefill_chunk: int = 256  # prompt slots per sequence the prefill feeds at once (a scan over
+  prefill_chunk: int = 128  # prompt slots per sequence the prefill feeds at once (a scan over
   #   chunks: its attention scores and expert tiles are a chunk's, not the prompt's); 0: the
   #   whole prompt in one forward
   kernels: str = "auto"  # "auto" (Pallas kernels on GPU, XLA elsewhere), "pallas" (on CPU:
