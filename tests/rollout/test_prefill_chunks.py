@@ -65,7 +65,7 @@ def test_chunked_fp4_prefill_records_the_whole_prompt_prefill(policy):
   key = jax.random.key(int(rng.integers(1 << 30)))
   whole = _rollout(policy, prompts, 0, "fp4", 1, key)
   prompt = np.asarray(whole.prompt_mask)
-  for chunk in (16, 7):
+  for chunk in (7,):  # a first chunk of 6 slots, then a scan over six
     chunked = _rollout(policy, prompts, chunk, "fp4", 1, key)
     for name in ("positions", "prompt_mask"):
       np.testing.assert_array_equal(getattr(chunked, name), getattr(whole, name), err_msg=name)

@@ -116,7 +116,11 @@ def test_views_of_a_stack_stack_back_as_its_slices():
   assert stack_layers([views["blocks"][i]["w"] for i in range(6)]) is not whole
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+# the plain stack in the default run; unrolled-then-scanned and interleaved runs: -m slow
+@pytest.mark.parametrize(
+  "name",
+  ["moe"] + [pytest.param(name, marks=pytest.mark.slow) for name in ("dense_first", "hybrid")],
+)
 def test_gradient_in_layer_stacks_is_the_per_layer_gradient(name):
   """A guided, recorded QAT loss (scanned runs, and unrolled layers where the pattern
   leaves them): the gradient made in the layer stacks is the per-layer gradient stacked,
