@@ -71,7 +71,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trace_jax import fp4
-from trace_jax import guidance as guidance_lib
 from trace_jax import kernels as kernels_lib
 from trace_jax import model as M
 from trace_jax.kernels import moe as moe_lib, probe
@@ -229,16 +228,7 @@ def _rollout_arm(name: str, cfg, tokens, mask, key) -> dict:
   made = time.time() - start
   weights = _nbytes(params)
   in_use_before, _ = _device_bytes()
-  guided = M.resolve_layers(config.guided_layers, cfg.num_layers, field="guided_layers")
-  st = decode_lib.Statics(
-    config=config,
-    guided_layers=guided if config.guidance != "none" else (),
-    routing_dtype=guidance_lib.routing_dtype(cfg.num_experts),
-    capture_inputs=False,
-    kernels=kernels,
-    mesh=None,
-    stop_every=decode_lib.stop_check_every(config.sampling),
-  )
+  st = decode_lib.Statics.of(config, cfg, kernels)
   start = time.time()
   compiled = decode_lib.generate_program.lower(graphdef, params, tokens, mask, key, None, st)
   compiled = compiled.compile()

@@ -57,7 +57,15 @@ def test_parts_join_in_key_order_as_stacked_one_by_one():
     if not any(k in keys for keys, _ in parts)
   ]
   joined, one_by_one = ByLayer.from_parts(parts), ByLayer.of(records)
+  # one stack per site and shape, layers in order, stacks by their first key
+  assert joined.keys_by_stack == (
+    tuple((i, "a") for i in range(12)),
+    tuple((i, "b") for i in range(0, 12, 2)),
+    tuple((i, "b") for i in range(1, 12, 2)),
+  )
   assert joined.keys_by_stack == one_by_one.keys_by_stack
+  for keys, stack in zip(joined.keys_by_stack, joined.stacks):
+    np.testing.assert_array_equal(stack["x"], np.stack([records[k]["x"] for k in keys]))
   chex.assert_trees_all_equal(joined, one_by_one)
   chex.assert_trees_all_equal(dict(joined), records)
   assert ByLayer.of(joined) is joined

@@ -24,7 +24,6 @@ import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 from flax import nnx, struct
 
 from trace_jax.guidance import SiteKey
@@ -182,28 +181,29 @@ class ScannedSiteRecord:
   site: str = struct.field(pytree_node=False)
 
 
-def collect_site_records(sown) -> dict[SiteKey, SiteRecord]:
-  """The `SiteRecord`s of a forward's captured `nnx.Intermediate` state (what `nnx.capture`
-  returns): {(layer, site): record}. Sites live at `blocks/<layer>/.../<site>`; the runs
-  of scanned layers, kept stacked, are `collect_scanned_site_records`'."""
-  out = {}
+def _sown_items(sown):
+  """(path, item) of every value sown in a forward's captured `nnx.Intermediate` state
+  (what `nnx.capture` returns; a name sown twice holds a tuple)."""
   for path, variable in nnx.to_flat_state(sown):
     value = variable.get_value() if hasattr(variable, "get_value") else variable
     for item in value if isinstance(value, tuple) else (value,):
-      if isinstance(item, SiteRecord):
-        out[(int(path[1]), str(path[-1]))] = item
-  return out
+      yield path, item
+
+
+def collect_site_records(sown) -> dict[SiteKey, SiteRecord]:
+  """The `SiteRecord`s of a forward's captured `nnx.Intermediate` state: {(layer, site):
+  record}. Sites live at `blocks/<layer>/.../<site>`; the runs of scanned layers, kept
+  stacked, are `collect_scanned_site_records`'."""
+  return {
+    (int(path[1]), str(path[-1])): item
+    for path, item in _sown_items(sown)
+    if isinstance(item, SiteRecord)
+  }
 
 
 def collect_scanned_site_records(sown) -> list[ScannedSiteRecord]:
   """The `ScannedSiteRecord`s of a forward's captured `nnx.Intermediate` state."""
-  out = []
-  for _, variable in nnx.to_flat_state(sown):
-    value = variable.get_value() if hasattr(variable, "get_value") else variable
-    for item in value if isinstance(value, tuple) else (value,):
-      if isinstance(item, ScannedSiteRecord):
-        out.append(item)
-  return out
+  return [item for _, item in _sown_items(sown) if isinstance(item, ScannedSiteRecord)]
 
 
 def site_record_field(records, scanned, field: str):
@@ -250,17 +250,7 @@ class ByLayer(Mapping):
     """`records` ({(layer, site): tree}, layers in any order) stacked; None stays None."""
     if records is None or isinstance(records, ByLayer):
       return records
-    groups: dict[tuple, list] = {}
-    for key in sorted(records):
-      tree = records[key]
-      shapes = tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(tree))
-      groups.setdefault((key[1], jax.tree.structure(tree), shapes), []).append(key)
-    keys = tuple(tuple(group) for group in groups.values())
-    stacks = tuple(
-      jax.tree.map(lambda *leaves: jnp.stack(leaves), *[records[k] for k in group])
-      for group in keys
-    )
-    return cls(stacks=stacks, keys_by_stack=keys)
+    return cls.from_parts([((k,), jax.tree.map(lambda a: a[None], v)) for k, v in records.items()])
 
   @classmethod
   def from_parts(cls, parts) -> "ByLayer":

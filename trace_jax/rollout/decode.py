@@ -30,7 +30,7 @@ from trace_jax import fp4
 from trace_jax import guidance as guidance_lib
 from trace_jax.model.cache import init_cache
 from trace_jax.model import sharding as sharding_lib
-from trace_jax.model.quant import CallOptions, Recording
+from trace_jax.model.quant import CallOptions, Recording, resolve_layers
 from trace_jax.rollout.config import RolloutConfig
 from trace_jax.rollout.sampling import sample
 from trace_jax.rollout.trajectories import FINISH_LENGTH, FINISH_RUNNING, FINISH_STOP, Rollout
@@ -96,6 +96,23 @@ class Statics:
   kernels: str  # "pallas" or "xla": `config.kernels` resolved (outside jit) by the engine
   mesh: Any = None  # place the cache and buffers made inside jit (batch over "data")
   stop_every: int = 1  # decode steps between stop checks (SamplingConfig.stop_check_every)
+
+  @classmethod
+  def of(
+    cls, config: RolloutConfig, cfg, kernels: str, *, capture_inputs: bool = False, mesh=None
+  ) -> "Statics":
+    """The statics of a rollout of `config` for a `cfg` model on `kernels` ("pallas" or
+    "xla", already resolved): its guided layers, routing dtype and stop-check interval."""
+    guided = resolve_layers(config.guided_layers, cfg.num_layers, field="guided_layers")
+    return cls(
+      config=config,
+      guided_layers=guided if config.guidance != "none" else (),
+      routing_dtype=guidance_lib.routing_dtype(cfg.num_experts),
+      capture_inputs=capture_inputs,
+      kernels=kernels,
+      mesh=mesh,
+      stop_every=stop_check_every(config.sampling),
+    )
 
   @property
   def recording(self) -> Recording:

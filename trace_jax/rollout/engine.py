@@ -26,14 +26,12 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from trace_jax import guidance as guidance_lib
 from trace_jax import kernels as kernels_lib
 from trace_jax.model.sharding import batch_sharding
-from trace_jax.model.quant import resolve_layers
 from trace_jax.model.skew import Skew
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
-from trace_jax.rollout.decode import Statics, continue_program, generate_program, stop_check_every
+from trace_jax.rollout.decode import Statics, continue_program, generate_program
 from trace_jax.rollout.params import fuse_for_kernels_jit, quantize_params_jit, sync_params
 from trace_jax.rollout.trajectories import (  # noqa: F401 - the engine's public names
   FINISH_LENGTH,
@@ -98,21 +96,12 @@ class RolloutEngine:
       f"; {self.kernels_fallback}" if self.kernels_fallback else "",
     )
     cfg = policy.cfg
-    guided = resolve_layers(config.guided_layers, cfg.num_layers, field="guided_layers")
     bad_stops = [t for t in config.sampling.stop_tokens if not 0 <= t < cfg.vocab_size]
     if bad_stops:
       raise ValueError(f"stop_tokens {bad_stops} lie outside the vocabulary [0, {cfg.vocab_size})")
     if not 0 <= config.pad_id < cfg.vocab_size:
       raise ValueError(f"pad_id={config.pad_id} lies outside the vocabulary [0, {cfg.vocab_size})")
-    self.statics = Statics(
-      config=config,
-      guided_layers=guided if config.guidance != "none" else (),
-      routing_dtype=guidance_lib.routing_dtype(cfg.num_experts),
-      capture_inputs=capture_inputs,
-      kernels=self.kernels,
-      mesh=mesh,
-      stop_every=stop_check_every(config.sampling),
-    )
+    self.statics = Statics.of(config, cfg, self.kernels, capture_inputs=capture_inputs, mesh=mesh)
     self.graphdef = None
     self.params = None
     self.sync(policy)

@@ -26,11 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from trace_jax import guidance as guidance_lib
 from trace_jax import plan as plan_lib
 from trace_jax.model import sharding
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.quant import resolve_layers
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl import programs
 from trace_jax.rl import step as step_lib
@@ -191,16 +189,7 @@ def rollout_program(
     raise ValueError(f"prompt={prompt} must lie in [1, context={config.context})")
   cfg = cfg.replace(dtype="bfloat16")
   rollout = rollout_config(config, prompt)
-  guided = resolve_layers(rollout.guided_layers, cfg.num_layers, field="guided_layers")
-  st = decode_lib.Statics(
-    config=rollout,
-    guided_layers=guided if rollout.guidance != "none" else (),
-    routing_dtype=guidance_lib.routing_dtype(cfg.num_experts),
-    capture_inputs=False,
-    kernels=kernels,
-    mesh=mesh,
-    stop_every=decode_lib.stop_check_every(rollout.sampling),
-  )
+  st = decode_lib.Statics.of(rollout, cfg, kernels, mesh=mesh)
   model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
   dtype = jnp.dtype(rollout.compute_dtype)

@@ -95,9 +95,4 @@ def apply_update(opt: nnx.Optimizer, model: nnx.Module, grads) -> jax.Array:
   params = nnx.as_pure(nnx.state(model, opt.wrt))
   grads = nnx.as_pure(nnx.state(grads, opt.wrt))
   layout = StackLayout.of(grads)
-  stacked_grads, stacked_params = layout.stack(grads), layout.stack(params)
-  updates, state = opt.tx.inner.update(stacked_grads, nnx.as_pure(opt.opt_state), stacked_params)
-  nnx.update(model, layout.unstack(optax.apply_updates(stacked_params, updates), params))
-  nnx.update(opt.opt_state, nnx.state(state))
-  opt.step[...] += 1
-  return optax.global_norm(stacked_grads)
+  return apply_stacked_update(opt, model, layout, layout.stack(params), layout.stack(grads))
