@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import errors as flax_errors
 from flax import nnx
 
 from trace_jax import model as M
@@ -128,3 +129,29 @@ def test_metadata_survives_state_split_replace_optimizer_and_jit(hybrid):
   b = total(jax.tree.map(lambda x: x * 2, state))
   np.testing.assert_allclose(b, 2 * a, rtol=1e-5)
   assert len(traces) == 1
+
+
+def test_param_key_draws_what_the_flax_stream_draws():
+  """`param_key` against flax's own `RngStream.__call__`: the same keys in turn, the same
+  count after, eagerly and traced (a jitted draw, as a jitted or abstract init runs)."""
+  seed = int(np.random.default_rng().integers(2**31))
+  ours, theirs = nnx.Rngs(seed), nnx.Rngs(seed)
+  for _ in range(3):
+    np.testing.assert_array_equal(
+      jax.random.key_data(parameters.param_key(ours)), jax.random.key_data(theirs.params())
+    )
+  assert int(ours.params.count[...]) == int(theirs.params.count[...]) == 3
+
+  @nnx.jit(static_argnums=1)
+  def draws(rngs, use_ours):
+    draw = (lambda: parameters.param_key(rngs)) if use_ours else rngs.params
+    return jnp.stack([jax.random.key_data(draw()) for _ in range(4)])
+
+  np.testing.assert_array_equal(draws(ours, True), draws(theirs, False))
+  assert int(ours.params.count[...]) == int(theirs.params.count[...]) == 7
+
+
+def test_param_key_refuses_a_stream_of_another_trace_level():
+  rngs = nnx.Rngs(0)
+  with pytest.raises(flax_errors.TraceContextError):
+    jax.jit(lambda: parameters.param_key(rngs))()

@@ -23,7 +23,7 @@ from flax import nnx
 
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.layers import LayerInputs, RMSNorm
-from trace_jax.model.parameters import normal_param, param
+from trace_jax.model.parameters import normal_param, param, param_key
 from trace_jax.model.quantizer import SiteQuantizer
 from trace_jax.model.sites import ATTN_IN, ATTN_OUT, sow_site
 
@@ -178,7 +178,7 @@ class GatedDeltaNet(nnx.Module):
       sharding=(None, None),
     )
     self.A_log = param(
-      jnp.log(jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0)), sharding=(None,)
+      jnp.log(jax.random.uniform(param_key(rngs), (hv,), jnp.float32, 1.0, 16.0)), sharding=(None,)
     )
     self.dt_bias = param(jnp.ones((hv,), jnp.float32), sharding=(None,))
     self.norm = RMSNorm(dv, cfg.rms_eps)  # plain w (not 1 + w), as Hugging Face's gated norm

@@ -80,9 +80,25 @@ def param(
   return nnx.Param(value, eager_sharding=False, **metadata)
 
 
+def param_key(rngs: nnx.Rngs) -> jax.Array:
+  """`rngs.params()`: the same key, and the same step of the stream's count.
+
+  flax's stream writes its count as `count[...] = count + 1`, which, for a traced count (a
+  model built under `nnx.eval_shape` or a jitted init), asks the new value for its sharding;
+  JAX answers a tracer's with an error message that traces the value's origin through every
+  operation recorded so far, so building a model that way takes time quadratic in its number
+  of parameters. `set_value` replaces the count whole, without that check (flax still
+  refuses a write from another trace level)."""
+  stream = rngs.params
+  count = stream.count[...]
+  key = jax.random.fold_in(stream.key[...], count)
+  stream.count.set_value(count + 1)
+  return key
+
+
 def normal_param(rngs: nnx.Rngs, shape, std: float, **metadata) -> nnx.Param:
   """A matrix drawn from N(0, std^2) in float32, with its metadata (`param`'s arguments)."""
-  return param(std * jax.random.normal(rngs.params(), shape, jnp.float32), **metadata)
+  return param(std * jax.random.normal(param_key(rngs), shape, jnp.float32), **metadata)
 
 
 def _meta(variable, name: str):
