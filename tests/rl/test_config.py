@@ -143,7 +143,7 @@ FLAT = {
 }  # fmt: skip
 SAVED_FLAT = RLConfig.from_flat(
   task="chain", learning_rate=3e-5, sft_steps=100, std_norm=True, steps=100, temperature=0.7
-).replace(sft_target=0.0, lr_decay="constant")  # (BEFORE_ADDED: what FLAT ran with)
+).replace(sft_target=0.0, lr_decay="constant", prefill_chunk=0)  # (BEFORE_ADDED: what FLAT ran with)
 
 
 def test_a_config_saved_flat_compares_by_leaf_name():
@@ -189,7 +189,7 @@ def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
   # the flat config's names, and the knobs added since (asynchronous RL, lr_decay, sft_target)
   added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every", "lr_decay"}
   added |= {"sft_target", "kv_precision", "max_grad_norm", "tensorboard", "rollout_skew"}
-  added |= {"rollout_devices", "rollout_timeout", "scan_layers"}
+  added |= {"rollout_devices", "rollout_timeout", "scan_layers", "prefill_chunk"}
   # the scheme's per-path fields: leaves of the run's QuantConfig, never flags
   added |= {"fp4_precision", "fp4_weights", "fp4_rounding", "fp4_guided_layers"}
   assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT)) | added
@@ -351,3 +351,23 @@ def test_rollout_skew_is_a_flag_saved_with_the_config_and_refused_by_name():
   RLConfig.from_flat(rollout_skew=0.0, steps=0)  # no skew: a warm start only, as before
   for arm in RUNNABLE:  # every runnable arm rolls out (ptq: the bf16 run it packs)
     assert RLConfig.from_flat(arm=arm, rollout_skew=0.01).rollout_skew == 0.01
+
+
+def test_prefill_chunk_is_a_flag_the_rollouts_take():
+  """--prefill_chunk (default 128, RolloutConfig's) reaches the step's and the evaluation's
+  rollouts; a run saved before the knob existed fed whole prompts (reads as 0); a negative
+  chunk fails naming the field before any work."""
+  from trace_jax.rl import episodes  # noqa: PLC0415
+  from trace_jax.run import policy_source  # noqa: PLC0415
+  from trace_jax.tasks import get_task  # noqa: PLC0415
+
+  assert _script_flags("rl")["prefill_chunk"] == RolloutConfig().prefill_chunk == 128
+  chunk = int(np.random.default_rng().integers(0, 64))
+  config = RLConfig.from_flat(preset="tiny", prefill_chunk=chunk)
+  task = get_task(config.task)
+  source = policy_source.load(config, task, weights=False)
+  configs = episodes.rollout_configs(config, task, source)
+  assert {c.prefill_chunk for c in configs} == {chunk}
+  assert RLConfig.from_dict(FLAT).sampling.prefill_chunk == 0
+  with pytest.raises(ValueError, match=r"RLConfig.prefill_chunk=-1 must be >= 0"):
+    RLConfig.from_flat(prefill_chunk=-1)

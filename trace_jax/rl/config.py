@@ -39,7 +39,7 @@ from trace_jax.utils.flags import knob
 REWARD_CONTROLS = ("none", "shuffle", "shuffle_batch")
 # What a run saved before a field existed ran with, where that is not the field's default
 # now: a saved config that lacks the field reads as this value, not as today's default.
-BEFORE_ADDED = {"sft_target": 0.0, "lr_decay": "constant"}
+BEFORE_ADDED = {"sft_target": 0.0, "lr_decay": "constant", "prefill_chunk": 0}
 LR_DECAYS = ("constant", "cosine", "linear")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 
@@ -142,11 +142,16 @@ class Sampling:
   max_new_tokens: int = knob(32, "Max tokens per turn.")
   temperature: float = knob(1.0, "Sampling temperature (and the tempered policy trained).")
   prompt_bucket: int = knob(0, "Pad prompts / observations to a multiple; 0: 16 (8 multi-turn).")
+  prefill_chunk: int = knob(
+    128,
+    "Prompt slots per sequence the rollout's prefill feeds at once (a scan over chunks; "
+    "0: the whole prompt in one call).",
+  )
 
   def __post_init__(self):
     names = ("prompts_per_step", "group_size", "max_new_tokens")
     _check("RLConfig", self, names, lambda v: v >= 1, "must be >= 1")
-    _check("RLConfig", self, ("prompt_bucket",), lambda v: v >= 0, "must be >= 0")
+    _check("RLConfig", self, ("prompt_bucket", "prefill_chunk"), lambda v: v >= 0, "must be >= 0")
     _check("RLConfig", self, ("temperature",), _finite_positive, "must be a finite number > 0")
 
 
@@ -398,7 +403,15 @@ class RLConfig:
   def differences(
     self,
     other: dict,
-    ignore=("steps", "max_param_abs", "remat", "scan_layers", "tensorboard", "rollout_timeout"),
+    ignore=(
+      "steps",
+      "max_param_abs",
+      "remat",
+      "scan_layers",
+      "prefill_chunk",
+      "tensorboard",
+      "rollout_timeout",
+    ),
   ) -> list[str]:
     """Flat names of the fields whose values differ from a saved config dict (nested or
     flat); a field the saved config lacks counts as its default there."""

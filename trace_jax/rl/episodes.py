@@ -59,6 +59,7 @@ def rollout_configs(config, task: Task, source) -> tuple[RolloutConfig, RolloutC
   base = RolloutConfig(
     max_len=max_len,
     prompt_bucket=bucket,
+    prefill_chunk=config.sampling.prefill_chunk,
     sampling=SamplingConfig(
       temperature=config.sampling.temperature, max_new_tokens=new, stop_tokens=stop_tokens
     ),

@@ -46,7 +46,14 @@ RUN_RECORD = "run.json"
 # Files of a run: a workdir holding any of them without a record of its config is refused.
 RUN_FILES = ("metrics.jsonl", "summary.json")
 # Fields a resume may change: how the run computes or logs, not what it computes.
-RESUMABLE_FIELDS = ("max_param_abs", "remat", "scan_layers", "tensorboard", "rollout_timeout")
+RESUMABLE_FIELDS = (
+  "max_param_abs",
+  "remat",
+  "scan_layers",
+  "prefill_chunk",
+  "tensorboard",
+  "rollout_timeout",
+)
 
 
 def check_workdir(workdir: str) -> str:
