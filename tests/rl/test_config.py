@@ -141,9 +141,10 @@ FLAT = {
   "observation_role": "user", "chat_template_options": [], "remat": False,
   "reward_control": "none",
 }  # fmt: skip
+# what FLAT ran with: its fields, and BEFORE_ADDED's values of the fields added since
 SAVED_FLAT = RLConfig.from_flat(
   task="chain", learning_rate=3e-5, sft_steps=100, std_norm=True, steps=100, temperature=0.7
-).replace(sft_target=0.0, lr_decay="constant", prefill_chunk=0)  # (BEFORE_ADDED: what FLAT ran with)
+).replace(sft_target=0.0, lr_decay="constant", prefill_chunk=0)
 
 
 def test_a_config_saved_flat_compares_by_leaf_name():
