@@ -4,7 +4,6 @@ rollout-correction knob, and experiments/rl.py's flag defaults read from the con
 import dataclasses
 import functools
 import importlib.util
-import inspect
 import os
 
 import numpy as np
@@ -178,11 +177,8 @@ def test_a_config_saved_flat_compares_by_leaf_name():
   # and so may the learner's wait for a batch
   assert changed.replace(rollout_timeout=5.0).differences(changed.to_dict()) == []
   assert changed.replace(rollout_devices=2).differences(changed.to_dict()) == ["rollout_devices"]
-  # the workdir's config check on a resume ignores the same fields
-  from trace_jax.run.rundir import RESUMABLE_FIELDS  # noqa: PLC0415
-
-  ignored = inspect.signature(RLConfig.differences).parameters["ignore"].default
-  assert set(ignored) == set(RESUMABLE_FIELDS) | {"steps"}
+  # and so may the prefill's chunk
+  assert changed.replace(prefill_chunk=7).differences(changed.to_dict()) == []
 
 
 def test_the_leaves_have_unique_flat_names_and_the_sections_validate():

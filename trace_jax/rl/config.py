@@ -41,6 +41,15 @@ REWARD_CONTROLS = ("none", "shuffle", "shuffle_batch")
 # now: a saved config that lacks the field reads as this value, not as today's default.
 BEFORE_ADDED = {"sft_target": 0.0, "lr_decay": "constant", "prefill_chunk": 0}
 LR_DECAYS = ("constant", "cosine", "linear")
+# Fields a resume may change: how the run computes or logs, not what it computes.
+RESUMABLE_FIELDS = (
+  "max_param_abs",
+  "remat",
+  "scan_layers",
+  "prefill_chunk",
+  "tensorboard",
+  "rollout_timeout",
+)
 COMPUTE_DTYPES = ("bfloat16", "float32")
 
 
@@ -403,15 +412,7 @@ class RLConfig:
   def differences(
     self,
     other: dict,
-    ignore=(
-      "steps",
-      "max_param_abs",
-      "remat",
-      "scan_layers",
-      "prefill_chunk",
-      "tensorboard",
-      "rollout_timeout",
-    ),
+    ignore=("steps",) + RESUMABLE_FIELDS,
   ) -> list[str]:
     """Flat names of the fields whose values differ from a saved config dict (nested or
     flat); a field the saved config lacks counts as its default there."""

@@ -45,15 +45,6 @@ log = logging.getLogger(__name__)
 RUN_RECORD = "run.json"
 # Files of a run: a workdir holding any of them without a record of its config is refused.
 RUN_FILES = ("metrics.jsonl", "summary.json")
-# Fields a resume may change: how the run computes or logs, not what it computes.
-RESUMABLE_FIELDS = (
-  "max_param_abs",
-  "remat",
-  "scan_layers",
-  "prefill_chunk",
-  "tensorboard",
-  "rollout_timeout",
-)
 
 
 def check_workdir(workdir: str) -> str:
@@ -138,7 +129,7 @@ class RunDir:
 
   def _refuse_other(self, saved: dict, where: str) -> None:
     """A ValueError if the config `saved` (from `where`) is not this run's."""
-    differing = self.config.differences(saved, ignore=RESUMABLE_FIELDS + ("steps",))
+    differing = self.config.differences(saved)  # ignores steps and RESUMABLE_FIELDS
     if differing:
       raise ValueError(
         f"{self.path} holds {where} of a different config; fields that "
