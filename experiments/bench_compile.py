@@ -17,8 +17,7 @@ weights are made) of:
 Then the ratio of the deepest to the shallowest depth per program and setting: a stack
 compiled once per layer grows with depth, a scanned one stays near flat. Each program is
 compiled in a fresh process (XLA's caches would otherwise carry over), one at a time: run
-it alone on the machine. With a cache (prefill, decode) the stack is unrolled either way
-(scan_layers covers calls without a cache), so their "on" rows measure that.
+it alone on the machine.
 """
 
 import json

@@ -363,6 +363,37 @@ def test_auto_is_resolved_once_where_the_rollout_is_set_up():
     M.CallOptions(kernels="auto")
 
 
+def test_kernels_on_a_layer_stack_touch_only_that_layer():
+  """With `layer=` (traced, as in a scan over layers) the cache is the stack of every
+  layer's entries [N, B, L, Hkv, ...]: write_kv writes that layer's slots and nothing else,
+  and decode attention reads that layer, each exactly the kernel on the layer's own entry."""
+  n, b, length, hkv, dh = 3, 2, 9, 2, 32
+  rng = np.random.default_rng()
+  seed = int(rng.integers(1 << 20))
+  stack_k, stack_v = (_cache_entry(seed + i, (n, b, length, hkv, dh)) for i in (0, 1))
+  k, v = (_rand(seed + i, (b, 1, hkv, dh)).astype(jnp.bfloat16) for i in (2, 3))
+  q = _rand(seed + 4, (b, 2 * hkv, dh))
+  layer, index = int(rng.integers(n)), int(rng.integers(length))
+  entry = lambda stack, i: jax.tree.map(lambda a: a[i], stack)  # noqa: E731
+
+  @jax.jit
+  def on_stack(stack_k, stack_v, layer):
+    sk, sv, rk, rv = kernels.write_kv(k, v, stack_k, stack_v, index, layer=layer, record="full")
+    lengths = jnp.full((b,), index + 1)
+    return sk, sv, rk, rv, kernels.fp4_decode_attention(q, sk, sv, lengths, layer=layer)
+
+  sk, sv, rk, rv, out = on_stack(stack_k, stack_v, layer)
+  ek, ev, ek_rec, ev_rec = kernels.write_kv(
+    k, v, entry(stack_k, layer), entry(stack_v, layer), index, record="full"
+  )
+  _equal((entry(sk, layer), entry(sv, layer), rk, rv), (ek, ev, ek_rec, ev_rec))
+  for other in set(range(n)) - {layer}:
+    _equal((entry(sk, other), entry(sv, other)), (entry(stack_k, other), entry(stack_v, other)))
+  lengths = jnp.full((b,), index + 1)
+  _equal(out, kernels.fp4_decode_attention(q, ek, ev, lengths))
+  _close(out, decode_attention_lib.reference(q, ek, ev, lengths), rtol=1e-5)
+
+
 @pytest.mark.slow  # ~2 min: a whole generation with every kernel in interpret mode
 def test_generation_with_pallas_kernels_equals_the_xla_path():
   """A whole tiny-model FP4 generation (prefill and decode, FP4 cache, compact guidance)

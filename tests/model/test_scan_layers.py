@@ -114,7 +114,7 @@ def _groups(model, quant=None):
   from trace_jax.model.quantizer import SiteQuantizer  # noqa: PLC0415
 
   sq = SiteQuantizer(quant, model.cfg.num_layers, jnp.float32, options=CallOptions())
-  return model._layer_groups(sq, None)
+  return model._layer_groups(sq)
 
 
 def test_what_runs_under_a_scan():
@@ -200,3 +200,74 @@ def test_scanned_bf16_logits_differ_only_by_excess_precision():
     timeout=600,
   )
   assert done.returncode == 0 and "equal" in done.stdout, done.stderr[-3000:]
+
+
+def _cached_calls(preset, overrides, scan, seed, tokens, mask, recorded):
+  """A prompt of 6 slots, then two decode steps, over an FP4 KV cache (float32 compute,
+  compact records of the `recorded` layers): per call (logits, each layer's cache fields,
+  {(layer, site): record leaves})."""
+  cfg = M.get_preset(preset, scan_layers=scan, **overrides)
+  graphdef, state = nnx.split(M.Transformer(cfg, rngs=nnx.Rngs(seed)))
+  quant = QuantConfig()
+  recording = Recording(form="compact", layers=recorded)
+  options = CallOptions(compute_dtype="float32", recording=recording)
+
+  @jax.jit
+  def call(state, tokens, mask, cache):
+    return nnx.merge(graphdef, state)(tokens, mask=mask, cache=cache, quant=quant, options=options)
+
+  cache, results = M.init_cache(cfg, 2, 16, quant, dtype=jnp.float32), []
+  for chunk in (slice(0, 6), slice(6, 7), slice(7, 8)):
+    out = call(state, tokens[:, chunk], mask[:, chunk], cache)
+    cache = out.cache
+    fields = [cache.k, cache.v] + ([cache.conv, cache.recurrent] if cfg.linear_layers else [])
+    entries = [jax.tree.leaves(field[i]) for field in fields for i in range(cfg.num_layers)]
+    sites = {key: jax.tree.leaves(record) for key, record in out.sites.items()}
+    results.append(jax.tree.map(np.asarray, (out.logits, entries, sites)))
+  return results
+
+
+@pytest.mark.parametrize(
+  "preset, overrides, recorded",
+  [
+    ("tiny", {"num_layers": 5, "dense_layers": (0,), "ffn_dim": 64}, (2, 3, 4)),
+    pytest.param(
+      "qwen3_5_tiny",
+      {"num_layers": 8, "layer_types": hybrid_layer_types(8)},
+      (4, 5, 6, 7),
+      marks=pytest.mark.slow,  # four 8-layer hybrid compiles, about half a minute
+    ),
+  ],
+)
+def test_scanned_cache_calls_are_the_unrolled_ones_bit_for_bit(preset, overrides, recorded):
+  """Prefill and decode over the cache with the layers under a scan (the cache's layer
+  stacks carried through it, each layer writing its slots in place) give the unrolled
+  stack's logits, cache entries and records, bit for bit (float32): the dense-first layer
+  and the unrecorded layer unrolled beside a recorded run, or the hybrid's Gated DeltaNet
+  states and FP4 attention cache under one scan of its 3 + 1 group."""
+  rng = np.random.default_rng()
+  tokens = jnp.asarray(rng.integers(0, 128, (2, 8)), jnp.int32)
+  mask = jnp.asarray(rng.random((2, 8)) < 0.9).at[:, 6:].set(True)
+  seed = int(rng.integers(1 << 30))
+  unrolled, scanned = (
+    _cached_calls(preset, overrides, scan, seed, tokens, mask, recorded) for scan in (False, True)
+  )
+  assert np.isfinite(unrolled[-1][0]).all() and unrolled[-1][2]
+  chex.assert_trees_all_equal(scanned, unrolled)
+
+
+def test_cached_calls_hold_one_copy_of_a_scanned_layer():
+  """The decode step's program: one layer's matmuls however deep the stack under a scan,
+  one copy per layer unrolled."""
+  quant = QuantConfig()
+
+  def matmuls(num_layers, scan):
+    cfg = M.tiny(num_layers=num_layers, scan_layers=scan)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: M.Transformer(cfg, rngs=nnx.Rngs(0))))
+    cache = jax.eval_shape(lambda: M.init_cache(cfg, 2, 16, quant))
+    token = jax.ShapeDtypeStruct((2, 1), jnp.int32)
+    step = lambda s, t, c: nnx.merge(graphdef, s)(t, cache=c, quant=quant).logits  # noqa: E731
+    return str(jax.make_jaxpr(step)(state, token, cache)).count("dot_general")
+
+  assert matmuls(2, True) == matmuls(6, True)
+  assert matmuls(6, False) - matmuls(2, False) == 2 * (matmuls(4, False) - matmuls(2, False)) > 0

@@ -18,6 +18,10 @@ whenever L has that many 32-slot chunks (`num_splits`, `default_chunk`). Each pr
 online softmax (stopping at the sequence's length) and writes an unnormalised partial
 (out, max, sum); a second small kernel (grid B x H) combines the splits of each head. A
 sequence with no valid slot gets 0 (the engine never asks for one: a step attends to itself).
+
+K and V may be the stacks of every layer's entries [N, B, L, Hkv, ...] (`model.cache`'s
+`LayerEntries`) with the layer's position in them given (`layer`, traced inside a scan over
+layers): the kernel reads that layer's slots straight from the stacks.
 """
 
 from __future__ import annotations
@@ -38,14 +42,16 @@ _NEG = -1e30  # the running max before any valid slot (finite: no inf - inf)
 TARGET_PROGRAMS = 264  # two programs per SM of an H100 / H200 (132 SMs)
 
 
-def _check(q, k, v, lengths, valid):
+def _check(q, k, v, lengths, valid, stacked=False):
+  form = "[N, B, L, Hkv, Dh] (with layer=)" if stacked else "[B, L, Hkv, Dh]"
   for name, entry in (("k", k), ("v", v)):
-    if not isinstance(entry, fp4.QArray) or entry.packed.ndim != 4 or entry.axis != -1:
+    ndim = 5 if stacked else 4
+    if not isinstance(entry, fp4.QArray) or entry.packed.ndim != ndim or entry.axis != -1:
       raise ValueError(
         f"decode_attention: {name} must be an FP4 cache entry, an fp4.QArray "
-        f"[B, L, Hkv, Dh] quantized along Dh; got {type(entry).__name__}"
+        f"{form} quantized along Dh; got {type(entry).__name__}"
       )
-  b, length, hkv, half = k.packed.shape
+  b, length, hkv, half = k.packed.shape[-4:]
   if v.packed.shape != k.packed.shape:
     raise ValueError(f"decode_attention: k and v differ: {k.packed.shape} vs {v.packed.shape}")
   if q.ndim != 3 or q.shape[0] != b or q.shape[2] != 2 * half or q.shape[1] % hkv:
@@ -80,10 +86,11 @@ def num_splits(batch: int, kv_heads: int, length: int, chunk: int) -> tuple[int,
 
 
 def _attention_kernel(
-  len_ref, q_ref, kp_ref, ks_ref, kg_ref, vp_ref, vs_ref, vg_ref, valid_ref, o_ref, m_ref, l_ref,
+  layer_ref, len_ref, q_ref, kp_ref, ks_ref, kg_ref, vp_ref, vs_ref, vg_ref, valid_ref, o_ref, m_ref, l_ref,
   *, fmt, groups, rows, chunk, per_split, length, dtype,
 ):  # fmt: skip
   b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  layer = layer_ref[0]
   dh = q_ref.shape[-1]
   first = s * per_split * chunk
   n = len_ref[b]
@@ -105,7 +112,7 @@ def _attention_kernel(
 
     def load(ref, width):
       mask = jnp.broadcast_to(inside[:, None], (chunk, width))
-      return plgpu.load(ref.at[b, slots, h, :], mask=mask, other=0)
+      return plgpu.load(ref.at[layer, b, slots, h, :], mask=mask, other=0)
 
     k_even, k_odd = tiles.scaled_pairs_bf16(
       load(kp_ref, dh // 2), load(ks_ref, ks_ref.shape[-1]), fmt, axis=1
@@ -176,6 +183,7 @@ def decode_attention(
   lengths: jax.Array,
   valid: jax.Array | None = None,
   *,
+  layer: jax.Array | int | None = None,
   interpret: bool | None = None,
   poison: bool = False,
   chunk: int | None = None,
@@ -190,6 +198,8 @@ def decode_attention(
     k, v: FP4 cache entries, `fp4.QArray` [B, L, Hkv, Dh] along Dh; any L.
     lengths: int [B]: slots [0, length) may be attended to.
     valid: optional bool [B, L]: which of those slots hold real tokens (left padding).
+    layer: k and v are stacks [N, B, L, Hkv, Dh] of N layers' entries; attend over entry
+      `layer` (an int or an int32 scalar) of them.
     interpret, poison: as the other kernels.
     chunk: slots per inner step (a power of two; default `default_chunk`).
     splits: splits of the slots (default `num_splits`: enough programs for the GPU).
@@ -200,7 +210,7 @@ def decode_attention(
   Returns:
     [B, H, Dh] in q's dtype.
   """
-  b, length, hkv, dh = _check(q, k, v, lengths, valid)
+  b, length, hkv, dh = _check(q, k, v, lengths, valid, stacked=layer is not None)
   chunk = chunk or default_chunk(length, b, hkv)
   if chunk < 1 or chunk & (chunk - 1):
     raise ValueError(f"decode_attention: chunk={chunk} must be a power of two")
@@ -216,17 +226,23 @@ def decode_attention(
   valid = jnp.ones((b, length), jnp.int8) if valid is None else valid.astype(jnp.int8)
   launch_args = (interpret, poison, num_warps or (8 if chunk >= 128 else 4), num_stages)
   lengths = lengths.astype(jnp.int32)
-  return _attention(q, k, v, lengths, valid, chunk, splits, per_split, *launch_args)
+  if layer is None:
+    k, v = (jax.tree.map(lambda a: a[None], entry) for entry in (k, v))
+  layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+  return _attention(q, k, v, layer, lengths, valid, chunk, splits, per_split, *launch_args)
 
 
-@functools.partial(jax.jit, static_argnums=tuple(range(5, 12)))
-def _attention(q, k, v, lengths, valid, chunk, splits, per_split, interpret, poison, warps, stages):
+@functools.partial(jax.jit, static_argnums=tuple(range(6, 13)))
+def _attention(
+  q, k, v, layer, lengths, valid, chunk, splits, per_split, interpret, poison, warps, stages
+):
   b, h, dh = q.shape
-  length, hkv = k.packed.shape[1], k.packed.shape[2]
+  length, hkv = k.packed.shape[2], k.packed.shape[3]
   groups = h // hkv
   rows = groups if interpret else max(16, groups)  # GPU dots want >= 16 rows
   whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731
   inputs = (
+    layer,
     lengths,
     q,
     k.packed,

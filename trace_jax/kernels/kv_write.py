@@ -11,6 +11,10 @@ scale 1), exactly what a never-written slot holds, so an extra step leaves no tr
 
 Grid: (B, T), one program per written slot of one sequence: its Hkv rows (padded to a power
 of two) are quantized with `fp4.tiles.quantize_pairs` (bit for bit `fp4.quantize`).
+
+The cache may be the stack of every layer's entries [N, B, L, Hkv, ...] (`model.cache`'s
+`LayerEntries`) with the layer's position in it given (`layer`, traced inside a scan over
+layers): the kernel writes that layer's slots of the whole stack in place.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ _FIELDS = ("packed", "scales", "global_scale")
 _RECORD_FIELDS = {"none": (), "compact": ("scales", "global_scale", "bits"), "full": _FIELDS}
 
 
-def _check(k_new, v_new, cache_k, cache_v, record):
+def _check(k_new, v_new, cache_k, cache_v, record, stacked=False):
+  form = "[N, B, L, Hkv, Dh] (with layer=)" if stacked else "[B, L, Hkv, Dh]"
   for name, entry in (("cache_k", cache_k), ("cache_v", cache_v)):
-    if not isinstance(entry, fp4.QArray) or entry.packed.ndim != 4 or entry.axis != -1:
-      raise ValueError(f"write_kv: {name} must be an FP4 cache entry [B, L, Hkv, Dh] along Dh")
-  b, _, hkv, half = cache_k.packed.shape
+    ndim = 5 if stacked else 4
+    if not isinstance(entry, fp4.QArray) or entry.packed.ndim != ndim or entry.axis != -1:
+      raise ValueError(f"write_kv: {name} must be an FP4 cache entry {form} along Dh")
+  b, _, hkv, half = cache_k.packed.shape[-4:]
   for name, x in (("k_new", k_new), ("v_new", v_new)):
     if x.ndim != 4 or x.shape[0] != b or x.shape[2:] != (hkv, 2 * half):
       raise ValueError(
@@ -45,10 +51,11 @@ def _check(k_new, v_new, cache_k, cache_v, record):
     raise ValueError(f"write_kv: record={record!r} is not one of {tuple(_RECORD_FIELDS)}")
 
 
-def _kernel(index_ref, keep_ref, k_ref, v_ref, *refs, fmt, rows, heads, length, record):
-  # refs: the six cache arrays as inputs, the same six as (aliased) outputs, the records.
+def _kernel(layer_ref, index_ref, keep_ref, k_ref, v_ref, *refs, fmt, rows, heads, length, record):
+  # refs: the six cache stacks as inputs, the same six as (aliased) outputs, the records.
   cache_refs, record_refs = refs[6:12], refs[12:]
   b, t = pl.program_id(0), pl.program_id(1)
+  layer = layer_ref[0]
   dh = k_ref.shape[-1]
   slot = index_ref[0] + t
   keep = keep_ref[0] != 0
@@ -75,7 +82,7 @@ def _kernel(index_ref, keep_ref, k_ref, v_ref, *refs, fmt, rows, heads, length, 
       value = jnp.where(keep, values[name], blank[name]).astype(ref.dtype)
       width = value.shape[1]
       mask = jnp.broadcast_to(head & (slot < length), (rows, width))[None]
-      plgpu.store(ref.at[b, pl.ds(slot, 1), pl.ds(0, rows), :], value[None], mask=mask)
+      plgpu.store(ref.at[layer, b, pl.ds(slot, 1), pl.ds(0, rows), :], value[None], mask=mask)
     for name, ref in zip(fields, recs):
       value = values[name].astype(ref.dtype)
       mask = jnp.broadcast_to(head, value.shape)
@@ -90,6 +97,7 @@ def write_kv(
   index: jax.Array,
   keep: jax.Array | bool = True,
   *,
+  layer: jax.Array | int | None = None,
   record: str = "none",
   interpret: bool | None = None,
   poison: bool = False,
@@ -97,22 +105,34 @@ def write_kv(
   """Quantize K and V [B, T, Hkv, Dh] per row and write them at slots [index, index + T)
   of the FP4 cache entries (in place where the caller donates them).
 
+  `layer`: the cache entries are stacks [N, B, L, Hkv, ...] of N layers' entries, and the
+  rows are written into entry `layer` (an int or an int32 scalar) of them.
+
   Returns:
-    (cache_k, cache_v, record_k, record_v): the updated entries and, per `record`
-    ("none", "compact", "full"), the records of the written rows [B, T, Hkv, ...] as
-    `fp4.CompactGuidance` / `fp4.QArray`, or None.
+    (cache_k, cache_v, record_k, record_v): the updated entries (stacks, with `layer`) and,
+    per `record` ("none", "compact", "full"), the records of the written rows
+    [B, T, Hkv, ...] as `fp4.CompactGuidance` / `fp4.QArray`, or None.
   """
-  _check(k_new, v_new, cache_k, cache_v, record)
+  stacked = layer is not None
+  _check(k_new, v_new, cache_k, cache_v, record, stacked)
   interpret = launch.interpret_default(interpret)
   index = jnp.asarray(index, jnp.int32).reshape(1)
   keep = jnp.asarray(keep).astype(jnp.int32).reshape(1)
-  return _write(k_new, v_new, cache_k, cache_v, index, keep, record, interpret, poison)
+  if stacked:
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return _write(k_new, v_new, cache_k, cache_v, layer, index, keep, record, interpret, poison)
+  one = lambda entry: jax.tree.map(lambda a: a[None], entry)  # noqa: E731
+  layer = jnp.zeros((1,), jnp.int32)
+  k, v, rk, rv = _write(
+    k_new, v_new, one(cache_k), one(cache_v), layer, index, keep, record, interpret, poison
+  )
+  return jax.tree.map(lambda a: a[0], k), jax.tree.map(lambda a: a[0], v), rk, rv
 
 
-@functools.partial(jax.jit, static_argnums=(6, 7, 8))
-def _write(k_new, v_new, cache_k, cache_v, index, keep, record, interpret, poison):
+@functools.partial(jax.jit, static_argnums=(7, 8, 9))
+def _write(k_new, v_new, cache_k, cache_v, layer, index, keep, record, interpret, poison):
   b, t, hkv, dh = k_new.shape
-  length = cache_k.packed.shape[1]
+  length = cache_k.packed.shape[2]
   rows = 1 << max(0, hkv - 1).bit_length()
   fmt = cache_k.fmt
   block = fp4.get_format(fmt).block_size
@@ -123,7 +143,7 @@ def _write(k_new, v_new, cache_k, cache_v, index, keep, record, interpret, poiso
   ] * 2
   caches = [getattr(entry, n) for entry in (cache_k, cache_v) for n in _FIELDS]
   caches = [c.astype(_F32) if n == "global_scale" else c for c, n in zip(caches, _FIELDS * 2)]
-  inputs = [index, keep, k_new, v_new, *caches]
+  inputs = [layer, index, keep, k_new, v_new, *caches]
   whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * len(a.shape))  # noqa: E731
   out = launch.pallas_call(
     functools.partial(_kernel, fmt=fmt, rows=rows, heads=hkv, length=length, record=record),
@@ -137,7 +157,7 @@ def _write(k_new, v_new, cache_k, cache_v, index, keep, record, interpret, poiso
     name="fp4_write_kv",
     num_warps=4,
     num_stages=1,
-    aliases={4 + i: i for i in range(6)},
+    aliases={5 + i: i for i in range(6)},
   )
   entries = [
     fp4.QArray(packed=p, scales=s, global_scale=g, fmt=fmt, axis=-1)

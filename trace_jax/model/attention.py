@@ -101,8 +101,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x, inputs: LayerInputs, *, layer: int, sq: SiteQuantizer, cache=None):
     """x [B, T, d] (normed); `inputs.attn_mask` [B, T, S] over the keys (T keys without a
-    cache, the cache's L slots with one). Returns (out [B, T, d], (k, v) cache entries or
-    None)."""
+    cache, the cache's L slots with one). `cache`: (k stack, v stack, position): the
+    cache's `LayerEntries` stacks and this layer's position in them (an int, or traced in
+    a scan over layers). Returns (out [B, T, d], the updated (k, v) stacks or None)."""
     b, t, _ = x.shape
     h, hkv, dh = self.shape
     cos, sin, mask, index = inputs.cos, inputs.sin, inputs.attn_mask, inputs.start
@@ -130,15 +131,16 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    new_entries = None
+    stacks = None
     if cache is None:
       k, v = sow_site(self, sq, k, layer=layer, site=K), sow_site(self, sq, v, layer=layer, site=V)
     else:  # store the packed FP4 entries; attend to exactly their values
+      k_stack, v_stack, position = cache
       keep = jnp.any(inputs.valid)  # a chunk of padding only writes blank slots
-      if sq.fuses(K.name, layer) and sq.fuses(V.name, layer) and isinstance(cache[0], fp4.QArray):
+      if sq.fuses(K.name, layer) and sq.fuses(V.name, layer) and isinstance(k_stack, fp4.QArray):
         # Quantized and written in place by one kernel, with both records.
-        *new_entries, k_record, v_record = kernels.write_kv(
-          k, v, *cache, index, keep, record=sq.record_form(layer)
+        *stacks, k_record, v_record = kernels.write_kv(
+          k, v, k_stack, v_stack, index, keep, layer=position, record=sq.record_form(layer)
         )
         for site, record, x_site in ((K, k_record, k), (V, v_record, v)):
           _sow(self, site, sq.fused_record(x_site, layer, record))
@@ -147,14 +149,16 @@ class Attention(nnx.Module):
           sow_cache_entry(self, sq, k, layer=layer, site=K),
           sow_cache_entry(self, sq, v, layer=layer, site=V),
         )
-        new_entries = [
-          kv_cache.write_slots(entry, new, index, keep) for entry, new in zip(cache, stored)
+        stacks = [
+          kv_cache.write_slots(stack, new, index, position, keep)
+          for stack, new in zip((k_stack, v_stack), stored)
         ]
-      k, v = new_entries = tuple(new_entries)
+      stacks = tuple(stacks)
+      k, v = (kv_cache.entry_at(stack, position) for stack in stacks)
     if t == 1 and sq.kernels == "pallas" and isinstance(k, fp4.QArray):
       # A decode step: attend over the packed cache without dequantizing it.
       out = kernels.fp4_decode_attention(
-        q[:, 0], k, v, jnp.broadcast_to(index + 1, (b,)), mask[:, 0]
+        q[:, 0], *stacks, jnp.broadcast_to(index + 1, (b,)), mask[:, 0], layer=position
       )
     else:  # (read: dequantize a packed cache entry; a no-op cast otherwise)
       out = attend(q, kv_cache.read(k, q.dtype), kv_cache.read(v, q.dtype), mask)
@@ -164,7 +168,7 @@ class Attention(nnx.Module):
     (out,) = _site_matmuls(
       self, sq, out, [self.o_proj.get_value()], self.o_proj.quant_group, layer, ATTN_OUT
     )
-    return out, new_entries
+    return out, stacks
 
 
 def _sow(module: nnx.Module, site: Site, record) -> None:

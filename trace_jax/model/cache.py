@@ -8,12 +8,19 @@ are separate from slots, so left-padded prompts keep positions that start at 0.
 Hybrid models (Qwen3.5) keep, at each Gated DeltaNet layer, a fixed-size state instead of K
 and V: the conv state (the last K-1 valid conv inputs) and the recurrent delta-rule state
 (float32). Their K/V entries are None, and full-attention layers' states are None.
+
+Each field is held as one stack over the layers that have it (`LayerEntries`): a forward
+whose layers run under a scan carries the stack and writes a step's new slots into it in
+place, and an unrolled forward writes the same slots at a fixed position; neither copies a
+layer's entries to give them back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,31 +31,83 @@ from trace_jax.model.quant import QuantConfig
 
 
 @functools.partial(
+  jax.tree_util.register_dataclass, data_fields=["stack"], meta_fields=["layers", "num_layers"]
+)
+@dataclasses.dataclass(frozen=True)
+class LayerEntries(Sequence):
+  """One cache field of every layer that has it, as one stack: `stack` (an array or an
+  `fp4.QArray`) holds layer `layers[i]`'s entry at [i]. Reads like the tuple over all
+  `num_layers` layers it stands for: item i is layer i's entry (a slice of the stack), None
+  at a layer without this field."""
+
+  stack: Any
+  layers: tuple[int, ...]
+  num_layers: int
+
+  def position(self, layer: int) -> int:
+    """Where layer `layer`'s entry sits in the stack."""
+    return self.layers.index(layer)
+
+  def __getitem__(self, layer):
+    if isinstance(layer, slice):
+      return tuple(self[i] for i in range(self.num_layers)[layer])
+    if not -self.num_layers <= layer < self.num_layers:
+      raise IndexError(f"layer {layer} of a {self.num_layers}-layer cache")
+    layer %= self.num_layers
+    if layer not in self.layers:
+      return None
+    return entry_at(self.stack, self.position(layer))
+
+  def __len__(self) -> int:
+    return self.num_layers
+
+  def with_stack(self, stack) -> "LayerEntries":
+    return dataclasses.replace(self, stack=stack)
+
+
+def entry_at(stack, position):
+  """The entry at `position` (an int or a traced int32 scalar) of a stack (array or QArray)."""
+  return jax.tree.map(
+    lambda a: jax.lax.dynamic_index_in_dim(a, position, axis=0, keepdims=False), stack
+  )
+
+
+def put_entry(stack, entry, position):
+  """`stack` with its entry at `position` replaced by `entry` (a whole layer's entry)."""
+  return jax.tree.map(
+    lambda s, e: jax.lax.dynamic_update_index_in_dim(s, e.astype(s.dtype), position, axis=0),
+    stack,
+    entry,
+  )
+
+
+@functools.partial(
   jax.tree_util.register_dataclass,
   data_fields=["k", "v", "valid", "index", "conv", "recurrent"],
   meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  """Per-layer K and V, [B, L, Hkv, Dh] arrays or `fp4.QArray`s of that shape.
+  """Per-layer K and V, [B, L, Hkv, Dh] arrays or `fp4.QArray`s of that shape, each field
+  a `LayerEntries` (one stack over the layers that have it, read per layer like a tuple).
 
   Attributes:
-    k: tuple over layers (None at linear-attention layers).
-    v: tuple over layers (None at linear-attention layers).
+    k: by layer (None at linear-attention layers): the stack [n_attention, B, L, Hkv, Dh].
+    v: as k.
     valid: bool [B, L]: the slot holds a real token.
     index: int32 scalar: the next slot to write.
-    conv: tuple over layers: conv state [B, K-1, conv_dim] at linear-attention layers, else
-      None; () for a model without them.
-    recurrent: tuple over layers: float32 [B, Hv, Dk, Dv] delta-rule state at
-      linear-attention layers, else None; ().
+    conv: by layer: conv state [B, K-1, conv_dim] at linear-attention layers, else None;
+      () for a model without them.
+    recurrent: by layer: float32 [B, Hv, Dk, Dv] delta-rule state at linear-attention
+      layers, else None; ().
   """
 
-  k: tuple
-  v: tuple
+  k: LayerEntries
+  v: LayerEntries
   valid: jax.Array
   index: jax.Array
-  conv: tuple = ()
-  recurrent: tuple = ()
+  conv: LayerEntries | tuple = ()
+  recurrent: LayerEntries | tuple = ()
 
   @property
   def max_len(self) -> int:
@@ -56,7 +115,7 @@ class KVCache:
 
   @property
   def quantized(self) -> bool:
-    return any(isinstance(k, fp4.QArray) for k in self.k if k is not None)
+    return isinstance(self.k.stack, fp4.QArray)
 
   def bytes_per_token(self) -> float:
     """Bytes of K and V stored per token (all layers), including scales."""
@@ -84,7 +143,9 @@ def init_cache(
   dtype = cfg.compute_dtype if dtype is None else dtype
   if batch <= 0 or max_len <= 0:
     raise ValueError(f"init_cache needs batch > 0 and max_len > 0; got {batch}, {max_len}")
-  shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  linear = cfg.linear_layers
+  attention = tuple(i for i in range(cfg.num_layers) if i not in linear)
+  shape = (len(attention), batch, max_len, cfg.num_kv_heads, cfg.head_dim)
 
   def entry(site):
     if quant is not None and quant.quantizes(site):
@@ -102,28 +163,23 @@ def init_cache(
       )
     return jnp.zeros(shape, dtype)
 
-  linear = cfg.linear_layers
+  by_layer = lambda stack, layers: LayerEntries(stack, layers, cfg.num_layers)  # noqa: E731
   conv = recurrent = ()
   if linear:
+    linear = tuple(sorted(linear))
     conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
       cfg.linear_num_value_heads * cfg.linear_value_head_dim
     )
-    conv = tuple(
-      jnp.zeros((batch, cfg.linear_conv_kernel - 1, conv_dim), dtype) if i in linear else None
-      for i in range(cfg.num_layers)
-    )
-    recurrent = tuple(
-      jnp.zeros(
-        (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
-        jnp.float32,
-      )
-      if i in linear
-      else None
-      for i in range(cfg.num_layers)
+    n = len(linear)
+    conv = by_layer(jnp.zeros((n, batch, cfg.linear_conv_kernel - 1, conv_dim), dtype), linear)
+    heads = cfg.linear_num_value_heads
+    recurrent = by_layer(
+      jnp.zeros((n, batch, heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), jnp.float32),
+      linear,
     )
   return KVCache(
-    k=tuple(None if i in linear else entry("k") for i in range(cfg.num_layers)),
-    v=tuple(None if i in linear else entry("v") for i in range(cfg.num_layers)),
+    k=by_layer(entry("k"), attention),
+    v=by_layer(entry("v"), attention),
     valid=jnp.zeros((batch, max_len), bool),
     index=jnp.zeros((), jnp.int32),
     conv=conv,
@@ -140,8 +196,9 @@ def blank_like(entry):
   return jnp.zeros_like(entry)
 
 
-def write_slots(entry, new, index: jax.Array, keep: jax.Array | None = None):
-  """Write `new` ([B, T, ...] array or QArray) into slots [index, index + T) of `entry`.
+def write_slots(stack, new, index: jax.Array, position, keep: jax.Array | None = None):
+  """Write `new` ([B, T, ...] array or QArray) into slots [index, index + T) of the entry
+  at `position` of `stack` (a `LayerEntries.stack`), in place of those slots only.
 
   `keep` (bool scalar): False writes blank slots (`blank_like`) instead: a chunk with no
   valid token (a decode step after every sequence stopped, `rollout`'s stop-check interval)
@@ -149,11 +206,12 @@ def write_slots(entry, new, index: jax.Array, keep: jax.Array | None = None):
   """
   if keep is not None:
     new = jax.tree.map(lambda n, z: jnp.where(keep, n, z), new, blank_like(new))
-  return jax.tree.map(
-    lambda old, n: jax.lax.dynamic_update_slice_in_dim(old, n.astype(old.dtype), index, axis=1),
-    entry,
-    new,
-  )
+
+  def write(old, n):
+    at = (position, jnp.zeros((), jnp.int32), index) + (jnp.zeros((), jnp.int32),) * (n.ndim - 2)
+    return jax.lax.dynamic_update_slice(old, n.astype(old.dtype)[None], at)
+
+  return jax.tree.map(write, stack, new)
 
 
 def read(entry, dtype) -> jax.Array:

@@ -231,28 +231,30 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, axis: int = 0) -> NamedSharding:
 
 
 def cache_specs(cache, mesh: Mesh):
-  """PartitionSpecs of a `KVCache` (or its eval_shape): K/V [B, L, Hkv, Dh] (packed or
-  not) batch over "data" and KV heads over "model" where it divides them; the Gated
-  DeltaNet recurrent state [B, Hv, Dk, Dv] value heads over "model" likewise; conv state,
-  valid mask batch over "data"; the write index replicated."""
+  """PartitionSpecs of a `KVCache` (or its eval_shape), whose fields stack their layers
+  along a leading axis (replicated): K/V [N, B, L, Hkv, Dh] (packed or not) batch over
+  "data" and KV heads over "model" where it divides them; the Gated DeltaNet recurrent
+  state [N, B, Hv, Dk, Dv] value heads over "model" likewise; conv state and the valid mask
+  batch over "data"; the write index replicated."""
   model = _axis_size(mesh, "model")
 
   def kv(leaf):
-    heads = "model" if leaf.shape[2] % model == 0 else None
-    return _checked(("data", None, heads), leaf.shape, mesh, "KV cache")
+    heads = "model" if leaf.shape[3] % model == 0 else None
+    return _checked((None, "data", None, heads), leaf.shape, mesh, "KV cache")
 
   def recurrent(leaf):
-    heads = "model" if leaf.shape[1] % model == 0 else None
-    return _checked(("data", heads), leaf.shape, mesh, "recurrent state")
+    heads = "model" if leaf.shape[2] % model == 0 else None
+    return _checked((None, "data", heads), leaf.shape, mesh, "recurrent state")
 
-  batch = lambda leaf: _checked(("data",), leaf.shape, mesh, "cache")
+  batch = lambda leaf: _checked(("data",), leaf.shape, mesh, "cache")  # noqa: E731
+  stacked = lambda leaf: _checked((None, "data"), leaf.shape, mesh, "cache")  # noqa: E731
   return dataclasses.replace(
     cache,
     k=jax.tree.map(kv, cache.k),
     v=jax.tree.map(kv, cache.v),
     valid=batch(cache.valid),
     index=P(),
-    conv=jax.tree.map(batch, cache.conv),
+    conv=jax.tree.map(stacked, cache.conv),
     recurrent=jax.tree.map(recurrent, cache.recurrent),
   )
 

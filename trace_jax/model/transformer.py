@@ -29,7 +29,7 @@ from flax import nnx, struct
 
 from trace_jax.guidance import Guidance
 from trace_jax.model.attention import Attention
-from trace_jax.model.cache import KVCache
+from trace_jax.model.cache import KVCache, entry_at, put_entry
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.deltanet import GatedDeltaNet
 from trace_jax.model.layers import LayerInputs, RMSNorm, rope_tables
@@ -173,26 +173,57 @@ def _layer_signature(block: Block, sq: SiteQuantizer):
   )
 
 
+def _cached_block(
+  block: Block, x, inputs: LayerInputs, sq: SiteQuantizer, stacks, position, routing
+):
+  """`block` over the cache: `stacks` {"k", "v", "conv", "recurrent"} are the cache's
+  `LayerEntries` stacks and `position` the block's place in the stacks of its kind (an int,
+  or traced in a scan over layers). Attention writes its new slots into the K and V stacks;
+  a Gated DeltaNet layer's whole state is replaced. Returns (x, stacks, RouterStats or None)."""
+  if block.linear:
+    state = (entry_at(stacks["conv"], position), entry_at(stacks["recurrent"], position))
+    x, (conv, recurrent), stats = block(x, inputs, sq=sq, cache=state, routing=routing)
+    stacks = dict(
+      stacks,
+      conv=put_entry(stacks["conv"], conv, position),
+      recurrent=put_entry(stacks["recurrent"], recurrent, position),
+    )
+  else:
+    cache = (stacks["k"], stacks["v"], position)
+    x, (k, v), stats = block(x, inputs, sq=sq, cache=cache, routing=routing)
+    stacks = dict(stacks, k=k, v=v)
+  return x, stacks, stats
+
+
 def _scanned_layer(graphdef, sq: SiteQuantizer, inputs: LayerInputs, remat: bool):
   """One layer of a scan step as a pure function of its stacked slices:
-  (state, x, layer_id, routing, guidance) -> (x, RouterStats or None, {path: sown}).
+  (state, x, layer_id, routing, guidance, stacks, position) -> (x, RouterStats or None,
+  {path: sown}, stacks).
 
   The block is rebuilt from `graphdef` (the pattern's template layer, whose static facts
   every layer of the run shares) and its slice of the parameters; `sq` is relabelled so
-  that its guidance is this layer's and its stochastic keys fold the real layer id. Under
-  `remat` the function is rematerialised (jax.checkpoint) per layer."""
+  that its guidance is this layer's and its stochastic keys fold the real layer id. With a
+  cache, `stacks` are the cache's stacks (the scan's carry) and `position` the layer's
+  place in them (`_cached_block`); without one both are None. Under `remat` the function
+  is rematerialised (jax.checkpoint) per layer."""
 
-  def call(state, x, layer_id, routing, guidance):
+  def call(state, x, layer_id, routing, guidance, stacks, position):
     block = nnx.merge(graphdef, state)
     layer_sq = sq.relabelled(block.layer, layer_id, guidance)
-    run = lambda blk, x: blk(x, inputs, sq=layer_sq, routing=routing)
+
+    def run(blk, x, stacks):
+      if stacks is None:
+        x, _, stats = blk(x, inputs, sq=layer_sq, routing=routing)
+        return x, stacks, stats
+      return _cached_block(blk, x, inputs, layer_sq, stacks, position, routing)
+
     if not layer_sq.records(block.layer):
-      x, _, stats = run(block, x)
-      return x, stats, {}
-    (x, _, stats), sown = nnx.capture(run, nnx.Intermediate)(block, x)
+      x, stacks, stats = run(block, x, stacks)
+      return x, stats, {}, stacks
+    (x, stacks, stats), sown = nnx.capture(run, nnx.Intermediate)(block, x, stacks)
     flat = nnx.to_flat_state(sown)
     values = {tuple(path): v.get_value() if hasattr(v, "get_value") else v for path, v in flat}
-    return x, stats, values
+    return x, stats, values, stacks
 
   return jax.checkpoint(call) if remat else call
 
@@ -276,19 +307,23 @@ class Transformer(nnx.Module):
       out = out.replace(site_inputs=site_record_field(records, scanned, "input"))
     return out
 
-  def _layer_groups(self, sq: SiteQuantizer, cache) -> list[LayerGroup]:
+  def _layer_groups(self, sq: SiteQuantizer) -> list[LayerGroup]:
     """The forward's layers, cut into scanned runs of alike layers (`scan.layer_groups`)
-    where `cfg.scan_layers` holds and the call has no cache, else one group per layer."""
-    if not self.cfg.scan_layers or cache is not None:
+    where `cfg.scan_layers` holds, else one group per layer."""
+    if not self.cfg.scan_layers:
       return [LayerGroup(i, 1, 1) for i in range(self.cfg.num_layers)]
     return layer_groups([_layer_signature(block, sq) for block in self.blocks])
 
-  def _scan_group(self, group: LayerGroup, x, inputs, sq, routing, moe_index, skew, positions):
+  def _scan_group(
+    self, group: LayerGroup, x, inputs, sq, routing, moe_index, skew, positions, cache
+  ):
     """Layers of `group` under one `jax.lax.scan` over its repeats: each step runs the
     pattern's layers once, from their parameters stacked by repeat (and their routing to
     replay, guidance and layer ids). What the layers sow stays stacked by layer: one
-    `ScannedSiteRecord` per site and pattern layer, sown on the transformer. Returns
-    (x, [(layers, stats stacked by layer)])."""
+    `ScannedSiteRecord` per site and pattern layer, sown on the transformer. `cache`:
+    (stacks, {layer: position in its stacks}) or None; the stacks are the scan's carry.
+    Returns (x, [(layers, stats stacked by layer)], stacks)."""
+    stacks, places = (None, None) if cache is None else cache
     templates = [self.blocks[group.start + j] for j in range(group.period)]
     calls, xs = [], []
     for j, template in enumerate(templates):
@@ -302,19 +337,22 @@ class Transformer(nnx.Module):
         for (at, site) in sq.guidance
         if at == template.layer
       }
-      calls.append(_scanned_layer(nnx.graphdef(template), sq, inputs, self.cfg.remat))
-      xs.append((state, jnp.asarray(layers, jnp.int32), layer_routing, guide))
+      place = None if places is None else jnp.asarray([places[i] for i in layers], jnp.int32)
+      remat = self.cfg.remat and stacks is None  # (a rollout has no backward pass)
+      calls.append(_scanned_layer(nnx.graphdef(template), sq, inputs, remat))
+      xs.append((state, jnp.asarray(layers, jnp.int32), layer_routing, guide, place))
 
-    def step(x, xs):
+    def step(carry, xs):
+      x, stacks = carry
       outs = []
-      for call, (state, layer_id, layer_routing, guide) in zip(calls, xs):
-        x, stats, sown = call(state, x, layer_id, layer_routing, guide)
+      for call, (state, layer_id, layer_routing, guide, place) in zip(calls, xs):
+        x, stats, sown, stacks = call(state, x, layer_id, layer_routing, guide, stacks, place)
         if skew is not None:
           x = skew.apply(x, positions, layer_id)
         outs.append((stats, sown))
-      return x, outs
+      return (x, stacks), outs
 
-    x, outs = jax.lax.scan(step, x, xs)
+    (x, stacks), outs = jax.lax.scan(step, (x, stacks), xs)
     stats_parts = []
     for j, (stats, sown) in enumerate(outs):
       layers = group.layers(j)
@@ -323,7 +361,7 @@ class Transformer(nnx.Module):
       for path, items in sown.items():
         for item in items:  # a site's records stay stacked by layer (`ByLayer` joins them)
           self.sow(nnx.Intermediate, "scanned_sites", ScannedSiteRecord(item, layers, path[-1]))
-    return x, stats_parts
+    return x, stats_parts, stacks
 
   def _forward(
     self, tokens, positions, mask, cache, quant, guidance, options, skew=None
@@ -368,12 +406,22 @@ class Transformer(nnx.Module):
     inputs = LayerInputs(cos=cos, sin=sin, attn_mask=attn_mask, valid=mask, start=start)
 
     x = embed_tokens(self.embed.get_value(), tokens).astype(dtype)
-    new_k, new_v, new_conv, new_recurrent = [], [], [], []
+    stacks = places = None
+    if cache is not None:  # the cache's stacks, threaded through the layers
+      fields = ("k", "v", "conv", "recurrent")
+      entries = {name: getattr(cache, name) for name in fields}
+      stacks = {name: getattr(e, "stack", None) for name, e in entries.items()}
+      places = {
+        layer: i for e in (entries["k"], entries["conv"]) if e for i, layer in enumerate(e.layers)
+      }
     moe_stats = []  # (layers, RouterStats stacked by layer)
     moe_index = {layer: i for i, layer in enumerate(cfg.moe_layers)}
-    for group in self._layer_groups(sq, cache):
+    for group in self._layer_groups(sq):
       if group.scanned:
-        x, stats = self._scan_group(group, x, inputs, sq, routing, moe_index, skew, positions)
+        x, stats, stacks = self._scan_group(
+          group, x, inputs, sq, routing, moe_index, skew, positions,
+          None if cache is None else (stacks, places),
+        )  # fmt: skip
         moe_stats += stats
         continue
       block = self.blocks[group.start]
@@ -382,22 +430,13 @@ class Transformer(nnx.Module):
       if routing is not None and block.moe is not None:
         layer_routing = routing[moe_index[i]]
       if cache is None and cfg.remat:
-        x, entries, stats = _rematerialized(block, sq)(x, inputs, routing=layer_routing)
+        x, _, stats = _rematerialized(block, sq)(x, inputs, routing=layer_routing)
       elif cache is None:
-        x, entries, stats = block(x, inputs, sq=sq, routing=layer_routing)
+        x, _, stats = block(x, inputs, sq=sq, routing=layer_routing)
       else:
-        layer_cache = (
-          (cache.conv[i], cache.recurrent[i]) if block.linear else (cache.k[i], cache.v[i])
-        )
-        x, entries, stats = block(x, inputs, sq=sq, cache=layer_cache, routing=layer_routing)
+        x, stacks, stats = _cached_block(block, x, inputs, sq, stacks, places[i], layer_routing)
       if skew is not None:  # static: without a skew the program has no multiply
         x = skew.apply(x, positions, i)
-      if entries is not None:
-        kv, states = ((None, None), entries) if block.linear else (entries, (None, None))
-        new_k.append(kv[0])
-        new_v.append(kv[1])
-        new_conv.append(states[0])
-        new_recurrent.append(states[1])
       if stats is not None:
         moe_stats.append(((i,), jax.tree.map(lambda a: a[None], stats)))
     # Final norm and LM head in float32: the log-probabilities RL needs are read here.
@@ -416,14 +455,16 @@ class Transformer(nnx.Module):
       router_load = jnp.zeros((0, cfg.num_experts), jnp.float32)
     new_cache = None
     if cache is not None:
-      hybrid = bool(cfg.linear_layers)
+      held = lambda name: (  # noqa: E731
+        entries[name].with_stack(stacks[name]) if entries[name] else entries[name]
+      )
       new_cache = KVCache(
-        k=tuple(new_k),
-        v=tuple(new_v),
+        k=held("k"),
+        v=held("v"),
         valid=valid_cache,
         index=start + t,
-        conv=tuple(new_conv) if hybrid else (),
-        recurrent=tuple(new_recurrent) if hybrid else (),
+        conv=held("conv"),
+        recurrent=held("recurrent"),
       )
     return ModelOutput(
       logits=logits, routing=routing_out, lb_loss=lb_loss, router_load=router_load, cache=new_cache

@@ -31,6 +31,7 @@ from trace_jax import guidance as guidance_lib
 from trace_jax.model.cache import init_cache
 from trace_jax.model import sharding as sharding_lib
 from trace_jax.model.quant import CallOptions, Recording, resolve_layers
+from trace_jax.model.sites import ByLayer
 from trace_jax.rollout.config import RolloutConfig
 from trace_jax.rollout.sampling import sample
 from trace_jax.rollout.trajectories import FINISH_LENGTH, FINISH_RUNNING, FINISH_STOP, Rollout
@@ -135,10 +136,16 @@ class Statics:
 
 def _captured(out, st: Statics):
   """(guidance site entries, routing, inputs) of one forward's `ModelOutput`: the guided
-  layers' records, already in the guidance's stored form."""
+  layers' records, already in the guidance's stored form, {(layer, site): [B, C, ...]}
+  (the records of layers that ran under a scan cut out of their stacks: a chunk's are
+  small, and the rollout's guidance keeps one buffer per layer and site)."""
   routing = out.routing.astype(st.routing_dtype) if st.config.record_routing else None
-  inputs = out.site_inputs if st.capture_inputs else None
-  return out.sites, routing, inputs
+  inputs = _per_layer(out.site_inputs) if st.capture_inputs else None
+  return _per_layer(out.sites), routing, inputs
+
+
+def _per_layer(records):
+  return records.unstack() if isinstance(records, ByLayer) else records
 
 
 _MASKS = {"prompt": "prompt_mask", "env": "env_mask", "response": "response_mask"}
