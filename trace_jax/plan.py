@@ -70,8 +70,9 @@ on mesh 8 x 8 x 1, batch 256, context 8192, micro-batch 8, remat off, 48 layers)
   (`layers.ragged_matmul`: f32 [2176 tiles, 768, 2048], 12.75 GiB, five such live with their
   bf16 copies) and the attention scores over every cache slot in float32 (f32 [32, 4, 8, 1024,
   4096], 16 GiB, two live, at 1 layer, mesh 2 x 4 x 1, 64 prompts of 1024 tokens). With the
-  prompt fed `RolloutConfig.prefill_chunk` (128) slots at a time they are 62.4 GB at full size
-  (103.6 GB with 256-slot chunks) and the rollout's phase peak, 120.5 GB, fits an H200; the
+  prompt fed `RolloutConfig.prefill_chunk` (128) slots at a time they are 48.7 GB at full size
+  with the layers under the scan (62.4 GB unrolled; 103.6 GB with 256-slot chunks, unrolled)
+  and the rollout's phase peak, 106.8 GB, fits an H200; the
   engine computes the LM head at the prompt's last slot only (`CallOptions.last_logits`), so no
   [B, T, V] float32 logits;
 - with remat the update's temporaries stay near the no-remat figure on XLA:CPU (8 layers:
