@@ -1,6 +1,6 @@
 """The MoE policy model (Flax NNX) with FP4 quantization sites, KV cache, HF import, sharding."""
 
-from trace_jax.model.cache import KVCache, init_cache
+from trace_jax.model.cache import KVCache, LayerEntries, init_cache
 from trace_jax.model.config import (
   PRESETS,
   ModelConfig,
