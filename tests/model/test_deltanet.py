@@ -12,6 +12,7 @@ from flax import nnx
 
 from trace_jax import model as M
 from trace_jax.model import deltanet
+from trace_jax.model.config import hybrid_layer_types
 
 
 def _inputs(seed, b=2, t=13, h=3, dk=8, dv=5):
@@ -159,3 +160,28 @@ def test_prefill_then_decode_equals_full_forward(fp4):
     np.asarray(incremental)[valid], np.asarray(full)[valid], atol=2e-4 if fp4 else 2e-5
   )
   assert int(cache.index) == prompt_len + steps
+
+
+def test_cache_fields_read_per_layer_from_their_stacks():
+  """Each cache field is one stack over the layers of its kind (`LayerEntries`) that reads
+  like a tuple over every layer: entry i is layer i's slice, None at a layer of the other
+  kind, negative indices count from the end, and reading past the depth is an IndexError."""
+  cfg = M.qwen3_5_tiny(num_layers=8, layer_types=hybrid_layer_types(8))
+  linear = sorted(cfg.linear_layers)
+  attention = [i for i in range(cfg.num_layers) if i not in linear]
+  cache = M.init_cache(cfg, 2, 16, M.QuantConfig())
+  rng = np.random.default_rng()
+  stack = rng.standard_normal(cache.recurrent.stack.shape).astype(np.float32)
+  recurrent = cache.recurrent.with_stack(jnp.asarray(stack))
+  assert cache.k.layers == tuple(attention) and recurrent.layers == tuple(linear)
+  assert len(cache.k) == len(recurrent) == cfg.num_layers
+  for layer in range(cfg.num_layers):
+    assert (cache.k[layer] is None) == (layer in linear) == (recurrent[layer] is not None)
+    if layer in linear:
+      np.testing.assert_array_equal(recurrent[layer], stack[linear.index(layer)])
+    else:
+      assert cache.k[layer].packed.shape == (2, 16, cfg.num_kv_heads, cfg.head_dim // 2)
+  np.testing.assert_array_equal(recurrent[linear[-1] - cfg.num_layers], stack[-1])
+  assert [e is None for e in cache.v] == [i in linear for i in range(cfg.num_layers)]
+  with pytest.raises(IndexError):
+    cache.k[cfg.num_layers]
