@@ -242,6 +242,19 @@ def test_one_layer_decode_step_at_batch_1_over_32k():
   ]
 
 
+def test_a_scanned_decode_step_holds_one_layer_of_kernels():
+  """Four Qwen3-30B-A3B layers under the scan: the FP4 decode step lowers for CUDA with the
+  one layer's kernels once (the cache write and attention reading the layer's entry of the
+  cache's stacks at the scan's traced position), not once per layer."""
+  cfg = M.get_preset("qwen3_30b_a3b", num_layers=4)
+  assert cfg.scan_layers
+  step = lower_decode_step(cfg, 4, 257, precision="fp4", kernels="pallas")
+  one = lower_decode_step(cfg.replace(num_layers=1), 4, 257, precision="fp4", kernels="pallas")
+  names = lambda lowered: sorted(c.name for c in cuda_lowering.triton_calls(lowered))  # noqa: E731
+  assert "fp4_write_kv" in names(one) and "decode_attention" in names(one)
+  assert names(step) == names(one)
+
+
 @pytest.mark.slow  # ~30 s: the two other shapes of the issue, FP4 and bf16 layers
 @pytest.mark.parametrize("batch, length", SHAPES[1:])
 def test_one_layer_decode_step_at_the_other_shapes(batch, length):
