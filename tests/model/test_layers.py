@@ -63,6 +63,51 @@ def test_ragged_matmul_bf16_rounds_the_float32_sum():
   assert np.all(np.abs(np.asarray(got, np.float32) - want) <= step + 1e-4)
 
 
+def test_ragged_matmul_blocks_each_multiply_their_own_rows():
+  """lhs [blocks, R, in] with group sizes [blocks, G]: each block is ragged_dot of its own
+  rows against the shared weights, at the default tile and at one tile per group (the
+  weights gathered about twice); its gradients likewise."""
+  rng = np.random.default_rng()
+  rows, width, out, groups = 200, 32, 24, 6
+  cases = [_case(rng, rows, width, out, groups, jnp.float32, fill) for fill in (1.0, 0.7, 0.9)]
+  lhs = jnp.stack([c[0] for c in cases])
+  w = cases[0][1]
+  sizes = jnp.stack([c[2] for c in cases])
+  want = jnp.stack([_reference(a, w, n) for a, n in zip(lhs, sizes)])
+  for tile in (None, tile_rows(rows, groups, tiles_per_group=1)):
+    fn = lambda a, b, n, tile=tile: ragged_matmul(a, b, n, tile=tile)  # noqa: E731
+    got = jax.jit(fn)(lhs, w, sizes)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(tile))
+    for block, n in enumerate(np.asarray(sizes)):
+      assert np.all(np.asarray(got[block])[int(n.sum()) :] == 0)
+  probe = jnp.asarray(rng.standard_normal(want.shape), jnp.float32)
+  tile = tile_rows(rows, groups, tiles_per_group=1)
+  got_grads = jax.jit(
+    jax.grad(lambda a, b: jnp.sum(ragged_matmul(a, b, sizes, tile=tile) * probe), (0, 1))
+  )(lhs, w)
+  reference = lambda a, b: jnp.stack([_reference(x, b, n) for x, n in zip(a, sizes)])  # noqa: E731
+  want_grads = jax.grad(lambda a, b: jnp.sum(reference(a, b) * probe), (0, 1))(lhs, w)
+  for g, r in zip(got_grads, want_grads):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
+
+def test_tile_rows_per_group():
+  """`tiles_per_group`: the tile is the power of two in [8, 256] at or just above rows /
+  (tiles_per_group x groups), so the tiles number at most (tiles_per_group + 1) x groups."""
+  rng = np.random.default_rng()
+  for _ in range(50):
+    rows, groups, per = (
+      int(rng.integers(1, 200_000)),
+      int(rng.integers(1, 200)),
+      int(rng.integers(1, 9)),
+    )
+    tile = tile_rows(rows, groups, tiles_per_group=per)
+    assert tile in (8, 16, 32, 64, 128, 256)
+    assert tile == 8 or (tile // 2) * per * groups < rows, (rows, groups, per, tile)
+    if tile < 256:
+      assert -(-rows // tile) + groups <= (per + 1) * groups, (rows, groups, per, tile)
+
+
 def test_tile_rows_keeps_padding_small():
   """Tiles are powers of two from 8 to 256, at most one tile of padding per group, which is
   at most ~1/8 of the rows once there are enough rows to tile."""

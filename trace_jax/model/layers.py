@@ -3,6 +3,8 @@ of a forward's token layout (`LayerInputs`)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -82,10 +84,13 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   return y.astype(x.dtype)
 
 
-def ragged_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def ragged_matmul(
+  lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int | None = None
+) -> jax.Array:
   """Rows of lhs [R, in] sorted by group @ w [groups, in, out]: `jax.lax.ragged_dot`'s
   function (rows past sum(group_sizes) give zeros), float32 accumulation, returned in lhs's
-  dtype.
+  dtype. Batched: lhs [blocks, R, in] with group_sizes [blocks, groups], each block its own
+  rows against the same weights.
 
   XLA lowers ragged_dot densely on CPU and GPU: every row against every group's weights,
   one dot with G times the work (8x on `small`, 128x on Qwen3-30B-A3B), and its gradients
@@ -94,10 +99,19 @@ def ragged_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.A
   weights: about R + G * tile rows of work, its gradients the same. The products are the
   same and each output sums over `in` only, so the result matches ragged_dot's up to the
   order of the float32 sum (tests/model/test_layers.py compares them).
+
+  The tiles' weights are gathered, [tiles, in, out]: `tile` (default `tile_rows(R, groups)`,
+  about 9 tiles per group) trades that gather against the padded rows.
   """
+  if lhs.ndim == 3:
+    tiled = functools.partial(_tiled_matmul, tile=tile or tile_rows(lhs.shape[1], w.shape[0]))
+    return jax.vmap(tiled, in_axes=(0, None, 0))(lhs, w, group_sizes)
+  return _tiled_matmul(lhs, w, group_sizes, tile=tile or tile_rows(lhs.shape[0], w.shape[0]))
+
+
+def _tiled_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int):
   rows, width = lhs.shape
   groups, _, out = w.shape
-  tile = tile_rows(rows, groups)
   tiles = -(-rows // tile) + groups  # sum over groups of ceil(size / tile) is at most this
   sizes = group_sizes.astype(jnp.int32)
   ends = jnp.cumsum(sizes)
@@ -126,11 +140,13 @@ def ragged_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.A
   return y.astype(lhs.dtype)
 
 
-def tile_rows(rows: int, groups: int) -> int:
-  """`ragged_matmul`'s tile height: a power of two from 8 to 256, about rows / (8 groups),
-  so the padding (up to a tile per group) stays near 1/8 of the rows and the tiles large."""
+def tile_rows(rows: int, groups: int, tiles_per_group: int = 8) -> int:
+  """`ragged_matmul`'s tile height: a power of two from 8 to 256, about rows /
+  (`tiles_per_group` x groups). At 8 the padding (up to a tile per group) stays near 1/8 of
+  the rows and the tiles large; the weights gathered per tile are then about 9 copies of
+  every group's. At 1 they are about 2 copies, for up to twice the rows of work."""
   tile = 8
-  while tile < 256 and tile * 8 * groups < rows:
+  while tile < 256 and tile * tiles_per_group * groups < rows:
     tile *= 2
   return tile
 

@@ -18,7 +18,7 @@ from flax import nnx, struct
 from trace_jax import kernels
 from trace_jax.kernels import layout as kernel_layout
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.layers import matmul, swiglu
+from trace_jax.model.layers import matmul, swiglu, tile_rows
 from trace_jax.model.parameters import normal_param
 from trace_jax.model.quantizer import SiteQuantizer
 from trace_jax.model.sites import MLP_IN, MLP_MID, MOE_IN, MOE_MID, SHARED_MID, Site, sow_site
@@ -256,25 +256,42 @@ class MoE(nnx.Module):
 
   def _grouped(self, xq, experts, *, layer: int, sq: SiteQuantizer, tokens_shape):
     """Sorted-by-expert dispatch (`layers.ragged_matmul`): xq [N, d], experts int32 [N, k], N the
-    B * T tokens of `tokens_shape`. Returns y [N, k, d] in (token, slot) order."""
+    B * T tokens of `tokens_shape`. Returns y [N, k, d] in (token, slot) order.
+
+    With `sq.moe_blocks` > 1 dividing B, the sequences are cut into that many equal blocks
+    and each block sorts and multiplies its own rows: on a mesh whose "data" axis splits the
+    batch into those blocks, each shard dispatches its own tokens (one sort over the whole
+    batch would make every device sort, gather and multiply every shard's rows). A block's
+    tiles are about one per expert (`tile_rows(..., tiles_per_group=1)`): the tiles' gathered
+    weights, not the products, bound a block's memory. Each row's product is the same."""
     w_gate, w_up, w_down = self._weights()
     n, k = experts.shape
     num_experts = w_gate.shape[0]
-    flat = experts.reshape(-1)  # [N * k], row r = token r // k, slot r % k
-    order = jnp.argsort(flat, stable=True)
-    inverse = jnp.argsort(order)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    xs = xq[order // k]  # [N * k, d], grouped by expert
+    blocks = sq.moe_blocks if tokens_shape[0] % sq.moe_blocks == 0 else 1
+    lead, tile = (), None
+    if blocks > 1:
+      lead = (blocks,)
+      tile = tile_rows(n * k // blocks, num_experts, tiles_per_group=1)
+    flat = experts.reshape(*lead, -1)  # [(blocks,) N * k / blocks], row r: token r // k, slot r % k
+    order = jnp.argsort(flat, axis=-1, stable=True)
+    inverse = jnp.argsort(order, axis=-1)
+    count = lambda f: jnp.bincount(f, length=num_experts)  # noqa: E731
+    group_sizes = (jax.vmap(count)(flat) if lead else count(flat)).astype(jnp.int32)
 
-    def gmm(lhs, rhs):
-      return sq.ragged_dot(lhs, rhs, group_sizes)
+    def take(a, rows):  # a [(blocks,) R, f] at rows [(blocks,) R] of each block
+      return jnp.take_along_axis(a, rows[..., None], axis=-2) if lead else a[rows]
+
+    xs = take(xq.reshape(*lead, -1, xq.shape[-1]), order // k)  # grouped by expert
 
     # Gate and up of each expert share one global scale (served as one fused gate_up_proj).
-    h = swiglu(*sq.ragged_dots(xs, (w_gate, w_up), group_sizes))  # [N * k, f], sorted
+    h = swiglu(*sq.ragged_dots(xs, (w_gate, w_up), group_sizes, tile=tile))  # sorted
     # Quantize in (token, slot) order so recorded and given guidance line up with tokens.
-    h = h[inverse].reshape(*tokens_shape, k, -1)
-    h = sow_site(self, sq, h, layer=layer, site=MOE_MID).reshape(n * k, -1)[order]
-    return gmm(h, w_down)[inverse].reshape(n, k, -1)
+    h = take(h, inverse).reshape(*tokens_shape, k, -1)
+    h = take(
+      sow_site(self, sq, h, layer=layer, site=MOE_MID).reshape(*lead, -1, h.shape[-1]), order
+    )
+    y = sq.ragged_dot(h, w_down, group_sizes, tile=tile)
+    return take(y, inverse).reshape(n, k, -1)
 
   def _dense(self, xq, experts, *, layer: int, sq: SiteQuantizer, tokens_shape):
     """Every expert on every token (reference; arguments as `_grouped`). Returns y [N, k, d]."""

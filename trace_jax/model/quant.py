@@ -313,10 +313,17 @@ class CallOptions:
   recording: Recording = Recording()  # what the call records of its sites (ModelOutput.sites)
   compute_dtype: str | None = None  # activations' dtype; None: the model's (ModelConfig.dtype)
   last_logits: bool = False  # the LM head at each row's last slot only: logits [B, 1, V]
+  moe_blocks: int = 1  # the routed experts' rows sorted and multiplied within this many
+  #   equal blocks of whole sequences (a rollout on a mesh: one per "data" shard, so each
+  #   shard dispatches its own tokens); 1: one sort over the whole batch
 
   def __post_init__(self):
     if not isinstance(self.last_logits, bool):
       raise ValueError(f"CallOptions.last_logits must be a bool, got {self.last_logits!r}")
+    if isinstance(self.moe_blocks, bool) or not isinstance(self.moe_blocks, int):
+      raise ValueError(f"CallOptions.moe_blocks must be an int >= 1, got {self.moe_blocks!r}")
+    if self.moe_blocks < 1:
+      raise ValueError(f"CallOptions.moe_blocks must be an int >= 1, got {self.moe_blocks}")
     kernels_lib.check_mode(self.kernels, "CallOptions.kernels", kernels_lib.IMPLEMENTATIONS)
     if not isinstance(self.recording, Recording):
       raise ValueError(

@@ -245,6 +245,7 @@ class SiteQuantizer:
     options = CallOptions() if options is None else options
     self.recording = options.recording
     self.kernels = options.kernels  # "pallas" or "xla"
+    self.moe_blocks = options.moe_blocks
     self.quant = quant if quant is not None and quant.enabled else None
     self.dtype = dtype
     self.guidance = dict(guidance or {})
@@ -417,10 +418,13 @@ class SiteQuantizer:
       return self._gemms(x, [w], quantize=None, record="none")[0][0]
     return layers.matmul(x, self.weight(w, group))
 
-  def ragged_dot(self, lhs: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
+  def ragged_dot(
+    self, lhs: jax.Array, w, group_sizes: jax.Array, *, tile: int | None = None
+  ) -> jax.Array:
     """Grouped matmul of rows sorted by expert with stacked routed-expert weights [E, in, out]
-    (XLA; the Pallas path of the routed experts is `kernels.moe_experts`, expert-major)."""
-    return layers.ragged_matmul(lhs, self.weight(w, "experts"), group_sizes)
+    (XLA, `layers.ragged_matmul`, its `tile`; the Pallas path of the routed experts is
+    `kernels.moe_experts`, expert-major)."""
+    return layers.ragged_matmul(lhs, self.weight(w, "experts"), group_sizes, tile=tile)
 
   def matmuls(self, x: jax.Array, ws: Sequence[Any], group: str) -> tuple[jax.Array, ...]:
     """`matmul` of one input with sibling weights of `group` that share one global scale."""
@@ -429,9 +433,9 @@ class SiteQuantizer:
     return tuple(layers.matmul(x, w) for w in self.weight_group(ws, group))
 
   def ragged_dots(
-    self, lhs: jax.Array, ws: Sequence[Any], group_sizes: jax.Array
+    self, lhs: jax.Array, ws: Sequence[Any], group_sizes: jax.Array, *, tile: int | None = None
   ) -> tuple[jax.Array, ...]:
     """`ragged_dot` of one input with sibling expert weights that share global scales."""
     return tuple(
-      layers.ragged_matmul(lhs, w, group_sizes) for w in self.weight_group(ws, "experts")
+      layers.ragged_matmul(lhs, w, group_sizes, tile=tile) for w in self.weight_group(ws, "experts")
     )

@@ -128,9 +128,13 @@ class Statics:
   @property
   def options(self) -> CallOptions:
     """How the model calls run: the kernels, what they record, the compute dtype (the
-    rollout's quantization is `config.quant`)."""
+    rollout's quantization is `config.quant`); on a mesh each "data" shard dispatches its
+    own sequences' tokens to the routed experts (`CallOptions.moe_blocks`)."""
     return CallOptions(
-      kernels=self.kernels, recording=self.recording, compute_dtype=self.config.compute_dtype
+      kernels=self.kernels,
+      recording=self.recording,
+      compute_dtype=self.config.compute_dtype,
+      moe_blocks=1 if self.mesh is None else int(self.mesh.shape["data"]),
     )
 
 
