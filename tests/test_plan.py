@@ -72,6 +72,19 @@ def test_qwen3_30b_rows_match_hand_derivation(qwen3_rows):
   widths += ((8, ffn),)
   records = layers * sum(full(r, w) for r, w in widths) + 24 * sum(r * w for r, w in widths)
   assert rows["training-path records"] == records * 2048
+  # The rollout's working set: a 128-slot prefill chunk of the 8 sequences per data shard,
+  # float32 attention scores over the 2048 slots for 32 query heads, twice; float32 expert
+  # weights gathered for 8 x 128 x 8 (token, slot) rows in tiles of 64 (one per expert, the
+  # power of two from 8 up to rows / experts), 128 + 128 tiles, gate, up and down; the
+  # layers' FP4 rollout weights once more (scanned), split over "expert" alone (8).
+  scores = 2 * 8 * 32 * 128 * 2048 * 4
+  tiles = 3 * (8 * 128 * 8 // 64 + experts) * d * ffn * 4
+  packed = lambda n, k: n * (k // 2 + k // 16)  # FP4 codes and E4M3 scales of n x k
+  expert_fp4 = 3 * experts * (packed(d, ffn) + 4)  # + a float32 global scale per expert
+  attn_fp4 = packed(d, 32 * head_dim + 2 * kv_heads * head_dim) + packed(32 * head_dim, d) + 16
+  layer_rest = (d * experts + 2 * d + 2 * head_dim) * 4  # float32 router and norms
+  stacked = layers * (expert_fp4 / 8 + attn_fp4 + layer_rest)
+  assert rows["rollout working set"] == scores + tiles + stacked
   # Remat keeps one d_model bf16 vector per token and layer instead of every residual.
   assert rows["activations (remat)"] < rows["activations (no remat)"] / 4
   assert rows["activations (remat)"] >= layers * 8 // 8 * 2048 * d * 2

@@ -29,10 +29,14 @@ are needed. Per device:
                      layers' sites, for one micro-batch; split like the activations. Not
                      small: Qwen3-30B-A3B, 2048 tokens per device, 1.6 GB beside 3.7 GB of
                      remat activations (4x the layers' saved inputs).
+  rollout working set  the rollout call's largest temporaries (`rollout_working_bytes`): a
+                     prefill chunk's float32 attention scores over every cache slot (twice),
+                     its routed experts' weights gathered per tile in float32 (gate, up and
+                     down), and a stacked copy of the scanned layers' FP4 rollout weights.
 
 A device fits if the larger phase, training (master + optimizer + gradients + rollout
 weights + guidance + activations + training-path records) or rollout (master + optimizer
-+ rollout weights + cache + guidance), stays under its memory.
++ rollout weights + cache + guidance + rollout working set), stays under its memory.
 
 Remat runs in the default job: its update records the training path's sites, and the
 records leave each rematerialised block as outputs (`transformer._rematerialized`).
@@ -70,11 +74,15 @@ on mesh 8 x 8 x 1, batch 256, context 8192, micro-batch 8, remat off, 48 layers)
   (`layers.ragged_matmul`: f32 [2176 tiles, 768, 2048], 12.75 GiB, five such live with their
   bf16 copies) and the attention scores over every cache slot in float32 (f32 [32, 4, 8, 1024,
   4096], 16 GiB, two live, at 1 layer, mesh 2 x 4 x 1, 64 prompts of 1024 tokens). With the
-  prompt fed `RolloutConfig.prefill_chunk` (128) slots at a time they are 48.7 GB at full size
-  with the layers under the scan (62.4 GB unrolled; 103.6 GB with 256-slot chunks, unrolled)
-  and the rollout's phase peak, 106.8 GB, fits an H200; the
-  engine computes the LM head at the prompt's last slot only (`CallOptions.last_logits`), so no
-  [B, T, V] float32 logits;
+  prompt fed `RolloutConfig.prefill_chunk` (128) slots at a time they were 48.7 GB at full size
+  with the layers under the scan (62.4 GB unrolled; 103.6 GB with 256-slot chunks, unrolled),
+  most of it the MoE's one sort over the whole batch (every device gathering weights for
+  the 1,152 tiles of all 256 prompts' rows); with each "data" shard dispatching its own
+  sequences (`CallOptions.moe_blocks`) they are 16.3 GB and the rollout's phase peak is 74.4
+  GB against the planner's 57.9 (1.28x): the chunk's float32 attention scores (4 GiB, two
+  live), the experts' tile weights (1.5 GiB per matrix, four live) and a stacked copy of the
+  scanned layers' FP4 expert weights, none of them planned; the engine computes the LM head
+  at the prompt's last slot only (`CallOptions.last_logits`), so no [B, T, V] float32 logits;
 - with remat the update's temporaries stay near the no-remat figure on XLA:CPU (8 layers:
   277 GB against 313 GB without, the planner's 43 GB), as above.
 """
@@ -95,7 +103,7 @@ from trace_jax import guidance as guidance_lib
 from trace_jax.model import sharding
 from trace_jax.model.cache import init_cache
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.layers import LayerInputs, rope_tables
+from trace_jax.model.layers import LayerInputs, rope_tables, tile_rows
 from trace_jax.model.quant import (
   CallOptions,
   QuantConfig,
@@ -105,6 +113,7 @@ from trace_jax.model.quant import (
 )
 from trace_jax.model.quantizer import SiteQuantizer
 from trace_jax.model.transformer import Block, Transformer, attention_mask
+from trace_jax.rollout.config import RolloutConfig
 from trace_jax.rollout.params import quantize_params
 from trace_jax.training.forward import token_logprobs
 from trace_jax.utils import flags
@@ -184,6 +193,11 @@ class PlanConfig:
     "whose two paths run FP4).",
   )
   device_gb: float = knob(H200_BYTES / GB, "Memory of one device, GB.")
+  prefill_chunk: int = knob(
+    RolloutConfig.prefill_chunk,
+    "Prompt slots per sequence the rollout's prefill feeds at once (RolloutConfig."
+    "prefill_chunk); 0: the whole context.",
+  )
 
   def __post_init__(self):
     check_run_scheme(self.fp4, "PlanConfig.fp4")
@@ -200,6 +214,8 @@ class PlanConfig:
       raise ValueError(
         f"PlanConfig.micro_batch={self.micro_batch} must divide over data={self.mesh[0]}"
       )
+    if self.prefill_chunk < 0:
+      raise ValueError(f"PlanConfig.prefill_chunk={self.prefill_chunk} must be >= 0")
     if self.guidance not in ("none", "compact", "full"):
       raise ValueError(f"PlanConfig.guidance={self.guidance!r}; use none, compact or full")
 
@@ -244,6 +260,7 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
   rows["recurrent state"] = cache_bytes(None, "state")
 
   rows["guidance"] = float(guidance_bytes(cfg, config, mesh, quant))
+  rows["rollout working set"] = float(rollout_working_bytes(cfg, config, rollout_params, mesh))
 
   micro = (config.micro_batch or data) // data  # sequences per device
   no_remat, remat, _ = activation_bytes(cfg, quant, micro, config.context)
@@ -259,7 +276,9 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
     + rows["FP4 rollout weights"]
     + rows["guidance"]
   )
-  rows["rollout peak (FP4 KV)"] = resident + rows["KV cache (FP4)"] + rows["recurrent state"]
+  rows["rollout peak (FP4 KV)"] = (
+    resident + rows["KV cache (FP4)"] + rows["recurrent state"] + rows["rollout working set"]
+  )
   training = resident + rows["gradients (f32)"] + rows["training-path records"]
   rows["train peak (no remat)"] = training + no_remat
   rows["train peak (remat)"] = training + remat
@@ -267,6 +286,51 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
 
 
 _RECORD_FULL = CallOptions(recording=Recording(form="full"))  # every site, in full
+
+
+def rollout_working_bytes(cfg: ModelConfig, config: PlanConfig, rollout_params, mesh) -> int:
+  """What a rollout call holds beside its arguments and outputs, per device: the largest
+  temporaries of the compiled generate (XLA's buffer report at Qwen3-30B-A3B on 8 x 8 x 1):
+
+  - a prefill chunk's float32 attention scores over every cache slot, [B / data, query
+    heads (over "model" where it splits the KV heads), chunk, context], twice (the scores
+    and their softmax);
+  - its routed experts' weights gathered per tile (`layers.ragged_matmul`, [tiles, d_model,
+    expert width over "model"]), for gate, up and down: the tiles of one data shard's
+    (token, slot) rows, one tile per expert (`moe_blocks`) on a mesh with data > 1, else the
+    default tiling of the whole batch's rows. Counted in float32: the program gathers them
+    in the compute dtype, but XLA:CPU computes bf16 dots in float32 and holds float32
+    copies (on a GPU, where they stay bf16, this is an upper bound);
+  - with `cfg.scan_layers`, a stacked copy of the layers' FP4 rollout weights (the engine
+    keeps them per layer; the program stacks each scanned run's once per call).
+
+  The chunk is `config.prefill_chunk` slots (0: the context), at most the context: an upper
+  bound for shorter prompts. A decode step's scores and tiles are smaller."""
+  data, _, model = config.mesh
+  rows = config.batch // data
+  chunk = min(config.prefill_chunk or config.context, config.context)
+  heads = cfg.num_heads
+  if model > 1 and cfg.num_kv_heads % model == 0:
+    heads //= model
+  attention = cfg.num_layers > len(cfg.linear_layers)
+  scores = 2 * rows * heads * chunk * config.context * 4 if attention else 0
+  tiles_bytes = 0
+  if cfg.num_moe_layers:
+    experts = cfg.num_experts
+    width = cfg.moe_ffn_dim // model if cfg.moe_ffn_dim % model == 0 else cfg.moe_ffn_dim
+    if data > 1:
+      routed = rows * chunk * cfg.num_experts_per_tok
+      tile = tile_rows(routed, experts, tiles_per_group=1)
+    else:
+      routed = config.batch * chunk * cfg.num_experts_per_tok
+      tile = tile_rows(routed, experts)
+    tiles = -(-routed // tile) + experts
+    tiles_bytes = 3 * tiles * cfg.d_model * width * 4
+  stacked = 0
+  if cfg.scan_layers:
+    specs = _specs(sharding.rollout_param_shardings(rollout_params, mesh))
+    stacked = _per_device(rollout_params["blocks"], specs["blocks"], mesh)
+  return scores + tiles_bytes + stacked
 
 
 def train_record_bytes(cfg: ModelConfig, config: PlanConfig, quant: QuantConfig, batch: int):

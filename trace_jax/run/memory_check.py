@@ -163,6 +163,7 @@ def rollout_config(config: plan_lib.PlanConfig, prompt: int) -> RolloutConfig:
   rl = rl_config(config)
   base = RolloutConfig(
     max_len=config.context,
+    prefill_chunk=config.prefill_chunk,
     sampling=SamplingConfig(max_new_tokens=config.context - prompt),
     compute_dtype=rl.compute_dtype,
     fp4=rl.fp4,
@@ -231,7 +232,7 @@ def planner_programs(cfg: ModelConfig, config: plan_lib.PlanConfig, rows: dict, 
   rollout: arguments the FP4 rollout weights + the prompt (int32 tokens, bool mask);
   outputs KV cache + recurrent state + the guidance the trace arm's rollout captures (its
   own guided layers: every layer where the arm is measured) + the slot buffers;
-  temporaries none planned."""
+  temporaries the rollout working set (`plan.rollout_working_bytes`)."""
   cfg = cfg.replace(dtype="bfloat16")
   mesh = plan_lib.abstract_mesh(*config.mesh)
   data = config.mesh[0]
@@ -264,7 +265,7 @@ def planner_programs(cfg: ModelConfig, config: plan_lib.PlanConfig, rows: dict, 
     + rows["recurrent state"]
     + plan_lib.guidance_bytes(cfg, captured, mesh, config.fp4)
     + rollout_slot_bytes(config.batch, config.context) / data,
-    "temp": 0.0,
+    "temp": rows["rollout working set"],
   }
   return {"update": update, "rollout": rollout}
 
