@@ -320,7 +320,7 @@ def rollout_working_bytes(cfg: ModelConfig, config: PlanConfig, rollout_params, 
     width = cfg.moe_ffn_dim // model if cfg.moe_ffn_dim % model == 0 else cfg.moe_ffn_dim
     if data > 1:
       routed = rows * chunk * cfg.num_experts_per_tok
-      tile = tile_rows(routed, experts, tiles_per_group=1)
+      tile = tile_rows(routed, experts, tiles_per_group=1, largest=None)
     else:
       routed = config.batch * chunk * cfg.num_experts_per_tok
       tile = tile_rows(routed, experts)

@@ -92,20 +92,22 @@ def test_ragged_matmul_blocks_each_multiply_their_own_rows():
 
 
 def test_tile_rows_per_group():
-  """`tiles_per_group`: the tile is the power of two in [8, 256] at or just above rows /
-  (tiles_per_group x groups), so the tiles number at most (tiles_per_group + 1) x groups."""
+  """`tiles_per_group`: the tile is the power of two from 8 (up to `largest`) at or just
+  above rows / (tiles_per_group x groups), so the tiles number at most (tiles_per_group +
+  1) x groups unless `largest` stops it; unbounded at one per group, under 4 x rows of
+  work."""
   rng = np.random.default_rng()
-  for _ in range(50):
-    rows, groups, per = (
-      int(rng.integers(1, 200_000)),
-      int(rng.integers(1, 200)),
-      int(rng.integers(1, 9)),
-    )
-    tile = tile_rows(rows, groups, tiles_per_group=per)
-    assert tile in (8, 16, 32, 64, 128, 256)
-    assert tile == 8 or (tile // 2) * per * groups < rows, (rows, groups, per, tile)
-    if tile < 256:
-      assert -(-rows // tile) + groups <= (per + 1) * groups, (rows, groups, per, tile)
+  for _ in range(100):
+    rows, groups = int(rng.integers(1, 500_000)), int(rng.integers(1, 200))
+    per, largest = int(rng.integers(1, 9)), [256, 1024, None][int(rng.integers(3))]
+    tile = tile_rows(rows, groups, tiles_per_group=per, largest=largest)
+    case = (rows, groups, per, largest, tile)
+    assert tile >= 8 and tile & (tile - 1) == 0 and (largest is None or tile <= largest), case
+    assert tile == 8 or (tile // 2) * per * groups < rows, case
+    if tile != largest:
+      assert -(-rows // tile) + groups <= (per + 1) * groups, case
+    if per == 1 and largest is None:
+      assert (-(-rows // tile) + groups) * tile < 4 * rows + 8 * (groups + 1), case
 
 
 def test_tile_rows_keeps_padding_small():

@@ -140,13 +140,14 @@ def _tiled_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile:
   return y.astype(lhs.dtype)
 
 
-def tile_rows(rows: int, groups: int, tiles_per_group: int = 8) -> int:
-  """`ragged_matmul`'s tile height: a power of two from 8 to 256, about rows /
-  (`tiles_per_group` x groups). At 8 the padding (up to a tile per group) stays near 1/8 of
-  the rows and the tiles large; the weights gathered per tile are then about 9 copies of
-  every group's. At 1 they are about 2 copies, for up to twice the rows of work."""
+def tile_rows(rows: int, groups: int, tiles_per_group: int = 8, largest: int | None = 256) -> int:
+  """`ragged_matmul`'s tile height: a power of two from 8 to `largest` (None: no bound),
+  about rows / (`tiles_per_group` x groups). At 8 the padding (up to a tile per group) stays
+  near 1/8 of the rows and the tiles large; the weights gathered per tile are then about 9
+  copies of every group's. At 1, unbounded, they are about 2 copies, for up to twice the
+  rows of work."""
   tile = 8
-  while tile < 256 and tile * tiles_per_group * groups < rows:
+  while (largest is None or tile < largest) and tile * tiles_per_group * groups < rows:
     tile *= 2
   return tile
 
