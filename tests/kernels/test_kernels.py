@@ -214,6 +214,29 @@ def test_decode_attention_without_valid_slots_gives_zero():
   _close(out, decode_attention_lib.reference(q, k, v, jnp.array([0, 16])), rtol=1e-5)
 
 
+def test_decode_attention_of_one_slot_is_its_value_at_any_score():
+  """Over one valid slot the softmax is 1 at any score, so the output is that slot's
+  dequantized value (hand derivation), however negative the score: the reference shifted
+  by a maximum that took 0 from the masked slots, so a score far below 0 underflowed to an
+  output of 0. Fresh inputs; the scores scaled to about -1e3 and +1e3."""
+  rng = np.random.default_rng()
+  seed = int(rng.integers(1 << 20))
+  b, length, hkv, dh = 2, 8, 2, 32
+  k, v = _cache_entry(seed, (b, length, hkv, dh)), _cache_entry(seed + 1, (b, length, hkv, dh))
+  keys = fp4.block_scaled_values(k) / k.global_scale
+  values = fp4.block_scaled_values(v) / v.global_scale
+  lengths = jnp.array([1, 1])
+  for sign in (-1.0, 1.0):
+    # each query head along its KV head's first key, sized for a score of sign * 1e3
+    first = jnp.repeat(keys[:, 0], 2, axis=1)  # [b, 2 * hkv, dh]
+    norm = jnp.sum(first * first, -1, keepdims=True)
+    q = sign * 1e3 * dh**0.5 * first / norm
+    want = jnp.repeat(values[:, 0], 2, axis=1)
+    got = decode_attention_lib.reference(q, k, v, lengths)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"seed {seed}")
+    _close(kernels.fp4_decode_attention(q, k, v, lengths), want, rtol=1e-5)
+
+
 def _poison_slots(entry, masked):
   """`entry` with NaN global scales and NaN E4M3 block scales (0x7F) in the `masked` slots."""
   nan_scale = jnp.where(masked[:, :, None, None], jnp.nan, entry.global_scale)

@@ -314,8 +314,9 @@ def reference(
   values = jnp.where(keep[:, :, None, None], values, 0.0)
   keep = keep[:, None, None, :]
   scores = jnp.where(keep, scores, -jnp.inf)
-  probs = jnp.exp(scores - jnp.max(jnp.where(keep, scores, 0.0), -1, keepdims=True))
-  probs = jnp.where(keep, probs, 0.0)
+  top = jnp.max(scores, -1, keepdims=True)  # over the kept slots only
+  top = jnp.where(jnp.isfinite(top), top, 0.0)  # a sequence with no valid slot
+  probs = jnp.where(keep, jnp.exp(scores - top), 0.0)
   total = probs.sum(-1, keepdims=True)
   probs = probs / jnp.where(total > 0, total, 1.0)
   out = jnp.einsum("bkgs,bskd->bkgd", probs, values, precision=jax.lax.Precision.HIGHEST)
