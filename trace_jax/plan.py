@@ -29,13 +29,16 @@ are needed. Per device:
                      layers' sites, for one micro-batch; split like the activations. Not
                      small: Qwen3-30B-A3B, 2048 tokens per device, 1.6 GB beside 3.7 GB of
                      remat activations (4x the layers' saved inputs).
+  softmax gradients  what the backward of one attention layer holds beside the residuals:
+                     the gradients of its softmax's probabilities and scores, float32
+                     [micro-batch, heads, context, context] each (`softmax_grad_bytes`).
   rollout working set  the rollout call's largest temporaries (`rollout_working_bytes`): a
                      prefill chunk's float32 attention scores over every cache slot (twice),
                      its routed experts' weights gathered per tile in float32 (gate, up and
                      down), and a stacked copy of the scanned layers' FP4 rollout weights.
 
 A device fits if the larger phase, training (master + optimizer + gradients + rollout
-weights + guidance + activations + training-path records) or rollout (master + optimizer
+weights + guidance + activations + training-path records + softmax gradients) or rollout (master + optimizer
 + rollout weights + cache + guidance + rollout working set), stays under its memory.
 
 Remat runs in the default job: its update records the training path's sites, and the
@@ -78,13 +81,18 @@ on mesh 8 x 8 x 1, batch 256, context 8192, micro-batch 8, remat off, 48 layers)
   with the layers under the scan (62.4 GB unrolled; 103.6 GB with 256-slot chunks, unrolled),
   most of it the MoE's one sort over the whole batch (every device gathering weights for
   the 1,152 tiles of all 256 prompts' rows); with each "data" shard dispatching its own
-  sequences (`CallOptions.moe_blocks`) they are 16.3 GB and the rollout's phase peak is 74.4
-  GB against the planner's 57.9 (1.28x): the chunk's float32 attention scores (4 GiB, two
-  live), the experts' tile weights (1.5 GiB per matrix, four live) and a stacked copy of the
-  scanned layers' FP4 expert weights, none of them planned; the engine computes the LM head
-  at the prompt's last slot only (`CallOptions.last_logits`), so no [B, T, V] float32 logits;
-- with remat the update's temporaries stay near the no-remat figure on XLA:CPU (8 layers:
-  277 GB against 313 GB without, the planner's 43 GB), as above.
+  sequences (`CallOptions.moe_blocks`) they are 16.3 GB: the chunk's float32 attention
+  scores (4 GiB, two live), the experts' tile weights (1.5 GiB per matrix, four live) and a
+  stacked copy of the scanned layers' FP4 expert weights, which the "rollout working set"
+  row counts (16.0 GB; the rollout's phase peak 74.4 GB against 73.9 planned, 57.9 before
+  the row); the engine computes the LM head at the prompt's last slot only
+  (`CallOptions.last_logits`), so no [B, T, V] float32 logits;
+- the update, each "data" shard dispatching its own tokens too, needs 1,356 GB of
+  temporaries (1,747 with one sort over the micro-batch) against the planner's 1,428 with the
+  "softmax gradients" row (0.950); with remat 63.0 GB against 55.7 (1.13x). Other presets
+  and their misses: docs/scale-out.md;
+- unrolled, with remat the update's temporaries stay near the no-remat figure on XLA:CPU
+  (8 layers: 277 GB against 313 GB without, the planner's 43 GB), as above.
 """
 
 from __future__ import annotations
@@ -263,9 +271,10 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
   rows["rollout working set"] = float(rollout_working_bytes(cfg, config, rollout_params, mesh))
 
   micro = (config.micro_batch or data) // data  # sequences per device
-  no_remat, remat, _ = activation_bytes(cfg, quant, micro, config.context)
+  no_remat, remat, _ = activation_bytes(cfg, quant, micro, config.context, blocks=data)
   rows["activations (no remat)"] = no_remat
   rows["activations (remat)"] = remat
+  rows["softmax gradients"] = float(softmax_grad_bytes(cfg, micro, config.context))
   rows["training-path records"] = (
     float(train_record_bytes(cfg, config, quant, micro)) if config.train_records else 0.0
   )
@@ -279,7 +288,9 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
   rows["rollout peak (FP4 KV)"] = (
     resident + rows["KV cache (FP4)"] + rows["recurrent state"] + rows["rollout working set"]
   )
-  training = resident + rows["gradients (f32)"] + rows["training-path records"]
+  training = (
+    resident + rows["gradients (f32)"] + rows["training-path records"] + rows["softmax gradients"]
+  )
   rows["train peak (no remat)"] = training + no_remat
   rows["train peak (remat)"] = training + remat
   return rows
@@ -388,15 +399,19 @@ def guidance_bytes(cfg: ModelConfig, config: PlanConfig, mesh, quant: QuantConfi
 
 
 def activation_bytes(
-  cfg: ModelConfig, quant: QuantConfig, batch: int, context: int
+  cfg: ModelConfig, quant: QuantConfig, batch: int, context: int, blocks: int = 1
 ) -> tuple[float, float, float]:
   """(without remat, with per-layer remat, kept with remat) residual bytes of a training
   forward of [batch, context] tokens on one device (QAT with `quant`, bf16 activations).
+  `blocks`: the "data" shards, each dispatching its own tokens to the routed experts
+  (`CallOptions.moe_blocks`): traced as `blocks` x `batch` sequences, per device a
+  `blocks`-th of that.
 
   With remat, "kept" is what stays between the forward and the backward pass (each layer's
   input and the LM head's residuals); the remat figure adds one layer's residuals, alive
   while the backward recomputes it."""
-  b, t = batch, context
+  b, t = batch * blocks, context
+  options = CallOptions(moe_blocks=blocks)
   x = jax.ShapeDtypeStruct((b, t, cfg.d_model), jnp.bfloat16)
   per_type: dict[bool, int] = {}
   for layer in range(cfg.num_layers):
@@ -411,14 +426,14 @@ def activation_bytes(
       valid = jnp.ones((b, t), bool)
       cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
       mask = attention_mask(valid, positions, jnp.arange(t, dtype=jnp.int32), cfg.sliding_window)
-      sq = SiteQuantizer(quant, cfg.num_layers, jnp.bfloat16)
+      sq = SiteQuantizer(quant, cfg.num_layers, jnp.bfloat16, options=options)
       inputs = LayerInputs(
         cos=cos, sin=sin, attn_mask=mask, valid=valid, start=jnp.zeros((), jnp.int32)
       )
       out, _, stats = nnx.merge(graphdef, state)(x, inputs, sq=sq)
       return out, None if stats is None else stats.lb_loss
 
-    per_type[kind] = _dependent_residual_bytes(block_fn, (state, x), {1})
+    per_type[kind] = _dependent_residual_bytes(block_fn, (state, x), {1}) // blocks
   counts: dict = {}
   for layer in range(cfg.num_layers):
     kind = (layer in cfg.linear_layers, layer in cfg.dense_layers)
@@ -439,11 +454,20 @@ def activation_bytes(
     return jnp.sum(token_logprobs(logits, tokens))
 
   head_state = nnx.state(head)
-  head_bytes = _dependent_residual_bytes(head_fn, (head_state, x, tokens), {1, 2})
-  layer_input = b * t * cfg.d_model * 2
+  head_bytes = _dependent_residual_bytes(head_fn, (head_state, x, tokens), {1, 2}) // blocks
+  layer_input = batch * t * cfg.d_model * 2
   no_remat = sum(per_type[k] * n for k, n in counts.items()) + head_bytes
   kept = cfg.num_layers * layer_input + head_bytes
   return float(no_remat), float(kept + max(per_type.values())), float(kept)
+
+
+def softmax_grad_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
+  """What the backward of one attention layer holds beside the residuals, on one device:
+  its softmax's gradients, of the probabilities and of the scores, float32 [batch, query
+  heads, context, context] each (one layer at a time; none without attention layers)."""
+  if cfg.num_layers == len(cfg.linear_layers):
+    return 0
+  return 2 * batch * cfg.num_heads * context * context * 4
 
 
 def format_table(name: str, config: PlanConfig, rows: dict[str, float]) -> str:

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # guidance rule's spec gives.
 _SCRIPT = """
 import json
-import math
+import re
 import jax
 from jax.sharding import NamedSharding
 from trace_jax import plan as plan_lib
@@ -43,6 +43,9 @@ for index, name in ((5, "fallbacks"), (6, "sites")):
         shard=list(s.shard_shape(a.shape)),
         rule=list(NamedSharding(mesh, p).shard_shape(a.shape)),
       ))
+text = compiled.as_text()
+sorts = re.findall(r"= \\(?s32\\[([0-9,]*)\\][^ ]*(?:, s32\\[[0-9,]*\\][^ ]*)*\\)? sort\\(", text)
+print("SORTS" + json.dumps(dict(k=get_preset("tiny").num_experts_per_tok, sorts=sorts)))
 print("JSON" + json.dumps(rows))
 """
 
@@ -51,7 +54,8 @@ def test_update_returns_records_laid_out_by_the_guidance_rule():
   """Every site record and fallback the fused, recording update returns is split as
   `guidance_site_specs` says (batch over "data"), none held whole on every device: without
   the update's constraint XLA kept an unguided layer's moe_mid records replicated on this
-  mesh (2 x 4: the experts over 4 devices)."""
+  mesh (2 x 4: the experts over 4 devices). And its MoE dispatch sorts each data shard's
+  own rows (`CallOptions.moe_blocks`)."""
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   flag = "--xla_force_host_platform_device_count=8"
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
@@ -69,6 +73,12 @@ def test_update_returns_records_laid_out_by_the_guidance_rule():
     assert r["shard"][0] == r["shape"][0], r  # every layer of a stack on each device
     if r["shape"][1] > 1:  # the batch over data = 2: half the rows on each device
       assert r["shard"][1] * 2 == r["shape"][1], r
+  # Each device sorts its own data shard's (token, slot) rows for the routed experts: one
+  # sequence of 64 slots (the micro-batch's 2 over data = 2), not the micro-batch's.
+  line = next(x for x in result.stdout.splitlines() if x.startswith("SORTS"))
+  found = json.loads(line[5:])
+  rows = {math.prod(int(d) for d in shape.split(",")) for shape in found["sorts"]}
+  assert rows == {64 * found["k"]}, found
 
 
 # Compiles the rollout's generate (tiny preset, 8 prompts of 16 tokens decoded to 64 slots,

@@ -138,11 +138,13 @@ class StepSpec:
   def static(self) -> dict:
     """The jitted functions' static arguments: the training path's QuantConfig (the arm's
     quantization in the run's scheme, None for bf16), its call options (the run's compute
-    dtype), replay, temperature."""
+    dtype; on a mesh each "data" shard dispatches its own sequences' tokens to the routed
+    experts, `CallOptions.moe_blocks`), replay, temperature."""
     config = self.config
+    blocks = 1 if self.mesh is None else int(self.mesh.shape["data"])
     return dict(
       quant=config.train_quant,
-      options=CallOptions(compute_dtype=config.compute_dtype),
+      options=CallOptions(compute_dtype=config.compute_dtype, moe_blocks=blocks),
       replay=self.arm.routing_replay,
       temperature=config.sampling.temperature,
     )

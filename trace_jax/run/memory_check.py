@@ -228,7 +228,7 @@ def planner_programs(cfg: ModelConfig, config: plan_lib.PlanConfig, rows: dict, 
 
   update: arguments master + Adam + the guidance of one micro-batch + its trajectories;
   outputs the training-path records + log pi_old and entropy (float32 per slot);
-  temporaries gradients + activations (remat or not as `cfg.remat`).
+  temporaries gradients + activations (remat or not as `cfg.remat`) + softmax gradients.
   rollout: arguments the FP4 rollout weights + the prompt (int32 tokens, bool mask);
   outputs KV cache + recurrent state + the guidance the trace arm's rollout captures (its
   own guided layers: every layer where the arm is measured) + the slot buffers;
@@ -252,7 +252,7 @@ def planner_programs(cfg: ModelConfig, config: plan_lib.PlanConfig, rows: dict, 
     + micro_guidance
     + trajectory_bytes(micro, config.context) / data,
     "output": rows["training-path records"] + 2 * micro * config.context * 4 / data,
-    "temp": rows["gradients (f32)"] + activations,
+    "temp": rows["gradients (f32)"] + activations + rows["softmax gradients"],
   }
   rollout_cfg = rollout_config(config, prompt)
   captured = dataclasses.replace(
