@@ -38,8 +38,9 @@ are needed. Per device:
                      down), and a stacked copy of the scanned layers' FP4 rollout weights.
 
 A device fits if the larger phase, training (master + optimizer + gradients + rollout
-weights + guidance + activations + training-path records + softmax gradients) or rollout (master + optimizer
-+ rollout weights + cache + guidance + rollout working set), stays under its memory.
+weights + guidance + activations + training-path records + softmax gradients) or rollout
+(master + optimizer + rollout weights + cache + guidance + rollout working set), stays
+under its memory.
 
 Remat runs in the default job: its update records the training path's sites, and the
 records leave each rematerialised block as outputs (`transformer._rematerialized`).
@@ -111,7 +112,13 @@ from trace_jax import guidance as guidance_lib
 from trace_jax.model import sharding
 from trace_jax.model.cache import init_cache
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.layers import LayerInputs, rope_tables, tile_rows
+from trace_jax.model.layers import (
+  LayerInputs,
+  block_tile_rows,
+  rope_tables,
+  tile_count,
+  tile_rows,
+)
 from trace_jax.model.quant import (
   CallOptions,
   QuantConfig,
@@ -323,20 +330,18 @@ def rollout_working_bytes(cfg: ModelConfig, config: PlanConfig, rollout_params, 
   heads = cfg.num_heads
   if model > 1 and cfg.num_kv_heads % model == 0:
     heads //= model
-  attention = cfg.num_layers > len(cfg.linear_layers)
-  scores = 2 * rows * heads * chunk * config.context * 4 if attention else 0
+  scores = 2 * rows * heads * chunk * config.context * 4 if _has_attention(cfg) else 0
   tiles_bytes = 0
   if cfg.num_moe_layers:
     experts = cfg.num_experts
     width = cfg.moe_ffn_dim // model if cfg.moe_ffn_dim % model == 0 else cfg.moe_ffn_dim
     if data > 1:
       routed = rows * chunk * cfg.num_experts_per_tok
-      tile = tile_rows(routed, experts, tiles_per_group=1, largest=None)
+      tile = block_tile_rows(routed, experts)
     else:
       routed = config.batch * chunk * cfg.num_experts_per_tok
       tile = tile_rows(routed, experts)
-    tiles = -(-routed // tile) + experts
-    tiles_bytes = 3 * tiles * cfg.d_model * width * 4
+    tiles_bytes = 3 * tile_count(routed, experts, tile) * cfg.d_model * width * 4
   stacked = 0
   if cfg.scan_layers:
     specs = _specs(sharding.rollout_param_shardings(rollout_params, mesh))
@@ -465,9 +470,12 @@ def softmax_grad_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
   """What the backward of one attention layer holds beside the residuals, on one device:
   its softmax's gradients, of the probabilities and of the scores, float32 [batch, query
   heads, context, context] each (one layer at a time; none without attention layers)."""
-  if cfg.num_layers == len(cfg.linear_layers):
-    return 0
-  return 2 * batch * cfg.num_heads * context * context * 4
+  return 2 * batch * cfg.num_heads * context * context * 4 if _has_attention(cfg) else 0
+
+
+def _has_attention(cfg: ModelConfig) -> bool:
+  """Whether any layer is softmax attention (not every one Gated DeltaNet)."""
+  return cfg.num_layers > len(cfg.linear_layers)
 
 
 def format_table(name: str, config: PlanConfig, rows: dict[str, float]) -> str:

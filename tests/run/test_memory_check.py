@@ -1,4 +1,5 @@
-"""The compiled update's returned records on a mesh of fake CPU devices (a subprocess)."""
+"""The compiled update's returned records, and the update's and the rollout's MoE sorts, on
+a mesh of fake CPU devices (a subprocess)."""
 
 import json
 import math
@@ -8,13 +9,45 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Prints, as SORTS + JSON, the top-k of `cfg` and the shapes of every sort in the compiled
+# program `text` (what one device sorts).
+_PRINT_SORTS = """
+import json, re
+shapes = re.findall(r"= \\(?s32\\[([0-9,]*)\\][^ ]*(?:, s32\\[[0-9,]*\\][^ ]*)*\\)? sort\\(", text)
+print("SORTS" + json.dumps(dict(k=cfg.num_experts_per_tok, sorts=shapes)))
+"""
+
+
+def _on_eight_devices(script: str) -> dict:
+  """Run `script` on 8 fake CPU devices; {prefix: the JSON it printed after it} for the
+  SORTS and JSON lines."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  flag = "--xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
+  result = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  printed = {}
+  for line in result.stdout.splitlines():
+    for prefix in ("SORTS", "JSON"):
+      if line.startswith(prefix):
+        printed[prefix] = json.loads(line[len(prefix) :])
+  return printed
+
+
+def _sorted_rows(found: dict) -> set[int]:
+  """The row counts of the printed sorts."""
+  return {math.prod(int(d) for d in shape.split(",")) for shape in found["sorts"]}
+
+
 # Compiles the trainer's update (tiny preset, 8 sequences of 64 slots, the trace arm: guided,
 # routing replay, full records) on a 2 x 4 x 1 mesh and prints, for every returned fallback and
 # site-record leaf, its shape, the compiled output's shard shape and the shard shape the
-# guidance rule's spec gives.
-_SCRIPT = """
+# guidance rule's spec gives; then its sorts.
+_SCRIPT = (
+  """
 import json
-import re
 import jax
 from jax.sharding import NamedSharding
 from trace_jax import plan as plan_lib
@@ -25,7 +58,8 @@ from trace_jax.run import memory_check
 mesh_shape = (2, 4, 1)
 mesh = sharding.make_mesh(*mesh_shape)
 config = plan_lib.PlanConfig(mesh=mesh_shape, batch=8, context=64)
-compiled = memory_check.update_program(get_preset("tiny"), config, mesh)
+cfg = get_preset("tiny")
+compiled = memory_check.update_program(cfg, config, mesh)
 # the jitted function's own outputs: the last of (arguments out, keywords out, outputs)
 info, out = compiled.compiled.out_info[-1], compiled.compiled.output_shardings[-1]
 rows = []
@@ -44,10 +78,10 @@ for index, name in ((5, "fallbacks"), (6, "sites")):
         rule=list(NamedSharding(mesh, p).shard_shape(a.shape)),
       ))
 text = compiled.as_text()
-sorts = re.findall(r"= \\(?s32\\[([0-9,]*)\\][^ ]*(?:, s32\\[[0-9,]*\\][^ ]*)*\\)? sort\\(", text)
-print("SORTS" + json.dumps(dict(k=get_preset("tiny").num_experts_per_tok, sorts=sorts)))
 print("JSON" + json.dumps(rows))
 """
+  + _PRINT_SORTS
+)
 
 
 def test_update_returns_records_laid_out_by_the_guidance_rule():
@@ -56,15 +90,8 @@ def test_update_returns_records_laid_out_by_the_guidance_rule():
   the update's constraint XLA kept an unguided layer's moe_mid records replicated on this
   mesh (2 x 4: the experts over 4 devices). And its MoE dispatch sorts each data shard's
   own rows (`CallOptions.moe_blocks`)."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  flag = "--xla_force_host_platform_device_count=8"
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
-  result = subprocess.run(
-    [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, env=env
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  line = next(x for x in result.stdout.splitlines() if x.startswith("JSON"))
-  rows = json.loads(line[4:])
+  printed = _on_eight_devices(_SCRIPT)
+  rows = printed["JSON"]
   names = {r["name"] for r in rows}
   assert any("moe_mid" in n and n.startswith("sites") for n in names)
   assert any(n.startswith("fallbacks") for n in names)
@@ -75,17 +102,15 @@ def test_update_returns_records_laid_out_by_the_guidance_rule():
       assert r["shard"][1] * 2 == r["shape"][1], r
   # Each device sorts its own data shard's (token, slot) rows for the routed experts: one
   # sequence of 64 slots (the micro-batch's 2 over data = 2), not the micro-batch's.
-  line = next(x for x in result.stdout.splitlines() if x.startswith("SORTS"))
-  found = json.loads(line[5:])
-  rows = {math.prod(int(d) for d in shape.split(",")) for shape in found["sorts"]}
-  assert rows == {64 * found["k"]}, found
+  found = printed["SORTS"]
+  assert _sorted_rows(found) == {64 * found["k"]}, found
 
 
 # Compiles the rollout's generate (tiny preset, 8 prompts of 16 tokens decoded to 64 slots,
 # the trace arm) on a 2 x 4 x 1 mesh and prints the row counts of every sort in the
-# partitioned program (what one device sorts).
-_ROLLOUT_SCRIPT = """
-import json, re
+# partitioned program.
+_ROLLOUT_SCRIPT = (
+  """
 from trace_jax import plan as plan_lib
 from trace_jax.model import sharding
 from trace_jax.model.config import get_preset
@@ -95,9 +120,9 @@ mesh = sharding.make_mesh(2, 4, 1)
 config = plan_lib.PlanConfig(mesh=(2, 4, 1), batch=8, context=64)
 cfg = get_preset("tiny")
 text = memory_check.rollout_program(cfg, config, mesh, 16).as_text()
-shapes = re.findall(r"= \\(?s32\\[([0-9,]*)\\][^ ]*(?:, s32\\[[0-9,]*\\][^ ]*)*\\)? sort\\(", text)
-print("JSON" + json.dumps(dict(k=cfg.num_experts_per_tok, sorts=shapes)))
 """
+  + _PRINT_SORTS
+)
 
 
 def test_rollout_on_a_mesh_sorts_each_data_shards_own_tokens():
@@ -106,15 +131,5 @@ def test_rollout_on_a_mesh_sorts_each_data_shards_own_tokens():
   4 x 1 x top-k per decode step. One sort over the whole batch made every device sort,
   gather and multiply every shard's rows (at Qwen3-30B-A3B on 8 x 8 x 1: 33 GB more
   temporaries)."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  flag = "--xla_force_host_platform_device_count=8"
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
-  result = subprocess.run(
-    [sys.executable, "-c", _ROLLOUT_SCRIPT], capture_output=True, text=True, timeout=600, env=env
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  line = next(x for x in result.stdout.splitlines() if x.startswith("JSON"))
-  found = json.loads(line[4:])
-  k = found["k"]
-  rows = {math.prod(int(d) for d in shape.split(",")) for shape in found["sorts"]}
-  assert rows == {4 * 16 * k, 4 * 1 * k}, found
+  found = _on_eight_devices(_ROLLOUT_SCRIPT)["SORTS"]
+  assert _sorted_rows(found) == {4 * 16 * found["k"], 4 * 1 * found["k"]}, found

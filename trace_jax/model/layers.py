@@ -112,7 +112,7 @@ def ragged_matmul(
 def _tiled_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int):
   rows, width = lhs.shape
   groups, _, out = w.shape
-  tiles = -(-rows // tile) + groups  # sum over groups of ceil(size / tile) is at most this
+  tiles = tile_count(rows, groups, tile)
   sizes = group_sizes.astype(jnp.int32)
   ends = jnp.cumsum(sizes)
   starts = ends - sizes
@@ -150,6 +150,20 @@ def tile_rows(rows: int, groups: int, tiles_per_group: int = 8, largest: int | N
   while (largest is None or tile < largest) and tile * tiles_per_group * groups < rows:
     tile *= 2
   return tile
+
+
+def block_tile_rows(rows: int, groups: int) -> int:
+  """The tile height of one block of a blocked dispatch (`CallOptions.moe_blocks` > 1): one
+  tile per group, unbounded. A block's gathered tile weights, not its products, bound its
+  memory; they stay within twice the groups' weights, for under four times the rows of
+  work (the tiles past the last group included)."""
+  return tile_rows(rows, groups, tiles_per_group=1, largest=None)
+
+
+def tile_count(rows: int, groups: int, tile: int) -> int:
+  """`ragged_matmul`'s static number of tiles: the sum over groups of ceil(size / tile) is
+  at most this."""
+  return -(-rows // tile) + groups
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

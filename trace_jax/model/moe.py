@@ -18,7 +18,7 @@ from flax import nnx, struct
 from trace_jax import kernels
 from trace_jax.kernels import layout as kernel_layout
 from trace_jax.model.config import ModelConfig
-from trace_jax.model.layers import matmul, swiglu, tile_rows
+from trace_jax.model.layers import block_tile_rows, matmul, swiglu
 from trace_jax.model.parameters import normal_param
 from trace_jax.model.quantizer import SiteQuantizer
 from trace_jax.model.sites import MLP_IN, MLP_MID, MOE_IN, MOE_MID, SHARED_MID, Site, sow_site
@@ -262,10 +262,8 @@ class MoE(nnx.Module):
     and each block sorts and multiplies its own rows: on a mesh whose "data" axis splits the
     batch into those blocks, each shard dispatches its own tokens (one sort over the whole
     batch would make every device sort, gather and multiply every shard's rows). A block's
-    tiles are about one per expert (`tile_rows(..., tiles_per_group=1, largest=None)`):
-    the tiles' gathered weights, not the products, bound a block's memory, and they stay
-    within twice the experts' weights, for under four times the rows of work (their tiles
-    past the last expert included). Each row's product is the same."""
+    tiles are about one per expert (`layers.block_tile_rows`). Each row's product is the
+    same."""
     w_gate, w_up, w_down = self._weights()
     n, k = experts.shape
     num_experts = w_gate.shape[0]
@@ -273,7 +271,7 @@ class MoE(nnx.Module):
     lead, tile = (), None
     if blocks > 1:
       lead = (blocks,)
-      tile = tile_rows(n * k // blocks, num_experts, tiles_per_group=1, largest=None)
+      tile = block_tile_rows(n * k // blocks, num_experts)
     flat = experts.reshape(*lead, -1)  # [(blocks,) N * k / blocks], row r: token r // k, slot r % k
     order = jnp.argsort(flat, axis=-1, stable=True)
     inverse = jnp.argsort(order, axis=-1)

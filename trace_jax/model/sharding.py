@@ -70,6 +70,12 @@ def _axis_size(mesh, axis) -> int:
   return 1 if axis is None else int(mesh.shape[axis])
 
 
+def data_shards(mesh: Mesh | None) -> int:
+  """How many blocks of sequences the batch is split into over "data" (1 without a mesh):
+  the `CallOptions.moe_blocks` of the calls that run on `mesh`."""
+  return 1 if mesh is None else _axis_size(mesh, "data")
+
+
 def _checked(spec: tuple, shape, mesh, what: str) -> P:
   """`spec` padded to `shape`'s rank; a ValueError if an axis does not divide its dim.
   Size-1 dims (broadcast scales) are never split."""

@@ -35,6 +35,7 @@ from trace_jax.guidance import Guidance
 from trace_jax.model.quant import CallOptions, resolve_layers
 from trace_jax.model.sharding import (
   batch_sharding,
+  data_shards,
   guidance_specs,
   shard_model,
   shard_optimizer,
@@ -141,10 +142,9 @@ class StepSpec:
     dtype; on a mesh each "data" shard dispatches its own sequences' tokens to the routed
     experts, `CallOptions.moe_blocks`), replay, temperature."""
     config = self.config
-    blocks = 1 if self.mesh is None else int(self.mesh.shape["data"])
     return dict(
       quant=config.train_quant,
-      options=CallOptions(compute_dtype=config.compute_dtype, moe_blocks=blocks),
+      options=CallOptions(compute_dtype=config.compute_dtype, moe_blocks=data_shards(self.mesh)),
       replay=self.arm.routing_replay,
       temperature=config.sampling.temperature,
     )

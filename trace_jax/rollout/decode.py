@@ -134,7 +134,7 @@ class Statics:
       kernels=self.kernels,
       recording=self.recording,
       compute_dtype=self.config.compute_dtype,
-      moe_blocks=1 if self.mesh is None else int(self.mesh.shape["data"]),
+      moe_blocks=sharding_lib.data_shards(self.mesh),
     )
 
 
