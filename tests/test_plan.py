@@ -85,9 +85,25 @@ def test_qwen3_30b_rows_match_hand_derivation(qwen3_rows):
   layer_rest = (d * experts + 2 * d + 2 * head_dim) * 4  # float32 router and norms
   stacked = layers * (expert_fp4 / 8 + attn_fp4 + layer_rest)
   assert rows["rollout working set"] == scores + tiles + stacked
+  # The LM head's backward beside its logits: shifted logits, exponentials and the logits'
+  # gradient, float32 over the whole vocabulary ("model" = 1) for the 2048 tokens per device.
+  assert rows["LM head gradients"] == 3 * 2048 * vocab * 4
   # Remat keeps one d_model bf16 vector per token and layer instead of every residual.
   assert rows["activations (remat)"] < rows["activations (no remat)"] / 4
   assert rows["activations (remat)"] >= layers * 8 // 8 * 2048 * d * 2
+
+
+def test_lm_head_gradients_split_the_vocabulary_over_model():
+  """Three float32 [batch, context, vocabulary / model] buffers, the last shard rounded up."""
+  cfg = get_preset("qwen3_5_35b_a3b")  # vocabulary 248,320
+  assert plan.lm_head_grad_bytes(cfg, 1, 8192) == 3 * 8192 * 248320 * 4
+  assert plan.lm_head_grad_bytes(cfg, 2, 4096, model=4) == 3 * 2 * 4096 * 62080 * 4
+  assert plan.lm_head_grad_bytes(cfg, 1, 16, model=3) == 3 * 16 * 82774 * 4  # 248,320 / 3 up
+  rows = plan.plan(
+    cfg.replace(num_layers=4, layer_types=cfg.layer_types[:4]),
+    plan.PlanConfig(mesh=(2, 1, 4), batch=8, context=256, micro_batch=8),
+  )
+  assert rows["LM head gradients"] == 3 * 4 * 256 * 62080 * 4  # micro-batch 8 / 2 per device
 
 
 @pytest.mark.slow

@@ -32,15 +32,19 @@ are needed. Per device:
   softmax gradients  what the backward of one attention layer holds beside the residuals:
                      the gradients of its softmax's probabilities and scores, float32
                      [micro-batch, heads, context, context] each (`softmax_grad_bytes`).
+  LM head gradients  what the backward of the LM head's log-softmax holds beside its
+                     residual logits: the shifted logits, their exponentials and the
+                     logits' gradient, float32 [micro-batch, context, vocabulary] each
+                     (`lm_head_grad_bytes`; the vocabulary split over model).
   rollout working set  the rollout call's largest temporaries (`rollout_working_bytes`): a
                      prefill chunk's float32 attention scores over every cache slot (twice),
                      its routed experts' weights gathered per tile in float32 (gate, up and
                      down), and a stacked copy of the scanned layers' FP4 rollout weights.
 
 A device fits if the larger phase, training (master + optimizer + gradients + rollout
-weights + guidance + activations + training-path records + softmax gradients) or rollout
-(master + optimizer + rollout weights + cache + guidance + rollout working set), stays
-under its memory.
+weights + guidance + activations + training-path records + softmax and LM head gradients)
+or rollout (master + optimizer + rollout weights + cache + guidance + rollout working set),
+stays under its memory.
 
 Remat runs in the default job: its update records the training path's sites, and the
 records leave each rematerialised block as outputs (`transformer._rematerialized`).
@@ -89,9 +93,9 @@ on mesh 8 x 8 x 1, batch 256, context 8192, micro-batch 8, remat off, 48 layers)
   the row); the engine computes the LM head at the prompt's last slot only
   (`CallOptions.last_logits`), so no [B, T, V] float32 logits;
 - the update, each "data" shard dispatching its own tokens too, needs 1,356 GB of
-  temporaries (1,747 with one sort over the micro-batch) against the planner's 1,428 with the
-  "softmax gradients" row (0.950); with remat 63.0 GB against 55.7 (1.13x). Other presets
-  and their misses: docs/scale-out.md;
+  temporaries (1,747 with one sort over the micro-batch) against the planner's 1,443 with the
+  "softmax gradients" and "LM head gradients" rows (0.940); with remat 61.4 GB against 70.7
+  (0.869). Other presets and their misses: docs/scale-out.md;
 - unrolled, with remat the update's temporaries stay near the no-remat figure on XLA:CPU
   (8 layers: 277 GB against 313 GB without, the planner's 43 GB), as above.
 """
@@ -282,6 +286,9 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
   rows["activations (no remat)"] = no_remat
   rows["activations (remat)"] = remat
   rows["softmax gradients"] = float(softmax_grad_bytes(cfg, micro, config.context))
+  rows["LM head gradients"] = float(
+    lm_head_grad_bytes(cfg, micro, config.context, model=config.mesh[2])
+  )
   rows["training-path records"] = (
     float(train_record_bytes(cfg, config, quant, micro)) if config.train_records else 0.0
   )
@@ -296,7 +303,11 @@ def plan(cfg: ModelConfig, config: PlanConfig) -> dict[str, float]:
     resident + rows["KV cache (FP4)"] + rows["recurrent state"] + rows["rollout working set"]
   )
   training = (
-    resident + rows["gradients (f32)"] + rows["training-path records"] + rows["softmax gradients"]
+    resident
+    + rows["gradients (f32)"]
+    + rows["training-path records"]
+    + rows["softmax gradients"]
+    + rows["LM head gradients"]
   )
   rows["train peak (no remat)"] = training + no_remat
   rows["train peak (remat)"] = training + remat
@@ -471,6 +482,15 @@ def softmax_grad_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
   its softmax's gradients, of the probabilities and of the scores, float32 [batch, query
   heads, context, context] each (one layer at a time; none without attention layers)."""
   return 2 * batch * cfg.num_heads * context * context * 4 if _has_attention(cfg) else 0
+
+
+def lm_head_grad_bytes(cfg: ModelConfig, batch: int, context: int, model: int = 1) -> int:
+  """What the backward of the LM head's log-softmax holds beside its residual logits, on
+  one device: the logits less their maximum, their exponentials and the logits' gradient,
+  float32 [batch, context, vocab / "model" shards] each. The update's compiled programs
+  held all four live together, with the layers' backward (at Qwen3.5-35B-A3B's vocabulary of
+  248,320 and 8,192 tokens, 7.6 GiB each)."""
+  return 3 * batch * context * -(-cfg.vocab_size // model) * 4
 
 
 def _has_attention(cfg: ModelConfig) -> bool:

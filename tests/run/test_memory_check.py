@@ -1,11 +1,13 @@
-"""The compiled update's returned records, and the update's and the rollout's MoE sorts, on
-a mesh of fake CPU devices (a subprocess)."""
+"""The compiled update's returned records, the update's and the rollout's MoE sorts and
+tiled matmuls, on a mesh of fake CPU devices (a subprocess); and `collective_bytes`."""
 
 import json
 import math
 import os
 import subprocess
 import sys
+
+from trace_jax.run import memory_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -14,7 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 _PRINT_SORTS = """
 import json, re
 shapes = re.findall(r"= \\(?s32\\[([0-9,]*)\\][^ ]*(?:, s32\\[[0-9,]*\\][^ ]*)*\\)? sort\\(", text)
-print("SORTS" + json.dumps(dict(k=cfg.num_experts_per_tok, sorts=shapes)))
+# the values of the experts' tiled matmul (`layers.ragged_matmul`'s "nti,nio->nto"), per device
+tiled = re.findall(r"= [a-z0-9]+\\[([0-9,]*)\\][^ ]* [a-z-]+\\([^\\n]*op_name=\\"[^\\"]*nti,nio->nto", text)
+print("SORTS" + json.dumps(dict(k=cfg.num_experts_per_tok, sorts=shapes, tiled=tiled)))
 """
 
 
@@ -104,6 +108,12 @@ def test_update_returns_records_laid_out_by_the_guidance_rule():
   # sequence of 64 slots (the micro-batch's 2 over data = 2), not the micro-batch's.
   found = printed["SORTS"]
   assert _sorted_rows(found) == {64 * found["k"]}, found
+  # ... and multiplies its own block's tiles: no value of the tiled matmul holds both data
+  # shards' blocks [2, tiles, ...] (GSPMD did, each device summing a d_model slice of both
+  # blocks' products, until the blocks were pinned to their shards: `layers.block_axis`).
+  shapes = [[int(d) for d in shape.split(",")] for shape in found["tiled"] if shape]
+  assert shapes, found
+  assert all(len(shape) == 3 or shape[0] == 1 for shape in shapes), shapes
 
 
 # Compiles the rollout's generate (tiny preset, 8 prompts of 16 tokens decoded to 64 slots,
@@ -133,3 +143,48 @@ def test_rollout_on_a_mesh_sorts_each_data_shards_own_tokens():
   temporaries)."""
   found = _on_eight_devices(_ROLLOUT_SCRIPT)["SORTS"]
   assert _sorted_rows(found) == {4 * 16 * found["k"], 4 * 1 * found["k"]}, found
+
+
+_COLLECTIVES_SCRIPT = """
+import json
+import jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from trace_jax.run import memory_check
+
+mesh = Mesh(jax.devices(), ("x",))
+rows = NamedSharding(mesh, P("x"))
+whole = NamedSharding(mesh, P())
+x = jax.ShapeDtypeStruct((8, 256), jnp.float32, sharding=rows)
+out = {}
+# every device ends with all 8 rows: an all-gather of f32[8, 256]
+out["gather"] = memory_check.collective_bytes(
+  jax.jit(lambda x: x * 2, out_shardings=whole).trace(x).lower().compile().as_text())
+# every device ends with the column sums of all rows: an all-reduce of f32[256]
+out["reduce"] = memory_check.collective_bytes(
+  jax.jit(lambda x: x.sum(0), out_shardings=whole).trace(x).lower().compile().as_text())
+print("JSON" + json.dumps(out))
+"""
+
+
+def test_collective_bytes_are_what_each_device_receives():
+  """By hand: replicating a [8, 256] float32 array split over 8 devices all-gathers its
+  8 x 256 x 4 bytes on every device; replicating its column sums all-reduces 256 x 4. And
+  the text parser alone: a tuple result counts each array, pred one byte, bf16 two."""
+  found = _on_eight_devices(_COLLECTIVES_SCRIPT)["JSON"]
+  assert found["gather"]["all-gather"] == 8 * 256 * 4, found
+  assert sum(found["gather"].values()) == 8 * 256 * 4, found
+  assert found["reduce"]["all-reduce"] == 256 * 4, found
+  assert sum(found["reduce"].values()) == 256 * 4, found
+  text = """
+  %a = (f32[4,3]{1,0}, bf16[5]{0}) all-reduce(%p, %q), replica_groups={}, to_apply=%sum
+  %b = pred[16]{0} all-gather(%r), dimensions={0}
+  %c = f32[2,2]{1,0} add(%s, %t)
+  %d = s32[7]{0} collective-permute(%u), source_target_pairs={{0,1}}
+  """
+  assert memory_check.collective_bytes(text) == {
+    "all-gather": 16,
+    "all-reduce": 4 * 3 * 4 + 5 * 2,
+    "reduce-scatter": 0,
+    "collective-permute": 7 * 4,
+    "all-to-all": 0,
+  }

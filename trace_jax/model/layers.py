@@ -8,8 +8,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import PartitionSpec as P
 
-from trace_jax.model.parameters import param
+from trace_jax.model.parameters import MESH_AXES, param
 
 
 @struct.dataclass
@@ -104,12 +105,42 @@ def ragged_matmul(
   about 9 tiles per group) trades that gather against the padded rows.
   """
   if lhs.ndim == 3:
-    tiled = functools.partial(_tiled_matmul, tile=tile or tile_rows(lhs.shape[1], w.shape[0]))
-    return jax.vmap(tiled, in_axes=(0, None, 0))(lhs, w, group_sizes)
+    axis = block_axis(lhs.shape[0])
+    tiled = functools.partial(
+      _tiled_matmul, tile=tile or tile_rows(lhs.shape[1], w.shape[0]), pinned=axis is not None
+    )
+    return jax.vmap(tiled, in_axes=(0, None, 0), spmd_axis_name=axis)(lhs, w, group_sizes)
   return _tiled_matmul(lhs, w, group_sizes, tile=tile or tile_rows(lhs.shape[0], w.shape[0]))
 
 
-def _tiled_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int):
+def block_axis(blocks: int) -> str | None:
+  """The mesh axis a batched `ragged_matmul`'s `blocks` lie along: "data" when the ambient
+  mesh (`jax.set_mesh`) splits it into that many shards (`CallOptions.moe_blocks` =
+  `sharding.data_shards`), else None (no mesh: the call traces as without one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axis = MESH_AXES[0]
+  if mesh.empty or axis not in mesh.axis_names or mesh.shape[axis] == 1:
+    return None
+  return axis if mesh.shape[axis] == blocks else None
+
+
+def _on_own_shard(x: jax.Array) -> jax.Array:
+  """x held on its own block's shard (under `vmap(spmd_axis_name=...)` the mapped axis takes
+  the mesh axis), its other dimensions left to the partitioner."""
+  return jax.lax.with_sharding_constraint(x, P(*(P.UNCONSTRAINED,) * x.ndim))
+
+
+def _tiled_matmul(
+  lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile: int, pinned: bool = False
+):
+  """One block's `ragged_matmul`. `pinned` (a batched call's blocks on the "data" shards,
+  `block_axis`): its tiles, their gathered weights and their products stay on the block's
+  own shard, so each device gathers whole weights (FSDP's all-gather) and multiplies its
+  own rows. Unpinned on such a mesh, GSPMD kept the weights split over d_model and
+  gathered every block's tiles to every data shard, each device summing a d_model slice of
+  every block's products in float32 (the update of Qwen3.5-35B-A3B on 8 x 8 x 1: [8, 512,
+  256, 512] per matrix and layer on each device, twice the collective bytes)."""
+  keep = _on_own_shard if pinned else (lambda x: x)
   rows, width = lhs.shape
   groups, _, out = w.shape
   tiles = tile_count(rows, groups, tile)
@@ -127,17 +158,19 @@ def _tiled_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile:
   # so the backward keeps only these indices (a scatter into zeros would keep the zeros)
   source = jnp.full((tiles * tile,), rows, jnp.int32)
   source = source.at[slot].set(row, mode="drop", unique_indices=True)
-  tiled = lhs.at[source].get(mode="fill", fill_value=0, unique_indices=True)
+  tiled = keep(lhs.at[source].get(mode="fill", fill_value=0, unique_indices=True))
   tile_group = jnp.searchsorted(tile_ends, jnp.arange(tiles, dtype=jnp.int32), side="right")
   y = jnp.einsum(
     "nti,nio->nto",
     tiled.reshape(tiles, tile, width),
-    w[jnp.minimum(tile_group, groups - 1)],  # tiles past the last group: zeros, any weights
+    keep(w[jnp.minimum(tile_group, groups - 1)]),  # tiles past the last group: zeros, any weights
     precision=_precision(lhs.dtype),
     preferred_element_type=jnp.float32,
   )
-  y = y.reshape(tiles * tile, out).at[slot].get(mode="fill", fill_value=0, unique_indices=True)
-  return y.astype(lhs.dtype)
+  y = (
+    keep(y).reshape(tiles * tile, out).at[slot].get(mode="fill", fill_value=0, unique_indices=True)
+  )
+  return keep(y.astype(lhs.dtype))
 
 
 def tile_rows(rows: int, groups: int, tiles_per_group: int = 8, largest: int | None = 256) -> int:

@@ -12,13 +12,15 @@ Compiles, from abstract shapes and without weights, the two programs a run's pha
            (`Arm.rollout`) and the FP4 rollout weights placed by `rollout_param_shardings`.
 
 and reads each one's `memory_analysis()` per device (arguments, outputs, aliased outputs,
-temporaries, generated code). The mesh must be made of real devices (on CPU:
+temporaries, generated code) and the bytes its collectives move (`collective_bytes`). The mesh must be made of real devices (on CPU:
 `--xla_force_host_platform_device_count`, set before jax starts).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import time
 
 import jax
@@ -50,6 +52,7 @@ class Compiled:
   temp: int
   code: int  # generated code
   seconds: float
+  collectives: dict = dataclasses.field(default_factory=dict)  # `collective_bytes`
 
   @property
   def peak(self) -> int:
@@ -66,7 +69,29 @@ class Compiled:
       temp=int(m.temp_size_in_bytes),
       code=int(m.generated_code_size_in_bytes),
       seconds=seconds,
+      collectives=collective_bytes(compiled.as_text()),
     )
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+_COLLECTIVE = re.compile(
+  r"= (\([^=]*?\)|[a-z][a-z0-9]*\[[0-9,]*\]\S*) (" + "|".join(COLLECTIVES) + r")\("
+)
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+  """Bytes of the results of each kind of collective in a compiled (partitioned) program's
+  text, per device, {kind: bytes} over `COLLECTIVES` (synchronous ops, as XLA:CPU emits
+  them; a tuple result counts each array). Each op counts once: one in a loop's body (the
+  scan over layers, the decode loop) once, not once per trip, so compare programs of one
+  structure."""
+  out = dict.fromkeys(COLLECTIVES, 0)
+  for result, kind in _COLLECTIVE.findall(hlo_text):
+    for dtype, dims in _ARRAY.findall(result):
+      bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())
+      out[kind] += math.ceil(math.prod(int(d) for d in dims.split(",") if d) * bits / 8)
+  return out
 
 
 def _placed(tree, shardings):
@@ -228,7 +253,8 @@ def planner_programs(cfg: ModelConfig, config: plan_lib.PlanConfig, rows: dict, 
 
   update: arguments master + Adam + the guidance of one micro-batch + its trajectories;
   outputs the training-path records + log pi_old and entropy (float32 per slot);
-  temporaries gradients + activations (remat or not as `cfg.remat`) + softmax gradients.
+  temporaries gradients + activations (remat or not as `cfg.remat`) + softmax and LM head
+  gradients.
   rollout: arguments the FP4 rollout weights + the prompt (int32 tokens, bool mask);
   outputs KV cache + recurrent state + the guidance the trace arm's rollout captures (its
   own guided layers: every layer where the arm is measured) + the slot buffers;
@@ -252,7 +278,10 @@ def planner_programs(cfg: ModelConfig, config: plan_lib.PlanConfig, rows: dict, 
     + micro_guidance
     + trajectory_bytes(micro, config.context) / data,
     "output": rows["training-path records"] + 2 * micro * config.context * 4 / data,
-    "temp": rows["gradients (f32)"] + activations + rows["softmax gradients"],
+    "temp": rows["gradients (f32)"]
+    + activations
+    + rows["softmax gradients"]
+    + rows["LM head gradients"],
   }
   rollout_cfg = rollout_config(config, prompt)
   captured = dataclasses.replace(
@@ -323,4 +352,10 @@ def format_comparison(
   lines.append(f"H200 ({limit / gb:.0f} GB): " + "; ".join(verdicts))
   seconds = ", ".join(f"{k} {v.seconds:.1f} s" for k, v in compiled.items())
   lines.append(f"compile seconds: {seconds}")
+  for program, c in compiled.items():
+    kinds = ", ".join(f"{k} {v / gb:,.3f}" for k, v in c.collectives.items() if v)
+    lines.append(
+      f"{program} collectives per device (GB, each op once): "
+      f"{sum(c.collectives.values()) / gb:,.3f} ({kinds or 'none'})"
+    )
   return "\n".join(lines)
