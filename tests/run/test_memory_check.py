@@ -169,7 +169,8 @@ print("JSON" + json.dumps(out))
 def test_collective_bytes_are_what_each_device_receives():
   """By hand: replicating a [8, 256] float32 array split over 8 devices all-gathers its
   8 x 256 x 4 bytes on every device; replicating its column sums all-reduces 256 x 4. And
-  the text parser alone: a tuple result counts each array, pred one byte, bf16 two."""
+  the text parser alone: a tuple result counts each array, pred one byte, bf16 two, an
+  E4M3 one, a token none."""
   found = _on_eight_devices(_COLLECTIVES_SCRIPT)["JSON"]
   assert found["gather"]["all-gather"] == 8 * 256 * 4, found
   assert sum(found["gather"].values()) == 8 * 256 * 4, found
@@ -180,11 +181,12 @@ def test_collective_bytes_are_what_each_device_receives():
   %b = pred[16]{0} all-gather(%r), dimensions={0}
   %c = f32[2,2]{1,0} add(%s, %t)
   %d = s32[7]{0} collective-permute(%u), source_target_pairs={{0,1}}
+  %e = (f8e4m3fn[6]{0}, token[]) all-to-all(%v, %w), dimensions={0}
   """
   assert memory_check.collective_bytes(text) == {
     "all-gather": 16,
     "all-reduce": 4 * 3 * 4 + 5 * 2,
     "reduce-scatter": 0,
     "collective-permute": 7 * 4,
-    "all-to-all": 0,
+    "all-to-all": 6,
   }

@@ -12,8 +12,9 @@ Compiles, from abstract shapes and without weights, the two programs a run's pha
            (`Arm.rollout`) and the FP4 rollout weights placed by `rollout_param_shardings`.
 
 and reads each one's `memory_analysis()` per device (arguments, outputs, aliased outputs,
-temporaries, generated code) and the bytes its collectives move (`collective_bytes`). The mesh must be made of real devices (on CPU:
-`--xla_force_host_platform_device_count`, set before jax starts).
+temporaries, generated code) and the bytes its collectives move (`collective_bytes`). The
+mesh must be made of real devices (on CPU: `--xla_force_host_platform_device_count`, set
+before jax starts).
 """
 
 from __future__ import annotations
@@ -83,14 +84,16 @@ _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 def collective_bytes(hlo_text: str) -> dict[str, int]:
   """Bytes of the results of each kind of collective in a compiled (partitioned) program's
   text, per device, {kind: bytes} over `COLLECTIVES` (synchronous ops, as XLA:CPU emits
-  them; a tuple result counts each array). Each op counts once: one in a loop's body (the
+  them; a tuple result counts each array, tokens none). Each op counts once: one in a loop's body (the
   scan over layers, the decode loop) once, not once per trip, so compare programs of one
   structure."""
   out = dict.fromkeys(COLLECTIVES, 0)
   for result, kind in _COLLECTIVE.findall(hlo_text):
     for dtype, dims in _ARRAY.findall(result):
-      bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())
-      out[kind] += math.ceil(math.prod(int(d) for d in dims.split(",") if d) * bits / 8)
+      width = re.match(r"[a-z]+(\d+)", "pred8" if dtype == "pred" else dtype)
+      if width:  # not a token
+        elements = math.prod(int(d) for d in dims.split(",") if d)
+        out[kind] += math.ceil(elements * int(width.group(1)) / 8)
   return out
 
 
