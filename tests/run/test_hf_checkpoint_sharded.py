@@ -1,11 +1,18 @@
 """RL from a checkpoint read straight onto the learner's mesh (`from_hf(..., mesh=)` through
 `policy_source.load_hf_policy`), against the same run from a checkpoint read whole and placed
-afterwards: 8 fake CPU devices, in a subprocess (the device count is fixed at jax's import)."""
+afterwards: 8 fake CPU devices, in a subprocess (the device count is fixed at jax's import).
+
+Slow (two whole runs, ~1 min): `pytest -m slow tests/run/test_hf_checkpoint_sharded.py`. The
+default suite keeps the parts: the sharded load equals the whole load bit for bit
+(tests/model/test_hf_sharded.py), and RL steps from a checkpoint loaded onto a mesh across
+processes (tests/studies/test_scale_check_script.py)."""
 
 import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 _SCRIPT = textwrap.dedent(
   """
@@ -52,6 +59,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_rl_from_a_checkpoint_read_onto_the_mesh_equals_read_whole_then_placed(tmp_path):
   tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   script = f"TESTS = {tests!r}\nROOT = {str(tmp_path)!r}\n" + _SCRIPT
