@@ -69,3 +69,67 @@ def test_fully_masked_padding_row_stays_finite():
   v = v.at[:, 2].set(jnp.nan)
   out = np.asarray(jax.jit(attend)(q, k, v, mask))
   assert np.isfinite(out[1, 1]).all()  # the padding query, uniform over all slots
+
+
+def _decode_inputs(seed):
+  """One query per sequence over 11 slots: sequence 0 sees slots [0, 7), sequence 1
+  slots [0, 3) and 5, sequence 2 none (a padding row)."""
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (3, 1, 4, 8))
+  k = jax.random.normal(kk, (3, 11, 2, 8))
+  v = jax.random.normal(kv, (3, 11, 2, 8))
+  mask = np.zeros((3, 1, 11), bool)
+  mask[0, 0, :7] = True
+  mask[1, 0, [0, 1, 2, 5]] = True
+  return q, k, v, jnp.asarray(mask)
+
+
+def test_a_decode_step_matches_the_reference_and_hides_masked_nan():
+  q, k, v, mask = _decode_inputs(seed=3)
+  out = np.asarray(jax.jit(attend)(q, k, v, mask))
+  np.testing.assert_allclose(out[:2], _reference(q, k, v, mask)[:2], rtol=1e-5, atol=1e-6)
+  # The same query attended as one of several (the general path): the same bits.
+  wide_mask = jnp.concatenate([mask, mask], axis=1)
+  wide = np.asarray(attend(jnp.concatenate([q, q], axis=1), k, v, wide_mask))
+  np.testing.assert_array_equal(out[:, 0], wide[:, 0])
+  # NaN and Inf in slots a sequence does not see change nothing; in a seen slot, NaN.
+  bad_v = v.at[0, 9].set(jnp.nan).at[1, 4, 0].set(jnp.inf).at[1, 5, 1, 3].set(jnp.nan)
+  got = np.asarray(jax.jit(attend)(q, k, bad_v, mask))
+  np.testing.assert_array_equal(got[0], out[0])
+  heads = q.shape[2] // k.shape[2]
+  np.testing.assert_array_equal(got[1, 0, :heads], out[1, 0, :heads])  # KV head 0 clean
+  assert np.isnan(got[1, 0, heads:, 3]).all()  # KV head 1 sees the NaN in slot 5
+  assert np.isfinite(out[2]).all()  # the padding row: a uniform mean over every slot
+  np.testing.assert_allclose(
+    out[2, 0], np.repeat(np.asarray(v[2]).mean(0), heads, axis=0), rtol=1e-5, atol=1e-6
+  )
+
+
+def _ops_on(jaxpr, tainted: set, found: list) -> set:
+  """Appends to `found` the primitives applied to values derived from `tainted` (inside
+  nested jit calls too), up to and including the products; returns the tainted outputs."""
+  tainted = set(tainted)
+  for eqn in jaxpr.eqns:
+    hits = [i for i, a in enumerate(eqn.invars) if not hasattr(a, "val") and a in tainted]
+    if not hits:
+      continue
+    inner = eqn.params.get("jaxpr")
+    if inner is not None:
+      inner = getattr(inner, "jaxpr", inner)
+      outs = _ops_on(inner, {inner.invars[i] for i in hits}, found)
+      tainted.update(o for o, i in zip(eqn.outvars, inner.outvars) if i in outs)
+      continue
+    found.append(eqn.primitive.name)
+    if eqn.primitive.name != "dot_general":  # the product is where V's read ends
+      tainted.update(eqn.outvars)
+  return tainted
+
+
+def test_a_decode_step_reads_v_once():
+  """Between the cache's V and the product, one elementwise select (the unseen slots
+  zeroed, which XLA fuses into the product's operand): no finiteness pass over V."""
+  q, k, v, mask = _decode_inputs(seed=4)
+  jaxpr = jax.make_jaxpr(attend)(q, k, v, mask).jaxpr
+  found: list = []
+  _ops_on(jaxpr, {jaxpr.invars[2]}, found)
+  assert found == ["select_n", "dot_general"], found

@@ -43,8 +43,25 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
   scores = jnp.where(mask[:, None, None], scores, _MASKED)
   probs = jax.nn.softmax(scores, axis=-1)
   # A masked slot gets probability 0, but 0 * NaN is NaN: a stale cache slot (or a later
-  # token) holding NaN or Inf would poison every query. Zero non-finite values before the
-  # product, then mark NaN exactly the queries that give such a slot positive weight.
+  # token) holding NaN or Inf would poison every query.
+  if t == 1:
+    # A decode step: one query per sequence, so the slots it may see are the sequence's.
+    # Zero the others in the product's operand (a select XLA fuses into the dot: V is read
+    # once); a non-finite value in a seen slot then makes the output non-finite by itself.
+    # A fully masked (padding) row keeps its uniform softmax over every slot.
+    seen = mask[:, 0] | ~jnp.any(mask[:, 0], axis=-1, keepdims=True)  # [B, S]
+    v = jnp.where(seen[:, :, None, None], v, jnp.zeros((), v.dtype))
+    out = jnp.einsum(
+      "bkgts,bskd->btkgd",
+      probs.astype(v.dtype),
+      v,
+      precision=precision,
+      preferred_element_type=jnp.float32,
+    )
+    out = jnp.where(jnp.isfinite(out), out, jnp.nan)
+    return out.reshape(b, t, h, dh).astype(q.dtype)
+  # Several queries see different slots: zero non-finite values before the product, then
+  # mark NaN exactly the queries that give such a slot positive weight.
   finite = jnp.all(jnp.isfinite(v), axis=-1)  # [B, S, Hkv]
   v = jnp.where(finite[..., None], v, jnp.zeros((), v.dtype))
   out = jnp.einsum(
