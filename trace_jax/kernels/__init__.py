@@ -11,6 +11,8 @@ kernels the model dequantizes and runs XLA dots (`experiments/bench_kernels.py` 
   gemm_body         that shared kernel body, its operand checks, tilings and records
   routing           sort-free expert-major tiles of routed rows (for the grouped GEMM)
   moe               a MoE layer's routed experts: two grouped GEMMs
+  moe_bf16          the routed experts on bf16 weights four ways (grouped, gather,
+                    ragged_dot, dense): the fair bf16 baselines of the FP4 MoE
   decode_attention  one query token over the FP4 KV cache, flash-decoding for any length
   kv_write          new K/V entries quantized and written into the FP4 cache in place
   quantize          fused per-token NVFP4/MXFP4 quantization + compact guidance bits
@@ -41,6 +43,7 @@ from trace_jax.kernels import (
   launch,
   layout,
   moe,
+  moe_bf16,
   probe,
   quantize,
   routing,

@@ -70,25 +70,6 @@ def moe_experts(
   return rows(y).reshape(n, top_k, d), rows(h).reshape(n, top_k, f), rec_in, rec_mid
 
 
-def moe_experts_bf16(x, experts, w_gate, w_up, w_down, *, interpret=None, block_m=None):
-  """`moe_experts` on bf16 expert weights [E, d, f] / [E, f, d]: the same expert-major
-  grouped GEMMs and sort-free routing, no quantization. The fair bf16 baseline of
-  `experiments/gpu_check.py`: each routed expert's weights are read once per column block,
-  as the FP4 path reads its packed ones (XLA's ragged_dot reads all experts instead).
-  Returns y [N, k, d] in (token, slot) order."""
-  n, top_k = experts.shape
-  num_experts, _, f = w_gate.shape
-  tiles = routing.route_tiles(
-    experts, num_experts, block_m or grouped_gemm.grouped_tile_rows(n * top_k, num_experts)
-  )
-  tile = swiglu_tile(f)
-  gate_up = layout.fuse_arrays([w_gate, w_up], tile)
-  launch = dict(interpret=interpret, out_dtype=x.dtype)
-  h, _ = grouped_gemm.fp4_grouped_gemm(x, gate_up, tiles, swiglu_tile=tile, **launch)
-  y, _ = grouped_gemm.fp4_grouped_gemm(h, w_down, tiles, **launch)
-  return tiles.to_rows(y).reshape(n, top_k, -1)
-
-
 def swiglu_tile(width: int) -> int:
   """The gate|up interleave tile (= the grouped GEMM's column block) for ffn width f."""
   return next(t for t in (64, 32, 16, 8) if width % t == 0)
