@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm.auto import tqdm
 
 from trace_jax.model.quant import QuantConfig
 from trace_jax.model.transformer import Transformer
@@ -84,6 +83,10 @@ def train_sft(
     raise ValueError(f"steps={steps} must be >= 0")
   opt = nnx.Optimizer(model, _optimizer(learning_rate, steps, warmup), wrt=nnx.Param)
   losses = []
+  # imported here: the training path's modules load where tqdm is not installed (the GPU
+  # image the device checks run on)
+  from tqdm.auto import tqdm  # noqa: PLC0415
+
   bar = tqdm(range(steps), desc="sft", disable=not progress, leave=False)
   for i in bar:
     nll = float(_sft_step(model, opt, *batches(i), quant=quant))
