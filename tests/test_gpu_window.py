@@ -249,3 +249,55 @@ def test_the_rollout_depth_is_the_deepest_at_which_both_arms_fit(experiments_pat
     assert at(layers) <= 0.85 * device
   bf16_next = gpu_decode._arm_state_bytes(cfg.replace(num_layers=layers + 1), None, batch, context)
   assert bf16_next > 0.85 * device  # bf16, the larger arm, limits the depth
+
+
+def test_each_block_of_the_random_rollout_weights_compiles_once(experiments_path):
+  import gpu_decode
+  import jax
+  from trace_jax import model as M
+
+  cfg = M.get_preset("tiny", num_layers=3)
+  traced = []
+
+  def make_block(block):
+    traced.append(1)  # runs once per compilation
+    return block
+
+  _, params = gpu_decode.random_rollout_params(cfg, make_block, jax.random.key(0))
+  assert len(traced) == 2  # the layer blocks once, the embedding / head / norm once
+  layers = {path[1] for path, _ in params.flat_state() if path[0] == "blocks"}
+  assert layers == {0, 1, 2}  # each block back under its own index
+
+
+@pytest.mark.parametrize("kind", ["grouped", "gather", "ragged_dot", "dense"])
+def test_the_fair_bf16_decode_computes_the_engines_model(kind, experiments_path):
+  """A bf16 decode step with the experts laid out for `kind` and the model's MoE routed
+  through it gives the logits of the engine's own bf16 step."""
+  import dataclasses
+
+  import gpu_decode
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from trace_jax import model as M
+  from trace_jax.rollout.params import quantize_params
+
+  cfg = M.get_preset("tiny", num_layers=1, moe_ffn_dim=32)
+  graphdef, state = nnx.split(M.Transformer(cfg, rngs=nnx.Rngs(random.randrange(100))))
+  params = quantize_params(state, None, dtype=jnp.bfloat16)
+  key = jax.random.key(1)
+  cache = gpu_decode._random_cache(cfg, 2, 9, None, key)
+  tokens = jax.random.randint(key, (2, 1), 0, cfg.vocab_size)
+  options = M.CallOptions(compute_dtype="bfloat16", kernels="xla")
+
+  def logits(p):
+    out = nnx.merge(graphdef, p)(tokens, cache=cache, quant=None, options=options)
+    return np.asarray(out.logits, np.float32)
+
+  want = logits(params)
+  laid_out = gpu_decode.layout_bf16_experts(params, kind)
+  with gpu_decode._fair_bf16_layers(kind):
+    got = logits(laid_out)
+  assert dataclasses.is_dataclass(cache)
+  np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05 * np.abs(want).max())
