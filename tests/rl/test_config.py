@@ -368,3 +368,29 @@ def test_prefill_chunk_is_a_flag_the_rollouts_take():
   assert RLConfig.from_dict(FLAT).sampling.prefill_chunk == 0
   with pytest.raises(ValueError, match=r"RLConfig.prefill_chunk=-1 must be >= 0"):
     RLConfig.from_flat(prefill_chunk=-1)
+
+
+@pytest.mark.parametrize("std_norm", [False, True])
+def test_a_group_of_one_sample_is_refused_by_name(std_norm):
+  """One sample per group leaves every GRPO advantage 0 (with or without the std division),
+  so such a run could never learn: refused naming group_size and what is allowed."""
+  from trace_jax.rl.grpo import group_advantages
+
+  rewards = np.random.default_rng(0).random(6).astype(np.float32)
+  assert not np.any(np.asarray(group_advantages(rewards, 1, std_norm=std_norm)))
+  with pytest.raises(ValueError, match=r"RLConfig.group_size=1 .* use group_size >= 2"):
+    RLConfig.from_flat(group_size=1, std_norm=std_norm)
+  assert RLConfig.from_flat(group_size=2, std_norm=std_norm).sampling.group_size == 2
+
+
+def test_a_temperature_below_the_floor_is_refused_naming_the_floor():
+  """A temperature of 1e-30 scales the two paths' log-probs by 1e30 (IS ratio inf, k3 NaN):
+  refused naming the value and the floor; the floor itself is a run's temperature."""
+  from trace_jax.rl.config import MIN_TEMPERATURE
+
+  for value in (1e-30, MIN_TEMPERATURE / 2):
+    with pytest.raises(
+      ValueError, match=rf"RLConfig.temperature={value!r} is below the floor 0.01"
+    ):
+      RLConfig.from_flat(temperature=value)
+  assert RLConfig.from_flat(temperature=MIN_TEMPERATURE).sampling.temperature == MIN_TEMPERATURE

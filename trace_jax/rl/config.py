@@ -51,6 +51,11 @@ RESUMABLE_FIELDS = (
   "rollout_timeout",
 )
 COMPUTE_DTYPES = ("bfloat16", "float32")
+# The lowest sampling temperature a run takes (vLLM clamps to the same): every log-prob of the
+# rollout and the training path is scaled by 1 / temperature, and below it a logit gap of
+# under one nat between the two paths overflows float32's exp in the IS ratio and k3 (inf,
+# then NaN). Greedy decoding is the evaluation's, not a temperature.
+MIN_TEMPERATURE = 0.01
 
 
 def _check(where: str, obj, names, ok, what: str) -> None:
@@ -160,8 +165,21 @@ class Sampling:
   def __post_init__(self):
     names = ("prompts_per_step", "group_size", "max_new_tokens")
     _check("RLConfig", self, names, lambda v: v >= 1, "must be >= 1")
+    if self.group_size == 1:
+      raise ValueError(
+        "RLConfig.group_size=1 gives every sample an advantage of 0 (r minus its group's "
+        "mean, with one sample per group, with or without std_norm): no step would learn; "
+        "use group_size >= 2"
+      )
     _check("RLConfig", self, ("prompt_bucket", "prefill_chunk"), lambda v: v >= 0, "must be >= 0")
     _check("RLConfig", self, ("temperature",), _finite_positive, "must be a finite number > 0")
+    if self.temperature < MIN_TEMPERATURE:
+      raise ValueError(
+        f"RLConfig.temperature={self.temperature!r} is below the floor {MIN_TEMPERATURE}: "
+        f"log-probs scale by 1 / temperature, and the IS ratio and k3 between the rollout "
+        f"and the training path overflow to inf and NaN; use temperature >= "
+        f"{MIN_TEMPERATURE} (the evaluation is greedy already)"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
