@@ -9,10 +9,11 @@
   <workdir>/tensorboard/    metrics.jsonl's scalars and the config as TensorBoard events,
                             rewritten from metrics.jsonl on every start (`run.tensorboard`)
 
-Everything is checked before any work, on every start: the workdir is writable; the config
-recorded in run.json, and the one in each readable checkpoint, is this run's (else a
-ValueError naming the fields that differ, so a second run never takes over a finished one's
-files, with or without checkpoints); `steps` may change only where the learning-rate
+Everything is checked before any work, on every start: the workdir lies neither in the HF
+checkpoint the run starts from nor in another run's checkpoints/, warmstart/ or tensorboard/
+(`check_workdir_place`), and is writable; the config recorded in run.json, and the one in
+each readable checkpoint, is this run's (else a ValueError naming the fields that differ, so
+a second run never takes over a finished one's files, with or without checkpoints); `steps` may change only where the learning-rate
 schedule does not depend on it (lr_decay="constant"); `checkpoints` is a directory;
 metrics.jsonl reads and every line's step is an integer. A workdir that holds a run's files
 but no record of its config (written before run.json existed, or by something else) is
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 RUN_RECORD = "run.json"
 # Files of a run: a workdir holding any of them without a record of its config is refused.
 RUN_FILES = ("metrics.jsonl", "summary.json")
+# The folders a run manages inside its workdir: no other run's workdir may lie in them.
+RUN_FOLDERS = ("checkpoints", warmstart.WARMSTART_DIR, tensorboard.DIRECTORY)
 
 
 def check_workdir(workdir: str) -> str:
@@ -59,6 +62,37 @@ def check_workdir(workdir: str) -> str:
   except OSError as e:
     raise ValueError(f"workdir {workdir!r} is not writable: {e}") from e
   return path
+
+
+def check_workdir_place(workdir: str, hf_checkpoint: str = "") -> None:
+  """A ValueError, before anything is written, for a workdir whose files would land among
+  another's: equal to or inside the `hf_checkpoint` directory the run starts from, or inside
+  one of another run's own folders (`RUN_FOLDERS`: its checkpoints, warm start, TensorBoard
+  events; that run prunes or rewrites them). Paths compare after resolving symbolic links."""
+  path = os.path.realpath(workdir)
+  if hf_checkpoint:
+    source = os.path.realpath(hf_checkpoint)
+    if path == source or path.startswith(source + os.sep):
+      where = "is" if path == source else "lies inside"
+      raise ValueError(
+        f"workdir {workdir!r} ({path}) {where} the hf_checkpoint directory "
+        f"{hf_checkpoint!r} ({source}); a run writes its checkpoints, metrics and "
+        "run.json into its workdir: use a --workdir outside the checkpoint"
+      )
+  inner = path
+  while os.path.dirname(inner) != inner:
+    run = os.path.dirname(inner)
+    folder = os.path.basename(inner)
+    if folder in RUN_FOLDERS and any(
+      os.path.exists(os.path.join(run, name)) for name in (RUN_RECORD,) + RUN_FILES
+    ):
+      where = "is" if inner == path else "lies inside"
+      raise ValueError(
+        f"workdir {workdir!r} ({path}) {where} {inner}, the {folder}/ "
+        f"folder of the run in {run}; that run manages the folder's contents: use a "
+        "--workdir outside it"
+      )
+    inner = run
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -85,6 +119,7 @@ class RunDir:
 
   def __init__(self, workdir: str, config: RLConfig):
     self._events, self._close_events = None, None  # the TensorBoard log, opened on `restore`
+    check_workdir_place(workdir, config.source.hf_checkpoint)  # before the lock writes
     self._unlock = weakref.finalize(self, _release, lock_run_workdir(workdir))
     try:
       self.config = config
