@@ -123,3 +123,33 @@ def test_a_workdir_in_another_run_s_folders_is_refused_before_any_write(tmp_path
     assert str(workdir) in str(refused.value) and str(first) in str(refused.value)
   assert sorted(os.listdir(first)) == before and not os.listdir(first / "checkpoints")
   RunDir(str(tmp_path / "plain" / "checkpoints" / "run"), RLConfig.from_flat(preset="tiny")).close()
+
+
+def test_a_run_recorded_on_a_mesh_resumes_on_it_under_the_default(tmp_path, monkeypatch, caplog):
+  """A run whose run.json records mesh 1,1,1 (the old default, or one without a mesh field,
+  saved before it existed) resumes under today's default -1,1,1 on 8 devices on its own
+  mesh, saying so; a fresh workdir takes all 8."""
+  import json
+
+  import jax
+
+  from trace_jax.run.rundir import on_devices
+
+  old = str(tmp_path / "old")
+  RunDir(old, RLConfig.from_flat(preset="tiny", mesh=(1, 1, 1))).close()
+  monkeypatch.setattr(jax, "device_count", lambda: 8)
+  default = RLConfig.from_flat(preset="tiny")
+  with caplog.at_level(logging.WARNING, logger="trace_jax.run.rundir"):
+    resumed = on_devices(default, old)
+  assert resumed.mesh == (1, 1, 1)
+  assert "resuming on the mesh (1, 1, 1) its run.json records" in caplog.text
+  RunDir(old, resumed).close()  # the record's config: accepted
+  record = os.path.join(old, "run.json")
+  with open(record) as f:
+    saved = json.load(f)
+  del saved["config"]["mesh"]
+  with open(record, "w") as f:
+    json.dump(saved, f)
+  assert on_devices(default, old).mesh == (1, 1, 1)
+  assert on_devices(default, str(tmp_path / "new")).mesh == (8, 1, 1)
+  assert on_devices(RLConfig.from_flat(preset="tiny", mesh=(2, 1, 1)), old).mesh == (2, 1, 1)

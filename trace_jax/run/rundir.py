@@ -95,6 +95,40 @@ def check_workdir_place(workdir: str, hf_checkpoint: str = "") -> None:
     inner = run
 
 
+def on_devices(config: RLConfig, workdir: str) -> RLConfig:
+  """`config` with RLConfig.mesh's -1 axis resolved on this job's devices
+  (`RLConfig.on_devices`): the devices left, or, resuming a run, the mesh its run.json
+  records where the spec allows it and the devices hold it (a run keeps its mesh: one
+  started on 4 devices, or with the old default 1,1,1, resumes on 8 as it ran). An
+  unreadable record is left to `RunDir`, which refuses it."""
+  if -1 not in config.mesh:
+    return config
+  recorded = None
+  try:
+    with open(os.path.join(os.path.abspath(workdir), RUN_RECORD), "rb") as f:
+      saved = RLConfig.flat_dict(json.loads(f.read())["config"])
+    recorded = tuple(int(m) for m in saved["mesh"])
+  except (OSError, ValueError, KeyError, TypeError):
+    pass
+  resolved = config.on_devices(jax.device_count(), recorded)
+  if recorded is not None and resolved.mesh == recorded:
+    try:
+      fresh = config.on_devices(jax.device_count()).mesh
+    except ValueError:
+      fresh = None  # the devices left would not take this run afresh
+    if fresh != recorded:
+      log.warning(
+        "%s: resuming on the mesh %s its %s records (RLConfig.mesh=%s would be %s on this "
+        "job's devices)",
+        workdir,
+        recorded,
+        RUN_RECORD,
+        config.mesh,
+        fresh,
+      )
+  return resolved
+
+
 def read_metrics(workdir: str) -> list[dict]:
   """The metrics lines of a run (a torn last line, from an interrupted append, dropped)."""
   return read_jsonl(os.path.join(os.path.abspath(workdir), "metrics.jsonl"))
