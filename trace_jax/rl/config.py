@@ -48,6 +48,8 @@ RESUMABLE_FIELDS = (
   "scan_layers",
   "prefill_chunk",
   "tensorboard",
+  "wandb",
+  "wandb_project",
   "rollout_timeout",
 )
 COMPUTE_DTYPES = ("bfloat16", "float32")
@@ -247,11 +249,25 @@ class Evaluation:
   tensorboard: bool = knob(
     True, "Also write metrics.jsonl's scalars and the config to <workdir>/tensorboard/."
   )
+  wandb: bool = knob(
+    False,
+    "Also log metrics.jsonl's scalars and the config to Weights & Biases (the wandb extra: "
+    "pip install 'trace_jax[wandb]'); a resume continues the same W&B run.",
+  )
+  wandb_project: str = knob("trace_jax", "The W&B project of --wandb.")
 
   def __post_init__(self):
     names = ("eval_every", "eval_size", "version_diag_every")
     _check("RLConfig", self, names, lambda v: v >= 0, "must be >= 0")
-    _check("RLConfig", self, ("tensorboard",), lambda v: isinstance(v, bool), "must be a bool")
+    names = ("tensorboard", "wandb")
+    _check("RLConfig", self, names, lambda v: isinstance(v, bool), "must be a bool")
+    _check(
+      "RLConfig",
+      self,
+      ("wandb_project",),
+      lambda v: isinstance(v, str) and v.strip() != "",
+      "must be a project name",
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

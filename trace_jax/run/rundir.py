@@ -8,6 +8,8 @@
   <workdir>/run.json        the run's config, recorded when it starts (`RUN_RECORD`)
   <workdir>/tensorboard/    metrics.jsonl's scalars and the config as TensorBoard events,
                             rewritten from metrics.jsonl on every start (`run.tensorboard`)
+  <workdir>/wandb.json      with --wandb: the W&B run it logs to and the last step logged
+                            there (`run.wandb_log`)
 
 Everything is checked before any work, on every start: the workdir lies neither in the HF
 checkpoint the run starts from nor in another run's checkpoints/, warmstart/ or tensorboard/
@@ -34,7 +36,7 @@ from flax import nnx
 
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.step import RLState, step_key
-from trace_jax.run import report, tensorboard, warmstart
+from trace_jax.run import report, tensorboard, wandb_log, warmstart
 from trace_jax.run.checkpoint import CheckpointError, Checkpoints
 from trace_jax.training.optim import LayerStacked
 from trace_jax.utils import append_jsonl, read_jsonl, write_atomic
@@ -153,6 +155,7 @@ class RunDir:
 
   def __init__(self, workdir: str, config: RLConfig):
     self._events, self._close_events = None, None  # the TensorBoard log, opened on `restore`
+    self._wandb, self._close_wandb = None, None  # the W&B run (--wandb), opened with it
     check_workdir_place(workdir, config.source.hf_checkpoint)  # before the lock writes
     self._unlock = weakref.finalize(self, _release, lock_run_workdir(workdir))
     try:
@@ -173,6 +176,9 @@ class RunDir:
             "TensorBoard events there whole on every start (move it away, use another "
             "--workdir, or run with --tensorboard=false)"
           )
+      if config.evaluation.wandb and is_main_process():
+        wandb_log.check_available()
+        wandb_log.read_state(self.path)  # a damaged record: refused before any work
       self.metrics_path = os.path.join(self.path, "metrics.jsonl")
       if os.path.exists(self.metrics_path):  # a damaged log fails here, before any work
         _check_steps(self.metrics_path, read_jsonl(self.metrics_path))
@@ -191,8 +197,9 @@ class RunDir:
   def close(self) -> None:
     """Write the TensorBoard events still queued and release the workdir's lock (idempotent)."""
     try:
-      if self._close_events is not None:
-        self._close_events()
+      for close in (self._close_events, self._close_wandb):
+        if close is not None:
+          close()
     finally:
       self._unlock()
 
@@ -373,23 +380,34 @@ class RunDir:
     self._open_events(kept)
 
   def _open_events(self, records: list[dict]) -> None:
-    """The TensorBoard log (`run.tensorboard`), rewritten from `records` (once; main process,
-    --tensorboard only)."""
-    if self._events is not None or not self.config.evaluation.tensorboard:
-      return
-    self._events = tensorboard.EventLog(self.path, records, self.config.to_dict())
-    # queued events are written at close, garbage collection or the process's exit
-    self._close_events = weakref.finalize(self, self._events.close)
+    """The TensorBoard log (`run.tensorboard`), rewritten from `records`, and the W&B run
+    (`run.wandb_log`), given the lines of `records` it lacks (once; main process, each with
+    its flag only)."""
+    evaluation = self.config.evaluation
+    if self._events is None and evaluation.tensorboard:
+      self._events = tensorboard.EventLog(self.path, records, self.config.to_dict())
+      # queued events are written at close, garbage collection or the process's exit
+      self._close_events = weakref.finalize(self, self._events.close)
+    if self._wandb is None and evaluation.wandb:
+      self._wandb = wandb_log.WandbLog(
+        self.path, records, self.config.to_dict(), project=evaluation.wandb_project
+      )
+      self._close_wandb = weakref.finalize(self, self._wandb.close)
 
   def log(self, metrics: dict) -> None:
-    """Append one line to metrics.jsonl (and queue it for the TensorBoard events)."""
+    """Append one line to metrics.jsonl (and queue it for the TensorBoard events, log it to
+    the W&B run)."""
     if is_main_process():  # multi-host: one metrics file, written once
-      if self._events is None and self.config.evaluation.tensorboard:  # without a `restore`
+      evaluation = self.config.evaluation
+      if (self._events is None and evaluation.tensorboard) or (
+        self._wandb is None and evaluation.wandb
+      ):  # without a `restore`
         exists = os.path.exists(self.metrics_path)
         self._open_events(read_jsonl(self.metrics_path) if exists else [])
       append_jsonl(self.metrics_path, metrics)
-      if self._events is not None:
-        self._events.log(metrics)
+      for sink in (self._events, self._wandb):
+        if sink is not None:
+          sink.log(metrics)
 
   def read_metrics(self) -> list[dict]:
     return read_metrics(self.path)
