@@ -33,10 +33,12 @@ with the cell's config (its summary.json: an `experiments/rl.py` run copied ther
 correction on any arm (fp4-rollout loses its TIS); results under <name> "stress".
 """
 
+import functools
 import os
 import shutil
 import time
 
+import jax
 import matplotlib
 from absl import app, flags, logging
 
@@ -267,7 +269,12 @@ def main(argv):
 
   plan = [(task, seed, arm) for task in _TASKS.value for seed in seeds for arm in arms]
   cells = compare.run_cells(
-    results_dir, plan, config_of, runner, defaults=_D.to_dict(), normalize=RLConfig.flat_dict
+    results_dir,
+    plan,
+    config_of,
+    runner,
+    defaults=_D.to_dict(),
+    normalize=functools.partial(RLConfig.flat_dict, devices=jax.device_count()),
   )
   preset = overrides.get("preset", _D.source.preset)
   title = (

@@ -66,13 +66,21 @@ def main(argv):
       calibration_prompts=_CALIB.value,
     )
   except (ValueError, OSError, CheckpointError) as e:  # one line: what, where, what to do
-    print(f"export.py: error: {e}", file=sys.stderr)
+    print(f"export.py: error: {_one_line(e)}", file=sys.stderr)
     sys.exit(1)
   if _LIST.value:
     print(format_listing(summary["out_dir"]))
   print(describe(summary))
   if "input_scale_distance" in summary:
     print("static input scales vs per-token:", summary["input_scale_distance"])
+
+
+def _one_line(error: Exception) -> str:
+  """The error's message; an OSError's without its "[Errno n]" prefix, with its file."""
+  if not isinstance(error, OSError) or not error.strerror:
+    return str(error)
+  name = error.filename
+  return error.strerror if not name or str(name) in error.strerror else f"{error.strerror}: {name}"
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ target: +0.15, +0.15 over the placebo, <= 600 s) and curves.png. A finished cell
 Run it alone on the machine: the wall times are part of the target.
 """
 
+import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
 
+import jax
 import matplotlib
 from absl import app, flags, logging
 
@@ -83,7 +85,7 @@ def main(argv):
     lambda task, seed, cell: config(seed, cell).to_dict(),
     run,
     defaults=RLConfig().to_dict(),
-    normalize=RLConfig.flat_dict,
+    normalize=functools.partial(RLConfig.flat_dict, devices=jax.device_count()),
   )
   title = f"the main job ({task}, {RLConfig().arm}) on {len(seeds)} seeds against its placebo"
   seeds_lib.write_results(results_dir, cells, {"seeds": seeds}, title)

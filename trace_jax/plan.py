@@ -520,18 +520,51 @@ def format_table(name: str, config: PlanConfig, rows: dict[str, float]) -> str:
 
 
 def batch_lower_bound_bytes(
-  cfg: ModelConfig, batch: int, context: int, *, data: int = 1, minibatch: int | None = None
-) -> dict[str, float]:
-  """What a rollout batch needs per device at least, from shapes alone (milliseconds, unlike
-  `plan`): its bf16 KV cache (or recurrent state) for `batch` sequences of `context` slots,
-  and the float32 logits of one training minibatch of `minibatch` sequences; both split over
-  `data` devices. A run whose figure exceeds a device's memory cannot run."""
-  cache = jax.eval_shape(lambda: init_cache(cfg, batch, context, None, dtype=jnp.bfloat16))
+  cfg: ModelConfig,
+  batch: int,
+  context: int,
+  *,
+  data: int = 1,
+  minibatch: int | None = None,
+  chunk: int = 1,
+  kv_quant: QuantConfig | None = None,
+  fused: bool = True,
+) -> dict[str, dict[str, float]]:
+  """What an RL step's programs need per device at least, from shapes alone (milliseconds,
+  unlike `plan`), program by program: a run needs the largest. All split over `data`.
+
+    rollout  its KV cache for the whole `batch` of `context` slots (bf16, or FP4 where
+             `kv_quant` quantizes K and V) and, beside it, a prefill chunk's float32
+             attention scores over every slot, [batch, query heads, `chunk`, context]
+             (once: the planner's "rollout working set" counts them twice);
+    pi_old   unless `fused` (one update per step reads pi_old off its own forward): the
+             float32 logits of the training path's forward over the whole batch;
+    update   the float32 logits of one training minibatch of `minibatch` sequences and the
+             three logits-sized buffers its LM head's backward holds (`lm_head_grad_bytes`).
+
+  Each row is a buffer the compiled programs hold (`plan`'s rows, checked against XLA's);
+  the activations, the weights and the rest only add to it. A run whose figure exceeds a
+  device's memory cannot run."""
+  cache = jax.eval_shape(lambda: init_cache(cfg, batch, context, kv_quant, dtype=jnp.bfloat16))
   cache_bytes = sum(
     math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(cache)
   )
+  kv = "FP4" if kv_quant is not None and kv_quant.quantizes("k") else "bf16"
+  scores = batch * cfg.num_heads * chunk * context * 4 if _has_attention(cfg) else 0
   logits = (minibatch or batch) * context * cfg.vocab_size * 4
-  return {"KV cache (bf16)": cache_bytes / data, "minibatch logits (f32)": logits / data}
+  phases = {
+    "rollout": {
+      f"KV cache ({kv})": cache_bytes / data,
+      "prefill attention scores (f32)": scores / data,
+    },
+    "update": {
+      "minibatch logits (f32)": logits / data,
+      "LM head gradients (f32)": lm_head_grad_bytes(cfg, minibatch or batch, context) / data,
+    },
+  }
+  if not fused:
+    phases["pi_old"] = {"batch logits (f32)": batch * context * cfg.vocab_size * 4 / data}
+  return phases
 
 
 def device_memory_bytes() -> float | None:

@@ -249,6 +249,79 @@ def test_the_run_export_checks_out_and_flags_before_loading_or_calibrating(tmp_p
   assert not (tmp_path / "out2").exists()
 
 
+def _can_write_in(folder) -> bool:
+  probe = os.path.join(folder, f".probe-{os.getpid()}")
+  try:
+    open(probe, "w").close()
+  except OSError:
+    return False
+  os.remove(probe)
+  return True
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+  """A folder no file can be made in: one without write permission, or (for root, whom
+  permissions do not stop) a read-only system folder."""
+  folder = tmp_path / "read_only"
+  folder.mkdir()
+  folder.chmod(0o555)
+  try:
+    for candidate in (str(folder), "/sys", "/proc"):
+      if os.path.isdir(candidate) and not _can_write_in(candidate):
+        yield candidate
+        return
+    pytest.skip("no folder here refuses this user's writes")
+  finally:
+    folder.chmod(0o755)
+
+
+class _SavedRunThatMustNotLoad:
+  def __init__(self, workdir):
+    raise AssertionError("the run was loaded before --out was checked")
+
+
+def test_an_unwritable_out_is_refused_before_loading_the_run(tmp_path, monkeypatch, unwritable):
+  """--out in a folder that takes no file (a read-only filesystem) is refused in one line
+  naming it, before the run is loaded or calibrated; so is an --out whose nearest existing
+  ancestor takes none."""
+  monkeypatch.setattr(run_lib, "SavedRun", _SavedRunThatMustNotLoad)
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  for out in (os.path.join(unwritable, "export"), os.path.join(unwritable, "a", "b", "export")):
+    message = rf"out_dir='{out}' cannot be written: making a file in {unwritable} failed \("
+    with pytest.raises(ValueError, match=message):
+      run_lib.export_run(str(workdir), out)
+  assert not os.path.exists(os.path.join(unwritable, "export"))
+
+
+def test_a_missing_workdir_is_said_not_to_exist(tmp_path):
+  with pytest.raises(ValueError, match=r"workdir='.*no_run' does not exist"):
+    run_lib.export_run(str(tmp_path / "no_run"), str(tmp_path / "out"))
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(ValueError, match=r"workdir='.*a_file' is not a folder"):
+    run_lib.export_run(str(tmp_path / "a_file"), str(tmp_path / "out"))
+
+
+def test_a_failed_write_says_what_failed(tmp_path, monkeypatch):
+  """An OSError while the export is written (a full disk) names the export folder, the
+  reason and the file, its errno kept; not a bare "[Errno 28] ..." line."""
+  import errno
+
+  def full_disk(policy, out_dir, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device", os.path.join(out_dir, "x.safetensors"))
+
+  monkeypatch.setattr(run_lib, "SavedRun", _SavedRunThatMustNotCalibrate)
+  monkeypatch.setattr(run_lib, "export_compressed_tensors", full_disk)
+  out = str(tmp_path / "out")
+  with pytest.raises(OSError) as failed:
+    run_lib.export_run(str(tmp_path), out, activations="none")  # W4A16: no calibration
+  assert failed.value.errno == errno.ENOSPC
+  assert failed.value.strerror == (
+    f"writing the export to {out} failed: No space left on device ({out}/x.safetensors)"
+  )
+
+
 @pytest.mark.slow
 def test_the_cli_names_the_flag_in_one_line(tmp_path):
   """experiments/export.py ends with one line naming the flag (slow: the script imports JAX)."""

@@ -143,7 +143,7 @@ FLAT = {
 # what FLAT ran with: its fields, and BEFORE_ADDED's values of the fields added since
 SAVED_FLAT = RLConfig.from_flat(
   task="chain", learning_rate=3e-5, sft_steps=100, std_norm=True, steps=100, temperature=0.7
-).replace(sft_target=0.0, lr_decay="constant", prefill_chunk=0)
+).replace(sft_target=0.0, lr_decay="constant", prefill_chunk=0, mesh=(1, 1, 1))
 
 
 def test_a_config_saved_flat_compares_by_leaf_name():
@@ -187,6 +187,7 @@ def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
   added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every", "lr_decay"}
   added |= {"sft_target", "kv_precision", "max_grad_norm", "tensorboard", "rollout_skew"}
   added |= {"rollout_devices", "rollout_timeout", "scan_layers", "prefill_chunk"}
+  added |= {"wandb", "wandb_project"}
   # the scheme's per-path fields: leaves of the run's QuantConfig, never flags
   added |= {"fp4_precision", "fp4_weights", "fp4_rounding", "fp4_guided_layers"}
   assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT)) | added
@@ -225,7 +226,7 @@ def test_rl_script_flags_are_the_config_fields():
   expected.update(coordinator_address=None, num_processes=None, process_id=None)
   expected.update(learning_rate=8e-5, sft_steps=200, std_norm=False)  # the main job's, since
   expected.update(steps=150, temperature=1.0, sft_target=0.0, lr_decay="cosine")
-  expected.update(task="chain_flawed")
+  expected.update(task="chain_flawed", mesh=[-1, 1, 1])  # all devices by default, since
   for name, value in expected.items():
     if isinstance(value, list):  # list flags: strings
       value = [str(v) for v in value]
@@ -368,3 +369,71 @@ def test_prefill_chunk_is_a_flag_the_rollouts_take():
   assert RLConfig.from_dict(FLAT).sampling.prefill_chunk == 0
   with pytest.raises(ValueError, match=r"RLConfig.prefill_chunk=-1 must be >= 0"):
     RLConfig.from_flat(prefill_chunk=-1)
+
+
+@pytest.mark.parametrize("std_norm", [False, True])
+def test_a_group_of_one_sample_is_refused_by_name(std_norm):
+  """One sample per group leaves every GRPO advantage 0 (with or without the std division),
+  so such a run could never learn: refused naming group_size and what is allowed."""
+  from trace_jax.rl.grpo import group_advantages
+
+  rewards = np.random.default_rng(0).random(6).astype(np.float32)
+  assert not np.any(np.asarray(group_advantages(rewards, 1, std_norm=std_norm)))
+  with pytest.raises(ValueError, match=r"RLConfig.group_size=1 .* use group_size >= 2"):
+    RLConfig.from_flat(group_size=1, std_norm=std_norm)
+  assert RLConfig.from_flat(group_size=2, std_norm=std_norm).sampling.group_size == 2
+
+
+def test_a_temperature_below_the_floor_is_refused_naming_the_floor():
+  """A temperature of 1e-30 scales the two paths' log-probs by 1e30 (IS ratio inf, k3 NaN):
+  refused naming the value and the floor; the floor itself is a run's temperature."""
+  from trace_jax.rl.config import MIN_TEMPERATURE
+
+  for value in (1e-30, MIN_TEMPERATURE / 2):
+    with pytest.raises(
+      ValueError, match=rf"RLConfig.temperature={value!r} is below the floor 0.01"
+    ):
+      RLConfig.from_flat(temperature=value)
+  assert RLConfig.from_flat(temperature=MIN_TEMPERATURE).sampling.temperature == MIN_TEMPERATURE
+
+
+def test_a_mesh_axis_of_minus_one_takes_the_devices_left():
+  """--mesh's -1 (MaxText's convention) is the devices the other axes leave: all of them by
+  default (one CPU device: the 1,1,1 of before), those after --rollout_devices otherwise;
+  a mesh a resumed run recorded is kept where the spec allows it and the devices hold it."""
+  default = RLConfig.from_flat(preset="tiny")
+  assert default.mesh == (-1, 1, 1)
+  assert default.on_devices(1) == RLConfig.from_flat(preset="tiny", mesh=(1, 1, 1))
+  assert default.on_devices(8).mesh == (8, 1, 1)
+  small = dict(preset="tiny", prompts_per_step=3, group_size=4)  # a batch of 12
+  assert RLConfig.from_flat(**small, rollout_devices=2).on_devices(8).mesh == (6, 1, 1)
+  assert RLConfig.from_flat(**small, mesh=(2, -1, 1)).on_devices(8).mesh == (2, 4, 1)
+  assert RLConfig.from_flat(**small, mesh=(3, 1, 1)).on_devices(8).mesh == (3, 1, 1)
+  assert default.on_devices(8, recorded=(1, 1, 1)).mesh == (1, 1, 1)  # a resumed run's
+  assert default.on_devices(8, recorded=(2, 2, 1)).mesh == (8, 1, 1)  # not the spec's
+  assert default.on_devices(8, recorded=(16, 1, 1)).mesh == (8, 1, 1)  # more than there are
+  # a saved config compares with a -1 spec on the other axes
+  assert default.differences(default.on_devices(8).to_dict()) == []
+  assert default.differences({**default.to_dict(), "mesh": [2, 2, 1]}) == ["mesh"]
+  flat = RLConfig.flat_dict(default.to_dict(), devices=4)
+  assert flat["mesh"] == [4, 1, 1] and RLConfig.flat_dict(default.to_dict())["mesh"] == [-1, 1, 1]
+
+
+@pytest.mark.parametrize(
+  "overrides, devices, match",
+  [
+    (dict(mesh=(-1, -1, 1)), 8, r"RLConfig.mesh=\(-1, -1, 1\) has 2 axes of -1; at most one"),
+    (dict(mesh=(-2, 1, 1)), 8, r"RLConfig.mesh=\(-2, 1, 1\) must be .* each >= 1 or -1"),
+    (dict(mesh=(-1, 3, 1)), 8, r"RLConfig.mesh=\(-1, 3, 1\): .* 8 devices do not divide by .*3"),
+    (dict(rollout_devices=4), 4, r"RLConfig.rollout_devices=4 leaves the learner 0 of .* 4 dev"),
+    (
+      dict(prompts_per_step=8, group_size=16, rollout_devices=2),
+      8,
+      r"RLConfig.mesh=\(-1, 1, 1\) is \(6, 1, 1\) on the 6 devices after rollout_devices=2: "
+      r"RLConfig: batch 128 and its minibatches must divide over 6 data-parallel devices",
+    ),
+  ],
+)
+def test_a_mesh_the_devices_cannot_hold_is_refused_by_name(overrides, devices, match):
+  with pytest.raises(ValueError, match=match):
+    RLConfig.from_flat(preset="tiny", **overrides).on_devices(devices)

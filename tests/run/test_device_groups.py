@@ -121,6 +121,43 @@ def test_rollout_and_learner_arrays_never_share_a_device(runs):
   assert d["version_k3"][0] == 0.0 and all(k > 0 for k in d["version_k3"][1:])
 
 
+DEFAULT_MESH_ON_EIGHT = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + os.environ.get("XLA_FLAGS", "")
+import jax
+from trace_jax.model.sharding import make_mesh
+from trace_jax.rl.config import RLConfig
+from trace_jax.run import async_rollouts, rundir
+config = RLConfig.from_flat(preset="tiny", task="arith", rollout_devices=2, prompts_per_step=3, group_size=4)
+resolved = rundir.on_devices(config, sys.argv[1])  # as the Trainer starts
+rollout, learner = async_rollouts.device_groups(resolved)
+mesh = make_mesh(*resolved.mesh, devices=learner)
+print(json.dumps(dict(devices=jax.device_count(), spec=list(config.mesh), mesh=list(resolved.mesh),
+  rollout=[d.id for d in rollout], learner=[d.id for d in mesh.devices.flat])))
+"""
+
+
+def test_on_eight_devices_the_default_mesh_gives_the_learner_the_six_left(tmp_path):
+  """8 CPU devices (a subprocess, ~5 s), --rollout_devices=2 and the default --mesh: the
+  learner's mesh is (6, 1, 1) on devices 2-7, the rollouts on 0-1; none stays idle."""
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  result = subprocess.run(
+    [sys.executable, "-c", DEFAULT_MESH_ON_EIGHT, str(tmp_path / "run")],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert json.loads(result.stdout.splitlines()[-1]) == {
+    "devices": 8,
+    "spec": [-1, 1, 1],
+    "mesh": [6, 1, 1],
+    "rollout": [0, 1],
+    "learner": [2, 3, 4, 5, 6, 7],
+  }
+
+
 def _config(**overrides):
   base = dict(task="arith", preset="tiny", steps=1, prompts_per_step=2, group_size=4)
   return RLConfig.from_flat(**{**base, **overrides})

@@ -82,3 +82,74 @@ def test_a_checkpoint_of_the_other_optimizer_layout_names_scan_layers(tmp_path):
   run = RunDir(workdir, config)
   assert run.restore(state(False)).step == 1  # the layout it was saved with restores
   run.close()
+
+
+def test_a_workdir_in_the_hf_checkpoint_it_starts_from_is_refused_before_any_write(tmp_path):
+  """--workdir equal to or inside the --hf_checkpoint directory (also through a symbolic
+  link) is refused naming both paths, and nothing is written there."""
+  source = tmp_path / "model"
+  source.mkdir()
+  (source / "config.json").write_text("{}")
+  (tmp_path / "link").symlink_to(source)
+  config = RLConfig.from_flat(preset="tiny", hf_checkpoint=str(source))
+  for workdir, where in (
+    (source, "is"),
+    (source / "run", "lies inside"),
+    (tmp_path / "link" / "run", "lies inside"),
+  ):
+    with pytest.raises(ValueError, match=rf"{where} the hf_checkpoint directory") as refused:
+      RunDir(str(workdir), config)
+    assert str(workdir) in str(refused.value) and str(source) in str(refused.value)
+  assert sorted(os.listdir(source)) == ["config.json"]
+  RunDir(str(tmp_path / "beside"), config).close()  # a sibling folder is fine
+
+
+def test_a_workdir_in_another_run_s_folders_is_refused_before_any_write(tmp_path):
+  """A workdir inside another run's checkpoints/ (or its warmstart/, tensorboard/), or that
+  folder itself, is refused naming both paths before it is made; a folder of that name in
+  a directory that holds no run is an ordinary workdir."""
+  first = tmp_path / "first"
+  RunDir(str(first), RLConfig.from_flat(preset="tiny")).close()  # records run.json
+  before = sorted(os.listdir(first))
+  for inner, where in (
+    ("checkpoints", "is"),
+    ("checkpoints/second", "lies inside"),
+    ("warmstart/x", "lies inside"),
+    ("tensorboard/y/z", "lies inside"),
+  ):
+    workdir = first / inner
+    with pytest.raises(ValueError, match=rf"\) {where} .* folder of the run in") as refused:
+      RunDir(str(workdir), RLConfig.from_flat(preset="tiny", seed=1))
+    assert str(workdir) in str(refused.value) and str(first) in str(refused.value)
+  assert sorted(os.listdir(first)) == before and not os.listdir(first / "checkpoints")
+  RunDir(str(tmp_path / "plain" / "checkpoints" / "run"), RLConfig.from_flat(preset="tiny")).close()
+
+
+def test_a_run_recorded_on_a_mesh_resumes_on_it_under_the_default(tmp_path, monkeypatch, caplog):
+  """A run whose run.json records mesh 1,1,1 (the old default, or one without a mesh field,
+  saved before it existed) resumes under today's default -1,1,1 on 8 devices on its own
+  mesh, saying so; a fresh workdir takes all 8."""
+  import json
+
+  import jax
+
+  from trace_jax.run.rundir import on_devices
+
+  old = str(tmp_path / "old")
+  RunDir(old, RLConfig.from_flat(preset="tiny", mesh=(1, 1, 1))).close()
+  monkeypatch.setattr(jax, "device_count", lambda: 8)
+  default = RLConfig.from_flat(preset="tiny")
+  with caplog.at_level(logging.WARNING, logger="trace_jax.run.rundir"):
+    resumed = on_devices(default, old)
+  assert resumed.mesh == (1, 1, 1)
+  assert "resuming on the mesh (1, 1, 1) its run.json records" in caplog.text
+  RunDir(old, resumed).close()  # the record's config: accepted
+  record = os.path.join(old, "run.json")
+  with open(record) as f:
+    saved = json.load(f)
+  del saved["config"]["mesh"]
+  with open(record, "w") as f:
+    json.dump(saved, f)
+  assert on_devices(default, old).mesh == (1, 1, 1)
+  assert on_devices(default, str(tmp_path / "new")).mesh == (8, 1, 1)
+  assert on_devices(RLConfig.from_flat(preset="tiny", mesh=(2, 1, 1)), old).mesh == (2, 1, 1)

@@ -13,6 +13,7 @@ export takes its latest finished checkpoint and says that the run is still going
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from trace_jax.rl.config import RLConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.tasks.registry import get_task
 from trace_jax.utils import lock
+from trace_jax.utils.io import check_writable_folder
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,12 @@ class SavedRun:
 
   def __init__(self, workdir: str):
     self.workdir = os.path.abspath(workdir)
+    if not os.path.isdir(self.workdir):
+      what = "is not a folder" if os.path.exists(self.workdir) else "does not exist"
+      raise ValueError(
+        f"workdir={workdir!r} {what} ({self.workdir}); give the --workdir of an "
+        "experiments/rl.py run"
+      )
     checkpoints = os.path.join(self.workdir, "checkpoints")
     if not os.path.isdir(checkpoints):
       raise ValueError(
@@ -186,8 +194,12 @@ def export_run(
 
   Raises:
     ValueError: before the policy is loaded or calibrated, for an `out_dir` that may not
-      be replaced (`compressed_tensors.check_out_dir`, or one holding the run) or a
-      `calibration_prompts` below 1; and for any setting `export_settings` refuses.
+      be replaced (`compressed_tensors.check_out_dir`, or one holding the run) or cannot
+      be written (a file made and removed beside it, `io.check_writable_folder`), a
+      `calibration_prompts` below 1, or a `workdir` that does not exist; and for any
+      setting `export_settings` refuses.
+    OSError: reading the run or the source, or writing the export, failed: its message
+      says which, why and the file.
   """
   if isinstance(calibration_prompts, bool) or not isinstance(calibration_prompts, int):
     raise ValueError(
@@ -200,8 +212,11 @@ def export_run(
       "measure them)"
     )
   _check_out_dir(out_dir, workdir)
+  # the export is staged beside out_dir and renamed into place: writable before any work
+  check_writable_folder(os.path.dirname(os.path.abspath(out_dir)), f"out_dir={out_dir!r}")
   busy = lock.current_holder(workdir)
-  run = SavedRun(workdir)
+  with _naming(f"reading the run in {workdir}"):
+    run = SavedRun(workdir)
   if busy is not None:
     log.warning(
       "workdir %s is in use by %s (a run in progress): exporting its latest finished "
@@ -216,7 +231,8 @@ def export_run(
   source = hf_checkpoint or run.config.source.hf_checkpoint or None
   check_out_dir(out_dir, source)  # the source is known now: checked before calibrating
   if source is not None:
-    source_files(source)  # every file it gives resolves inside it
+    with _naming(f"reading the source checkpoint {source}"):
+      source_files(source)  # every file it gives resolves inside it
   quant = run.config.fp4  # the run's scheme: its rollouts' format, scope, activations, KV
   dtype = jnp.dtype(run.config.compute_dtype)
   scales, distance = None, None
@@ -240,16 +256,28 @@ def export_run(
   )
   if distance is not None:
     extra["input_scale_distance"] = distance
-  return export_compressed_tensors(
-    run.policy,
-    out_dir,
-    source=source,
-    fmt=fmt,
-    activations=activations,
-    quant=quant,
-    input_scales=scales,
-    summary_extra=extra,
-  )
+  with _naming(f"writing the export to {out_dir}"):
+    return export_compressed_tensors(
+      run.policy,
+      out_dir,
+      source=source,
+      fmt=fmt,
+      activations=activations,
+      quant=quant,
+      input_scales=scales,
+      summary_extra=extra,
+    )
+
+
+@contextlib.contextmanager
+def _naming(action: str):
+  """An OSError inside says what failed in one line: `action`, the reason and the file (its
+  errno kept)."""
+  try:
+    yield
+  except OSError as e:
+    where = f" ({e.filename})" if e.filename else ""
+    raise OSError(e.errno, f"{action} failed: {e.strerror or e}{where}") from e
 
 
 def format_listing(out_dir: str) -> str:

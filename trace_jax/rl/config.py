@@ -39,7 +39,7 @@ from trace_jax.utils.flags import knob
 REWARD_CONTROLS = ("none", "shuffle", "shuffle_batch")
 # What a run saved before a field existed ran with, where that is not the field's default
 # now: a saved config that lacks the field reads as this value, not as today's default.
-BEFORE_ADDED = {"sft_target": 0.0, "lr_decay": "constant", "prefill_chunk": 0}
+BEFORE_ADDED = {"sft_target": 0.0, "lr_decay": "constant", "prefill_chunk": 0, "mesh": [1, 1, 1]}
 LR_DECAYS = ("constant", "cosine", "linear")
 # Fields a resume may change: how the run computes or logs, not what it computes.
 RESUMABLE_FIELDS = (
@@ -48,9 +48,16 @@ RESUMABLE_FIELDS = (
   "scan_layers",
   "prefill_chunk",
   "tensorboard",
+  "wandb",
+  "wandb_project",
   "rollout_timeout",
 )
 COMPUTE_DTYPES = ("bfloat16", "float32")
+# The lowest sampling temperature a run takes (vLLM clamps to the same): every log-prob of the
+# rollout and the training path is scaled by 1 / temperature, and below it a logit gap of
+# under one nat between the two paths overflows float32's exp in the IS ratio and k3 (inf,
+# then NaN). Greedy decoding is the evaluation's, not a temperature.
+MIN_TEMPERATURE = 0.01
 
 
 def _check(where: str, obj, names, ok, what: str) -> None:
@@ -160,8 +167,21 @@ class Sampling:
   def __post_init__(self):
     names = ("prompts_per_step", "group_size", "max_new_tokens")
     _check("RLConfig", self, names, lambda v: v >= 1, "must be >= 1")
+    if self.group_size == 1:
+      raise ValueError(
+        "RLConfig.group_size=1 gives every sample an advantage of 0 (r minus its group's "
+        "mean, with one sample per group, with or without std_norm): no step would learn; "
+        "use group_size >= 2"
+      )
     _check("RLConfig", self, ("prompt_bucket", "prefill_chunk"), lambda v: v >= 0, "must be >= 0")
     _check("RLConfig", self, ("temperature",), _finite_positive, "must be a finite number > 0")
+    if self.temperature < MIN_TEMPERATURE:
+      raise ValueError(
+        f"RLConfig.temperature={self.temperature!r} is below the floor {MIN_TEMPERATURE}: "
+        f"log-probs scale by 1 / temperature, and the IS ratio and k3 between the rollout "
+        f"and the training path overflow to inf and NaN; use temperature >= "
+        f"{MIN_TEMPERATURE} (the evaluation is greedy already)"
+      )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -229,11 +249,25 @@ class Evaluation:
   tensorboard: bool = knob(
     True, "Also write metrics.jsonl's scalars and the config to <workdir>/tensorboard/."
   )
+  wandb: bool = knob(
+    False,
+    "Also log metrics.jsonl's scalars and the config to Weights & Biases (the wandb extra: "
+    "pip install 'trace_jax[wandb]'); a resume continues the same W&B run.",
+  )
+  wandb_project: str = knob("trace_jax", "The W&B project of --wandb.")
 
   def __post_init__(self):
     names = ("eval_every", "eval_size", "version_diag_every")
     _check("RLConfig", self, names, lambda v: v >= 0, "must be >= 0")
-    _check("RLConfig", self, ("tensorboard",), lambda v: isinstance(v, bool), "must be a bool")
+    names = ("tensorboard", "wandb")
+    _check("RLConfig", self, names, lambda v: isinstance(v, bool), "must be a bool")
+    _check(
+      "RLConfig",
+      self,
+      ("wandb_project",),
+      lambda v: isinstance(v, str) and v.strip() != "",
+      "must be a project name",
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -274,7 +308,12 @@ class RLConfig:
     "(-1, 1) hashed from (policy version, sequence, position, layer, element): an engine "
     "that computes differently from the trainer; 0: none.",
   )
-  mesh: tuple = knob((1, 1, 1), "data,expert,model device counts.", parse=flags.parse_ints)
+  mesh: tuple = knob(
+    (-1, 1, 1),
+    "data,expert,model device counts; one may be -1: the devices the others leave (all of "
+    "them by default; with --rollout_devices, those after the rollout group).",
+    parse=flags.parse_ints,
+  )
   rollout_devices: int = knob(
     0,
     "The job's first N devices roll out (data-parallel replicas, FP4 weights whole on each), "
@@ -293,10 +332,15 @@ class RLConfig:
     check_run_scheme(self.fp4, "RLConfig.fp4")
     object.__setattr__(self, "task_options", tuple(tuple(kv) for kv in self.task_options))
     object.__setattr__(self, "mesh", tuple(int(m) for m in self.mesh))
-    if len(self.mesh) != 3 or min(self.mesh) < 1:
+    if len(self.mesh) != 3 or any(m < 1 and m != -1 for m in self.mesh):
       raise ValueError(
         f"RLConfig.mesh={self.mesh} must be three device counts (data, expert, model), "
-        "each >= 1, e.g. --mesh=1,1,1"
+        "each >= 1 or -1 (the devices left), e.g. --mesh=-1,1,1"
+      )
+    if self.mesh.count(-1) > 1:
+      raise ValueError(
+        f"RLConfig.mesh={self.mesh} has {self.mesh.count(-1)} axes of -1; at most one axis "
+        "takes the devices the others leave, e.g. --mesh=-1,2,1"
       )
     if not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63:
       raise ValueError(
@@ -336,7 +380,7 @@ class RLConfig:
         f"RLConfig: batch {batch} (prompts_per_step x group_size) does not split into "
         f"{minibatches} minibatches"
       )
-    if batch % data or (batch // minibatches) % data:
+    if data != -1 and (batch % data or (batch // minibatches) % data):  # -1: `on_devices`
       raise ValueError(
         f"RLConfig: batch {batch} and its minibatches must divide over {data} data-parallel devices"
       )
@@ -352,6 +396,43 @@ class RLConfig:
         f"(prompts_per_step x group_size), which {rollout} does not divide; use a divisor of "
         f"{batch}, or 0"
       )
+
+  def on_devices(self, devices: int, recorded: tuple | None = None) -> "RLConfig":
+    """This config with RLConfig.mesh's -1 axis (MaxText's convention) the devices the other
+    axes leave of `devices` (less the rollout group's `rollout_devices`); `recorded`, the
+    mesh a resumed run recorded, is kept where the spec allows it and the devices hold it.
+
+    Raises:
+      ValueError: naming mesh (and rollout_devices) when the devices left do not divide by
+        the other axes, or the batch does not divide over the resolved data axis.
+    """
+    if -1 not in self.mesh:
+      return self
+    rollout, fixed = self.rollout_devices, math.prod(m for m in self.mesh if m != -1)
+    left = devices - rollout
+    if recorded is not None and mesh_matches(self.mesh, recorded) and math.prod(recorded) <= left:
+      mesh = tuple(recorded)
+    elif left >= fixed and left % fixed == 0:
+      mesh = resolve_mesh(self.mesh, left)
+    elif rollout:
+      raise ValueError(
+        f"RLConfig.rollout_devices={rollout} leaves the learner {max(0, left)} of this job's "
+        f"{devices} devices, and its RLConfig.mesh={self.mesh} needs a positive multiple of "
+        f"{fixed} (its -1 axis takes the devices left); allowed: rollout_devices leaving a "
+        f"multiple of {fixed}, or 0 (rollouts share the learner's devices)"
+      )
+    else:
+      raise ValueError(
+        f"RLConfig.mesh={self.mesh}: its -1 axis takes the devices the other axes leave, "
+        f"but this job's {devices} devices do not divide by their {fixed}; give every axis "
+        "a size, or axes whose product divides the device count"
+      )
+    where = f"the {left} devices after rollout_devices={rollout}" if rollout else None
+    where = where or f"this job's {devices} devices"
+    try:
+      return dataclasses.replace(self, mesh=mesh)
+    except ValueError as e:
+      raise ValueError(f"RLConfig.mesh={self.mesh} is {mesh} on {where}: {e}") from e
 
   @property
   def batch(self) -> int:
@@ -400,13 +481,21 @@ class RLConfig:
     return cls.from_flat(**values)
 
   @staticmethod
-  def flat_dict(saved: dict) -> dict:
+  def flat_dict(saved: dict, devices: int | None = None) -> dict:
     """A saved config (JSON, nested or flat) by flat name; its LossConfig's correction is
-    "none" (saved before `correction` was the one knob, it may say "tis")."""
+    "none" (saved before `correction` was the one knob, it may say "tis"). With `devices`,
+    a mesh's -1 axis is the size it takes on that many (`on_devices`; kept where they do
+    not divide), so a study's cell compares by the mesh it runs on here."""
     out = _jsonish(flags.flatten(RLConfig, saved))
     out = {**BEFORE_ADDED, **out}
     if "rollout_correction" in out:
       out["rollout_correction"] = "none"
+    mesh = out["mesh"]
+    if devices is not None and isinstance(mesh, list) and -1 in mesh:
+      left = devices - int(out.get("rollout_devices") or 0)
+      fixed = math.prod(m for m in mesh if m != -1)
+      if left >= fixed > 0 and left % fixed == 0:
+        out["mesh"] = list(resolve_mesh(tuple(mesh), left))
     return out
 
   def differences(
@@ -418,9 +507,28 @@ class RLConfig:
     flat); a field the saved config lacks counts as its default there."""
     mine = self.flat_dict(self.to_dict())
     theirs = {**self.flat_dict(RLConfig().to_dict()), **self.flat_dict(other)}
+    if "mesh" not in ignore and _meshes_match(mine["mesh"], theirs["mesh"]):
+      ignore = (*ignore, "mesh")  # a -1 axis (the devices left) matches any size
     return sorted(
       k for k in set(mine) | set(theirs) if k not in ignore and mine.get(k) != theirs.get(k)
     )
+
+
+def resolve_mesh(mesh: tuple, devices: int) -> tuple:
+  """`mesh` with its -1 axis (if any) the `devices` the other axes leave: devices divided
+  by their product, which must divide it (`RLConfig.on_devices` says so by name)."""
+  fixed = math.prod(m for m in mesh if m != -1)
+  return tuple(devices // fixed if m == -1 else m for m in mesh)
+
+
+def mesh_matches(spec, mesh) -> bool:
+  """Whether the concrete `mesh` is one `spec` allows: equal on every axis but a -1 one."""
+  return len(spec) == len(mesh) and all(s in (-1, m) for s, m in zip(spec, mesh))
+
+
+def _meshes_match(a, b) -> bool:
+  """Two saved meshes that may be the same run's: equal but where either says -1."""
+  return isinstance(a, list) and isinstance(b, list) and (mesh_matches(a, b) or mesh_matches(b, a))
 
 
 def _jsonish(value):

@@ -18,8 +18,10 @@ weight is read (and, by the Trainer, before the run's workdir is made).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
+import jax
 from flax import nnx
 
 from trace_jax import fp4, plan
@@ -262,11 +264,14 @@ def observation_len(config, tokenizer: Tokenizer) -> int:
 
 def check_fits(config, task: Task, checked: tuple[Tokenizer, ModelConfig] | None = None) -> None:
   """A ValueError before any work (no weight read, no workdir touched) if the run's episodes
-  do not fit the model (`max_new_tokens` beyond `max_seq_len`) or its rollout batch cannot
-  fit a device (`plan.batch_lower_bound_bytes` against the device's memory). checked:
-  what `check(config, task)` returned, if the caller has it."""
+  do not fit the model (`max_new_tokens` beyond `max_seq_len`) or one of its step's
+  programs cannot fit a device at its batch (`plan.batch_lower_bound_bytes`: the rollout's
+  KV cache and attention scores, the update's logits and their gradients, against the
+  device's memory). checked: what `check(config, task)` returned, if the caller has it."""
   tokenizer, model_cfg = check(config, task) if checked is None else checked
-  max_len, _ = episodes.episode_len(config, task, tokenizer, observation_len(config, tokenizer))
+  max_len, bucket = episodes.episode_len(
+    config, task, tokenizer, observation_len(config, tokenizer)
+  )
   if max_len > model_cfg.max_seq_len:
     raise ValueError(
       f"RLConfig.max_new_tokens={config.sampling.max_new_tokens}: an episode of task "
@@ -274,19 +279,34 @@ def check_fits(config, task: Task, checked: tuple[Tokenizer, ModelConfig] | None
       f"but the model holds max_seq_len={model_cfg.max_seq_len}; lower max_new_tokens"
     )
   data = config.mesh[0]
-  minibatch = config.batch // config.schedule.minibatches
-  need = plan.batch_lower_bound_bytes(
-    model_cfg, config.batch, max_len, data=data, minibatch=minibatch
+  if data == -1:  # not resolved yet (`RLConfig.on_devices`): at most the devices left
+    left = jax.device_count() - config.rollout_devices
+    data = max(1, left // math.prod(config.mesh[1:]))
+  schedule = config.schedule
+  fp4_kv = config.arm_spec.rollout_precision == "fp4" and config.fp4.kv == "fp4"
+  phases = plan.batch_lower_bound_bytes(
+    model_cfg,
+    config.batch,
+    max_len,
+    data=data,
+    minibatch=config.batch // schedule.minibatches,
+    chunk=min(config.sampling.prefill_chunk or bucket, bucket),  # the prompt holds a bucket
+    kv_quant=config.fp4 if fp4_kv else None,
+    fused=schedule.minibatches == 1 and schedule.epochs == 1,
   )
   memory = plan.device_memory_bytes()
-  if memory is not None and sum(need.values()) > memory:
-    parts = ", ".join(f"{name} {value / 1e9:.1f} GB" for name, value in need.items())
+  phase, rows = max(phases.items(), key=lambda item: sum(item[1].values()))
+  need = sum(rows.values())
+  if memory is not None and need > memory:
+    parts = ", ".join(f"{name} {value / 1e9:.1f} GB" for name, value in rows.items())
     raise ValueError(
       f"RLConfig.prompts_per_step={config.sampling.prompts_per_step} x group_size="
-      f"{config.sampling.group_size} = {config.batch} sequences of {max_len} slots need at "
-      f"least {sum(need.values()) / 1e9:.1f} GB per device ({parts}; {data} data-parallel "
-      f"device(s)), more than a device's {memory / 1e9:.1f} GB; lower prompts_per_step or "
-      "group_size, or add data-parallel devices (--mesh)"
+      f"{config.sampling.group_size} = {config.batch} sequences of {max_len} slots "
+      f"(max_new_tokens={config.sampling.max_new_tokens}, minibatches={schedule.minibatches}) "
+      f"need at least {need / 1e9:.1f} GB ({need:.0f} bytes) per device in the {phase} "
+      f"({parts}; {data} data-parallel device(s)), more than a device's {memory / 1e9:.1f} GB "
+      f"({memory:.0f} bytes); lower prompts_per_step or group_size, raise minibatches, or add "
+      "data-parallel devices (--mesh)"
     )
 
 

@@ -8,11 +8,14 @@
   <workdir>/run.json        the run's config, recorded when it starts (`RUN_RECORD`)
   <workdir>/tensorboard/    metrics.jsonl's scalars and the config as TensorBoard events,
                             rewritten from metrics.jsonl on every start (`run.tensorboard`)
+  <workdir>/wandb.json      with --wandb: the W&B run it logs to and the last step logged
+                            there (`run.wandb_log`)
 
-Everything is checked before any work, on every start: the workdir is writable; the config
-recorded in run.json, and the one in each readable checkpoint, is this run's (else a
-ValueError naming the fields that differ, so a second run never takes over a finished one's
-files, with or without checkpoints); `steps` may change only where the learning-rate
+Everything is checked before any work, on every start: the workdir lies neither in the HF
+checkpoint the run starts from nor in another run's checkpoints/, warmstart/ or tensorboard/
+(`check_workdir_place`), and is writable; the config recorded in run.json, and the one in
+each readable checkpoint, is this run's (else a ValueError naming the fields that differ, so
+a second run never takes over a finished one's files, with or without checkpoints); `steps` may change only where the learning-rate
 schedule does not depend on it (lr_decay="constant"); `checkpoints` is a directory;
 metrics.jsonl reads and every line's step is an integer. A workdir that holds a run's files
 but no record of its config (written before run.json existed, or by something else) is
@@ -33,7 +36,7 @@ from flax import nnx
 
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.step import RLState, step_key
-from trace_jax.run import report, tensorboard, warmstart
+from trace_jax.run import report, tensorboard, wandb_log, warmstart
 from trace_jax.run.checkpoint import CheckpointError, Checkpoints
 from trace_jax.training.optim import LayerStacked
 from trace_jax.utils import append_jsonl, read_jsonl, write_atomic
@@ -45,6 +48,8 @@ log = logging.getLogger(__name__)
 RUN_RECORD = "run.json"
 # Files of a run: a workdir holding any of them without a record of its config is refused.
 RUN_FILES = ("metrics.jsonl", "summary.json")
+# The folders a run manages inside its workdir: no other run's workdir may lie in them.
+RUN_FOLDERS = ("checkpoints", warmstart.WARMSTART_DIR, tensorboard.DIRECTORY)
 
 
 def check_workdir(workdir: str) -> str:
@@ -59,6 +64,71 @@ def check_workdir(workdir: str) -> str:
   except OSError as e:
     raise ValueError(f"workdir {workdir!r} is not writable: {e}") from e
   return path
+
+
+def check_workdir_place(workdir: str, hf_checkpoint: str = "") -> None:
+  """A ValueError, before anything is written, for a workdir whose files would land among
+  another's: equal to or inside the `hf_checkpoint` directory the run starts from, or inside
+  one of another run's own folders (`RUN_FOLDERS`: its checkpoints, warm start, TensorBoard
+  events; that run prunes or rewrites them). Paths compare after resolving symbolic links."""
+  path = os.path.realpath(workdir)
+  if hf_checkpoint:
+    source = os.path.realpath(hf_checkpoint)
+    if path == source or path.startswith(source + os.sep):
+      where = "is" if path == source else "lies inside"
+      raise ValueError(
+        f"workdir {workdir!r} ({path}) {where} the hf_checkpoint directory "
+        f"{hf_checkpoint!r} ({source}); a run writes its checkpoints, metrics and "
+        "run.json into its workdir: use a --workdir outside the checkpoint"
+      )
+  inner = path
+  while os.path.dirname(inner) != inner:
+    run = os.path.dirname(inner)
+    folder = os.path.basename(inner)
+    if folder in RUN_FOLDERS and any(
+      os.path.exists(os.path.join(run, name)) for name in (RUN_RECORD,) + RUN_FILES
+    ):
+      where = "is" if inner == path else "lies inside"
+      raise ValueError(
+        f"workdir {workdir!r} ({path}) {where} {inner}, the {folder}/ "
+        f"folder of the run in {run}; that run manages the folder's contents: use a "
+        "--workdir outside it"
+      )
+    inner = run
+
+
+def on_devices(config: RLConfig, workdir: str) -> RLConfig:
+  """`config` with RLConfig.mesh's -1 axis resolved on this job's devices
+  (`RLConfig.on_devices`): the devices left, or, resuming a run, the mesh its run.json
+  records where the spec allows it and the devices hold it (a run keeps its mesh: one
+  started on 4 devices, or with the old default 1,1,1, resumes on 8 as it ran). An
+  unreadable record is left to `RunDir`, which refuses it."""
+  if -1 not in config.mesh:
+    return config
+  recorded = None
+  try:
+    with open(os.path.join(os.path.abspath(workdir), RUN_RECORD), "rb") as f:
+      saved = RLConfig.flat_dict(json.loads(f.read())["config"])
+    recorded = tuple(int(m) for m in saved["mesh"])
+  except (OSError, ValueError, KeyError, TypeError):
+    pass
+  resolved = config.on_devices(jax.device_count(), recorded)
+  if recorded is not None and resolved.mesh == recorded:
+    try:
+      fresh = config.on_devices(jax.device_count()).mesh
+    except ValueError:
+      fresh = None  # the devices left would not take this run afresh
+    if fresh != recorded:
+      log.warning(
+        "%s: resuming on the mesh %s its %s records (RLConfig.mesh=%s would be %s on this "
+        "job's devices)",
+        workdir,
+        recorded,
+        RUN_RECORD,
+        config.mesh,
+        fresh,
+      )
+  return resolved
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -85,6 +155,8 @@ class RunDir:
 
   def __init__(self, workdir: str, config: RLConfig):
     self._events, self._close_events = None, None  # the TensorBoard log, opened on `restore`
+    self._wandb, self._close_wandb = None, None  # the W&B run (--wandb), opened with it
+    check_workdir_place(workdir, config.source.hf_checkpoint)  # before the lock writes
     self._unlock = weakref.finalize(self, _release, lock_run_workdir(workdir))
     try:
       self.config = config
@@ -104,6 +176,9 @@ class RunDir:
             "TensorBoard events there whole on every start (move it away, use another "
             "--workdir, or run with --tensorboard=false)"
           )
+      if config.evaluation.wandb and is_main_process():
+        wandb_log.check_available()
+        wandb_log.read_state(self.path)  # a damaged record: refused before any work
       self.metrics_path = os.path.join(self.path, "metrics.jsonl")
       if os.path.exists(self.metrics_path):  # a damaged log fails here, before any work
         _check_steps(self.metrics_path, read_jsonl(self.metrics_path))
@@ -122,8 +197,9 @@ class RunDir:
   def close(self) -> None:
     """Write the TensorBoard events still queued and release the workdir's lock (idempotent)."""
     try:
-      if self._close_events is not None:
-        self._close_events()
+      for close in (self._close_events, self._close_wandb):
+        if close is not None:
+          close()
     finally:
       self._unlock()
 
@@ -304,23 +380,34 @@ class RunDir:
     self._open_events(kept)
 
   def _open_events(self, records: list[dict]) -> None:
-    """The TensorBoard log (`run.tensorboard`), rewritten from `records` (once; main process,
-    --tensorboard only)."""
-    if self._events is not None or not self.config.evaluation.tensorboard:
-      return
-    self._events = tensorboard.EventLog(self.path, records, self.config.to_dict())
-    # queued events are written at close, garbage collection or the process's exit
-    self._close_events = weakref.finalize(self, self._events.close)
+    """The TensorBoard log (`run.tensorboard`), rewritten from `records`, and the W&B run
+    (`run.wandb_log`), given the lines of `records` it lacks (once; main process, each with
+    its flag only)."""
+    evaluation = self.config.evaluation
+    if self._events is None and evaluation.tensorboard:
+      self._events = tensorboard.EventLog(self.path, records, self.config.to_dict())
+      # queued events are written at close, garbage collection or the process's exit
+      self._close_events = weakref.finalize(self, self._events.close)
+    if self._wandb is None and evaluation.wandb:
+      self._wandb = wandb_log.WandbLog(
+        self.path, records, self.config.to_dict(), project=evaluation.wandb_project
+      )
+      self._close_wandb = weakref.finalize(self, self._wandb.close)
 
   def log(self, metrics: dict) -> None:
-    """Append one line to metrics.jsonl (and queue it for the TensorBoard events)."""
+    """Append one line to metrics.jsonl (and queue it for the TensorBoard events, log it to
+    the W&B run)."""
     if is_main_process():  # multi-host: one metrics file, written once
-      if self._events is None and self.config.evaluation.tensorboard:  # without a `restore`
+      evaluation = self.config.evaluation
+      if (self._events is None and evaluation.tensorboard) or (
+        self._wandb is None and evaluation.wandb
+      ):  # without a `restore`
         exists = os.path.exists(self.metrics_path)
         self._open_events(read_jsonl(self.metrics_path) if exists else [])
       append_jsonl(self.metrics_path, metrics)
-      if self._events is not None:
-        self._events.log(metrics)
+      for sink in (self._events, self._wandb):
+        if sink is not None:
+          sink.log(metrics)
 
   def read_metrics(self) -> list[dict]:
     return read_metrics(self.path)

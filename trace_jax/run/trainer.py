@@ -41,7 +41,7 @@ from trace_jax.rl.step import RLState, StepSpec
 from trace_jax.rl.sync import WeightSync
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.run import async_rollouts, policy_source, remote_rollouts
-from trace_jax.run.rundir import RunDir
+from trace_jax.run.rundir import RunDir, on_devices
 from trace_jax.utils import distributed
 
 
@@ -52,6 +52,7 @@ class Trainer:
   as trainer:`) releases it, as do garbage collection and the process's exit."""
 
   def __init__(self, config: RLConfig, workdir: str, *, progress: bool = True):
+    config = on_devices(config, workdir)  # RLConfig.mesh's -1: the devices left
     self.config, self.progress = config, progress
     # RLConfig.rollout_devices against this job's devices, before any work
     self.groups = async_rollouts.device_groups(config, say_idle=True)

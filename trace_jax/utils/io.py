@@ -190,6 +190,26 @@ def check_replaceable_folder(path: str, label: str | None = None, hint: str = ""
     raise ValueError(f"{label} exists and is not a folder{hint}")
 
 
+def check_writable_folder(folder: str, label: str) -> None:
+  """A ValueError, before any work, unless a file can be made and removed in `folder`, or
+  in its nearest existing ancestor where it does not exist yet (it would be made there): a
+  read-only filesystem or a folder without write permission is found in microseconds, not
+  after whatever would have been written there was computed. `label` names what is
+  written in the message."""
+  nearest = os.path.abspath(folder)
+  while not os.path.exists(nearest) and os.path.dirname(nearest) != nearest:
+    nearest = os.path.dirname(nearest)
+  probe = os.path.join(nearest, f".write_test.{os.getpid()}.{uuid.uuid4().hex[:12]}")
+  try:
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    os.remove(probe)
+  except OSError as e:
+    raise ValueError(
+      f"{label} cannot be written: making a file in {nearest} failed "
+      f"({e.strerror or type(e).__name__})"
+    ) from e
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str) -> Iterator[str]:
   """Yield a new empty folder beside `path` to fill; when the block ends without an error,
