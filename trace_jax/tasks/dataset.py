@@ -513,7 +513,7 @@ def _score_slow_references_exactly(path: str, unit: str, items: list[Item]) -> N
     return
   start, slow, unmeasured, verdicts = time.monotonic(), [], 0, {}
   for item in candidates:
-    if time.monotonic() - start > SLOW_CHECK_S:
+    if time.monotonic() - start >= SLOW_CHECK_S:
       unmeasured += 1
       continue
     for reference in item.target:
