@@ -300,7 +300,7 @@ def _too_long(config, task: Task, tokenizer: Tokenizer, limit: int) -> str:
   item = task.prompt_probe()[index]
   default = 8 if task.multi_turn else 16  # RLConfig.prompt_bucket=0's
   if config.sampling.prompt_bucket and (
-    episodes.max_len_for(task, prompt_len, new, default, obs) <= limit
+    bucket >= limit or episodes.max_len_for(task, prompt_len, new, default, obs) <= limit
   ):
     return (
       f"RLConfig.prompt_bucket={bucket} pads each prompt to a multiple of {bucket} positions: "

@@ -114,6 +114,32 @@ def _parsed_reference(reference: str):
   return parse(_latex(reference), parsing_timeout=None)
 
 
+# Pairs that take math-verify's (and sympy's) first-use paths: each path costs 0.05-0.5 s
+# the first time (lazy imports, caches), which would count against the first scores' limit.
+_WARM_UP = (("1", "1"), ("2^{10}", "1024"), ("2^{2^3}", "0"), ("x^2", "3"), ("10!", "0"))
+_warm_lock = threading.Lock()
+_warm: list[bool] = []
+
+
+def _warmed_up() -> None:
+  """math-verify imported and its first-use paths taken, once per process, without a limit
+  (the pairs are small)."""
+  if _warm:
+    return
+  with _warm_lock:
+    if not _warm:
+      from math_verify import parse, verify
+
+      _quiet()
+      for reference, answer in _WARM_UP:
+        verify(
+          parse(_latex(reference), parsing_timeout=None),
+          parse(answer, parsing_timeout=None),
+          timeout_seconds=None,
+        )
+      _warm.append(True)
+
+
 def _quiet() -> None:
   """math-verify logs a warning on every call without its own time limit (the limit is
   `time_limit`'s here, over the whole call); its errors still show."""
@@ -141,9 +167,7 @@ def math_match(answer: str, references) -> float:
   """1.0 if math-verify finds the answer equal to a reference within `TIME_LIMIT_S`, else
   `exact_match`'s verdict; never raises."""
   try:
-    import math_verify  # noqa: F401 - imported before the limit starts: its first import is slow
-
-    _quiet()
+    _warmed_up()  # before the limit starts: first uses are slow
     if threading.current_thread() is not threading.main_thread() and (
       _SLOW.search(answer) or any(_SLOW.search(r) for r in references)
     ):
@@ -174,9 +198,7 @@ def too_slow(reference: str) -> bool:
   if threading.current_thread() is not threading.main_thread() and _SLOW.search(reference):
     return False
   try:
-    import math_verify  # noqa: F401
-
-    _quiet()
+    _warmed_up()
     time_limit.call(TIME_LIMIT_S, _verified, "0", (reference,))
     return False
   except time_limit.TimeLimitExceeded:
