@@ -192,14 +192,19 @@ def costly(reference: str) -> bool:
 
 def too_slow(reference: str) -> bool:
   """Whether comparing a wrong answer ("0") with `reference` runs math-verify past
-  `TIME_LIMIT_S` (every such score costs the whole limit). Call it on the main thread,
-  where the limit interrupts anything (off it, a reference holding a power, factorial or
-  binomial is not measured: the scorer compares those by exact there)."""
+  `TIME_LIMIT_S` (every such score costs the whole limit); measured once per process. Call
+  it on the main thread, where the limit interrupts anything (off it, a reference holding a
+  power, factorial or binomial is not measured: the scorer compares those by exact there)."""
   if threading.current_thread() is not threading.main_thread() and _SLOW.search(reference):
     return False
+  return _too_slow(reference, TIME_LIMIT_S)
+
+
+@functools.lru_cache(maxsize=4096)
+def _too_slow(reference: str, limit: float) -> bool:
   try:
     _warmed_up()
-    time_limit.call(TIME_LIMIT_S, _verified, "0", (reference,))
+    time_limit.call(limit, _verified, "0", (reference,))
     return False
   except time_limit.TimeLimitExceeded:
     return True

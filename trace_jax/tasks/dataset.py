@@ -58,6 +58,9 @@ LISTED = 5  # rows named in a message about several
 _SHORT = reprlib.Repr()  # a value in a message: a few levels, items and characters of it
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 3, 60, 60, 4, 4
 _log = logging.getLogger(__name__)
+_warned: set[str] = (
+  set()
+)  # warnings given: a file loaded twice (a script's check, then its run) warns once
 
 
 class DatasetError(ValueError):
@@ -522,17 +525,23 @@ def _score_slow_references_exactly(path: str, unit: str, items: list[Item]) -> N
     if any(verdicts[r] for r in item.target):
       item.meta["reward"] = "exact"
       slow.append(item.meta["row"])
+  warnings = []
   if slow:
     named = ", ".join(str(row) for row in slow[:LISTED])
     more = f" and {len(slow) - LISTED} more" if len(slow) > LISTED else ""
-    _log.warning(
-      "dataset: %s: %d reference(s) take math-verify over %g s to compare with a wrong "
-      "answer (%s %s%s); these rows are scored by exact match",
-      path, len(slow), answers.TIME_LIMIT_S, unit + "s" if len(slow) > 1 else unit, named, more,
-    )  # fmt: skip
+    rows = unit + "s" if len(slow) > 1 else unit
+    warnings.append(
+      f"dataset: {path}: {len(slow)} reference(s) take math-verify over "
+      f"{answers.TIME_LIMIT_S:g} s to compare with a wrong answer ({rows} {named}{more}); "
+      "these rows are scored by exact match"
+    )
   if unmeasured:
-    _log.warning(
-      "dataset: %s: %d row(s) whose references may be slow to compare were not measured "
-      "(the %g s budget ran out); each of their scores is bounded by %g s",
-      path, unmeasured, SLOW_CHECK_S, answers.TIME_LIMIT_S,
-    )  # fmt: skip
+    warnings.append(
+      f"dataset: {path}: {unmeasured} row(s) whose references may be slow to compare were "
+      f"not measured (the {SLOW_CHECK_S:g} s budget ran out); each of their scores is "
+      f"bounded by {answers.TIME_LIMIT_S:g} s"
+    )
+  for warning in warnings:
+    if warning not in _warned:
+      _warned.add(warning)
+      _log.warning(warning)
