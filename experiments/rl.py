@@ -38,6 +38,7 @@ from trace_jax.run.checkpoint import CheckpointError
 from trace_jax.run.remote_rollouts import LearnerError
 from trace_jax.run.rundir import read_metrics
 from trace_jax.run.trainer import Trainer
+from trace_jax.tasks.dataset import DatasetError
 from trace_jax.utils import distributed
 from trace_jax.utils import flags as config_flags
 
@@ -86,6 +87,8 @@ def _main(argv):
   try:
     config = config_flags.from_flags(RLConfig, _CONFIG)
     policy_source.preflight(config)  # the task's options, the checkpoint's files
+  except DatasetError:  # the file's fault, not the flags': one line (_run_errors)
+    raise
   except (ValueError, ImportError) as e:  # bad flags, and only those, are usage errors
     raise app.UsageError(str(e)) from e
   workdir = _WORKDIR.value or os.path.join(

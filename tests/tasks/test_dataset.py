@@ -212,8 +212,8 @@ def test_the_scorer_gives_garbage_zero_and_never_raises():
 
 
 def test_math_reward_without_a_time_limit_off_the_main_thread():
-  """A worker thread cannot set math-verify's alarm: a power tower there is compared exactly
-  (no hang), plain answers still by value."""
+  """Off the main thread the time limit cannot stop a long integer power in C: a power tower
+  there is compared exactly (no hang), plain answers still by value."""
   import threading
 
   results = {}

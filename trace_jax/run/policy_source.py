@@ -28,9 +28,10 @@ from trace_jax import fp4, plan
 from trace_jax.model.config import PRESETS, ModelConfig, get_preset
 from trace_jax.model.hf import checkpoint_file, from_hf, read_config, shard_files
 from trace_jax.model.transformer import Transformer
+from trace_jax.rl import data as rl_data
 from trace_jax.rl import episodes
 from trace_jax.run import async_rollouts
-from trace_jax.tasks.base import Task
+from trace_jax.tasks.base import Task, prompt_text
 from trace_jax.tasks.chat import CheckpointTokenizer
 from trace_jax.tasks.registry import get_task
 from trace_jax.tasks.tokenizer import CharTokenizer, Tokenizer
@@ -273,11 +274,7 @@ def check_fits(config, task: Task, checked: tuple[Tokenizer, ModelConfig] | None
     config, task, tokenizer, observation_len(config, tokenizer)
   )
   if max_len > model_cfg.max_seq_len:
-    raise ValueError(
-      f"RLConfig.max_new_tokens={config.sampling.max_new_tokens}: an episode of task "
-      f"{config.task!r} then needs {max_len} positions (prompt + {task.max_turns} turn(s)), "
-      f"but the model holds max_seq_len={model_cfg.max_seq_len}; lower max_new_tokens"
-    )
+    raise ValueError(_too_long(config, task, tokenizer, model_cfg.max_seq_len))
   data = config.mesh[0]
   if data == -1:  # not resolved yet (`RLConfig.on_devices`): at most the devices left
     left = jax.device_count() - config.rollout_devices
@@ -308,6 +305,53 @@ def check_fits(config, task: Task, checked: tuple[Tokenizer, ModelConfig] | None
       f"({memory:.0f} bytes); lower prompts_per_step or group_size, raise minibatches, or add "
       "data-parallel devices (--mesh)"
     )
+
+
+def _too_long(config, task: Task, tokenizer: Tokenizer, limit: int) -> str:
+  """Why the run's longest episode does not fit the model's `limit` positions, naming the
+  cause: the prompt bucket, the chat template, the longest prompt (`Task.origin`: a
+  dataset's file and row), or max_new_tokens."""
+  new, obs = config.sampling.max_new_tokens, observation_len(config, tokenizer)
+  max_len, bucket = episodes.episode_len(config, task, tokenizer, obs)
+  lengths = [
+    (len(rl_data.prompt_ids(tokenizer, it)), i) for i, it in enumerate(task.prompt_probe())
+  ]
+  prompt_len, index = max(lengths)
+  item = task.prompt_probe()[index]
+  default = 8 if task.multi_turn else 16  # RLConfig.prompt_bucket=0's
+  if config.sampling.prompt_bucket and (
+    bucket >= limit or episodes.max_len_for(task, prompt_len, new, default, obs) <= limit
+  ):
+    return (
+      f"RLConfig.prompt_bucket={bucket} pads each prompt to a multiple of {bucket} positions: "
+      f"an episode of task {config.task!r} then needs {max_len} positions, but the model "
+      f"holds max_seq_len={limit}; leave prompt_bucket at 0 ({default} positions) or lower it"
+    )
+  turns = episodes.max_len_for(task, 0, new, bucket, obs)  # positions past the prompt
+  prompt = max_len - turns
+  fewer = new - -(-(max_len - limit) // task.max_turns)  # max_new_tokens that would fit
+  lower = f"lower max_new_tokens to at most {fewer}" if fewer > 0 else ""
+  if turns >= limit or prompt < limit // 2:
+    return (
+      f"RLConfig.max_new_tokens={new}: an episode of task {config.task!r} then needs "
+      f"{max_len} positions (prompt {prompt} + {task.max_turns} turn(s) {turns}), but the "
+      f"model holds max_seq_len={limit}; {lower or 'lower max_new_tokens'}"
+    )
+  text = len(tokenizer.encode(prompt_text(item.prompt), errors="replace"))
+  template = getattr(getattr(tokenizer, "template", None), "name", None)
+  room = f"{max(limit - turns, 0)} positions are left for a prompt beside max_new_tokens={new}"
+  lower = f", or {lower}" if lower else ""
+  if template and prompt_len - text > text:
+    return (
+      f"the chat template ({template}, with --system_prompt if given) renders "
+      f"{prompt_len - text} tokens around a prompt's {text}: the longest prompt, "
+      f"{task.origin(item)}, takes {prompt_len} tokens, but the model holds "
+      f"max_seq_len={limit} and {room}; use another template or --prompt_format=raw{lower}"
+    )
+  return (
+    f"the longest prompt, {task.origin(item)}, is {prompt_len} tokens: the model holds "
+    f"max_seq_len={limit} and {room}; shorten or drop that prompt{lower}"
+  )
 
 
 def skipped_warm_start(task: Task) -> dict:

@@ -123,6 +123,12 @@ class Task(abc.ABC):
     the first 64 training problems; a task whose prompts vary more returns its longest."""
     return self.sample(0, 64)
 
+  def origin(self, item: Item) -> str:
+    """Where one of the task's problems comes from, for a message about it (a file's task
+    names the file and the row)."""
+    del item
+    return f"a problem of task {self.name!r}"
+
   @abc.abstractmethod
   def score(self, item: Item, completion: str) -> float:
     """Reward in [0, 1]; never raises, whatever the completion."""
