@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import weakref
 
 import jax
@@ -105,8 +106,11 @@ class RunDir:
             "--workdir, or run with --tensorboard=false)"
           )
       self.metrics_path = os.path.join(self.path, "metrics.jsonl")
+      records = []
       if os.path.exists(self.metrics_path):  # a damaged log fails here, before any work
-        _check_steps(self.metrics_path, read_jsonl(self.metrics_path))
+        records = read_jsonl(self.metrics_path)
+        _check_steps(self.metrics_path, records)
+      self._refuse_going_back(checkpoints, records)
       recorded = self._check_record()
       self.checkpoints = Checkpoints(checkpoints)
       self._check_saved_config(recorded)
@@ -143,6 +147,29 @@ class RunDir:
         f"{decay!r} schedule is built from steps; resume it with --steps={saved_steps}, "
         "or use another --workdir"
       )
+
+  def _refuse_going_back(self, checkpoints: str, records: list[dict]) -> None:
+    """A ValueError, before anything is written, when the run here already went as far as
+    this one would: `steps` below the step it reached (its newest checkpoint, or its last
+    metrics line), or equal to it once its summary.json reports that step. Starting would
+    rewrite its run.json and summary.json for fewer steps (or none) and train nothing."""
+    saved = [int(n) for n in _listdir(checkpoints) if n.isdigit()]
+    reached = max(saved + [r["step"] for r in records], default=None)
+    steps = self.config.schedule.steps
+    if reached is None or steps > reached:
+      return
+    if steps == reached and _summary_steps(self.path) != reached:
+      return  # it trained its steps, but its report was not written (or is of fewer)
+    evaluate = f"python experiments/eval.py --workdir={shlex.quote(self.path)}"
+    if steps < reached:
+      why = f"already reached step {reached}, past steps={steps}"
+    else:
+      why = f"already finished its steps={steps} (summary.json): nothing is left to run"
+    raise ValueError(
+      f"{self.path}: the run there {why}, and starting it again would rewrite its records; "
+      f"evaluate it with `{evaluate}`, go on with --steps above {reached}, or use another "
+      "--workdir"
+    )
 
   def _check_record(self) -> bool:
     """Refuse a start whose config is not the one run.json records; whether there is one."""
@@ -338,6 +365,21 @@ def _check_steps(path: str, records: list[dict]) -> None:
         f"{path}: record {number} has step={step!r}; every line of a run's metrics is a "
         "JSON object with an integer step >= 0 (move the file away, or use another --workdir)"
       )
+
+
+def _summary_steps(workdir: str):
+  """The steps the run's summary.json reports; None if there is none that reads."""
+  try:
+    with open(os.path.join(workdir, "summary.json"), "rb") as f:
+      summary = json.loads(f.read())
+  except (OSError, ValueError):
+    return None
+  return summary.get("steps") if isinstance(summary, dict) else None
+
+
+def _listdir(path: str) -> list[str]:
+  """The names in directory `path`; none if it is not one."""
+  return os.listdir(path) if os.path.isdir(path) else []
 
 
 def _release(lock) -> None:
