@@ -13,7 +13,9 @@ Everything is checked before any work, on every start: the workdir is writable; 
 recorded in run.json, and the one in each readable checkpoint, is this run's (else a
 ValueError naming the fields that differ, so a second run never takes over a finished one's
 files, with or without checkpoints); `steps` may change only where the learning-rate
-schedule does not depend on it (lr_decay="constant"); `checkpoints` is a directory;
+schedule does not depend on it (lr_decay="constant"), and never below the step the run there
+reached (nor to it again once its summary.json reports it: a start would rewrite its
+records for fewer steps; `experiments/eval.py` evaluates a run); `checkpoints` is a directory;
 metrics.jsonl reads and every line's step is an integer. A workdir that holds a run's files
 but no record of its config (written before run.json existed, or by something else) is
 refused unless a checkpoint there holds the config. A resume uses the newest checkpoint that
