@@ -61,7 +61,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
   """The chance that k of n samples, drawn without replacement, hold at least one of the c
   correct ones: 1 - C(n - c, k) / C(n, k), the unbiased estimator of pass@k from n samples
   (Chen et al. 2021). Computed as 1 - prod_{i = n - c + 1}^{n} (1 - k / i), which never
-  forms a binomial (C(1000, 500) overflows a float64) and is exact for c = 0 and n - c < k.
+  forms a binomial (C(2000, 1000) ~ 2e600 overflows a float64) and is exact for c = 0 and n - c < k.
   """
   if not (_whole(n) and _whole(c) and _whole(k)) or not (0 <= c <= n and 1 <= k <= n):
     raise ValueError(
@@ -95,11 +95,12 @@ class EvalSettings:
       )
     ks = tuple(self.ks)
     bad = [k for k in ks if not _whole(k) or not 1 <= k <= self.samples]
+    if ks and not self.samples:
+      raise ValueError(f"k={list(ks)}: pass@k needs sampled answers; use samples >= 1")
     if bad or len(set(ks)) != len(ks):
-      allowed = f"whole numbers from 1 to samples={self.samples}" if self.samples else "none"
       raise ValueError(
-        f"k={list(ks)}: each k of pass@k must be one of {allowed}, each once"
-        + ("" if self.samples else " (pass@k needs --samples >= 1)")
+        f"k={list(ks)}: each k of pass@k must be a whole number from 1 to "
+        f"samples={self.samples}, each once"
       )
     object.__setattr__(self, "ks", tuple(sorted(ks)) or default_ks(self.samples))
     precisions = tuple(self.precisions)
