@@ -153,3 +153,68 @@ def test_a_run_recorded_on_a_mesh_resumes_on_it_under_the_default(tmp_path, monk
   assert on_devices(default, old).mesh == (1, 1, 1)
   assert on_devices(default, str(tmp_path / "new")).mesh == (8, 1, 1)
   assert on_devices(RLConfig.from_flat(preset="tiny", mesh=(2, 1, 1)), old).mesh == (2, 1, 1)
+
+
+def _files(folder) -> dict:
+  """Every file under `folder` (the lock file aside: the lock is the run's, not its records)
+  with its bytes."""
+  out = {}
+  for directory, _, names in os.walk(folder):
+    for name in names:
+      path = os.path.join(directory, name)
+      if name != "run.lock":
+        with open(path, "rb") as f:
+          out[os.path.relpath(path, folder)] = f.read()
+  return out
+
+
+def _finished(workdir, config: RLConfig, *, summary: bool = True) -> None:
+  """What a finished run of `config` leaves: its record, a checkpoint at its last step, its
+  metrics (the step-0 evaluation and each step) and summary.json."""
+  steps = config.schedule.steps
+  rundir = RunDir(workdir, config)
+  try:
+    for step in range(steps + 1):
+      rundir.log({"step": step, "eval/reward_fp4": 0.1 * step})
+    if summary:
+      rundir.write_summary({"arm": config.arm, "steps": steps})
+  finally:
+    rundir.close()
+  _save(workdir, steps, config)
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_fewer_steps_than_the_run_reached_are_refused_leaving_its_records(tmp_path, steps):
+  """--steps below the step a run reached (steps=0 too) is refused before anything is
+  written, naming that step and the evaluation command; the run's files keep every byte.
+  A constant learning rate: other steps are otherwise allowed (an extension)."""
+  workdir = str(tmp_path / "my run")
+  config = RLConfig.from_flat(preset="tiny", steps=4, lr_decay="constant", tensorboard=False)
+  _finished(workdir, config)
+  before = _files(workdir)
+  with pytest.raises(ValueError) as refused:
+    RunDir(workdir, config.replace(steps=steps))
+  message = str(refused.value)
+  assert "\n" not in message
+  assert f"the run there already reached step 4, past steps={steps}" in message
+  assert f"python experiments/eval.py --workdir='{workdir}'" in message
+  assert _files(workdir) == before
+  RunDir(workdir, config.replace(steps=6)).close()  # an extension goes on
+
+
+def test_a_finished_run_started_again_with_its_steps_is_refused_unless_it_lacks_its_summary(
+  tmp_path,
+):
+  """The same steps again: refused once summary.json reports them (nothing to run; its
+  summary would be rewritten); a run that trained its steps but never wrote its summary
+  may start to write it."""
+  config = RLConfig.from_flat(preset="tiny", steps=3, tensorboard=False)
+  finished = str(tmp_path / "finished")
+  _finished(finished, config)
+  before = _files(finished)
+  with pytest.raises(ValueError, match=r"already finished its steps=3 \(summary\.json\)"):
+    RunDir(finished, config)
+  assert _files(finished) == before
+  unreported = str(tmp_path / "unreported")
+  _finished(unreported, config, summary=False)
+  RunDir(unreported, config).close()

@@ -97,35 +97,56 @@ def export_settings(
   return config.fp4.fmt, activations, config.fp4.sites
 
 
+def open_checkpoints(workdir: str) -> Checkpoints:
+  """The run's checkpoints, opened read-only; a ValueError if there are none."""
+  folder = os.path.abspath(workdir)
+  if not os.path.isdir(folder):
+    what = "is not a folder" if os.path.exists(folder) else "does not exist"
+    raise ValueError(
+      f"workdir={workdir!r} {what} ({folder}); give the --workdir of an experiments/rl.py run"
+    )
+  checkpoints = os.path.join(folder, "checkpoints")
+  if not os.path.isdir(checkpoints):
+    raise ValueError(
+      f"workdir={workdir!r} holds no checkpoint (run experiments/rl.py with "
+      f"--checkpoint_every > 0 first)"
+    )
+  opened = Checkpoints(checkpoints, read_only=True)
+  if opened.latest_step() is None:
+    raise ValueError(f"workdir={workdir!r} holds no checkpoint (run experiments/rl.py first)")
+  return opened
+
+
+def check_step(checkpoints: Checkpoints, workdir: str, step) -> None:
+  """A ValueError unless `step` is one of the checkpoints' steps (naming those there)."""
+  steps = sorted(checkpoints.all_steps())
+  if isinstance(step, bool) or not isinstance(step, int) or step not in steps:
+    raise ValueError(
+      f"step={step!r}: workdir {workdir!r} holds the checkpoints of steps {steps}; use one "
+      "of them (default: the latest)"
+    )
+
+
 class SavedRun:
-  """A run's config and its latest checkpoint's policy, read without writing anything.
+  """A run's config and one checkpoint's policy (the latest by default), read without
+  writing anything.
 
   Attributes:
     config: the RLConfig of the checkpoint.
     source: the run's tokenizer, architecture and stop tokens (`policy_source.load`).
     policy: the Transformer restored from the checkpoint.
-    step: the checkpoint's step.
+    step: the checkpoint's step: `step` if given, else the latest that restores.
   """
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, step: int | None = None):
     self.workdir = os.path.abspath(workdir)
-    if not os.path.isdir(self.workdir):
-      what = "is not a folder" if os.path.exists(self.workdir) else "does not exist"
-      raise ValueError(
-        f"workdir={workdir!r} {what} ({self.workdir}); give the --workdir of an "
-        "experiments/rl.py run"
-      )
-    checkpoints = os.path.join(self.workdir, "checkpoints")
-    if not os.path.isdir(checkpoints):
-      raise ValueError(
-        f"workdir={workdir!r} holds no checkpoint (run experiments/rl.py with "
-        f"--checkpoint_every > 0 first)"
-      )
-    self.checkpoints = Checkpoints(checkpoints, read_only=True)
-    latest = self.checkpoints.latest_step()
-    if latest is None:
-      raise ValueError(f"workdir={workdir!r} holds no checkpoint (run experiments/rl.py first)")
-    self.config = config_from_meta(self.checkpoints.read_meta(latest)["config"])
+    self.checkpoints = open_checkpoints(workdir)
+    latest = step is None  # else that step, or an error: no older one in its place
+    if latest:
+      step = self.checkpoints.latest_step()
+    else:
+      check_step(self.checkpoints, workdir, step)
+    self.config = config_from_meta(self.checkpoints.read_meta(step)["config"])
     self.task = get_task(self.config.task, **dict(self.config.task_options))
     self.source = policy_source.load(self.config, self.task, weights=False)
     self.mesh = _mesh(self.config)
@@ -136,8 +157,10 @@ class SavedRun:
         state,
         param_shardings(self.source.policy, self.mesh),
       )
-    found = self.checkpoints.restore_latest({"policy": state})  # verified, policy only
-    self.step, restored, _ = found
+    if latest:  # verified, policy only
+      self.step, restored, _ = self.checkpoints.restore_latest({"policy": state})
+    else:
+      self.step, restored = step, self.checkpoints.restore(step, {"policy": state})
     self.policy = nnx.merge(graphdef, restored["policy"])
 
   def rollout_tokens(self, seed: int, count: int):

@@ -15,8 +15,11 @@ Everything is checked before any work, on every start: the workdir lies neither 
 checkpoint the run starts from nor in another run's checkpoints/, warmstart/ or tensorboard/
 (`check_workdir_place`), and is writable; the config recorded in run.json, and the one in
 each readable checkpoint, is this run's (else a ValueError naming the fields that differ, so
-a second run never takes over a finished one's files, with or without checkpoints); `steps` may change only where the learning-rate
-schedule does not depend on it (lr_decay="constant"); `checkpoints` is a directory;
+a second run never takes over a finished one's files, with or without checkpoints); `steps`
+may change only where the learning-rate schedule does not depend on it
+(lr_decay="constant"), and never below the step the run there reached (nor to it again once
+its summary.json reports it: a start would rewrite its records for fewer steps;
+`experiments/eval.py` evaluates a run); `checkpoints` is a directory;
 metrics.jsonl reads and every line's step is an integer. A workdir that holds a run's files
 but no record of its config (written before run.json existed, or by something else) is
 refused unless a checkpoint there holds the config. A resume uses the newest checkpoint that
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import weakref
 
 import jax
@@ -180,8 +184,11 @@ class RunDir:
         wandb_log.check_available()
         wandb_log.read_state(self.path)  # a damaged record: refused before any work
       self.metrics_path = os.path.join(self.path, "metrics.jsonl")
+      records = []
       if os.path.exists(self.metrics_path):  # a damaged log fails here, before any work
-        _check_steps(self.metrics_path, read_jsonl(self.metrics_path))
+        records = read_jsonl(self.metrics_path)
+        _check_steps(self.metrics_path, records)
+      self._refuse_going_back(checkpoints, records)
       recorded = self._check_record()
       self.checkpoints = Checkpoints(checkpoints)
       self._check_saved_config(recorded)
@@ -219,6 +226,29 @@ class RunDir:
         f"{decay!r} schedule is built from steps; resume it with --steps={saved_steps}, "
         "or use another --workdir"
       )
+
+  def _refuse_going_back(self, checkpoints: str, records: list[dict]) -> None:
+    """A ValueError, before anything is written, when the run here already went as far as
+    this one would: `steps` below the step it reached (its newest checkpoint, or its last
+    metrics line), or equal to it once its summary.json reports that step. Starting would
+    rewrite its run.json and summary.json for fewer steps (or none) and train nothing."""
+    saved = [int(n) for n in _listdir(checkpoints) if n.isdigit()]
+    reached = max(saved + [r["step"] for r in records], default=None)
+    steps = self.config.schedule.steps
+    if reached is None or steps > reached:
+      return
+    if steps == reached and _summary_steps(self.path) != reached:
+      return  # it trained its steps, but its report was not written (or is of fewer)
+    evaluate = f"python experiments/eval.py --workdir={shlex.quote(self.path)}"
+    if steps < reached:
+      why = f"already reached step {reached}, past steps={steps}"
+    else:
+      why = f"already finished its steps={steps} (summary.json): nothing is left to run"
+    raise ValueError(
+      f"{self.path}: the run there {why}, and starting it again would rewrite its records; "
+      f"evaluate it with `{evaluate}`, go on with --steps above {reached}, or use another "
+      "--workdir"
+    )
 
   def _check_record(self) -> bool:
     """Refuse a start whose config is not the one run.json records; whether there is one."""
@@ -425,6 +455,21 @@ def _check_steps(path: str, records: list[dict]) -> None:
         f"{path}: record {number} has step={step!r}; every line of a run's metrics is a "
         "JSON object with an integer step >= 0 (move the file away, or use another --workdir)"
       )
+
+
+def _summary_steps(workdir: str):
+  """The steps the run's summary.json reports; None if there is none that reads."""
+  try:
+    with open(os.path.join(workdir, "summary.json"), "rb") as f:
+      summary = json.loads(f.read())
+  except (OSError, ValueError):
+    return None
+  return summary.get("steps") if isinstance(summary, dict) else None
+
+
+def _listdir(path: str) -> list[str]:
+  """The names in directory `path`; none if it is not one."""
+  return os.listdir(path) if os.path.isdir(path) else []
 
 
 def _release(lock) -> None:
