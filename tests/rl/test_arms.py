@@ -18,6 +18,7 @@ PROMISES = {
   "bf16": (False, False, None, "none", None, (), False),
   "fp4-rollout": (True, False, None, "tis", None, (), False),
   "fp4-qat": (True, True, "nearest", "none", None, (), False),
+  "fp4-qat-r3": (True, True, "nearest", "none", None, (), True),
   "trace": (True, True, "guided", "none", "compact", (1,), True),
   "trace-full": (True, True, "guided", "none", "full", (0, 1), True),
   "trace-sparse": (True, True, "guided", "none", "sparse", (0, 1), True),

@@ -31,6 +31,7 @@ def test_arm_table_states_the_method_once():
     "bf16": ("bf16", None, "none", False, "none", "bf16", None, "standard"),
     "fp4-rollout": ("fp4", None, "none", False, "tis", "fp4", None, "standard"),
     "fp4-qat": ("fp4", QuantConfig(), "none", False, "none", "fp4", None, "standard"),
+    "fp4-qat-r3": ("fp4", QuantConfig(), "none", True, "none", "fp4", None, "standard"),
     "trace": ("fp4", guided("last_half"), "compact", True, "none", "fp4", None, "standard"),
     "trace-full": ("fp4", guided("all"), "full", True, "none", "fp4", None, "standard"),
     "trace-sparse": ("fp4", guided("all"), "sparse", True, "none", "fp4", None, "standard"),
@@ -187,7 +188,7 @@ def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
   added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every", "lr_decay"}
   added |= {"sft_target", "kv_precision", "max_grad_norm", "tensorboard", "rollout_skew"}
   added |= {"rollout_devices", "rollout_timeout", "scan_layers", "prefill_chunk"}
-  added |= {"wandb", "wandb_project"}
+  added |= {"wandb", "wandb_project", "geo_threshold"}
   # the scheme's per-path fields: leaves of the run's QuantConfig, never flags
   added |= {"fp4_precision", "fp4_weights", "fp4_rounding", "fp4_guided_layers"}
   assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT)) | added

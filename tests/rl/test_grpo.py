@@ -99,3 +99,36 @@ def test_bad_loss_config():
     LossConfig(rollout_correction="is")
   with pytest.raises(ValueError, match="tis_threshold"):
     LossConfig(tis_threshold=1.0)
+
+
+def test_the_geometric_mean_sequence_mask_drops_whole_responses():
+  """A response is kept iff the geometric mean of its tokens' ratios, (prod w)^(1/n) over
+  its response tokens, lies in [1/C, C]; every token of a dropped response weighs 0."""
+  rng = np.random.default_rng()
+  b, s, threshold = 16, 12, 1.05
+  old = jnp.asarray(np.log(rng.uniform(0.05, 1.0, (b, s))), jnp.float32)
+  rollout = old + jnp.asarray(rng.normal(0, 0.08, (b, s)), jnp.float32)
+  lengths = rng.integers(0, s + 1, b)
+  mask = jnp.asarray(np.arange(s)[None] < lengths[:, None])
+  w, corrected = correction_weights(old, rollout, "geo_mask", threshold, mask)
+  ratios = np.exp(np.asarray(old, np.float64) - np.asarray(rollout, np.float64))
+  for i in range(b):
+    n = lengths[i]
+    geo = np.prod(ratios[i, :n]) ** (1 / n) if n else 1.0
+    keep = 1 / threshold <= geo <= threshold
+    np.testing.assert_array_equal(np.asarray(w[i]), np.full(s, float(keep)))
+    np.testing.assert_array_equal(np.asarray(corrected[i]), np.full(s, not keep))
+  # The loss reads it: a dropped response contributes nothing.
+  cfg = LossConfig(rollout_correction="geo_mask", geo_threshold=threshold)
+  adv = jnp.asarray(rng.normal(size=b), jnp.float32)
+  loss, stats = grpo_loss(old, old, rollout, adv, mask, cfg)
+  kept = np.asarray(w[:, 0]) > 0
+  want = -np.sum(np.asarray(adv)[kept] * lengths[kept]) / max(lengths.sum(), 1)
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-6)
+  dropped_tokens = lengths[~kept].sum() / max(lengths.sum(), 1)
+  np.testing.assert_allclose(float(stats["rollout_correction_frac"]), dropped_tokens, rtol=1e-6)
+
+
+def test_a_geometric_threshold_at_or_below_one_is_refused():
+  with pytest.raises(ValueError, match="geo_threshold=1.0 must be > 1"):
+    LossConfig(geo_threshold=1.0)

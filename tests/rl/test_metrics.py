@@ -28,6 +28,46 @@ def test_mismatch_metrics_hand_case():
   assert m["tis/clip_frac"] == pytest.approx(0.5)  # r = 1.0 > 0.75
 
 
+def test_the_tails_against_a_loop_over_tokens_and_responses():
+  """k3 and ratio percentiles, the extreme-token share and the sequence log-ratio, each
+  computed here token by token and response by response (linear-interpolated percentiles,
+  as numpy's default), on fresh draws with heavy tails and empty responses."""
+  rng = np.random.default_rng()
+  b, s = 24, 17
+  rollout = np.log(rng.uniform(0.01, 1.0, (b, s)))
+  train = rollout + rng.standard_t(2, (b, s)) * 0.3
+  lengths = rng.integers(0, s + 1, b)
+  lengths[0] = 0
+  mask = np.arange(s)[None] < lengths[:, None]
+  m = metrics.mismatch_metrics(jnp.asarray(rollout), jnp.asarray(train), jnp.asarray(mask))
+  ratios, k3s, sums = [], [], []
+  for i in range(b):
+    total = 0.0
+    for t in range(lengths[i]):
+      log_r = float(np.float32(train[i, t]) - np.float32(rollout[i, t]))
+      ratios.append(math.exp(log_r))
+      k3s.append(math.exp(log_r) - 1 - log_r)
+      total += log_r
+    if lengths[i]:
+      sums.append(abs(total))
+
+  def percentile(values, q):
+    values = sorted(values)
+    position = (len(values) - 1) * q / 100
+    low = int(math.floor(position))
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (position - low)
+
+  assert m["mismatch/k3_p99"] == pytest.approx(percentile(k3s, 99), rel=1e-4)
+  assert m["is_ratio/p99"] == pytest.approx(percentile(ratios, 99), rel=1e-4)
+  extreme = sum(r > 2 or r < 0.5 for r in ratios) / len(ratios)
+  assert m["mismatch/extreme_frac"] == pytest.approx(extreme)
+  assert m["mismatch/seq_logratio_mean"] == pytest.approx(np.mean(sums), rel=1e-4)
+  assert m["mismatch/seq_logratio_p90"] == pytest.approx(percentile(sums, 90), rel=1e-4)
+  empty = metrics.mismatch_metrics(jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros((2, 3), bool))
+  assert math.isnan(empty["mismatch/extreme_frac"])
+
+
 def test_identical_paths_have_zero_mismatch():
   logp = jnp.log(jnp.asarray([[0.3, 0.6], [0.2, 0.9]]))
   m = metrics.mismatch_metrics(logp, logp, jnp.ones((2, 2), bool))

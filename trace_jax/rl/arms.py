@@ -121,6 +121,15 @@ ARMS = {
     Arm(name="bf16", rollout_precision="bf16", train="bf16", deploy="bf16"),
     Arm(name="fp4-rollout", rollout_precision="fp4", train="bf16", correction="tis"),
     Arm(name="fp4-qat", rollout_precision="fp4", train="qat"),
+    # Routing replay alone (R3): the rollout's experts, nearest rounding, no guidance; tells
+    # what replay removes from what guidance does.
+    Arm(
+      name="fp4-qat-r3",
+      rollout_precision="fp4",
+      train="qat",
+      routing_replay=True,
+      compared=False,
+    ),
     Arm(
       name="trace",
       rollout_precision="fp4",

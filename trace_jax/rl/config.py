@@ -284,7 +284,9 @@ class RLConfig:
   seed: int = knob(0, "Seed of everything random.")
   correction: str = knob(
     "auto",
-    "Correction on pi_old / pi_rollout (auto: the arm's; TIS for fp4-rollout).",
+    "Correction on pi_old / pi_rollout (auto: the arm's; TIS for fp4-rollout): tis, mask "
+    "(tokens outside [1/C, C]), geo_mask (responses whose geometric-mean ratio leaves "
+    "[1/C, C], C = --geo_threshold) or none.",
     flag="rollout_correction",
     choices=("auto",) + CORRECTIONS,
   )

@@ -6,7 +6,10 @@
    clip-higher): token loss max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)).
 3. Rollout correction on w = pi_old / pi_rollout (the training-inference mismatch TRACE
    removes): token-level truncated importance sampling, min(w, C), multiplying the token
-   loss; or masking tokens with w outside [1/C, C]; or none.
+   loss; or masking tokens with w outside [1/C, C]; or masking whole responses whose
+   geometric-mean ratio exp(mean over the response of log w) leaves [1/C_g, C_g] (verl's
+   and DeepSeek's sequence mask: a length-normalised sequence ratio, so long responses are
+   not dropped for their length alone); or none.
 4. Optional KL to a reference policy (k3 estimator), weighted by kl_coef.
 5. Aggregation: "token" (mean over all response tokens of the batch) or "sequence" (mean
    over sequences of each sequence's token mean).
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 from trace_jax.utils.flags import knob
 
 AGGREGATIONS = ("token", "sequence")
-CORRECTIONS = ("tis", "mask", "none")
+CORRECTIONS = ("tis", "mask", "geo_mask", "none")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,12 +41,15 @@ class LossConfig:
   )
   kl_coef: float = knob(0.0, "KL-to-reference weight; 0 = no reference policy.")
   rollout_correction: str = knob(
-    "tis", "tis, mask or none, on pi_old / pi_rollout.", flag=False
+    "tis", "tis, mask, geo_mask or none, on pi_old / pi_rollout.", flag=False
   )  # (an RL run sets it through RLConfig.correction)
   tis_threshold: float = knob(2.0, "TIS truncation / masking threshold C.")
+  geo_threshold: float = knob(
+    1.05, "geo_mask: a response is dropped when its geometric-mean ratio leaves [1/C, C]."
+  )
 
   def __post_init__(self):
-    for name in ("clip_low", "clip_high", "kl_coef", "tis_threshold"):
+    for name in ("clip_low", "clip_high", "kl_coef", "tis_threshold", "geo_threshold"):
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
         raise ValueError(f"LossConfig.{name}={value!r} must be a finite number >= 0")
@@ -60,8 +66,9 @@ class LossConfig:
         f"LossConfig.rollout_correction={self.rollout_correction!r} is not allowed; "
         f"use one of {CORRECTIONS}"
       )
-    if self.tis_threshold <= 1:
-      raise ValueError(f"LossConfig.tis_threshold={self.tis_threshold} must be > 1")
+    for name in ("tis_threshold", "geo_threshold"):
+      if getattr(self, name) <= 1:
+        raise ValueError(f"LossConfig.{name}={getattr(self, name)} must be > 1")
 
 
 def group_advantages(
@@ -77,14 +84,25 @@ def group_advantages(
   return centred.reshape(-1)
 
 
-def correction_weights(old_logp, rollout_logp, mode: str, threshold: float):
+def correction_weights(old_logp, rollout_logp, mode: str, threshold: float, mask=None):
   """Weights [B, S] from w = pi_old / pi_rollout (no gradient), and the bool mask of tokens
-  where the correction bit (w > C for TIS; w outside [1/C, C] for masking)."""
-  w = jnp.exp(jax.lax.stop_gradient(old_logp - rollout_logp))
+  where the correction bit (w > C for TIS; w outside [1/C, C] for masking; for the
+  geometric-mean mask, every token of a response whose exp(mean log w) over its `mask`
+  tokens leaves [1/C, C])."""
+  log_w = jax.lax.stop_gradient(old_logp - rollout_logp)
+  w = jnp.exp(log_w)
   if mode == "tis":
     return jnp.minimum(w, threshold), w > threshold
   if mode == "mask":
     keep = (w <= threshold) & (w >= 1.0 / threshold)
+    return keep.astype(jnp.float32), ~keep
+  if mode == "geo_mask":
+    if mask is None:
+      raise ValueError("correction_weights: geo_mask needs the response mask")
+    m = mask.astype(jnp.float32)
+    mean_log_w = jnp.sum(log_w * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)  # [B]
+    keep = jnp.abs(mean_log_w) <= jnp.log(threshold)
+    keep = jnp.broadcast_to(keep[:, None], w.shape)
     return keep.astype(jnp.float32), ~keep
   return jnp.ones_like(w), jnp.zeros(w.shape, bool)
 
@@ -143,8 +161,11 @@ def grpo_loss(
     (loss, {"pg_clipfrac", "pg_loss", "kl_ref", "rollout_correction_frac"}).
   """
   mask = response_mask.astype(bool)
+  threshold = (
+    config.geo_threshold if config.rollout_correction == "geo_mask" else config.tis_threshold
+  )
   weights, corrected = correction_weights(
-    old_logp, rollout_logp, config.rollout_correction, config.tis_threshold
+    old_logp, rollout_logp, config.rollout_correction, threshold, mask
   )
   loss, stats = weighted_ppo(logp, old_logp, advantages, weights, mask, config, ref_logp)
   stats["rollout_correction_frac"] = aggregate(corrected.astype(jnp.float32), mask, "token")

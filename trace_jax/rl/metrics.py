@@ -12,6 +12,15 @@ of a step) RL compares. With r = pi_train / pi_rollout:
   is_ratio/{mean,max,min}  of r
   tis/clip_frac            share of tokens with r above the truncation threshold
 
+and the tails that precede collapse in the published reports, which a mean hides:
+
+  mismatch/k3_p99               99th percentile of the tokens' k3 (r - 1 - log r)
+  is_ratio/p99                  99th percentile of r
+  mismatch/extreme_frac         share of tokens with r > 2 or r < 1/2
+  mismatch/seq_logratio_mean    mean over responses of |sum of log r over the response|
+  mismatch/seq_logratio_p90     its 90th percentile (a sequence-level importance weight's
+                                log; it grows with length, where token means do not)
+
 and, where both paths quantize, how their FP4 outcomes differ (`fp4_disagreement`).
 """
 
@@ -53,7 +62,29 @@ def mismatch_metrics(
     "is_ratio/min": jnp.min(jnp.where(masked, ratio, jnp.inf)),
     "tis/clip_frac": mean((ratio > tis_threshold).astype(jnp.float32)),
   }
-  return {k: float(v) for k, v in jax.device_get(values).items()}
+  out = {k: float(v) for k, v in jax.device_get(values).items()}
+  out.update(tail_metrics(np.asarray(log_ratio, np.float64), np.asarray(masked)))
+  return out
+
+
+def tail_metrics(log_ratio: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+  """The tail metrics above from log r [B, S] at the response tokens `mask` [B, S] (NaN
+  where there are no tokens, so an empty batch does not read as a perfect one)."""
+  tokens = log_ratio[mask]
+  if not tokens.size:
+    names = ("mismatch/k3_p99", "is_ratio/p99", "mismatch/extreme_frac")
+    names += ("mismatch/seq_logratio_mean", "mismatch/seq_logratio_p90")
+    return {name: float("nan") for name in names}
+  ratio = np.exp(tokens)
+  has_tokens = mask.any(axis=1)
+  sequence = np.abs(np.where(mask, log_ratio, 0.0).sum(axis=1))[has_tokens]
+  return {
+    "mismatch/k3_p99": float(np.percentile(ratio - 1.0 - tokens, 99)),
+    "is_ratio/p99": float(np.percentile(ratio, 99)),
+    "mismatch/extreme_frac": float(np.mean((ratio > 2.0) | (ratio < 0.5))),
+    "mismatch/seq_logratio_mean": float(sequence.mean()),
+    "mismatch/seq_logratio_p90": float(np.percentile(sequence, 90)),
+  }
 
 
 def _element_weights(mask: np.ndarray, shape) -> np.ndarray:
