@@ -169,13 +169,19 @@ class MoE(nnx.Module):
     """
     b, t, d = x.shape
     n, k = b * t, self.top_k
-    # The router stays in float32: a flipped expert is a large, discrete mismatch.
-    logits = jnp.einsum(
-      "nd,de->ne",
-      x.reshape(n, d).astype(jnp.float32),
-      self.router.get_value(),
-      precision=jax.lax.Precision.HIGHEST,
-    )
+    # The router stays in float32: a flipped expert is a large, discrete mismatch. An
+    # engine may run it in the activations' dtype (`CallOptions.router_dtype`, a study's
+    # engine difference): then only the logits' softmax is float32.
+    if sq.router_dtype == "compute":
+      router = self.router.get_value().astype(x.dtype)
+      logits = jnp.einsum("nd,de->ne", x.reshape(n, d), router).astype(jnp.float32)
+    else:
+      logits = jnp.einsum(
+        "nd,de->ne",
+        x.reshape(n, d).astype(jnp.float32),
+        self.router.get_value(),
+        precision=jax.lax.Precision.HIGHEST,
+      )
     probs = jax.nn.softmax(logits, axis=-1)
     experts, weights = route(
       probs, k, self.norm_topk, None if routing is None else routing.reshape(n, k)

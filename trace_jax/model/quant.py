@@ -301,6 +301,9 @@ def check_run_scheme(scheme, where: str) -> None:
       )
 
 
+ROUTER_DTYPES = ("float32", "compute")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CallOptions:
   """How one model call runs, beside the QuantConfig of what it quantizes (static: part of
@@ -316,6 +319,9 @@ class CallOptions:
   moe_blocks: int = 1  # the routed experts' rows sorted and multiplied within this many
   #   equal blocks of whole sequences (a rollout on a mesh: one per "data" shard, so each
   #   shard dispatches its own tokens); 1: one sort over the whole batch
+  router_dtype: str = "float32"  # the MoE router's logits: "float32" (both paths, as the
+  #   method runs it) or "compute" (the activations' dtype: an engine whose router runs in
+  #   bf16 while the trainer's runs in float32, a real engine difference)
 
   def __post_init__(self):
     if not isinstance(self.last_logits, bool):
@@ -325,6 +331,10 @@ class CallOptions:
     if self.moe_blocks < 1:
       raise ValueError(f"CallOptions.moe_blocks must be an int >= 1, got {self.moe_blocks}")
     kernels_lib.check_mode(self.kernels, "CallOptions.kernels", kernels_lib.IMPLEMENTATIONS)
+    if self.router_dtype not in ROUTER_DTYPES:
+      raise ValueError(
+        f"CallOptions.router_dtype={self.router_dtype!r} is not allowed; use one of {ROUTER_DTYPES}"
+      )
     if not isinstance(self.recording, Recording):
       raise ValueError(
         f"CallOptions.recording must be a Recording, got {type(self.recording).__name__}"

@@ -246,6 +246,7 @@ class SiteQuantizer:
     self.recording = options.recording
     self.kernels = options.kernels  # "pallas" or "xla"
     self.moe_blocks = options.moe_blocks
+    self.router_dtype = options.router_dtype
     self.quant = quant if quant is not None and quant.enabled else None
     self.dtype = dtype
     self.guidance = dict(guidance or {})

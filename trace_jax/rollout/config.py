@@ -8,7 +8,13 @@ from typing import Sequence, Union
 from trace_jax.fp4 import SparseSpec
 from trace_jax.guidance import GUIDANCE_MODES
 from trace_jax.kernels import KERNEL_MODES
-from trace_jax.model.quant import PRECISIONS, QuantConfig, _check_layers_spec, check_run_scheme
+from trace_jax.model.quant import (
+  PRECISIONS,
+  ROUTER_DTYPES,
+  QuantConfig,
+  _check_layers_spec,
+  check_run_scheme,
+)
 from trace_jax.model.skew import check_amount
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
@@ -100,6 +106,8 @@ class RolloutConfig:
   skew: float = 0.0  # >= 0: every layer's output times 1 + skew * u, u in (-1, 1) hashed
   #   from (version, sequence, position, layer, element) (`model.skew`): an engine that
   #   computes differently from the trainer by a controlled amount; 0: exactly none
+  router_dtype: str = "float32"  # the MoE router's logits: "float32" (as training computes
+  #   them) or "compute" (in compute_dtype: an engine difference; `CallOptions.router_dtype`)
 
   def __post_init__(self):
     where = "RolloutConfig"
@@ -154,6 +162,13 @@ class RolloutConfig:
       object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
     _check_layers_spec(self.guided_layers)
     check_amount(self.skew, f"{where}.skew")
+    _require(
+      self.router_dtype in ROUTER_DTYPES,
+      where,
+      "router_dtype",
+      self.router_dtype,
+      f"use one of {ROUTER_DTYPES}",
+    )
 
   @property
   def quant(self) -> QuantConfig | None:

@@ -135,6 +135,7 @@ class Statics:
       recording=self.recording,
       compute_dtype=self.config.compute_dtype,
       moe_blocks=sharding_lib.data_shards(self.mesh),
+      router_dtype=self.config.router_dtype,
     )
 
 
