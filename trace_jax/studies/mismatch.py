@@ -229,7 +229,7 @@ def _roll_out(config: StudyConfig, policy, tokenizer, prompts) -> _Rollouts:
 @functools.partial(
   nnx.jit, static_argnames=("quant", "compute_dtype", "replay", "temperature", "inputs")
 )
-def _training_path(policy, rollout, guidance, *, quant, compute_dtype, replay, temperature, inputs):
+def training_path(policy, rollout, guidance, *, quant, compute_dtype, replay, temperature, inputs):
   """The training path's log-probs of the rollout's tokens, every site recorded in full
   (and its input, with `inputs`)."""
   return training_forward(
@@ -252,7 +252,7 @@ def measure(
 ) -> tuple[Measurement, tuple | None]:
   """The training path under `quant` (None: bf16) against `rollout`, and with `inputs`
   its (site records, site inputs) for the calibration of sparse guidance's margins."""
-  logp, out = _training_path(
+  logp, out = training_path(
     policy,
     rollout.without_cache(),
     guidance,

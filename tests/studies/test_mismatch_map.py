@@ -1,0 +1,80 @@
+"""studies.mismatch_map: the router flip rate against a loop, the map's points, and the
+script end to end on one tiny point (slow: `pytest -m slow tests/studies/test_mismatch_map.py`)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from trace_jax.studies import mismatch_map as study
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "mismatch_map.py")
+
+
+def test_the_router_flip_rate_counts_differing_expert_sets_per_layer():
+  rng = np.random.default_rng()
+  layers, b, s, k, experts = 3, 4, 7, 2, 6
+  rollout = np.stack([rng.permutation(experts)[:k] for _ in range(layers * b * s)])
+  rollout = rollout.reshape(layers, b, s, k)
+  train = rollout.copy()
+  flip = rng.random((layers, b, s)) < 0.3
+  for index in zip(*np.nonzero(flip)):
+    train[index] = [(e + 1) % experts for e in train[index]]  # another set
+  swap = rng.random((layers, b, s)) < 0.3
+  train[swap] = train[swap][:, ::-1]  # the same set in another order is no flip
+  mask = rng.random((b, s)) < 0.7
+  mask[0, 0] = True
+  got = study.router_flip_rate(rollout, np.concatenate([train, train[:, :, :2]], 2), mask)
+  for layer in range(layers):
+    want = [set(rollout[layer, i, t]) != set(train[layer, i, t]) for i, t in zip(*np.nonzero(mask))]
+    assert got[layer] == pytest.approx(np.mean(want))
+
+
+def test_the_map_is_every_length_and_depth_on_three_engines():
+  points = study.default_points()
+  assert len(points) == 18 and len({p.key for p in points}) == 18
+  assert {(p.terms, p.layers) for p in points} == {
+    (4, 4),
+    (8, 4),
+    (16, 4),
+    (32, 4),
+    (8, 8),
+    (8, 16),
+  }
+  engines = {(p.rollout_skew, p.router_dtype) for p in points}
+  assert engines == {(0.0, "float32"), (2.0**-4, "float32"), (0.0, "compute")}
+
+
+def test_a_bad_point_is_refused_by_field():
+  with pytest.raises(ValueError, match="Point.router_dtype='bf16' is not allowed"):
+    study.Point(terms=4, layers=2, router_dtype="bf16")
+  with pytest.raises(ValueError, match="Point.terms=1"):
+    study.Point(terms=1, layers=2)
+
+
+@pytest.mark.slow
+def test_one_tiny_point_end_to_end_and_resumed(tmp_path):
+  args = ["--preset=tiny", "--sft_steps=3", "--rollouts=3", "--terms=4", "--layers=2"]
+  args += [f"--out={tmp_path}"]
+  run = lambda *extra: subprocess.run(  # noqa: E731
+    [sys.executable, SCRIPT, *args, *extra], capture_output=True, text=True, timeout=900
+  )
+  result = run("--rollout_skew=0.0625")
+  assert result.returncode == 0, result.stderr[-3000:]
+  saved = json.loads((tmp_path / "results.json").read_text())
+  (point,) = saved["points"]
+  assert (point["terms"], point["layers"], point["rollout_skew"]) == (4, 2, 0.0625)
+  assert point["router_dtype"] == "float32" and point["answer_tokens"] > 0
+  assert set(point["paths"]) == set(study.PATHS)
+  for name, metrics in point["paths"].items():
+    assert set(study.METRICS) <= set(metrics)
+    assert len(metrics["router_flip_rate"]) == 2 and len(metrics["code_disagreement"]) == 2
+    if name != "fp4-qat":  # replay: the rollout's experts
+      assert metrics["router_flip_rate"] == [0.0, 0.0]
+  for name in ("table.md", "length.png", "depth.png"):
+    assert (tmp_path / name).exists()
+  refused = run("--sft_steps=4")
+  assert refused.returncode == 1 and "sft_steps" in refused.stderr
