@@ -7,14 +7,13 @@
   python experiments/rl.py --task=search --max_new_tokens=6  # multi-turn
   python experiments/rl.py --workdir=runs/x                  # resumes if runs/x holds a checkpoint
   python experiments/rl.py --hf_checkpoint=tests/fixtures/hf/qwen3_moe --steps=2  # a local HF model
-  python experiments/rl.py --hf_checkpoint=DIR --system_prompt="Answer after #." \
+  python experiments/rl.py --hf_checkpoint=DIR --system_prompt="Answer after #." \\
       --chat_template_options=enable_thinking=false
 
-Arms: bf16, fp4-rollout (FP4 rollout, bf16 training + TIS), fp4-qat (FP4 QAT, nearest),
-trace (guided QAT: compact, deeper half, routing replay), trace-full, ptq (bf16 training,
-evaluated in FP4). Writes <workdir>/metrics.jsonl, summary.json, reward.png, mismatch.png
-and prints a final table. A warm start (SFT on solver demonstrations) is made in the workdir
-first unless one is there (by default not for --hf_checkpoint: --sft_warm_start forces it).
+`--help` lists the run's flags by section (the arms and tasks under --arm and --task).
+Writes <workdir>/metrics.jsonl, summary.json, reward.png, mismatch.png and prints a final
+table. A warm start (SFT on solver demonstrations) is made in the workdir first unless one
+is there (by default not for --hf_checkpoint: --sft_warm_start forces it).
 A workdir is one run's at a time: a second rl.py on a workdir in use is refused (exit 1) with
 one line naming the holder, before it writes anything (`trace_jax.utils.lock`).
 With --hf_checkpoint the weights, tokenizer (tokenizer.json), special tokens and chat template
@@ -52,6 +51,29 @@ _COORDINATOR = flags.DEFINE_string(
 )
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's id.")
+HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "-helpshort")
+
+
+def help_text() -> str:
+  """The module docstring and the run's flags by section (`utils.flags.grouped_help`)."""
+  sections = config_flags.grouped_help(
+    RLConfig,
+    _CONFIG,
+    extra={"run": [_WORKDIR], "scale-out": [_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID]},
+  )
+  return (
+    f"{__doc__.strip()}\n\nFlags of the run, by section (--helpfull: every flag, also "
+    f"JAX's and absl's):\n\n{sections}"
+  )
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, but --help (-h, --helpshort) prints `help_text` and exits 0."""
+  options = argv[1 : argv.index("--")] if "--" in argv else argv[1:]
+  if any(arg in HELP_FLAGS for arg in options):
+    print(help_text())
+    sys.exit(0)
+  return app.parse_flags_with_usage(argv)
 
 
 def main(argv):
@@ -138,4 +160,4 @@ def export_command(trainer: Trainer) -> str:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
