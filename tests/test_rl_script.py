@@ -93,8 +93,14 @@ def test_a_resume_says_its_step_and_ctrl_c_ends_with_the_command_that_resumes(
   monkeypatch.setattr(rl, "Trainer", _InterruptedRun)
   workdir = str(tmp_path / "the run's dir")
   given = ["--preset=tiny", "--steps=9", "--task=chain", "--mesh=1,1,1", "--noscan_layers"]
-  with _flags(rl, f"--workdir={workdir}", *given), pytest.raises(SystemExit) as exit_:
-    rl.main(["rl.py"])
+  with _flags(rl, f"--workdir={workdir}", *given):
+    with pytest.raises(SystemExit) as exit_:
+      rl.main(["rl.py"])
+    before = rl.interrupted_line(RLConfig(), workdir, None)  # Ctrl-C while starting
+  assert before == (
+    "rl.py: interrupted before the first RL step; to start it again: python experiments/rl.py "
+    + shlex.join([f"--workdir={workdir}", *given[2:4], given[0], given[4], given[1]])
+  )
   assert exit_.value.code == 130
   out, err = capsys.readouterr()
   assert out.splitlines() == [
