@@ -17,8 +17,9 @@ source's config, tokenizer and generation files (each must be a file inside the 
 folder: a link that leads elsewhere is refused). The run's workdir is only read; --out is
 written whole or not at all: it must be new, empty, or an earlier export of this script
 (with its export_summary.json), which is replaced whole; any other folder, or a symbolic
-link, is refused before any work. Prints the tensor listing and, for NVFP4 W4A4, how far
-the calibrated static activation scales are from the per-token ones the policy trained with.
+link, is refused before any work. Prints one line: what was exported, and for NVFP4 W4A4 how
+far the calibrated static activation scales are from the per-token ones the policy trained
+with (--verbose: the tensor listing before it).
 """
 
 import sys
@@ -26,7 +27,7 @@ import sys
 from absl import app, flags, logging
 
 from trace_jax.export.compressed_tensors import ACTIVATIONS, FORMATS
-from trace_jax.export.run import describe, export_run, format_listing
+from trace_jax.export.run import describe, export_run
 from trace_jax.model.quant import SITE_SCOPES
 from trace_jax.run.checkpoint import CheckpointError
 
@@ -48,7 +49,7 @@ _CALIB = flags.DEFINE_integer(
   64,
   "Rollouts (>= 1) that calibrate (and, as many again, measure) W4A4 scales.",
 )
-_LIST = flags.DEFINE_bool("list", True, "Print the tensor listing.")
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Also print the tensors, one row each.")
 flags.mark_flags_as_required(["workdir", "out"])
 
 
@@ -68,11 +69,7 @@ def main(argv):
   except (ValueError, OSError, CheckpointError) as e:  # one line: what, where, what to do
     print(f"export.py: error: {_one_line(e)}", file=sys.stderr)
     sys.exit(1)
-  if _LIST.value:
-    print(format_listing(summary["out_dir"]))
-  print(describe(summary))
-  if "input_scale_distance" in summary:
-    print("static input scales vs per-token:", summary["input_scale_distance"])
+  print(describe(summary, verbose=_VERBOSE.value))
 
 
 def _one_line(error: Exception) -> str:

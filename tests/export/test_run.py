@@ -11,6 +11,7 @@ command rl.py prints).
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from flax import nnx
 from tests.utils.test_lock import _snapshot, held
 from trace_jax import fp4
 from trace_jax.export import names as names_lib
-from trace_jax.export.run import export_run, export_settings
+from trace_jax.export.run import describe, export_run, export_settings
 from trace_jax.model.hf import read_safetensors
 from trace_jax.rl.config import RLConfig
 from trace_jax.run.trainer import Trainer
@@ -95,6 +96,24 @@ def test_an_mxfp4_run_exports_mxfp4_its_rollout_bytes_and_replaces_the_folder_wh
   assert sorted(os.listdir(out)) == EXPORT_FILES
   assert sorted(os.listdir(tmp_path)) == ["export"]  # no staging or old folder beside it
   assert _tensors(out).keys() == tensors.keys()
+
+
+def test_the_export_prints_one_line_and_the_tensors_only_when_verbose(mxfp4_run, tmp_path):
+  workdir, _, _ = mxfp4_run
+  summary = export_run(str(workdir), str(tmp_path / "export"))
+  line = describe(summary)
+  assert "\n" not in line and "{" not in line
+  assert line.startswith(
+    f"exported step 0 of {workdir} to {tmp_path / 'export'}: mxfp4-pack-quantized, W4A4 "
+    f"(mxfp4 activations), fp4_sites=all; {summary['tensors']} tensors ("
+  )
+  assert re.search(r"modules kept in bf16\), \d+\.\d [KMG]B in 1 file$", line), line
+  listing = describe(summary, verbose=True).splitlines()
+  assert listing[-1] == line and len(listing) == summary["tensors"] + 3  # header, rule, rows
+  with_distance = {**summary, "input_scale_distance": {"rel_l2": 0.0123456, "saturated_frac": 0}}
+  assert describe(with_distance).endswith(
+    "; static input scales vs per-token: rel_l2 0.0123, saturated_frac 0"
+  )
 
 
 def test_a_setting_that_contradicts_the_run_is_refused_naming_both(mxfp4_run, tmp_path):
@@ -178,7 +197,7 @@ def test_rl_py_mxfp4_run_and_the_export_command_it_prints(tmp_path):
   assert run.returncode == 0, run.stderr[-3000:]
   assert "run.lock" not in os.listdir(workdir)  # released at the end
   (line,) = [line for line in run.stdout.splitlines() if line.startswith("export for vLLM")]
-  command = re.search(r"python (experiments/export.py .*)$", line).group(1).split()
+  command = shlex.split(re.search(r"python (experiments/export.py .*)$", line).group(1))
   assert not [f for f in command if f.startswith(("--fmt", "--activations", "--fp4_sites"))]
   export = subprocess.run(
     [sys.executable, *command], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200

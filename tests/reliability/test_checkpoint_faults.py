@@ -149,3 +149,33 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, capfd, 
     step, restored, _ = Checkpoints(str(directory)).restore_latest(_state(0))
     assert step == 1
     chex.assert_trees_all_equal(restored, _state(1))
+
+
+@pytest.mark.parametrize("when", ["before_publishing", "after_publishing"])
+def test_ctrl_c_during_a_save_leaves_a_whole_checkpoint_or_none(tmp_path, capfd, monkeypatch, when):
+  """KeyboardInterrupt mid-save goes on, with no writer thread failing after it: a step not
+  yet renamed into place leaves nothing (its temporary directory removed), one already
+  published is kept whole; the steps listed are the ones on disk."""
+  checkpoints = _saved(tmp_path, steps=(1,))
+  if when == "before_publishing":
+
+    async def interrupted(self, *args, **kwargs):
+      raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", interrupted)
+  else:
+    monkeypatch.setattr(
+      "trace_jax.run.checkpoint.fsync_directory",
+      lambda path: (_ for _ in ()).throw(KeyboardInterrupt),
+    )
+  capfd.readouterr()
+  with pytest.raises(KeyboardInterrupt):
+    checkpoints.save(2, _state(2), {"step": 2})
+  assert "Traceback" not in capfd.readouterr().err
+  monkeypatch.undo()
+  saved = [1] if when == "before_publishing" else [2, 1]
+  assert checkpoints.all_steps() == saved
+  assert sorted(os.listdir(tmp_path)) == sorted(map(str, saved))
+  step, restored, _ = Checkpoints(str(tmp_path)).restore_latest(_state(0))
+  assert step == saved[0]
+  chex.assert_trees_all_equal(restored, _state(step))

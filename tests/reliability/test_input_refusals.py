@@ -317,7 +317,7 @@ def test_the_final_line_of_a_run_without_steps_names_what_was_not_logged():
     "wall_seconds": 3.0,
   }
   line = report.final_line(summary)
-  assert "eval reward 0.25 -> 0.25" in line and "mean k3_kl n/a" in line
+  assert "eval reward 0.250 -> 0.250" in line and "mean k3_kl n/a" in line
   assert "guidance n/a B/token" in line
 
 

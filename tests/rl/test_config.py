@@ -2,15 +2,13 @@
 rollout-correction knob, and experiments/rl.py's flag defaults read from the config classes."""
 
 import dataclasses
-import functools
-import importlib.util
-import os
 
 import numpy as np
 
 import pytest
 from absl import flags
 
+from tests.scripts import load_script
 from trace_jax import fp4
 from trace_jax.model import quant as quant_lib
 from trace_jax.model.quant import QuantConfig
@@ -19,8 +17,6 @@ from trace_jax.rl.config import RLConfig
 from trace_jax.rollout.config import RolloutConfig
 from trace_jax.utils import flags as config_flags
 from trace_jax.rl.grpo import LossConfig
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_arm_table_states_the_method_once():
@@ -206,15 +202,9 @@ def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
     RLConfig.from_flat(group_size=0)
 
 
-@functools.lru_cache(maxsize=None)  # a script's flags are defined once per process
 def _script_flags(name: str) -> dict:
   """{flag: default} of the flags experiments/<name>.py defines (absl's global FLAGS)."""
-  before = set(flags.FLAGS)
-  spec = importlib.util.spec_from_file_location(
-    f"{name}_script", os.path.join(_ROOT, "experiments", f"{name}.py")
-  )
-  spec.loader.exec_module(importlib.util.module_from_spec(spec))
-  return {n: flags.FLAGS[n].default for n in set(flags.FLAGS) - before}
+  return load_script(name)[1]
 
 
 def test_rl_script_flags_are_the_config_fields():

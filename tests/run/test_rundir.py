@@ -218,3 +218,19 @@ def test_a_finished_run_started_again_with_its_steps_is_refused_unless_it_lacks_
   unreported = str(tmp_path / "unreported")
   _finished(unreported, config, summary=False)
   RunDir(unreported, config).close()
+
+
+def test_a_decaying_run_is_not_extended_and_the_refusal_says_how_to_start_one_that_can_be(
+  tmp_path,
+):
+  """More --steps than a cosine run started with is refused (its schedule is built from
+  steps), and the refusal names the start that can be extended: --lr_decay=constant, which
+  then extends."""
+  for decay, workdir in (("cosine", tmp_path / "cosine"), ("constant", tmp_path / "constant")):
+    RunDir(str(workdir), RLConfig.from_flat(preset="tiny", steps=3, lr_decay=decay)).close()
+  with pytest.raises(ValueError) as refused:
+    RunDir(str(tmp_path / "cosine"), RLConfig.from_flat(preset="tiny", steps=5))
+  assert "resume it with --steps=3, or use another --workdir" in str(refused.value)
+  assert "A run that can be extended later starts with --lr_decay=constant" in str(refused.value)
+  constant = RLConfig.from_flat(preset="tiny", steps=5, lr_decay="constant")
+  RunDir(str(tmp_path / "constant"), constant).close()

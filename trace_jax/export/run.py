@@ -14,7 +14,6 @@ export takes its latest finished checkpoint and says that the run is still going
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 
@@ -310,11 +309,33 @@ def format_listing(out_dir: str) -> str:
   return "\n".join(lines)
 
 
-def describe(summary: dict) -> str:
+def describe(summary: dict, *, verbose: bool = False) -> str:
+  """What experiments/export.py prints: one line (what was exported from where, its scheme,
+  tensors, bytes and files, and for NVFP4 W4A4 how far the calibrated static input scales
+  are from per-token ones), after the per-tensor listing with `verbose`."""
   qc = summary["quantization_config"]
-  return json.dumps(
-    {k: summary.get(k) for k in ("out_dir", "files", "tensors", "bytes", "step")}
-    | {k: summary.get(k) for k in ("activations", "fp4_sites")}
-    | {"format": qc["format"], "ignore": len(qc["ignore"])},
-    indent=1,
+  scheme = (
+    "W4A16 (weight-only)"
+    if summary.get("activations") in (None, "none")
+    else f"W4A4 ({summary['activations']} activations)"
   )
+  files = summary["files"]
+  line = (
+    f"exported step {summary.get('step')} of {summary.get('workdir')} to {summary['out_dir']}: "
+    f"{qc['format']}, {scheme}, fp4_sites={summary.get('fp4_sites')}; {summary['tensors']} "
+    f"tensors ({len(qc['ignore'])} modules kept in bf16), {_size(summary['bytes'])} in "
+    f"{len(files)} file{'s' if len(files) > 1 else ''}"
+  )
+  distance = summary.get("input_scale_distance")
+  if distance:
+    line += "; static input scales vs per-token: " + ", ".join(
+      f"{key} {value:.3g}" for key, value in distance.items()
+    )
+  return f"{format_listing(summary['out_dir'])}\n{line}" if verbose else line
+
+
+def _size(count: int) -> str:
+  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    if count >= scale:
+      return f"{count / scale:.1f} {unit}"
+  return f"{count} bytes"

@@ -82,6 +82,26 @@ class Arm:
   def post_training(self) -> bool:
     return self.derived_from is not None
 
+  def describe(self) -> str:
+    """What the arm does, in a few words, from its fields (the flags' help lists the arms)."""
+    if self.post_training:
+      return (
+        f"the {self.derived_from} run's policy packed to FP4 with {self.scale_rule} block "
+        "scales after training, evaluated in FP4"
+      )
+    train = {"bf16": "bf16 training", "qat": "FP4 QAT, nearest", "guided": "guided FP4 QAT"}
+    precision = {"fp4": "FP4", "bf16": "bf16"}[self.rollout_precision]
+    parts = [f"{precision} rollout", train[self.train]]
+    if self.train == "guided":
+      parts[-1] += f" with {self.guidance} guidance on {self.guided_layers} layers"
+    if self.routing_replay:
+      parts.append("routing replay")
+    if self.correction != "none":
+      parts.append(f"{self.correction.upper()} correction")
+    if self.deploy != "fp4":
+      parts.append(f"deployed in {self.deploy}")
+    return ", ".join(parts)
+
   @property
   def runnable(self) -> bool:
     """An RL run (experiments/rl.py) reports this arm: trained arms, and post-training arms

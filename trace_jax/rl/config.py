@@ -29,7 +29,7 @@ from trace_jax import fp4
 from trace_jax.model.config import PRESETS
 from trace_jax.model.quant import QuantConfig, check_run_scheme
 from trace_jax.model.skew import check_amount
-from trace_jax.rl.arms import RUNNABLE, Arm, get_arm
+from trace_jax.rl.arms import ARMS, RUNNABLE, Arm, get_arm
 from trace_jax.rl.decoupled import DecoupledConfig
 from trace_jax.rl.grpo import CORRECTIONS, LossConfig
 from trace_jax.tasks.registry import registered
@@ -58,6 +58,15 @@ COMPUTE_DTYPES = ("bfloat16", "float32")
 # under one nat between the two paths overflows float32's exp in the IS ratio and k3 (inf,
 # then NaN). Greedy decoding is the evaluation's, not a temperature.
 MIN_TEMPERATURE = 0.01
+# The flags' help lists the arms and task kinds from their registries.
+_ARMS_HELP = "The arm: %s. Evaluated by experiments/compare_arms.py, not run here: %s." % (
+  "; ".join(f"{name} ({ARMS[name].describe()})" for name in RUNNABLE),
+  "; ".join(f"{name} ({arm.describe()})" for name, arm in ARMS.items() if not arm.runnable),
+)
+_TASKS_HELP = (
+  f"Task: {', '.join(t for t in registered() if ':' not in t)}; rg:NAME (a reasoning-gym "
+  "task); or dataset:PATH (your problems: a .jsonl or .parquet file, docs/datasets.md)."
+)
 
 
 def _check(where: str, obj, names, ok, what: str) -> None:
@@ -79,7 +88,9 @@ def _choose(where: str, name: str, value, allowed) -> None:
 class Source:
   """Where the policy and its tokenizer start (`run.policy_source`)."""
 
-  preset: str = knob("small", "Model preset (random initial weights, character tokenizer).")
+  preset: str = knob(
+    "small", "Model preset (random initial weights, character tokenizer).", choices=PRESETS
+  )
   hf_checkpoint: str = knob("", "Local HF checkpoint directory to start from, not --preset.")
   sft_warm_start: bool | None = knob(
     None, "SFT warm start (default: for a preset, not a checkpoint)."
@@ -274,12 +285,13 @@ class Evaluation:
 class RLConfig:
   """One RL run. Everything random derives from `seed` and the step number."""
 
-  arm: str = knob("trace", f"One of {sorted(RUNNABLE)}.")
-  task: str = knob(
-    "chain_flawed", "Task: chain_flawed, chain, arith, coding, search, or rg:<name>."
-  )
+  arm: str = knob("trace", _ARMS_HELP, section="arm")
+  task: str = knob("chain_flawed", _TASKS_HELP, section="task")
   task_options: tuple = knob(
-    (), "key=value options of the task (numbers parsed).", parse=flags.parse_pairs
+    (),
+    "key=value options of the task (numbers parsed).",
+    parse=flags.parse_pairs,
+    section="task",
   )
   seed: int = knob(0, "Seed of everything random.")
   correction: str = knob(
@@ -289,6 +301,7 @@ class RLConfig:
     "[1/C, C], C = --geo_threshold) or none.",
     flag="rollout_correction",
     choices=("auto",) + CORRECTIONS,
+    section="arm",
   )
   reward_control: str = knob(
     "none",
@@ -297,29 +310,36 @@ class RLConfig:
     "shuffle_batch: permuted across the whole batch (nearly every group gets advantages: "
     "more noise than the real run). Compare either with the real run.",
     choices=REWARD_CONTROLS,
+    section="loss",
   )
   sparse_delta: float = knob(
     fp4.DEFAULT_DELTA,
     "Arm trace-sparse: margin around an E2M1 midpoint (grid units) within which an "
     "element's bit is recorded.",
+    section="arm",
   )
-  compute_dtype: str = knob("bfloat16", "Activations, both paths.", choices=COMPUTE_DTYPES)
+  compute_dtype: str = knob(
+    "bfloat16", "Activations, both paths.", choices=COMPUTE_DTYPES, section="fp4"
+  )
   rollout_skew: float = knob(
     0.0,
     "The arm's rollouts (not the evaluation) scale each layer's output by 1 + s * u, u in "
     "(-1, 1) hashed from (policy version, sequence, position, layer, element): an engine "
     "that computes differently from the trainer; 0: none.",
+    section="sampling",
   )
   mesh: tuple = knob(
     (-1, 1, 1),
     "data,expert,model device counts; one may be -1: the devices the others leave (all of "
     "them by default; with --rollout_devices, those after the rollout group).",
     parse=flags.parse_ints,
+    section="scale-out",
   )
   rollout_devices: int = knob(
     0,
     "The job's first N devices roll out (data-parallel replicas, FP4 weights whole on each), "
     "the learner's --mesh on the devices after them; 0: both share the mesh's devices.",
+    section="scale-out",
   )
   source: Source = Source()
   sampling: Sampling = Sampling()

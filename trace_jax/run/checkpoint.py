@@ -6,6 +6,9 @@ What can go wrong, and what happens:
   a killed save leaves behind are removed when the next run opens the directory;
 - a failed save (a full disk): a `CheckpointError` in one line saying which step failed and
   which earlier checkpoints remain usable; the partial directory is removed;
+- Ctrl-C (KeyboardInterrupt) during a save: orbax's writer threads are waited for (left
+  running, they fail with tracebacks at the interpreter's exit), the step's temporary
+  directory is removed unless it was already published whole, and the interrupt goes on;
 - a damaged checkpoint (a truncated or bit-flipped file): every save stores a checksum of
   each array in its metadata, and `restore_latest` verifies it (and that every float is
   finite) after reading; a checkpoint that does not restore or verify is skipped with a
@@ -253,6 +256,9 @@ class Checkpoints:
       # first save's new directory) durable.
       fsync_directory(self.directory)
       fsync_directory(os.path.dirname(self.directory))
+    except KeyboardInterrupt:
+      self._interrupted(step, running)
+      raise
     except Exception as e:  # noqa: BLE001 - any failure of the save is reported the same way
       with _quiet_orbax():  # its other writer threads fail (and log) after the first error
         _join_orbax_threads(running)
@@ -270,6 +276,17 @@ class Checkpoints:
         f"could not save checkpoint step {step} in {self.directory}: "
         f"{cause}; {after}. Free space (or fix the cause) and rerun."
       ) from e
+
+  def _interrupted(self, step: int, running: set) -> None:
+    """After Ctrl-C in `save`: its writers finished, an unpublished step's temporary directory
+    removed (a published one, renamed into place, is whole and kept), the steps re-read."""
+    with _quiet_orbax():
+      _join_orbax_threads(running)
+    if os.path.isdir(self.directory):
+      for name in os.listdir(self.directory):
+        if name.startswith(f"{step}.") and "tmp" in name:
+          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    self._open()
 
   def _remove_partial(self, step: int) -> None:
     """Delete what a failed save of `step` left (its temporary or half-renamed directory)."""

@@ -28,8 +28,8 @@ def final_line(summary: dict) -> str:
     return "n/a" if value is None else format(value, spec)
 
   return (
-    f"greedy {summary['eval_precision']} eval reward {show('initial_eval_reward')} -> "
-    f"{show('final_eval_reward')}, mean k3_kl {show('mean_k3_kl', '.3e')}, guidance "
+    f"greedy {summary['eval_precision']} eval reward {show('initial_eval_reward', '.3f')} -> "
+    f"{show('final_eval_reward', '.3f')}, mean k3_kl {show('mean_k3_kl', '.3e')}, guidance "
     f"{show('guidance_bytes_per_token', '.0f')} B/token, rollout "
     f"{show('rollout_seconds', '.0f')} s, train {show('train_seconds', '.0f')} s, "
     f"wall {show('wall_seconds', '.0f')} s"
@@ -164,10 +164,29 @@ def plot(metrics: list[dict], workdir: str, title: str) -> list[str]:
 
 
 def _with_se(m: dict, key: str) -> str:
+  """The reward and its standard error; none where it is undefined (one problem: NaN)."""
   if key not in m:
     return "-"
   se = m.get(f"{key}_se")
-  return f"{m[key]:.3f}" + ("" if se is None else f" ± {se:.3f}")
+  return f"{m[key]:.3f}" + ("" if se is None or not np.isfinite(se) else f" ± {se:.3f}")
+
+
+def warmstart_line(warmstart: dict) -> str:
+  """The warm-start record (`run.warmstart`) as one line: made, loaded, rebuilt or skipped,
+  its SFT steps and NLLs, and where a level target stopped it."""
+  if warmstart.get("skipped"):
+    return f"warm start: none ({warmstart['skipped']})"
+  how = "loaded" if warmstart.get("loaded") else "made"
+  if warmstart.get("rebuilt"):
+    how = f"rebuilt ({warmstart['rebuilt']})"
+  line = f"warm start: {how}, {warmstart.get('steps', 0)} SFT steps"
+  first, final = warmstart.get("first_nll"), warmstart.get("final_nll")
+  if first is not None and final is not None:
+    line += f", NLL {first:.3f} -> {final:.3f}"
+  if warmstart.get("checks"):  # the level checks of a target: [steps done, greedy reward]
+    done, reward = warmstart["checks"][-1]
+    line += f", greedy FP4 reward {reward:.3f} on training problems at step {done}"
+  return line
 
 
 def final_table(metrics: list[dict]) -> str:

@@ -224,7 +224,9 @@ class RunDir:
       raise ValueError(
         f"{self.path} holds {where} of a run of steps={saved_steps}, and its lr_decay="
         f"{decay!r} schedule is built from steps; resume it with --steps={saved_steps}, "
-        "or use another --workdir"
+        "or use another --workdir. A run that can be extended later starts with "
+        "--lr_decay=constant (with --lr_warmup_steps if wanted): its learning rate does "
+        "not depend on --steps"
       )
 
   def _refuse_going_back(self, checkpoints: str, records: list[dict]) -> None:

@@ -12,12 +12,18 @@ help. So:
   flatten(RLConfig, saved_dict)  a saved (JSON) config, nested or flat, by flat name
   define_flags(RLConfig)         one absl flag per leaf: its default, its help, its type
   from_flags(RLConfig, holders)  the config back from the parsed flags
+  grouped_help(RLConfig, ...)    those flags' help, by section, with defaults and allowed values
+
+A leaf's help section is its knob's `section`, else the section (top-level field) that holds
+it, else "run": the sections of the help are the config's own, so they cannot drift from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import textwrap
 from typing import Any, Callable, Iterable
 
 from absl import flags as absl_flags
@@ -31,11 +37,14 @@ def knob(
   flag: str | bool | None = None,
   choices: Iterable[str] | None = None,
   parse: Callable[[str, list[str]], Any] | None = None,
+  section: str | None = None,
 ) -> Any:
   """A config field with its one line of help. `flat`: its flat name if not the field's;
   `flag`: its flag's name if not the flat name (False: no flag); `choices`: an enum flag;
-  `parse(flag name, strings)`: a list flag's value."""
-  meta = dict(help=help, flat=flat, flag=flag, choices=tuple(choices) if choices else None)
+  `parse(flag name, strings)`: a list flag's value; `section`: its section in the help
+  (`grouped_help`) if not the one that holds it."""
+  choices = tuple(choices) if choices else None
+  meta = dict(help=help, flat=flat, flag=flag, choices=choices, section=section)
   return dataclasses.field(default=default, metadata={**meta, "parse": parse})
 
 
@@ -210,3 +219,99 @@ def from_flags(cls, holders: dict, base=None):
       value = parse(holder.name, value) if parse else tuple(value)
     values[name] = value
   return from_flat(cls, values, base)
+
+
+def help_section(path: tuple[str, ...], field: dataclasses.Field) -> str:
+  """The help section of the leaf at `path`: its knob's `section`, else the top-level
+  section holding it, else "run"."""
+  return field.metadata.get("section") or (path[0] if len(path) > 1 else "run")
+
+
+def grouped_help(
+  cls,
+  holders: dict,
+  *,
+  extra: dict[str, list] | None = None,
+  flag_values=absl_flags.FLAGS,
+  width: int = 96,
+) -> str:
+  """The help of `cls`'s flags (`holders`, from `define_flags`), grouped by section
+  (`help_section`): each flag with its help, its default and what it accepts. The groups of
+  top-level leaves come first, in field order, then `cls`'s sections in field order, each
+  headed by the first sentence of its class docstring. `extra`: a script's own flags
+  ({section: [FlagHolder, ...]}), last in their section; a section `cls` lacks comes first."""
+  nested = {f.name: f for f in dataclasses.fields(cls) if _is_section(f)}
+  leaves = [
+    (help_section(path, field), len(path) > 1, holders[name].name)
+    for name, (path, field) in flat_fields(cls).items()
+    if name in holders
+  ]
+  groups: dict[str, list[str]] = {}
+  for section in extra or {}:
+    if section not in nested and all(section != group for group, _, _ in leaves):
+      groups[section] = []
+  for section, _, _ in leaves:
+    if section not in nested:
+      groups.setdefault(section, [])
+  groups.update({section: [] for section in nested})
+  for inner in (False, True):  # a section's top-level leaves before its own
+    for section, is_inner, name in leaves:
+      if is_inner == inner:
+        groups[section].append(name)
+  for section, more in (extra or {}).items():
+    groups[section] += [holder.name for holder in more]
+  out = []
+  for section, names in groups.items():
+    if not names:
+      continue
+    heading = f"{section}:"
+    if section in nested:
+      heading += " " + _first_sentence(type(nested[section].default))
+    out.extend(_wrap(heading, width, "", "  "))
+    out.extend(_flag_help(flag_values[name], width) for name in names)
+    out.append("")
+  return "\n".join(out).rstrip() + "\n"
+
+
+def _first_sentence(cls) -> str:
+  text = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())
+  end = text.find(". ")
+  return text if end < 0 else text[: end + 1]
+
+
+def _wrap(text: str, width: int, first: str, rest: str) -> list[str]:
+  # never inside a word: flag names and values (trace-sparse, dataset:PATH) stay whole
+  return textwrap.wrap(
+    text,
+    width,
+    initial_indent=first,
+    subsequent_indent=rest,
+    break_on_hyphens=False,
+    break_long_words=False,
+  )
+
+
+def _flag_help(flag, width: int) -> str:
+  """`--name: help` and `(default: ...; what it accepts)`, wrapped under it."""
+  text, accepts = flag.help or "", getattr(flag.parser, "syntactic_help", "")
+  enum_values = getattr(flag.parser, "enum_values", None)
+  if enum_values:
+    prefix = f"<{'|'.join(enum_values)}>: "
+    text = text[len(prefix) :] if text.startswith(prefix) else text
+    accepts = "one of: " + ", ".join(enum_values)
+  elif isinstance(flag, absl_flags.BooleanFlag):
+    accepts = f"true or false (--{flag.name} / --no{flag.name})"
+  facts = [] if flag.default is None else [f"default: {_shown(flag.default)}"]
+  facts += [accepts] if accepts else []
+  lines = _wrap(f"--{flag.name}: {text}", width, "  ", "      ")
+  if facts:
+    lines += _wrap(f"({'; '.join(facts)})", width, "      ", "      ")
+  return "\n".join(lines)
+
+
+def _shown(default) -> str:
+  if isinstance(default, bool):
+    return str(default).lower()
+  if isinstance(default, list):
+    return ",".join(map(str, default)) if default else "(empty)"
+  return '""' if default == "" else str(default)
