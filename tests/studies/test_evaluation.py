@@ -127,18 +127,33 @@ def test_one_problem_prints_its_figure_without_an_error():
 @contextlib.contextmanager
 def _script(*argv):
   """experiments/eval.py's `main`, its flags parsed from `argv`, in this process (its
-  compilations shared with the other tests); the flags are removed after."""
-  spec = importlib.util.spec_from_file_location("eval_script", SCRIPT)
-  script = importlib.util.module_from_spec(spec)
+  compilations shared with the other tests); the flags are removed after. A flag of the
+  same name that another script loaded in this process defined (rl.py's --workdir) is set
+  aside meanwhile and put back after."""
   before = set(flags.FLAGS)
+  aside = {}
+  while True:
+    spec = importlib.util.spec_from_file_location("eval_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    try:
+      spec.loader.exec_module(script)
+      break
+    except flags.DuplicateFlagError as error:
+      name = re.search(r"The flag '([^']+)' is defined twice", str(error)).group(1)
+      for added in set(flags.FLAGS) - before:  # the partial load's own flags
+        delattr(flags.FLAGS, added)
+      aside[name] = flags.FLAGS[name]
+      delattr(flags.FLAGS, name)
+      before.discard(name)
   try:
-    spec.loader.exec_module(script)
     flags.FLAGS(["eval.py", *argv])
     yield script
   finally:
     flags.FLAGS.unparse_flags()
     for name in set(flags.FLAGS) - before:
       delattr(flags.FLAGS, name)
+    for name, flag in aside.items():
+      flags.FLAGS[name] = flag
 
 
 def test_a_run_is_evaluated_in_both_precisions_and_its_files_keep_every_byte(
