@@ -132,15 +132,21 @@ class RolloutEngine:
     *,
     version: int = 0,
     sequences: Sequence[int] | None = None,
+    max_new_tokens: Sequence[int] | None = None,
   ) -> Rollout:
     """Sample continuations of `prompts` (token lists of any lengths).
 
-    With RolloutConfig.skew > 0, `version` (the policy version rolling out) and `sequences`
-    (each prompt's sequence id; default 0.. B-1) are the counters the skew hashes with the
-    positions, layers and elements (`model.skew`); without a skew they change nothing.
+    `sequences` (each prompt's sequence id; default 0.. B-1) key the sampling: each token is
+    drawn with fold_in(fold_in(key, sequence id), position), so a sequence's tokens do not
+    depend on its row or the batch. With RolloutConfig.skew > 0, `version` (the policy
+    version rolling out) and `sequences` are also the counters the skew hashes with the
+    positions, layers and elements (`model.skew`). `max_new_tokens`: each sequence's own
+    budget of new tokens (default SamplingConfig.max_new_tokens, which bounds them).
     """
     _check_tokens(prompts, self.cfg.vocab_size, "prompts", allow_empty=False)
-    skew = self._skew(version, sequences, len(prompts))
+    ids = self._sequence_ids(sequences, len(prompts))
+    budget = self._budget(max_new_tokens, len(prompts))
+    skew = self._skew(version, ids)
     tokens, mask = _pad_left(prompts, self.config.prompt_bucket, self.config.pad_id)
     need = tokens.shape[1] + self.config.sampling.max_new_tokens
     if need > self.config.max_len:
@@ -151,21 +157,54 @@ class RolloutEngine:
         f"max_len={self.config.max_len}"
       )
     tokens, mask = self._place(tokens), self._place(mask)
-    return generate_program(self.graphdef, self.params, tokens, mask, key, skew, self.statics)
+    return generate_program(
+      self.graphdef,
+      self.params,
+      tokens,
+      mask,
+      key,
+      skew,
+      self._place(jnp.asarray(ids)),
+      self._place(jnp.asarray(budget)),
+      self.statics,
+    )
 
-  def _skew(self, version, sequences, batch: int) -> Skew | None:
-    """The `Skew` of a call (None without RolloutConfig.skew), its counters checked."""
-    if not self.config.skew:
-      return None
-    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
-      raise ValueError(f"version={version!r} must be an integer >= 0 (the policy version)")
+  @staticmethod
+  def _sequence_ids(sequences, batch: int) -> np.ndarray:
+    """uint32 [B] sequence ids (default 0.. B-1), checked."""
     ids = np.arange(batch) if sequences is None else np.asarray(sequences)
     if ids.shape != (batch,) or not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any():
       raise ValueError(
         f"sequences must be {batch} integer sequence ids >= 0, one per row; got "
         f"{np.asarray(sequences).tolist()[:8]}"
       )
-    sequence = self._place(jnp.asarray(ids.astype(np.int64) % 2**32, jnp.uint32))
+    return (ids.astype(np.int64) % 2**32).astype(np.uint32)
+
+  def _budget(self, max_new_tokens, batch: int) -> np.ndarray:
+    """int32 [B] new tokens per sequence (default SamplingConfig.max_new_tokens), checked."""
+    cap = self.config.sampling.max_new_tokens
+    if max_new_tokens is None:
+      return np.full((batch,), cap, np.int32)
+    budget = np.asarray(max_new_tokens)
+    if (
+      budget.shape != (batch,)
+      or not np.issubdtype(budget.dtype, np.integer)
+      or (budget < 1).any()
+      or (budget > cap).any()
+    ):
+      raise ValueError(
+        f"max_new_tokens must be {batch} integers in [1, {cap}] (SamplingConfig."
+        f"max_new_tokens), one per sequence; got {budget.tolist()[:8]}"
+      )
+    return budget.astype(np.int32)
+
+  def _skew(self, version, ids: np.ndarray) -> Skew | None:
+    """The `Skew` of a call (None without RolloutConfig.skew), its version checked."""
+    if not self.config.skew:
+      return None
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+      raise ValueError(f"version={version!r} must be an integer >= 0 (the policy version)")
+    sequence = self._place(jnp.asarray(ids))
     return Skew.of(self.config.skew, int(version) % 2**32, sequence)
 
   def _place(self, array):
@@ -182,10 +221,12 @@ class RolloutEngine:
     *,
     version: int = 0,
     sequences: Sequence[int] | None = None,
+    max_new_tokens: Sequence[int] | None = None,
   ) -> Rollout:
     """Append each sequence's observation tokens (an empty list ends its episode) and
     keep decoding from the same cache: a multi-turn episode is one growing sequence.
-    `version` and `sequences`: as `generate` was given them (the skew's counters).
+    `version` and `sequences`: as `generate` was given them (the sampling keys' and the
+    skew's counters); `max_new_tokens`: this turn's budget per sequence, as in `generate`.
 
     The cache is donated to the continuation (updated in place, not copied): `rollout`
     keeps its tokens, masks and log-probabilities, but only the returned rollout can be
@@ -203,7 +244,9 @@ class RolloutEngine:
         f"observations for {len(observations)} sequences; the rollout has {rollout.tokens.shape[0]}"
       )
     _check_tokens(observations, self.cfg.vocab_size, "observations", allow_empty=True)
-    skew = self._skew(version, sequences, len(observations))
+    ids = self._sequence_ids(sequences, len(observations))
+    budget = self._budget(max_new_tokens, len(observations))
+    skew = self._skew(version, ids)
     chunk, mask = _pad_left(observations, self.config.prompt_bucket, self.config.pad_id)
     need = int(rollout.cache.index) + chunk.shape[1] + self.config.sampling.max_new_tokens
     if need > self.config.max_len:
@@ -222,6 +265,8 @@ class RolloutEngine:
       mask,
       key,
       skew,
+      self._place(jnp.asarray(ids)),
+      self._place(jnp.asarray(budget)),
       self.statics,
     )
 
