@@ -38,7 +38,17 @@ from trace_jax.rollout.trajectories import FINISH_LENGTH, FINISH_RUNNING, FINISH
 
 
 def _write(buffer, new, slot, axis=1):
-  """Write `new` (pytree of [.., T, ..] arrays) into `buffer` at slots [slot, slot + T)."""
+  """Write `new` (pytree of [.., T, ..] arrays) into `buffer` at slots [slot, slot + T)
+  (`slot` int32 [B], one per row, with the batch axis just before `axis`: the slot pool)."""
+  if jnp.ndim(slot):
+    rows = jnp.arange(slot.shape[0])[:, None]
+
+    def put(b, n):
+      cols = slot[:, None] + jnp.arange(n.shape[axis])
+      at = (slice(None),) * (axis - 1) + (rows, cols)
+      return b.at[at].set(n.astype(b.dtype))
+
+    return jax.tree.map(put, buffer, new)
   return jax.tree.map(
     lambda b, n: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), slot, axis=axis),
     buffer,

@@ -18,6 +18,7 @@ The jitted prefill and decode programs are `rollout.decode`; a batch of trajecto
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -33,6 +34,7 @@ from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
 from trace_jax.rollout.decode import Statics, continue_program, generate_program
 from trace_jax.rollout.params import fuse_for_kernels_jit, quantize_params_jit, sync_params
+from trace_jax.rollout import pool as pool_lib
 from trace_jax.rollout.trajectories import (  # noqa: F401 - the engine's public names
   FINISH_LENGTH,
   FINISH_NAMES,
@@ -101,7 +103,14 @@ class RolloutEngine:
       raise ValueError(f"stop_tokens {bad_stops} lie outside the vocabulary [0, {cfg.vocab_size})")
     if not 0 <= config.pad_id < cfg.vocab_size:
       raise ValueError(f"pad_id={config.pad_id} lies outside the vocabulary [0, {cfg.vocab_size})")
+    if config.slots and mesh is not None:
+      raise ValueError(
+        f"RolloutConfig.slots={config.slots} with a mesh: the slot pool decodes on one "
+        "device; use slots=None (the static batch) on a mesh"
+      )
     self.statics = Statics.of(config, cfg, self.kernels, capture_inputs=capture_inputs, mesh=mesh)
+    self._stats = pool_lib.PoolStats()
+    self._pending = []  # the static engine's per-call (generated, steps) device scalars
     self.graphdef = None
     self.params = None
     self.sync(policy)
@@ -156,18 +165,64 @@ class RolloutEngine:
         f"{self.config.sampling.max_new_tokens} needs {need} slots; "
         f"max_len={self.config.max_len}"
       )
+    if self.config.slots:
+      out = pool_lib.empty_output(self.graphdef, self.params, len(prompts), self.statics)
+      return self._run_pool(tokens, mask, None, None, key, ids, budget, skew, out, None, None)
     tokens, mask = self._place(tokens), self._place(mask)
-    return generate_program(
-      self.graphdef,
-      self.params,
-      tokens,
-      mask,
-      key,
-      skew,
-      self._place(jnp.asarray(ids)),
-      self._place(jnp.asarray(budget)),
-      self.statics,
+    return self._count(
+      None,
+      generate_program(
+        self.graphdef,
+        self.params,
+        tokens,
+        mask,
+        key,
+        skew,
+        self._place(jnp.asarray(ids)),
+        self._place(jnp.asarray(budget)),
+        self.statics,
+      ),
     )
+
+  def _run_pool(
+    self, prefix, prefix_mask, chunk, chunk_mask, key, ids, budget, skew, out, rows, previous
+  ):
+    """The slot pool (`rollout.pool`) over host arrays; `previous` (a continuation's
+    rollout) gives back the history slots before its observation."""
+    host = lambda a: None if a is None else np.asarray(a)  # noqa: E731
+    rows = np.arange(len(ids)) if rows is None else rows
+    out, stats = pool_lib.run_pool(
+      self, host(prefix), host(prefix_mask), host(chunk), host(chunk_mask), key, ids, budget,
+      skew, out, rows,
+    )  # fmt: skip
+    self._stats.add(stats)
+    if previous is not None:
+      out = pool_lib.keep_history(previous, out, jnp.int32(prefix.shape[1]))
+    return pool_lib.finalise(out)
+
+  def _count(self, before: Rollout | None, after: Rollout) -> Rollout:
+    """Note a static call's generated tokens and decode steps (read when asked for)."""
+    new = after.response_lengths
+    if before is not None:
+      new = new - before.response_lengths
+    self._pending.append((jnp.sum(new), jnp.max(new), new.shape[0], jnp.sum(new > 0)))
+    return after
+
+  def take_stats(self) -> pool_lib.PoolStats:
+    """What the calls since the last `take_stats` did (generated tokens, slot-steps,
+    prefilled rows and the sequences they served; seconds: the pool's own), then reset."""
+    stats, self._stats = self._stats, pool_lib.PoolStats()
+    for generated, steps, rows, active in jax.device_get(self._pending):
+      stats.add(
+        pool_lib.PoolStats(
+          generated=int(generated),
+          slot_steps=int(rows) * int(steps),
+          prefilled=int(active),
+          sequences=int(active),
+        )
+      )
+    self._pending = []
+    return stats
 
   @staticmethod
   def _sequence_ids(sequences, batch: int) -> np.ndarray:
@@ -232,6 +287,8 @@ class RolloutEngine:
     keeps its tokens, masks and log-probabilities, but only the returned rollout can be
     continued again.
     """
+    if self.config.slots:
+      return self._continue_pool(rollout, observations, key, version, sequences, max_new_tokens)
     if rollout.cache is None:
       raise ValueError("this rollout has no cache (moved to host?); continue the device one")
     if any(leaf.is_deleted() for leaf in jax.tree.leaves(rollout.cache)):
@@ -256,19 +313,54 @@ class RolloutEngine:
         f"{self.config.sampling.max_new_tokens}); max_len={self.config.max_len}"
       )
     chunk, mask = self._place(chunk), self._place(mask)
-    return continue_program(
-      self.graphdef,
-      self.params,
-      rollout.without_cache(),
-      rollout.cache,
-      chunk,
-      mask,
-      key,
-      skew,
-      self._place(jnp.asarray(ids)),
-      self._place(jnp.asarray(budget)),
-      self.statics,
+    before = rollout.without_cache()
+    return self._count(
+      before,
+      continue_program(
+        self.graphdef,
+        self.params,
+        rollout.without_cache(),
+        rollout.cache,
+        chunk,
+        mask,
+        key,
+        skew,
+        self._place(jnp.asarray(ids)),
+        self._place(jnp.asarray(budget)),
+        self.statics,
+      ),
     )
+
+  def _continue_pool(self, rollout, observations, key, version, sequences, max_new_tokens):
+    """`continue_` through the slot pool: each sequence with an observation enters a slot
+    with its history (the slots the static engine's cache would hold: `used_slots`)
+    prefilled and its observation fed after it; ended episodes are kept as they are."""
+    if len(observations) != rollout.tokens.shape[0]:
+      raise ValueError(
+        f"observations for {len(observations)} sequences; the rollout has {rollout.tokens.shape[0]}"
+      )
+    _check_tokens(observations, self.cfg.vocab_size, "observations", allow_empty=True)
+    ids = self._sequence_ids(sequences, len(observations))
+    budget = self._budget(max_new_tokens, len(observations))
+    skew = self._skew(version, ids)
+    chunk, mask = _pad_left(observations, self.config.prompt_bucket, self.config.pad_id)
+    used = rollout.used_slots
+    need = used + chunk.shape[1] + self.config.sampling.max_new_tokens
+    if need > self.config.max_len:
+      raise ValueError(
+        f"continuing needs {need} slots (used {used}, observations padded to "
+        f"{chunk.shape[1]}, max_new_tokens={self.config.sampling.max_new_tokens}); "
+        f"max_len={self.config.max_len}"
+      )
+    previous = rollout.without_cache()
+    if previous.guidance is not None:
+      previous = dataclasses.replace(
+        previous, guidance=dataclasses.replace(previous.guidance, routing=None)
+      )
+    history = np.asarray(previous.tokens)[:, :used], np.asarray(previous.mask)[:, :used]
+    out = jax.tree.map(jnp.copy, previous)
+    rows = np.nonzero([len(o) > 0 for o in observations])[0]
+    return self._run_pool(*history, chunk, mask, key, ids, budget, skew, out, rows, previous)
 
 
 def generate(
