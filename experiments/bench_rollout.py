@@ -2,6 +2,11 @@
 
   python experiments/bench_rollout.py                               # tiny + small, batch 8/64, 32/256 tokens
   python experiments/bench_rollout.py --presets=tiny --batches=8 --lengths=16 --repeats=1   # smoke
+  python experiments/bench_rollout.py --mix=longtail --json=longtail.json   # slot pool vs waves
+
+`--mix=longtail` (`longtail`, below): 256 sequences in groups of 8, response budgets long-tailed;
+the static engine in waves of `--slots` sequences (the same KV memory as the pool) against a pool
+of `--slots` decode slots, FP4 and bf16 each.
 
 Every row is measured in one run: tokens/s is generated tokens (batch x new tokens, no stop
 tokens) over the median wall time of a jitted generate after compilation. On CPU, FP4 is
@@ -9,21 +14,39 @@ emulated (dequantize then matmul), so it is slower than bf16 here; what FP4 buys
 which the second table shows and which is what bounds decode on a GPU.
 """
 
+import json
+import time
+
 from absl import app, flags
 import jax
+import numpy as np
 from flax import nnx
 
 from trace_jax import model as M
 from trace_jax import rollout as R
 from trace_jax.model import accounting
 from trace_jax.rollout.accounting import guidance_bytes_per_token
-from trace_jax.utils import markdown_table, time_jitted
+from trace_jax.utils import markdown_table, round_up, time_jitted
 
 _PRESETS = flags.DEFINE_list("presets", ["tiny", "small"], "Presets.")
 _BATCHES = flags.DEFINE_list("batches", ["8", "64"], "Batch sizes.")
 _LENGTHS = flags.DEFINE_list("lengths", ["32", "256"], "New tokens per sequence.")
 _PROMPT = flags.DEFINE_integer("prompt_len", 16, "Prompt tokens.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (median).")
+_MIX = flags.DEFINE_enum(
+  "mix", "grid", ["grid", "longtail"], "grid: the tables above; longtail: pool vs static waves."
+)
+_JSON = flags.DEFINE_string("json", None, "longtail: write its rows here (a JSON list).")
+_SEQUENCES = flags.DEFINE_integer("sequences", 256, "longtail: sequences per rollout.")
+_GROUP = flags.DEFINE_integer("group", 8, "longtail: samples per prompt (a GRPO group).")
+_CAP = flags.DEFINE_integer("cap", 256, "longtail: the response budget's cap (max_new_tokens).")
+_SLOTS = flags.DEFINE_integer("slots", 32, "longtail: decode slots (and the static waves' size).")
+_MEAN = flags.DEFINE_float("mean_frac", 0.3, "longtail: mean budget as a fraction of the cap.")
+_CHECK = flags.DEFINE_integer(
+  "stop_check_every",
+  None,
+  "longtail: decode steps between the pool's refills (default: 8 on GPU, 1 on CPU).",
+)
 
 ARMS = {
   "bf16": dict(precision="bf16", guidance="none", record_routing=False),
@@ -32,8 +55,106 @@ ARMS = {
 }
 
 
+def longtail_budgets(rng: np.random.Generator, n: int, cap: int, mean_frac: float) -> np.ndarray:
+  """n budgets in [1, cap]: cap * min(1, lognormal(mu, 1)), mu set (by bisection) so that the
+  capped mean is `mean_frac` of the cap: many short responses, a few at the cap."""
+  normal = np.random.default_rng(0).standard_normal(100_000)
+  lo, hi = -10.0, 10.0
+  for _ in range(60):
+    mu = (lo + hi) / 2
+    lo, hi = (mu, hi) if np.minimum(1.0, np.exp(mu + normal)).mean() < mean_frac else (lo, mu)
+  draws = np.minimum(1.0, np.exp(mu + rng.standard_normal(n)))
+  return np.clip(np.round(draws * cap), 1, cap).astype(np.int32)
+
+
+def _peak_bytes(engine_config, cfg, rows: int) -> tuple[int, str]:
+  """The device's peak bytes in use where it reports one (GPU), else the KV cache's bytes
+  for `rows` sequences of max_len slots (CPU: no allocator statistics)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    return int(stats["peak_bytes_in_use"]), "device"
+  kv = accounting.kv_bytes_per_token(cfg, engine_config.quant)
+  return int(kv * rows * engine_config.max_len), "kv_cache"
+
+
+def longtail() -> list[dict]:
+  """The static engine in waves of `--slots` sequences against a pool of `--slots` slots,
+  on the same prompts, budgets and keys (each timed after a warm-up run that compiles)."""
+  cfg = M.get_preset(_PRESETS.value[0])
+  policy = M.Transformer(cfg, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  n, group, cap, slots = _SEQUENCES.value, _GROUP.value, _CAP.value, _SLOTS.value
+  distinct = [
+    rng.integers(1, cfg.vocab_size, rng.integers(_PROMPT.value // 2, _PROMPT.value + 1)).tolist()
+    for _ in range(-(-n // group))
+  ]
+  prompts = [p for p in distinct for _ in range(group)][:n]
+  budgets = longtail_budgets(rng, n, cap, _MEAN.value)
+  key = jax.random.key(0)
+  rows = []
+  for precision in ("fp4", "bf16"):
+    config = R.RolloutConfig(
+      precision=precision,
+      guidance="compact" if precision == "fp4" else "none",
+      max_len=round_up(_PROMPT.value, 16) + cap,
+      prompt_bucket=16,
+      sampling=R.SamplingConfig(max_new_tokens=cap, stop_check_every=_CHECK.value),
+    )
+    for name, engine_config in (("static", config), ("pool", config.replace(slots=slots))):
+      engine = R.RolloutEngine(policy, engine_config)
+
+      def run():
+        if name == "pool":
+          return [engine.generate(prompts, key, max_new_tokens=budgets)]
+        return [  # waves of `slots` sequences: the pool's KV memory
+          engine.generate(
+            prompts[i : i + slots],
+            key,
+            sequences=range(i, min(i + slots, n)),
+            max_new_tokens=budgets[i : i + slots],
+          )
+          for i in range(0, n, slots)
+        ]
+
+      jax.block_until_ready(run())  # compiles
+      engine.take_stats()
+      start = time.perf_counter()
+      out = jax.block_until_ready(run())
+      seconds = time.perf_counter() - start
+      stats = engine.take_stats()
+      generated = sum(int(np.asarray(r.response_lengths).sum()) for r in out)
+      peak, source = _peak_bytes(engine_config, cfg, slots)
+      rows.append(
+        dict(
+          engine=name,
+          precision=precision,
+          tokens_per_second=generated / seconds,
+          slot_utilization=stats.metrics()["rollout/slot_utilization"],
+          prefill_shared_frac=stats.metrics()["rollout/prefill_shared_frac"],
+          peak_bytes=peak,
+          peak_source=source,
+          generated=generated,
+          seconds=seconds,
+        )
+      )
+  return rows
+
+
 def main(argv):
   del argv
+  if _MIX.value == "longtail":
+    rows = longtail()
+    print(
+      f"\nbackend {jax.default_backend()}, preset {_PRESETS.value[0]}, {_SEQUENCES.value} "
+      f"sequences, groups of {_GROUP.value}, budgets capped at {_CAP.value}, {_SLOTS.value} "
+      "slots (static: waves of as many)\n"
+    )
+    keys = list(rows[0])
+    print(markdown_table(keys, [[row[k] for k in keys] for row in rows]))
+    if _JSON.value:
+      with open(_JSON.value, "w") as f:
+        json.dump(rows, f, indent=1)
+    return
   rows = []
   for name in _PRESETS.value:
     policy = M.Transformer(M.get_preset(name), rngs=nnx.Rngs(0))

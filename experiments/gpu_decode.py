@@ -376,12 +376,16 @@ def _rollout_arm(run: Run, name: str, cfg, tokens, mask, key) -> dict:
   layers = _fair_bf16_layers(moe_kind) if moe_kind else contextlib.nullcontext()
   with layers:
     start = time.time()
-    compiled = decode_lib.generate_program.lower(graphdef, params, tokens, mask, key, None, st)
+    rows = (jnp.arange(tokens.shape[0], dtype=jnp.uint32),)
+    rows += (jnp.full((tokens.shape[0],), config.sampling.max_new_tokens, jnp.int32),)
+    compiled = decode_lib.generate_program.lower(
+      graphdef, params, tokens, mask, key, None, *rows, st
+    )
     compiled = compiled.compile()
     compile_s = time.time() - start
   memory = compiled.memory_analysis()
   start = time.time()
-  out = jax.block_until_ready(compiled(params, tokens, mask, key, None))
+  out = jax.block_until_ready(compiled(params, tokens, mask, key, None, *rows))
   seconds = time.time() - start
   generated = int(np.asarray(out.response_mask).sum())
   in_use, peak = _device_bytes()

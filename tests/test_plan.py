@@ -314,7 +314,11 @@ key = jax.random.key(0)
 tokens = engine._place(jnp.asarray(prompts, jnp.int32))
 mask = engine._place(jnp.ones((batch, prompt), bool))
 out = {{}}
-m = D.generate_program.lower(engine.graphdef, engine.params, tokens, mask, key, None, engine.statics)
+rows = (engine._place(jnp.arange(batch, dtype=jnp.uint32)),)
+rows += (engine._place(jnp.full((batch,), context - prompt, jnp.int32)),)
+m = D.generate_program.lower(
+  engine.graphdef, engine.params, tokens, mask, key, None, *rows, engine.statics
+)
 out["rollout"] = m.compile().memory_analysis()
 micro = mesh_shape[0]
 r = engine.generate(prompts[:micro], key)

@@ -428,3 +428,25 @@ def test_a_mesh_axis_of_minus_one_takes_the_devices_left():
 def test_a_mesh_the_devices_cannot_hold_is_refused_by_name(overrides, devices, match):
   with pytest.raises(ValueError, match=match):
     RLConfig.from_flat(preset="tiny", **overrides).on_devices(devices)
+
+
+def test_rollout_slots_is_a_flag_that_reaches_every_engine_and_is_refused_by_name():
+  """--rollout_slots (default 0: the static batch) becomes RolloutConfig.slots of the run's
+  sampling and greedy engines (None for 0); a resume may change it; a negative count, or a
+  pool on a mesh of several devices, is refused naming the field."""
+  from trace_jax.rl import episodes  # noqa: PLC0415
+  from trace_jax.run import policy_source  # noqa: PLC0415
+  from trace_jax.tasks import get_task  # noqa: PLC0415
+
+  assert _script_flags("rl")["rollout_slots"] == 0 and RLConfig().sampling.rollout_slots == 0
+  for slots, expected in ((0, None), (8, 8)):
+    config = RLConfig.from_flat(rollout_slots=slots)
+    task = get_task(config.task)
+    source = policy_source.load(config, task, weights=False)
+    assert [c.slots for c in episodes.rollout_configs(config, task, source)] == [expected] * 2
+  old = RLConfig().to_dict()
+  assert RLConfig.from_flat(rollout_slots=8).differences(old) == []  # resumable
+  with pytest.raises(ValueError, match=r"RLConfig.rollout_slots=-1 must be >= 0"):
+    RLConfig.from_flat(rollout_slots=-1)
+  with pytest.raises(ValueError, match=r"RLConfig.rollout_slots=8 with mesh=\[2, 1, 1\]"):
+    RLConfig.from_flat(rollout_slots=8, mesh=(2, 1, 1))

@@ -238,6 +238,66 @@ def test_two_turn_continuation_equals_one_generation_over_the_concatenation(f32_
     f32_greedy.continue_(first, observations, jax.random.key(5))
 
 
+@pytest.fixture(scope="module")
+def f32_sampling(policy):
+  """bf16 weights, float32 compute, sampling at T=1 with stop tokens, routing recorded."""
+  config = R.RolloutConfig(
+    precision="bf16",
+    compute_dtype="float32",
+    guidance="none",
+    max_len=48,
+    prompt_bucket=8,
+    sampling=R.SamplingConfig(max_new_tokens=10, stop_tokens=STOPS[:8]),
+  )
+  return R.RolloutEngine(policy, config)
+
+
+def _row(rollout, row):
+  """A sequence's real tokens, its generated tokens' log-probs and its finish reason."""
+  mask, response = np.asarray(rollout.mask[row]), np.asarray(rollout.response_mask[row])
+  logp = np.asarray(rollout.logprobs[row])[response]
+  return np.asarray(rollout.tokens[row])[mask].tolist(), logp, rollout.finish_reasons()[row]
+
+
+def test_a_sequence_samples_the_same_tokens_in_any_batch(f32_sampling):
+  """Sampling keyed by (key, sequence id, position): a sequence alone and the same sequence
+  at another row of a batch of 5 (other prompts around it) get the same tokens and, in
+  float32, the same log-probabilities; another sequence id gets other tokens."""
+  key = jax.random.key(21)
+  prompt = [9, 2, 44, 7, 61, 8, 30]
+  alone = f32_sampling.generate([prompt], key, sequences=[17])
+  batch = [[5, 17, 3], [100], [1, 2, 3, 4], prompt, [8, 8]]
+  mixed = f32_sampling.generate(batch, key, sequences=[3, 4, 5, 17, 6])
+  tokens, logp, finish = _row(alone, 0)
+  tokens_b, logp_b, finish_b = _row(mixed, 3)
+  assert tokens == tokens_b and finish == finish_b
+  np.testing.assert_allclose(logp, logp_b, rtol=0, atol=1e-5)
+  others = [_row(f32_sampling.generate([prompt], key, sequences=[s]), 0)[0] for s in (18, 19)]
+  assert tokens not in others
+
+
+def test_per_sequence_budgets_end_each_sequence_at_its_own_length(f32_sampling):
+  """`max_new_tokens` per sequence: a sequence ends at its own budget (finish "length") or
+  at a stop token before it; a sequence whose budget is the config's generates what it
+  would without budgets. Budgets outside [1, max_new_tokens] are refused."""
+  prompts = [[5, 17, 3], [9, 2, 44], [100], [1, 3]]
+  key = jax.random.key(5)
+  full = f32_sampling.generate(prompts, key)
+  budgets = [1, 3, 10, 2]
+  cut = f32_sampling.generate(prompts, key, max_new_tokens=budgets)
+  lengths = np.asarray(cut.response_lengths)
+  for row, budget in enumerate(budgets):
+    whole = full.responses()[row]
+    assert cut.responses()[row] == whole[:budget]
+    stopped = whole[: lengths[row]][-1] in f32_sampling.config.sampling.stop_tokens
+    assert cut.finish_reasons()[row] == ("stop" if stopped else "length")
+    assert lengths[row] == min(budget, len(whole))
+  assert np.asarray(cut.response_lengths)[2] == np.asarray(full.response_lengths)[2]
+  for bad in ([0, 1, 1, 1], [11, 1, 1, 1], [1, 2]):
+    with pytest.raises(ValueError, match="max_new_tokens must be 4 integers"):
+      f32_sampling.generate(prompts, key, max_new_tokens=bad)
+
+
 def test_same_key_same_rollout(fp4_compact):
   a = fp4_compact.generate(PROMPTS * 3, jax.random.key(8))
   b = fp4_compact.generate(PROMPTS * 3, jax.random.key(8))

@@ -83,3 +83,23 @@ def test_greedy_is_argmax_with_temperature_one_logprobs():
 def test_bad_sampling_configs(kwargs, match):
   with pytest.raises(ValueError, match=match):
     R.SamplingConfig(**kwargs)
+
+
+def test_a_row_keyed_by_its_sequence_draws_as_it_would_alone():
+  """With keys [B] from `sequence_keys`, each row's token is the one its own key draws for
+  it alone (batch of 1), whatever the other rows; the keys depend on the sequence id and
+  the position, not on the row."""
+  rng = np.random.default_rng(3)
+  logits = jnp.asarray(rng.standard_normal((5, 30)).astype(np.float32) * 3)
+  key = jax.random.key(7)
+  sequences = jnp.asarray([9, 2, 40, 2, 9], jnp.uint32)
+  positions = jnp.asarray([3, 3, 0, 4, 3], jnp.int32)
+  keys = R.sequence_keys(key, sequences, positions)
+  tokens = np.asarray(R.sample(logits, keys, R.SamplingConfig())[0])
+  for row in range(5):
+    alone = R.sequence_keys(key, sequences[row : row + 1], positions[row : row + 1])
+    assert tokens[row] == int(R.sample(logits[row : row + 1], alone, R.SamplingConfig())[0][0])
+  data = lambda k: np.asarray(jax.random.key_data(k))  # noqa: E731
+  np.testing.assert_array_equal(data(keys[0]), data(keys[4]))  # same (sequence, position)
+  assert not np.array_equal(data(keys[1]), data(keys[3]))  # same sequence, next position
+  assert not np.array_equal(data(keys[0]), data(keys[1]))  # same position, other sequence

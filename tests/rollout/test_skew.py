@@ -39,10 +39,12 @@ def _same(a, b):
 @pytest.mark.parametrize("precision", ["bf16", "fp4"])
 def test_skew_zero_is_the_plain_engine_bit_for_bit(policy, precision):
   key = jax.random.key(int(np.random.default_rng().integers(1 << 30)))
-  plain = R.RolloutEngine(policy, _config(precision)).generate(PROMPTS, key)
+  ids = [4, 3, 2, 1]  # (the sampling keys' counters too)
+  plain = R.RolloutEngine(policy, _config(precision)).generate(PROMPTS, key, sequences=ids)
   zero = R.RolloutEngine(policy, _config(precision, skew=0.0))
-  _same(zero.generate(PROMPTS, key, version=9, sequences=[4, 3, 2, 1]), plain)
-  skewed = R.RolloutEngine(policy, _config(precision, skew=2**-5)).generate(PROMPTS, key)
+  _same(zero.generate(PROMPTS, key, version=9, sequences=ids), plain)
+  skewed = R.RolloutEngine(policy, _config(precision, skew=2**-5))
+  skewed = skewed.generate(PROMPTS, key, sequences=ids)
   assert not np.array_equal(np.asarray(skewed.logprobs), np.asarray(plain.logprobs))
 
 

@@ -91,8 +91,12 @@ def test_short_run_on_each_task_kind(tmp_path, task, options):
       "mismatch/mantissa_disagree_frac",
       "mismatch/scale_disagree_frac",
       "mismatch/mantissa_disagree/layer_0",
+      "rollout/slot_utilization",
+      "rollout/tokens_per_second",
+      "rollout/prefill_shared_frac",
     ):
       assert key in m and np.isfinite(m[key]), key
+    assert 0 < m["rollout/slot_utilization"] <= 1 and m["rollout/prefill_shared_frac"] == 0
   assert history[-1]["guidance/bytes_per_token"] > 0  # the trace arm captures guidance
   if task == "search":
     assert max(m["episodes/mean_turns"] for m in history) > 1

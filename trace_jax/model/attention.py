@@ -154,7 +154,8 @@ class Attention(nnx.Module):
     else:  # store the packed FP4 entries; attend to exactly their values
       k_stack, v_stack, position = cache
       keep = jnp.any(inputs.valid)  # a chunk of padding only writes blank slots
-      if sq.fuses(K.name, layer) and sq.fuses(V.name, layer) and isinstance(k_stack, fp4.QArray):
+      fused = sq.fuses(K.name, layer) and sq.fuses(V.name, layer) and not jnp.ndim(index)
+      if fused and isinstance(k_stack, fp4.QArray):  # (an index per row: XLA's scatter)
         # Quantized and written in place by one kernel, with both records.
         *stacks, k_record, v_record = kernels.write_kv(
           k, v, k_stack, v_stack, index, keep, layer=position, record=sq.record_form(layer)

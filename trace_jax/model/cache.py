@@ -95,7 +95,7 @@ class KVCache:
     k: by layer (None at linear-attention layers): the stack [n_attention, B, L, Hkv, Dh].
     v: as k.
     valid: bool [B, L]: the slot holds a real token.
-    index: int32 scalar: the next slot to write.
+    index: int32 scalar: the next slot to write (or [B], one per row: the slot pool's).
     conv: by layer: conv state [B, K-1, conv_dim] at linear-attention layers, else None;
       () for a model without them.
     recurrent: by layer: float32 [B, Hv, Dk, Dv] delta-rule state at linear-attention
@@ -198,7 +198,8 @@ def blank_like(entry):
 
 def write_slots(stack, new, index: jax.Array, position, keep: jax.Array | None = None):
   """Write `new` ([B, T, ...] array or QArray) into slots [index, index + T) of the entry
-  at `position` of `stack` (a `LayerEntries.stack`), in place of those slots only.
+  at `position` of `stack` (a `LayerEntries.stack`), in place of those slots only; an
+  `index` per row [B] writes each row at its own slots.
 
   `keep` (bool scalar): False writes blank slots (`blank_like`) instead: a chunk with no
   valid token (a decode step after every sequence stopped, `rollout`'s stop-check interval)
@@ -208,6 +209,10 @@ def write_slots(stack, new, index: jax.Array, position, keep: jax.Array | None =
     new = jax.tree.map(lambda n, z: jnp.where(keep, n, z), new, blank_like(new))
 
   def write(old, n):
+    if jnp.ndim(index):  # an index per row [B] (the rollout's slot pool)
+      rows = jnp.arange(n.shape[0])[:, None]
+      cols = index[:, None] + jnp.arange(n.shape[1])
+      return old.at[position, rows, cols].set(n.astype(old.dtype))
     at = (position, jnp.zeros((), jnp.int32), index) + (jnp.zeros((), jnp.int32),) * (n.ndim - 2)
     return jax.lax.dynamic_update_slice(old, n.astype(old.dtype)[None], at)
 

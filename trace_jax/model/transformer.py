@@ -266,7 +266,8 @@ class Transformer(nnx.Module):
       positions: int [B, T] RoPE positions; default the slot index (0.. T-1, or continuing
         the cache).
       mask: bool [B, T], False for padding; default all True.
-      cache: a KVCache to write slots [cache.index, cache.index + T) into and attend over.
+      cache: a KVCache to write slots [cache.index, cache.index + T) into and attend over
+        (an index per row [B]: each row at its own slots).
       quant: what runs in FP4 (training path: fake-quantized master weights; rollout path:
         params made by `quantize_params`; None or precision "bf16": off).
       guidance: the rollout's `Guidance`, the model's one guidance input: its sites drive
@@ -372,7 +373,8 @@ class Transformer(nnx.Module):
     if mask is None:
       mask = jnp.ones((b, t), bool)
     start = jnp.zeros((), jnp.int32) if cache is None else cache.index
-    slots = start + jnp.arange(t, dtype=jnp.int32)
+    # A cache index per row ([B]: the rollout's slot pool) writes each row at its own slots.
+    slots = (start[:, None] if start.ndim else start) + jnp.arange(t, dtype=jnp.int32)
     if positions is None:
       positions = jnp.broadcast_to(slots, (b, t))
     if guidance is not None and not isinstance(guidance, Guidance):
@@ -398,7 +400,10 @@ class Transformer(nnx.Module):
       attn_mask = attention_mask(mask, jnp.broadcast_to(slots, (b, t)), slots, cfg.sliding_window)
       valid_cache = None
     else:
-      valid_cache = jax.lax.dynamic_update_slice_in_dim(cache.valid, mask, start, axis=1)
+      if start.ndim:
+        valid_cache = cache.valid.at[jnp.arange(b)[:, None], slots].set(mask)
+      else:
+        valid_cache = jax.lax.dynamic_update_slice_in_dim(cache.valid, mask, start, axis=1)
       key_slots = jnp.arange(cache.max_len, dtype=jnp.int32)
       attn_mask = attention_mask(
         valid_cache, jnp.broadcast_to(slots, (b, t)), key_slots, cfg.sliding_window

@@ -47,6 +47,7 @@ RESUMABLE_FIELDS = (
   "remat",
   "scan_layers",
   "prefill_chunk",
+  "rollout_slots",
   "tensorboard",
   "wandb",
   "wandb_project",
@@ -174,6 +175,11 @@ class Sampling:
     "Prompt slots per sequence the rollout's prefill feeds at once (a scan over chunks; "
     "0: the whole prompt in one call).",
   )
+  rollout_slots: int = knob(
+    0,
+    "Decode slots of the rollout (a fixed pool refilled as sequences finish, a group's "
+    "prompt prefilled once); 0: every sequence of a step at once.",
+  )
 
   def __post_init__(self):
     names = ("prompts_per_step", "group_size", "max_new_tokens")
@@ -184,7 +190,8 @@ class Sampling:
         "mean, with one sample per group, with or without std_norm): no step would learn; "
         "use group_size >= 2"
       )
-    _check("RLConfig", self, ("prompt_bucket", "prefill_chunk"), lambda v: v >= 0, "must be >= 0")
+    names = ("prompt_bucket", "prefill_chunk", "rollout_slots")
+    _check("RLConfig", self, names, lambda v: v >= 0, "must be >= 0")
     _check("RLConfig", self, ("temperature",), _finite_positive, "must be a finite number > 0")
     if self.temperature < MIN_TEMPERATURE:
       raise ValueError(
@@ -375,6 +382,11 @@ class RLConfig:
       raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
     flags.check_choices(self, "RLConfig")  # correction, reward_control, compute_dtype
     check_amount(self.rollout_skew, "RLConfig.rollout_skew")
+    if self.sampling.rollout_slots and math.prod(abs(m) for m in self.mesh) > 1:
+      raise ValueError(
+        f"RLConfig.rollout_slots={self.sampling.rollout_slots} with mesh={list(self.mesh)}: "
+        "the slot pool decodes on one device; use --rollout_slots=0 on a mesh"
+      )
     if self.rollout_skew and self.schedule.steps == 0:
       raise ValueError(
         f"RLConfig.rollout_skew={self.rollout_skew!r} skews the RL steps' rollouts, but "

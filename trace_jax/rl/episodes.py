@@ -60,6 +60,7 @@ def rollout_configs(config, task: Task, source) -> tuple[RolloutConfig, RolloutC
     max_len=max_len,
     prompt_bucket=bucket,
     prefill_chunk=config.sampling.prefill_chunk,
+    slots=config.sampling.rollout_slots or None,
     sampling=SamplingConfig(
       temperature=config.sampling.temperature, max_new_tokens=new, stop_tokens=stop_tokens
     ),

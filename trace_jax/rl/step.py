@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Any
 
 import jax
@@ -83,6 +84,8 @@ class Collected:
   rollout: Rollout = struct.field(pytree_node=False)  # trimmed to the used slots
   example: TrainExample  # [B, S], on the mesh
   guidance: Guidance | None  # the arm's guided layers (+ routing); None if it reads none
+  # rollout/slot_utilization, rollout/tokens_per_second, rollout/prefill_shared_frac
+  rollout_metrics: dict = struct.field(pytree_node=False, default_factory=dict)
 
 
 @struct.dataclass
@@ -299,6 +302,8 @@ def collect(
   problems = task.sample(1_000_003 * config.seed + step, config.sampling.prompts_per_step)
   items = [item for item in problems for _ in range(config.sampling.group_size)]
   first = (step - 1) * len(items)
+  engine.take_stats()  # (what ran before this step: not this step's)
+  start = time.perf_counter()
   played = episodes_lib.play(
     engine,
     task,
@@ -308,7 +313,10 @@ def collect(
     version=version,
     sequences=range(first, first + len(items)),
   )
-  slots = round_up(played.rollout.used_slots, 16)
+  slots = round_up(played.rollout.used_slots, 16)  # (a host read: the rollout is done)
+  stats = engine.take_stats()
+  stats.seconds = time.perf_counter() - start  # the whole episodes' wall time, either engine
+  rollout_metrics = stats.metrics()
   rollout = played.rollout.trim(min(slots, played.rollout.tokens.shape[1]))
   guidance = None
   if rollout.guidance is not None and (arm.guidance != "none" or arm.routing_replay):
@@ -323,7 +331,13 @@ def collect(
     "rollout_logp": rollout.logprobs,
   }
   example = TrainExample(**_place(arrays, spec.mesh))
-  return Collected(played=played, rollout=rollout, example=example, guidance=guidance)
+  return Collected(
+    played=played,
+    rollout=rollout,
+    example=example,
+    guidance=guidance,
+    rollout_metrics=rollout_metrics,
+  )
 
 
 def on_mesh(collected: Collected, mesh) -> Collected:
@@ -372,6 +386,7 @@ def _moved(collected: Collected, rows, guidance) -> Collected:
     rollout=rollout,
     example=rows(collected.example),
     guidance=guidance(collected.guidance),
+    rollout_metrics=collected.rollout_metrics,
   )
 
 
@@ -539,6 +554,7 @@ def step_metrics(
   }
   if engine.kernels_fallback:
     metrics["kernels/fallback_reason"] = engine.kernels_fallback
+  metrics.update(collected.rollout_metrics)
   metrics.update(group_reward_metrics(played.rewards, config.sampling.group_size))
   # the groups that carried advantages: a placebo's permuted rewards, not the true ones
   used = advantage_rewards(config, step, played.rewards)

@@ -10,4 +10,4 @@ from trace_jax.rollout.trajectories import (
   Rollout,
 )
 from trace_jax.rollout.params import params_nbytes, quantize_params
-from trace_jax.rollout.sampling import filter_logits, sample
+from trace_jax.rollout.sampling import filter_logits, sample, sequence_keys

@@ -106,6 +106,9 @@ class RolloutConfig:
   skew: float = 0.0  # >= 0: every layer's output times 1 + skew * u, u in (-1, 1) hashed
   #   from (version, sequence, position, layer, element) (`model.skew`): an engine that
   #   computes differently from the trainer by a controlled amount; 0: exactly none
+  slots: int | None = None  # decode slots (`rollout.pool`: a fixed pool refilled as
+  #   sequences finish, a group's prompt prefilled once); None or 0: every sequence of a
+  #   call at once (the static batch)
   router_dtype: str = "float32"  # the MoE router's logits: "float32" (as training computes
   #   them) or "compute" (in compute_dtype: an engine difference; `CallOptions.router_dtype`)
 
@@ -162,6 +165,14 @@ class RolloutConfig:
       object.__setattr__(self, "guided_layers", tuple(self.guided_layers))
     _check_layers_spec(self.guided_layers)
     check_amount(self.skew, f"{where}.skew")
+    _require(
+      self.slots is None
+      or (isinstance(self.slots, int) and not isinstance(self.slots, bool) and self.slots >= 0),
+      where,
+      "slots",
+      self.slots,
+      "must be None or an int >= 0 (0 / None: every sequence at once)",
+    )
     _require(
       self.router_dtype in ROUTER_DTYPES,
       where,

@@ -33,12 +33,22 @@ from trace_jax.model import sharding as sharding_lib
 from trace_jax.model.quant import CallOptions, Recording, resolve_layers
 from trace_jax.model.sites import ByLayer
 from trace_jax.rollout.config import RolloutConfig
-from trace_jax.rollout.sampling import sample
+from trace_jax.rollout.sampling import sample, sequence_keys
 from trace_jax.rollout.trajectories import FINISH_LENGTH, FINISH_RUNNING, FINISH_STOP, Rollout
 
 
 def _write(buffer, new, slot, axis=1):
-  """Write `new` (pytree of [.., T, ..] arrays) into `buffer` at slots [slot, slot + T)."""
+  """Write `new` (pytree of [.., T, ..] arrays) into `buffer` at slots [slot, slot + T)
+  (`slot` int32 [B], one per row, with the batch axis just before `axis`: the slot pool)."""
+  if jnp.ndim(slot):
+    rows = jnp.arange(slot.shape[0])[:, None]
+
+    def put(b, n):
+      cols = slot[:, None] + jnp.arange(n.shape[axis])
+      at = (slice(None),) * (axis - 1) + (rows, cols)
+      return b.at[at].set(n.astype(b.dtype))
+
+    return jax.tree.map(put, buffer, new)
   return jax.tree.map(
     lambda b, n: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), slot, axis=axis),
     buffer,
@@ -232,10 +242,13 @@ def _feed_prompt(graphdef, params, r: Rollout, prompt, prompt_mask, st: Statics,
   return r, logits
 
 
-def _decode(graphdef, params, r: Rollout, logits, done, key, st: Statics, skew=None) -> Rollout:
-  """Sample up to max_new_tokens per sequence; stop when all are done, asking every
-  `st.stop_every` steps (a while loop over fixed-count chunks of steps; see the module
-  docstring: the steps after the last stop of a chunk are exact no-ops)."""
+def _decode(
+  graphdef, params, r: Rollout, logits, done, key, st: Statics, skew, sequence, budget
+) -> Rollout:
+  """Sample up to `budget` [B] new tokens per sequence (at most max_new_tokens); stop when
+  all are done, asking every `st.stop_every` steps (a while loop over fixed-count chunks of
+  steps; see the module docstring: the steps after the last stop of a chunk are exact
+  no-ops). Each row draws with `sequence_keys(key, sequence [B], position)`."""
   sampling = st.config.sampling
   stop_tokens = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
   every = st.stop_every
@@ -243,10 +256,11 @@ def _decode(graphdef, params, r: Rollout, logits, done, key, st: Statics, skew=N
   def body(carry):
     step, r, logits, done, finish, key = carry
     skip = jnp.all(done) if every > 1 else None
-    key, sample_key = jax.random.split(key)
-    token, logp, sampling_logp = sample(logits, sample_key, sampling)
+    position = jnp.sum(r.mask, axis=-1, dtype=jnp.int32)  # the drawn token's RoPE position
+    token, logp, sampling_logp = sample(logits, sequence_keys(key, sequence, position), sampling)
     active = ~done
     stopped = active & jnp.isin(token, stop_tokens)
+    exhausted = active & ~stopped & (step + 1 >= budget)  # its own budget, all generated
     slot = r.cache.index
     r = dataclasses.replace(
       r,
@@ -259,8 +273,8 @@ def _decode(graphdef, params, r: Rollout, logits, done, key, st: Statics, skew=N
     r, logits = _feed(
       graphdef, params, r, token[:, None], active[:, None], "response", st, skip, skew
     )
-    finish = jnp.where(stopped, FINISH_STOP, finish)
-    return step + 1, r, logits, done | stopped, finish, key
+    finish = jnp.where(stopped, FINISH_STOP, jnp.where(exhausted, FINISH_LENGTH, finish))
+    return step + 1, r, logits, done | stopped | exhausted, finish, key
 
   def steps(n):  # n steps, a fixed-count loop: no host sync between them
     return lambda carry: jax.lax.fori_loop(0, n, lambda _, c: body(c), carry)
@@ -322,24 +336,28 @@ def _empty_rollout(graphdef, params, batch: int, st: Statics) -> Rollout:
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6))
-def generate_program(graphdef, params, prompt, prompt_mask, key, skew, st: Statics) -> Rollout:
+@functools.partial(jax.jit, static_argnums=(0, 8))
+def generate_program(
+  graphdef, params, prompt, prompt_mask, key, skew, sequence, budget, st: Statics
+) -> Rollout:
+  """Prefill and decode a batch: `sequence` uint32 [B] ids (sampling keys), `budget` int32
+  [B] new tokens per sequence."""
   r = _empty_rollout(graphdef, params, prompt.shape[0], st)
   r, logits = _feed_prompt(graphdef, params, r, prompt, prompt_mask, st, skew=skew)
   done = jnp.zeros((prompt.shape[0],), bool)
-  return _finalise(_decode(graphdef, params, r, logits, done, key, st, skew))
+  return _finalise(_decode(graphdef, params, r, logits, done, key, st, skew, sequence, budget))
 
 
 # The cache is donated: a continuation writes into it in place instead of copying it (at
 # long context the cache is most of a rollout's memory). `r` comes without it.
-@functools.partial(jax.jit, static_argnums=(0, 8), donate_argnums=3)
+@functools.partial(jax.jit, static_argnums=(0, 10), donate_argnums=3)
 def continue_program(
-  graphdef, params, r: Rollout, cache, chunk, chunk_mask, key, skew, st: Statics
+  graphdef, params, r: Rollout, cache, chunk, chunk_mask, key, skew, sequence, budget, st: Statics
 ) -> Rollout:
   r = dataclasses.replace(r, cache=cache)
   r, logits = _feed(graphdef, params, r, chunk, chunk_mask, "env", st, skew=skew)
   done = ~jnp.any(chunk_mask, axis=-1)  # no observation: the episode has ended
-  return _finalise(_decode(graphdef, params, r, logits, done, key, st, skew))
+  return _finalise(_decode(graphdef, params, r, logits, done, key, st, skew, sequence, budget))
 
 
 def _finalise(r: Rollout) -> Rollout:

@@ -18,6 +18,7 @@ The jitted prefill and decode programs are `rollout.decode`; a batch of trajecto
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -33,6 +34,7 @@ from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
 from trace_jax.rollout.decode import Statics, continue_program, generate_program
 from trace_jax.rollout.params import fuse_for_kernels_jit, quantize_params_jit, sync_params
+from trace_jax.rollout import pool as pool_lib
 from trace_jax.rollout.trajectories import (  # noqa: F401 - the engine's public names
   FINISH_LENGTH,
   FINISH_NAMES,
@@ -101,7 +103,14 @@ class RolloutEngine:
       raise ValueError(f"stop_tokens {bad_stops} lie outside the vocabulary [0, {cfg.vocab_size})")
     if not 0 <= config.pad_id < cfg.vocab_size:
       raise ValueError(f"pad_id={config.pad_id} lies outside the vocabulary [0, {cfg.vocab_size})")
+    if config.slots and mesh is not None:
+      raise ValueError(
+        f"RolloutConfig.slots={config.slots} with a mesh: the slot pool decodes on one "
+        "device; use slots=None (the static batch) on a mesh"
+      )
     self.statics = Statics.of(config, cfg, self.kernels, capture_inputs=capture_inputs, mesh=mesh)
+    self._stats = pool_lib.PoolStats()
+    self._pending = []  # the static engine's per-call (generated, steps) device scalars
     self.graphdef = None
     self.params = None
     self.sync(policy)
@@ -132,15 +141,21 @@ class RolloutEngine:
     *,
     version: int = 0,
     sequences: Sequence[int] | None = None,
+    max_new_tokens: Sequence[int] | None = None,
   ) -> Rollout:
     """Sample continuations of `prompts` (token lists of any lengths).
 
-    With RolloutConfig.skew > 0, `version` (the policy version rolling out) and `sequences`
-    (each prompt's sequence id; default 0.. B-1) are the counters the skew hashes with the
-    positions, layers and elements (`model.skew`); without a skew they change nothing.
+    `sequences` (each prompt's sequence id; default 0.. B-1) key the sampling: each token is
+    drawn with fold_in(fold_in(key, sequence id), position), so a sequence's tokens do not
+    depend on its row or the batch. With RolloutConfig.skew > 0, `version` (the policy
+    version rolling out) and `sequences` are also the counters the skew hashes with the
+    positions, layers and elements (`model.skew`). `max_new_tokens`: each sequence's own
+    budget of new tokens (default SamplingConfig.max_new_tokens, which bounds them).
     """
     _check_tokens(prompts, self.cfg.vocab_size, "prompts", allow_empty=False)
-    skew = self._skew(version, sequences, len(prompts))
+    ids = self._sequence_ids(sequences, len(prompts))
+    budget = self._budget(max_new_tokens, len(prompts))
+    skew = self._skew(version, ids)
     tokens, mask = _pad_left(prompts, self.config.prompt_bucket, self.config.pad_id)
     need = tokens.shape[1] + self.config.sampling.max_new_tokens
     if need > self.config.max_len:
@@ -150,22 +165,101 @@ class RolloutEngine:
         f"{self.config.sampling.max_new_tokens} needs {need} slots; "
         f"max_len={self.config.max_len}"
       )
+    if self.config.slots:
+      out = pool_lib.empty_output(self.graphdef, self.params, len(prompts), self.statics)
+      return self._run_pool(tokens, mask, None, None, key, ids, budget, skew, out, None, None)
     tokens, mask = self._place(tokens), self._place(mask)
-    return generate_program(self.graphdef, self.params, tokens, mask, key, skew, self.statics)
+    return self._count(
+      None,
+      generate_program(
+        self.graphdef,
+        self.params,
+        tokens,
+        mask,
+        key,
+        skew,
+        self._place(jnp.asarray(ids)),
+        self._place(jnp.asarray(budget)),
+        self.statics,
+      ),
+    )
 
-  def _skew(self, version, sequences, batch: int) -> Skew | None:
-    """The `Skew` of a call (None without RolloutConfig.skew), its counters checked."""
-    if not self.config.skew:
-      return None
-    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
-      raise ValueError(f"version={version!r} must be an integer >= 0 (the policy version)")
+  def _run_pool(
+    self, prefix, prefix_mask, chunk, chunk_mask, key, ids, budget, skew, out, rows, previous
+  ):
+    """The slot pool (`rollout.pool`) over host arrays; `previous` (a continuation's
+    rollout) gives back the history slots before its observation."""
+    host = lambda a: None if a is None else np.asarray(a)  # noqa: E731
+    rows = np.arange(len(ids)) if rows is None else rows
+    out, stats = pool_lib.run_pool(
+      self, host(prefix), host(prefix_mask), host(chunk), host(chunk_mask), key, ids, budget,
+      skew, out, rows,
+    )  # fmt: skip
+    self._stats.add(stats)
+    if previous is not None:
+      out = pool_lib.keep_history(previous, out, jnp.int32(prefix.shape[1]))
+    return pool_lib.finalise(out)
+
+  def _count(self, before: Rollout | None, after: Rollout) -> Rollout:
+    """Note a static call's generated tokens and decode steps (read when asked for)."""
+    new = after.response_lengths
+    if before is not None:
+      new = new - before.response_lengths
+    self._pending.append((jnp.sum(new), jnp.max(new), new.shape[0], jnp.sum(new > 0)))
+    return after
+
+  def take_stats(self) -> pool_lib.PoolStats:
+    """What the calls since the last `take_stats` did (generated tokens, slot-steps,
+    prefilled rows and the sequences they served; seconds: the pool's own), then reset."""
+    stats, self._stats = self._stats, pool_lib.PoolStats()
+    for generated, steps, rows, active in jax.device_get(self._pending):
+      stats.add(
+        pool_lib.PoolStats(
+          generated=int(generated),
+          slot_steps=int(rows) * int(steps),
+          prefilled=int(active),
+          sequences=int(active),
+        )
+      )
+    self._pending = []
+    return stats
+
+  @staticmethod
+  def _sequence_ids(sequences, batch: int) -> np.ndarray:
+    """uint32 [B] sequence ids (default 0.. B-1), checked."""
     ids = np.arange(batch) if sequences is None else np.asarray(sequences)
     if ids.shape != (batch,) or not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any():
       raise ValueError(
         f"sequences must be {batch} integer sequence ids >= 0, one per row; got "
         f"{np.asarray(sequences).tolist()[:8]}"
       )
-    sequence = self._place(jnp.asarray(ids.astype(np.int64) % 2**32, jnp.uint32))
+    return (ids.astype(np.int64) % 2**32).astype(np.uint32)
+
+  def _budget(self, max_new_tokens, batch: int) -> np.ndarray:
+    """int32 [B] new tokens per sequence (default SamplingConfig.max_new_tokens), checked."""
+    cap = self.config.sampling.max_new_tokens
+    if max_new_tokens is None:
+      return np.full((batch,), cap, np.int32)
+    budget = np.asarray(max_new_tokens)
+    if (
+      budget.shape != (batch,)
+      or not np.issubdtype(budget.dtype, np.integer)
+      or (budget < 1).any()
+      or (budget > cap).any()
+    ):
+      raise ValueError(
+        f"max_new_tokens must be {batch} integers in [1, {cap}] (SamplingConfig."
+        f"max_new_tokens), one per sequence; got {budget.tolist()[:8]}"
+      )
+    return budget.astype(np.int32)
+
+  def _skew(self, version, ids: np.ndarray) -> Skew | None:
+    """The `Skew` of a call (None without RolloutConfig.skew), its version checked."""
+    if not self.config.skew:
+      return None
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+      raise ValueError(f"version={version!r} must be an integer >= 0 (the policy version)")
+    sequence = self._place(jnp.asarray(ids))
     return Skew.of(self.config.skew, int(version) % 2**32, sequence)
 
   def _place(self, array):
@@ -182,15 +276,19 @@ class RolloutEngine:
     *,
     version: int = 0,
     sequences: Sequence[int] | None = None,
+    max_new_tokens: Sequence[int] | None = None,
   ) -> Rollout:
     """Append each sequence's observation tokens (an empty list ends its episode) and
     keep decoding from the same cache: a multi-turn episode is one growing sequence.
-    `version` and `sequences`: as `generate` was given them (the skew's counters).
+    `version` and `sequences`: as `generate` was given them (the sampling keys' and the
+    skew's counters); `max_new_tokens`: this turn's budget per sequence, as in `generate`.
 
     The cache is donated to the continuation (updated in place, not copied): `rollout`
     keeps its tokens, masks and log-probabilities, but only the returned rollout can be
     continued again.
     """
+    if self.config.slots:
+      return self._continue_pool(rollout, observations, key, version, sequences, max_new_tokens)
     if rollout.cache is None:
       raise ValueError("this rollout has no cache (moved to host?); continue the device one")
     if any(leaf.is_deleted() for leaf in jax.tree.leaves(rollout.cache)):
@@ -203,7 +301,9 @@ class RolloutEngine:
         f"observations for {len(observations)} sequences; the rollout has {rollout.tokens.shape[0]}"
       )
     _check_tokens(observations, self.cfg.vocab_size, "observations", allow_empty=True)
-    skew = self._skew(version, sequences, len(observations))
+    ids = self._sequence_ids(sequences, len(observations))
+    budget = self._budget(max_new_tokens, len(observations))
+    skew = self._skew(version, ids)
     chunk, mask = _pad_left(observations, self.config.prompt_bucket, self.config.pad_id)
     need = int(rollout.cache.index) + chunk.shape[1] + self.config.sampling.max_new_tokens
     if need > self.config.max_len:
@@ -213,17 +313,54 @@ class RolloutEngine:
         f"{self.config.sampling.max_new_tokens}); max_len={self.config.max_len}"
       )
     chunk, mask = self._place(chunk), self._place(mask)
-    return continue_program(
-      self.graphdef,
-      self.params,
-      rollout.without_cache(),
-      rollout.cache,
-      chunk,
-      mask,
-      key,
-      skew,
-      self.statics,
+    before = rollout.without_cache()
+    return self._count(
+      before,
+      continue_program(
+        self.graphdef,
+        self.params,
+        rollout.without_cache(),
+        rollout.cache,
+        chunk,
+        mask,
+        key,
+        skew,
+        self._place(jnp.asarray(ids)),
+        self._place(jnp.asarray(budget)),
+        self.statics,
+      ),
     )
+
+  def _continue_pool(self, rollout, observations, key, version, sequences, max_new_tokens):
+    """`continue_` through the slot pool: each sequence with an observation enters a slot
+    with its history (the slots the static engine's cache would hold: `used_slots`)
+    prefilled and its observation fed after it; ended episodes are kept as they are."""
+    if len(observations) != rollout.tokens.shape[0]:
+      raise ValueError(
+        f"observations for {len(observations)} sequences; the rollout has {rollout.tokens.shape[0]}"
+      )
+    _check_tokens(observations, self.cfg.vocab_size, "observations", allow_empty=True)
+    ids = self._sequence_ids(sequences, len(observations))
+    budget = self._budget(max_new_tokens, len(observations))
+    skew = self._skew(version, ids)
+    chunk, mask = _pad_left(observations, self.config.prompt_bucket, self.config.pad_id)
+    used = rollout.used_slots
+    need = used + chunk.shape[1] + self.config.sampling.max_new_tokens
+    if need > self.config.max_len:
+      raise ValueError(
+        f"continuing needs {need} slots (used {used}, observations padded to "
+        f"{chunk.shape[1]}, max_new_tokens={self.config.sampling.max_new_tokens}); "
+        f"max_len={self.config.max_len}"
+      )
+    previous = rollout.without_cache()
+    if previous.guidance is not None:
+      previous = dataclasses.replace(
+        previous, guidance=dataclasses.replace(previous.guidance, routing=None)
+      )
+    history = np.asarray(previous.tokens)[:, :used], np.asarray(previous.mask)[:, :used]
+    out = jax.tree.map(jnp.copy, previous)
+    rows = np.nonzero([len(o) > 0 for o in observations])[0]
+    return self._run_pool(*history, chunk, mask, key, ids, budget, skew, out, rows, previous)
 
 
 def generate(

@@ -33,11 +33,29 @@ def filter_logits(scaled: jax.Array, top_k: int, top_p: float) -> jax.Array:
   return filtered
 
 
+def sequence_keys(key: jax.Array, sequences: jax.Array, positions: jax.Array) -> jax.Array:
+  """Each row's sampling key: fold_in(fold_in(key, sequence id), position), keys [B].
+
+  A token's draw then depends on the call's key, its sequence and its place in that
+  sequence only: not on the row it occupies, its neighbours or the batch size (the slot
+  pool decodes a sequence in any slot and gives it the static batch's tokens).
+
+  Args:
+    key: the call's key (a scalar key).
+    sequences: uint32 [B] sequence ids.
+    positions: int32 [B] the RoPE position the drawn token will take.
+  """
+  fold = lambda s, p: jax.random.fold_in(jax.random.fold_in(key, s), p)  # noqa: E731
+  return jax.vmap(fold)(sequences.astype(jnp.uint32), positions.astype(jnp.uint32))
+
+
 def sample(logits: jax.Array, key: jax.Array, sampling: SamplingConfig):
   """Draw one token per row.
 
   Args:
     logits: float32 [B, V].
+    key: one key for the batch, or keys [B] (one per row: `sequence_keys`), each row's
+      draw then made with its own key alone.
 
   Returns:
     tokens int32 [B]; logprobs [B] under softmax(logits / T) (T = 1 if greedy);
@@ -51,7 +69,11 @@ def sample(logits: jax.Array, key: jax.Array, sampling: SamplingConfig):
     return tokens, logp, jnp.zeros_like(logp)
   scaled = logits / sampling.temperature
   filtered = filter_logits(scaled, sampling.top_k, sampling.top_p)
-  tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+  if key.ndim:  # a key per row
+    draw = lambda k, row: jax.random.categorical(k, row, axis=-1)  # noqa: E731
+    tokens = jax.vmap(draw)(key, filtered).astype(jnp.int32)
+  else:
+    tokens = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
   logp = jnp.take_along_axis(jax.nn.log_softmax(scaled), tokens[:, None], -1)[:, 0]
   sampling_logp = jnp.take_along_axis(jax.nn.log_softmax(filtered), tokens[:, None], -1)[:, 0]
   return tokens, logp, sampling_logp

@@ -228,9 +228,12 @@ def rollout_program(
   tokens = jax.ShapeDtypeStruct((config.batch, prompt), jnp.int32, sharding=rows)
   mask = jax.ShapeDtypeStruct((config.batch, prompt), bool, sharding=rows)
   key = jax.eval_shape(lambda: jax.random.key(0))
+  per_row = sharding.batch_sharding(mesh, 1)
+  sequence = jax.ShapeDtypeStruct((config.batch,), jnp.uint32, sharding=per_row)
+  budget = jax.ShapeDtypeStruct((config.batch,), jnp.int32, sharding=per_row)
   with jax.set_mesh(mesh):
     return decode_lib.generate_program.lower(
-      graphdef, params, tokens, mask, key, None, st
+      graphdef, params, tokens, mask, key, None, sequence, budget, st
     ).compile()
 
 

@@ -1,0 +1,137 @@
+"""The slot pool (RolloutConfig.slots): in float32, every sequence's tokens, log-probs,
+guidance and routing records equal the static engine's for pools of 1, 3 and 16 slots, on a
+single turn and a continuation; a group's prompt is prefilled once; the stats it reports."""
+
+import jax
+import numpy as np
+import pytest
+
+from trace_jax import rollout as R
+from trace_jax.model.sharding import make_mesh
+from trace_jax.rollout import pool as pool_lib
+
+# Two groups of identical prompts (GRPO samples), two single prompts.
+PROMPTS = [[5, 17, 3]] * 3 + [[9, 2, 44, 7, 61, 8, 30], [100], [1, 2, 3, 4], [1, 2, 3, 4]]
+BUDGETS = [8, 3, 8, 6, 8, 2, 8]
+OBSERVATIONS = [[7, 7, 7], [], [12], [50, 51], [], [3], [4, 4]]
+
+
+def _config(precision):
+  return R.RolloutConfig(
+    precision=precision,
+    compute_dtype="float32",
+    guidance="none" if precision == "bf16" else "compact",
+    guided_layers="all",
+    max_len=56,
+    prompt_bucket=8,
+    sampling=R.SamplingConfig(max_new_tokens=8, stop_tokens=tuple(range(0, 16, 2))),
+  )
+
+
+def _play(engine):
+  """A first turn (per-sequence budgets) and a continuation of it, both on the host."""
+  first = engine.generate(
+    PROMPTS, jax.random.key(3), sequences=range(10, 17), max_new_tokens=BUDGETS
+  )
+  host = first.without_cache()
+  second = engine.continue_(first, OBSERVATIONS, jax.random.key(4), sequences=range(10, 17))
+  return host, second.without_cache()
+
+
+def _assert_same(static, pool):
+  """Per sequence: real tokens, masks, finish reasons, log-probs (to rounding), routing
+  and guidance records at every real slot."""
+  assert pool.sequences() == static.sequences()
+  assert pool.finish_reasons() == static.finish_reasons()
+  real, response = np.asarray(static.mask), np.asarray(static.response_mask)
+  for field in ("prompt_mask", "response_mask", "env_mask"):
+    np.testing.assert_array_equal(getattr(pool, field), getattr(static, field))
+  np.testing.assert_array_equal(
+    np.asarray(pool.positions)[real], np.asarray(static.positions)[real]
+  )
+  for field in ("logprobs", "sampling_logprobs"):
+    a, b = np.asarray(getattr(pool, field))[response], np.asarray(getattr(static, field))[response]
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+  np.testing.assert_array_equal(
+    np.asarray(pool.routing)[:, real], np.asarray(static.routing)[:, real]
+  )
+  assert (static.guidance is None) == (pool.guidance is None)
+  if static.guidance is not None:
+    for key, record in static.guidance.sites.items():
+      for a, b in zip(jax.tree.leaves(pool.guidance.sites[key]), jax.tree.leaves(record)):
+        np.testing.assert_allclose(np.asarray(a)[real], np.asarray(b)[real], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(
+      np.asarray(pool.guidance.routing)[:, real], np.asarray(static.guidance.routing)[:, real]
+    )
+
+
+@pytest.fixture(scope="module")
+def static_bf16(policy):
+  return _play(R.RolloutEngine(policy, _config("bf16")))
+
+
+@pytest.mark.parametrize("slots", [1, 3, 16])
+def test_a_pool_of_any_size_gives_the_static_engines_rollout(policy, static_bf16, slots):
+  """bf16 weights in float32: one turn with per-sequence budgets and stop tokens, then a
+  continuation (an empty observation ends an episode), each equal to the static engine's."""
+  engine = R.RolloutEngine(policy, _config("bf16").replace(slots=slots))
+  first, second = _play(engine)
+  assert "stop" in first.finish_reasons() and "length" in first.finish_reasons()
+  _assert_same(static_bf16[0], first)
+  _assert_same(static_bf16[1], second)
+  stats = engine.take_stats()
+  assert stats.generated == int(np.asarray(second.response_lengths).sum())
+  assert stats.slot_steps >= stats.generated and stats.slot_steps % slots == 0
+  if slots == 1:  # one slot never idles
+    assert stats.slot_steps == stats.generated
+
+
+@pytest.mark.slow
+def test_an_fp4_pool_records_the_static_engines_guidance(policy):
+  """FP4 with compact guidance on every layer, in float32: a pool of 3 gives the static
+  engine's tokens, log-probs, guidance and routing, over a turn and a continuation."""
+  static = _play(R.RolloutEngine(policy, _config("fp4")))
+  pool = _play(R.RolloutEngine(policy, _config("fp4").replace(slots=3)))
+  for a, b in zip(static, pool):
+    _assert_same(a, b)
+
+
+def test_a_groups_prompt_is_prefilled_once(policy, monkeypatch):
+  """Identical consecutive prompts (a group) share one prefilled row: the prefill programs
+  run here fill 4 rows for 7 sequences (groups of 3, 1, 1 and 2), and the stats say so."""
+  filled = []
+  program = pool_lib.prefill_program
+
+  def counting(graphdef, params, prompt, prompt_mask, *rest):
+    rows = {tuple(np.asarray(t)[np.asarray(m)]) for t, m in zip(prompt, prompt_mask)}
+    filled.append(len(rows))  # distinct prompts (a bucket's padding repeats one)
+    return program(graphdef, params, prompt, prompt_mask, *rest)
+
+  monkeypatch.setattr(pool_lib, "prefill_program", counting)
+  engine = R.RolloutEngine(policy, _config("bf16").replace(slots=16))
+  engine.generate(PROMPTS, jax.random.key(3))
+  assert filled == [4]
+  stats = engine.take_stats()
+  assert (stats.prefilled, stats.sequences) == (4, 7)
+  metrics = stats.metrics()
+  assert metrics["rollout/prefill_shared_frac"] == pytest.approx(3 / 7)
+  assert 0 < metrics["rollout/slot_utilization"] <= 1
+
+
+def test_stats_of_the_static_engine_and_bad_slots(policy):
+  """The static engine's stats: its batch times the longest response as slot-steps, every
+  sequence prefilled alone. slots must be None or an int >= 0; a mesh refuses a pool."""
+  engine = R.RolloutEngine(policy, _config("bf16"))
+  rollout = engine.generate(PROMPTS, jax.random.key(3), max_new_tokens=BUDGETS)
+  lengths = np.asarray(rollout.response_lengths)
+  stats = engine.take_stats()
+  assert stats.generated == lengths.sum()
+  assert stats.slot_steps == len(PROMPTS) * lengths.max()
+  assert stats.metrics()["rollout/prefill_shared_frac"] == 0.0
+  assert engine.take_stats().generated == 0  # taken: reset
+  for bad in (-1, 2.5, True):
+    with pytest.raises(ValueError, match=f"slots={bad!r}"):
+      _config("bf16").replace(slots=bad)
+  mesh = make_mesh(devices=jax.devices()[:1])
+  with pytest.raises(ValueError, match="slots=2 with a mesh"):
+    R.RolloutEngine(policy, _config("bf16").replace(slots=2), mesh=mesh)
