@@ -148,7 +148,7 @@ def main(argv):
       )
       if v is not None
     }
-    points = [study.Point(**{**BASE, **single})] if single else study.default_points()
+    points = [study.MapPoint(**{**BASE, **single})] if single else study.default_points()
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   out = os.path.abspath(_OUT.value)

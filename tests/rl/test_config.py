@@ -184,7 +184,7 @@ def test_the_leaves_have_unique_flat_names_and_the_sections_validate():
   added = {"max_staleness", "is_cap", "is_cap_mode", "version_diag_every", "lr_decay"}
   added |= {"sft_target", "kv_precision", "max_grad_norm", "tensorboard", "rollout_skew"}
   added |= {"rollout_devices", "rollout_timeout", "scan_layers", "prefill_chunk"}
-  added |= {"wandb", "wandb_project", "geo_threshold"}
+  added |= {"wandb", "wandb_project", "geo_threshold", "rollout_slots"}
   # the scheme's per-path fields: leaves of the run's QuantConfig, never flags
   added |= {"fp4_precision", "fp4_weights", "fp4_rounding", "fp4_guided_layers"}
   assert set(leaves) == set(config_flags.flatten(RLConfig, FLAT)) | added

@@ -32,8 +32,9 @@ from trace_jax.rl import step as step_lib  # noqa: E402
 from trace_jax.rl.config import RLConfig  # noqa: E402
 from trace_jax.run.rundir import read_metrics  # noqa: E402
 from trace_jax.run.trainer import Trainer  # noqa: E402
+from trace_jax.rl.metrics import TIMING_METRICS  # noqa: E402
 
-TIMING = ("rollout_seconds", "train_seconds")
+TIMING = TIMING_METRICS
 
 
 def config(**overrides):

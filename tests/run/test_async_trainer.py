@@ -14,10 +14,10 @@ from trace_jax.rl.pipeline import RolloutWorkerError
 from trace_jax.run import report
 from trace_jax.run.rundir import read_metrics
 from trace_jax.run.trainer import Trainer
+from trace_jax.rl.metrics import TIMING_METRICS
 
 TIMING = (
-  "rollout_seconds",
-  "train_seconds",
+  *TIMING_METRICS,
   "async/wait_seconds",
   "async/rollout_wait_seconds",
 )

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from trace_jax.rl.config import RLConfig
+from trace_jax.rl.metrics import TIMING_METRICS
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +76,7 @@ WORKER = textwrap.dedent("""
     print("RECORD", json.dumps(record), flush=True)
 """)
 
-TIMING = ("rollout_seconds", "train_seconds")
+TIMING = TIMING_METRICS
 
 
 def _free_port() -> int:

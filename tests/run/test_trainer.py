@@ -16,9 +16,10 @@ from trace_jax.rl.config import RLConfig
 from trace_jax.rl import step as step_lib
 from trace_jax.run.rundir import read_metrics
 from trace_jax.run.trainer import Trainer
+from trace_jax.rl.metrics import TIMING_METRICS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TIMING = ("rollout_seconds", "train_seconds")
+TIMING = TIMING_METRICS
 
 
 def _config(**overrides):

@@ -49,10 +49,10 @@ def test_the_map_is_every_length_and_depth_on_three_engines():
 
 
 def test_a_bad_point_is_refused_by_field():
-  with pytest.raises(ValueError, match="Point.router_dtype='bf16' is not allowed"):
-    study.Point(terms=4, layers=2, router_dtype="bf16")
-  with pytest.raises(ValueError, match="Point.terms=1"):
-    study.Point(terms=1, layers=2)
+  with pytest.raises(ValueError, match="MapPoint.router_dtype='bf16' is not allowed"):
+    study.MapPoint(terms=4, layers=2, router_dtype="bf16")
+  with pytest.raises(ValueError, match="MapPoint.terms=1"):
+    study.MapPoint(terms=1, layers=2)
 
 
 @pytest.mark.slow

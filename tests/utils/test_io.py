@@ -92,9 +92,12 @@ def test_metrics_rewrite_fsyncs_the_directory(tmp_path, monkeypatch):
   path = tmp_path / "metrics.jsonl"
   path.write_text("".join(json.dumps({"step": s, "loss": s / 7}) + "\n" for s in range(5)))
   recorder = Recorder(monkeypatch)
-  evaluation = types.SimpleNamespace(tensorboard=False)
+  evaluation = types.SimpleNamespace(tensorboard=False, wandb=False)
   rundir = types.SimpleNamespace(
-    metrics_path=str(path), _events=None, config=types.SimpleNamespace(evaluation=evaluation)
+    metrics_path=str(path),
+    _events=None,
+    _wandb=None,
+    config=types.SimpleNamespace(evaluation=evaluation),
   )
   rundir._open_events = lambda records: RunDir._open_events(rundir, records)
   RunDir._truncate_metrics(rundir, 2)  # a resume

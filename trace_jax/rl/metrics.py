@@ -35,6 +35,10 @@ import numpy as np
 from trace_jax import fp4
 
 
+# Metrics that time the run rather than describe it: they differ between identical runs.
+TIMING_METRICS = ("rollout_seconds", "train_seconds", "rollout/tokens_per_second")
+
+
 def mismatch_metrics(
   rollout_logp: jax.Array,
   train_logp: jax.Array,
@@ -63,28 +67,28 @@ def mismatch_metrics(
     "tis/clip_frac": mean((ratio > tis_threshold).astype(jnp.float32)),
   }
   out = {k: float(v) for k, v in jax.device_get(values).items()}
-  out.update(tail_metrics(np.asarray(log_ratio, np.float64), np.asarray(masked)))
+  out.update(tail_metrics(log_ratio, masked))
   return out
 
 
-def tail_metrics(log_ratio: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+def tail_metrics(log_ratio: jax.Array, mask: jax.Array) -> dict[str, float]:
   """The tail metrics above from log r [B, S] at the response tokens `mask` [B, S] (NaN
-  where there are no tokens, so an empty batch does not read as a perfect one)."""
-  tokens = log_ratio[mask]
-  if not tokens.size:
-    names = ("mismatch/k3_p99", "is_ratio/p99", "mismatch/extreme_frac")
-    names += ("mismatch/seq_logratio_mean", "mismatch/seq_logratio_p90")
-    return {name: float("nan") for name in names}
-  ratio = np.exp(tokens)
-  has_tokens = mask.any(axis=1)
-  sequence = np.abs(np.where(mask, log_ratio, 0.0).sum(axis=1))[has_tokens]
-  return {
-    "mismatch/k3_p99": float(np.percentile(ratio - 1.0 - tokens, 99)),
-    "is_ratio/p99": float(np.percentile(ratio, 99)),
-    "mismatch/extreme_frac": float(np.mean((ratio > 2.0) | (ratio < 0.5))),
-    "mismatch/seq_logratio_mean": float(sequence.mean()),
-    "mismatch/seq_logratio_p90": float(np.percentile(sequence, 90)),
+  where there are no tokens, so an empty batch does not read as a perfect one). In jnp, so
+  a batch spread over processes is read as a whole."""
+  ratio = jnp.exp(log_ratio)
+  tokens = lambda x: jnp.where(mask, x, jnp.nan)  # noqa: E731
+  has_tokens = jnp.any(mask, axis=1)
+  sequence = jnp.abs(jnp.sum(jnp.where(mask, log_ratio, 0.0), axis=1))
+  sequence = jnp.where(has_tokens, sequence, jnp.nan)
+  extreme = ((ratio > 2.0) | (ratio < 0.5)) & mask
+  values = {
+    "mismatch/k3_p99": jnp.nanpercentile(tokens(ratio - 1.0 - log_ratio), 99),
+    "is_ratio/p99": jnp.nanpercentile(tokens(ratio), 99),
+    "mismatch/extreme_frac": jnp.sum(extreme) / jnp.sum(mask),  # NaN: no tokens
+    "mismatch/seq_logratio_mean": jnp.nanmean(sequence),
+    "mismatch/seq_logratio_p90": jnp.nanpercentile(sequence, 90),
   }
+  return {k: float(v) for k, v in jax.device_get(values).items()}
 
 
 def _element_weights(mask: np.ndarray, shape) -> np.ndarray:

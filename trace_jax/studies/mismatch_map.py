@@ -82,7 +82,7 @@ class MapConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Point:
+class MapPoint:
   """One point of the map."""
 
   terms: int  # chain terms: the answer's length (about 7 tokens a term)
@@ -92,13 +92,13 @@ class Point:
 
   def __post_init__(self):
     if not isinstance(self.terms, int) or self.terms < 2:
-      raise ValueError(f"Point.terms={self.terms!r} must be an int >= 2")
+      raise ValueError(f"MapPoint.terms={self.terms!r} must be an int >= 2")
     if not isinstance(self.layers, int) or self.layers < 1:
-      raise ValueError(f"Point.layers={self.layers!r} must be an int >= 1")
-    check_amount(self.rollout_skew, "Point.rollout_skew")
+      raise ValueError(f"MapPoint.layers={self.layers!r} must be an int >= 1")
+    check_amount(self.rollout_skew, "MapPoint.rollout_skew")
     if self.router_dtype not in ROUTER_DTYPES:
       raise ValueError(
-        f"Point.router_dtype={self.router_dtype!r} is not allowed; use one of {ROUTER_DTYPES}"
+        f"MapPoint.router_dtype={self.router_dtype!r} is not allowed; use one of {ROUTER_DTYPES}"
       )
 
   @property
@@ -116,13 +116,15 @@ class Point:
 
 def default_points(
   terms=(4, 8, 16, 32), layers=(4, 8, 16), base_terms=8, base_layers=4, skew=2.0**-4
-) -> list[Point]:
+) -> list[MapPoint]:
   """The map: every length at the base depth and every depth at the base length, each on
   three engines (the same kernels; a skew of `skew`; the rollout's router in bf16)."""
   engines = ((0.0, "float32"), (skew, "float32"), (0.0, "compute"))
   cells = [(t, base_layers) for t in terms] + [(base_terms, n) for n in layers if n != base_layers]
   return [
-    Point(terms=t, layers=n, rollout_skew=s, router_dtype=r) for t, n in cells for s, r in engines
+    MapPoint(terms=t, layers=n, rollout_skew=s, router_dtype=r)
+    for t, n in cells
+    for s, r in engines
   ]
 
 
@@ -184,7 +186,7 @@ def path_metrics(rollout, logp, out, full_sites, mask) -> dict:
   )
 
 
-def measure_point(config: MapConfig, point: Point, policy) -> dict:
+def measure_point(config: MapConfig, point: MapPoint, policy) -> dict:
   """One point's rollout and its four training paths, from `policy` (the point's warm
   start): the JSON row `results.json` holds."""
   start = time.time()
