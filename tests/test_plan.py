@@ -107,6 +107,7 @@ def test_lm_head_gradients_split_the_vocabulary_over_model():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # its run's own limit: 15 min
 def test_plan_script_prints_the_table():
   """The CLI at full Qwen3.5 size (`pytest -m slow tests/rl/test_plan.py`)."""
   cmd = [
@@ -347,6 +348,7 @@ def _fake_devices_env(count: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2100)  # two programs of up to 15 min each
 def test_check_prints_the_planner_beside_the_compiled_programs():
   """`plan.py --check` (tiny preset, 8 fake devices on a 2 x 2 x 2 mesh; ~1 min): both
   columns for both programs, and its compiled bytes exactly XLA's memory_analysis of the
