@@ -34,6 +34,8 @@ if os.environ.get("TRACE_JAX_TEST_XLA_OPT") != "1":
 import jax  # noqa: E402 - after the cache settings, which jax reads at import
 import pytest  # noqa: E402
 
+from tests.xdist_crash import pytest_xdist_make_scheduler  # noqa: E402, F401 - a crash fails one test
+
 jax.config.update("jax_default_matmul_precision", "highest")
 if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # also when a plugin imported jax first
   jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])

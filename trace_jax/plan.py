@@ -54,10 +54,11 @@ arm's update: guided, routing replay, full records):
 - the update's arguments are master + optimizer + guidance (+ the trajectories) and its
   returned bytes the training-path records (+ per-token log-probs and entropy), exactly;
 - what its forward keeps for the backward (the compiled `jax.vjp` residuals, per added
-  micro-batch): within 5% of "activations (no remat)" without remat, and within 20% of the
+  micro-batch): within 1% of "activations (no remat)" without remat, and within 1% of the
   part of "activations (remat)" kept between the passes (`activation_bytes`' kept) with
-  remat; the 20% are per-token arrays the planner leaves out (attention mask, RoPE tables,
-  routing, token ids), large only beside the tiny test model's d_model of 64.
+  remat, beside the guidance it holds (the attention mask, bool [batch, context, context],
+  and the RoPE tables are counted once for all layers: without them the kept part was 14%
+  short at the tiny test model's d_model of 64);
 XLA:CPU does not realise remat's savings inside one compiled update (its CSE merges the
 recomputation with the forward: 16 tanh in an 8-layer MLP's lowered gradient, 8 after
 compilation, the same temporaries with and without jax.checkpoint), so the update's
@@ -424,8 +425,8 @@ def activation_bytes(
   `blocks`-th of that.
 
   With remat, "kept" is what stays between the forward and the backward pass (each layer's
-  input and the LM head's residuals); the remat figure adds one layer's residuals, alive
-  while the backward recomputes it."""
+  input, what every layer reads beside it, and the LM head's residuals); the remat figure
+  adds one layer's residuals, alive while the backward recomputes it."""
   b, t = batch * blocks, context
   options = CallOptions(moe_blocks=blocks)
   x = jax.ShapeDtypeStruct((b, t, cfg.d_model), jnp.bfloat16)
@@ -471,10 +472,31 @@ def activation_bytes(
 
   head_state = nnx.state(head)
   head_bytes = _dependent_residual_bytes(head_fn, (head_state, x, tokens), {1, 2}) // blocks
+  head_bytes += _shared_input_bytes(cfg, b, t) // blocks
   layer_input = batch * t * cfg.d_model * 2
   no_remat = sum(per_type[k] * n for k, n in counts.items()) + head_bytes
   kept = cfg.num_layers * layer_input + head_bytes
   return float(no_remat), float(kept + max(per_type.values())), float(kept)
+
+
+def _shared_input_bytes(cfg: ModelConfig, b: int, t: int) -> int:
+  """Bytes of what every block reads beside the residual stream (`LayerInputs`): the
+  valid-token mask and, with attention layers, the RoPE tables and the attention mask
+  (bool [b, t, t]). The forward makes them once from the tokens' positions and mask, and
+  the backward keeps one copy for all layers, with remat or without (a block's residuals
+  above count only what depends on its input x)."""
+
+  def make(positions, valid):
+    slots = jnp.arange(t, dtype=jnp.int32)
+    if not _has_attention(cfg):
+      return valid
+    cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta)
+    return cos, sin, attention_mask(valid, positions, slots, cfg.sliding_window), valid
+
+  shapes = jax.eval_shape(
+    make, jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b, t), bool)
+  )
+  return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
 
 
 def softmax_grad_bytes(cfg: ModelConfig, batch: int, context: int) -> int:

@@ -180,6 +180,7 @@ def test_export_settings_follow_the_run(run, given, expected):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2700)  # a run and an export of up to 20 min each
 def test_rl_py_mxfp4_run_and_the_export_command_it_prints(tmp_path):
   """The issue's check end to end (minutes on 2 cores: an RL step of `small` compiles): an
   `rl.py --fmt=mxfp4` run, then the export command it prints, run as printed."""

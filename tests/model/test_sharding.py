@@ -163,6 +163,7 @@ def test_sharded_rollout_and_train_step_match_single_device():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2100)  # its subprocess's own limit: 30 min
 def test_sharded_rollout_and_train_step_match_single_device_more_meshes():
   """Pure FSDP (8, 1, 1) and expert parallel (2, 4, 1): `pytest -m slow tests/model/test_sharding.py`."""
   _run_meshes([(8, 1, 1), (2, 4, 1)])

@@ -71,7 +71,10 @@ def _env(devices: int) -> dict:
   )
 
 
-@pytest.mark.parametrize("arm", ["bf16", pytest.param("trace", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "arm",  # the processes' own limit: 30 min
+  ["bf16", pytest.param("trace", marks=[pytest.mark.slow, pytest.mark.timeout(2100)])],
+)
 def test_two_processes_match_one(tmp_path, arm):
   port = _free_port()
   # The pair (one device each, a 2-way "data" mesh across processes) and the reference (one

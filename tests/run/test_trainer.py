@@ -254,6 +254,7 @@ def test_data_parallel_run_on_eight_devices(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2100)  # its run's own limit: 30 min
 def test_main_job_script(tmp_path):
   cmd = [
     sys.executable,

@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3900)  # two runs of up to 30 min each
 def test_compare_arms_runs_then_resumes(tmp_path):
   cmd = [
     sys.executable,

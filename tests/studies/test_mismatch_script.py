@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2100)  # its run's own limit: 30 min
 def test_mismatch_script_writes_its_contract(tmp_path):
   out = tmp_path / "m.json"
   cmd = [

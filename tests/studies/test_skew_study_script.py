@@ -35,6 +35,7 @@ def test_bad_flags_are_refused_before_any_run(tmp_path, flag, message):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3900)  # two study runs of up to 30 min each
 def test_skew_study_runs_every_point_and_aggregates(tmp_path):
   setting = "preset=tiny,steps=2,sft_steps=2,eval_size=4,eval_every=2,prompts_per_step=1"
   cmd = [
