@@ -53,6 +53,10 @@ def test_no_profile_falls_back_to_wall_time():
   assert (t.busy, t.source, t.kernels) == (0.25, "none: wall", {})
 
 
+@pytest.mark.slow
 def test_profiling_a_function_on_this_backend_gives_a_time():
+  """A real profile on this backend (slow: on CPU, `jax.profiler` once hung for the 15-minute
+  limit inside the profiled calls in a worker that had run other tests; alone it takes a
+  second)."""
   t = device_time.device_time(jax.jit(lambda x: x * 2), jax.numpy.ones(8), calls=2, warmup=1)
   assert t.busy > 0 and t.wall > 0
