@@ -66,9 +66,10 @@ def test_the_smoke_window_writes_every_section_and_measurement(window):
   ]
   assert names["decode"] == ["decode step parity", "decode 64/b2"]
   assert names["rollout"] == ["rollout trace", "rollout bf16"]
+  recorded = {"name", "status", "seconds"}
   for section in results["measurements"].values():
     for m in section:
-      assert m["status"] == "ok" and m["seconds"] >= 0, m
+      assert m["status"] == "ok" and m.keys() >= recorded, m
   measured = {m["name"]: m for ms in results["measurements"].values() for m in ms}
   assert measured["copy_bandwidth"]["copy_gbps"] > 0
   # shares against the measured copy (probe, an earlier process) and the datasheet
