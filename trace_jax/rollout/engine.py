@@ -296,15 +296,9 @@ class RolloutEngine:
         "this rollout's cache was donated to an earlier continue_; continue "
         "the rollout that call returned"
       )
-    if len(observations) != rollout.tokens.shape[0]:
-      raise ValueError(
-        f"observations for {len(observations)} sequences; the rollout has {rollout.tokens.shape[0]}"
-      )
-    _check_tokens(observations, self.cfg.vocab_size, "observations", allow_empty=True)
-    ids = self._sequence_ids(sequences, len(observations))
-    budget = self._budget(max_new_tokens, len(observations))
-    skew = self._skew(version, ids)
-    chunk, mask = _pad_left(observations, self.config.prompt_bucket, self.config.pad_id)
+    ids, budget, skew, chunk, mask = self._continuation(
+      rollout, observations, version, sequences, max_new_tokens
+    )
     need = int(rollout.cache.index) + chunk.shape[1] + self.config.sampling.max_new_tokens
     if need > self.config.max_len:
       raise ValueError(
@@ -331,10 +325,9 @@ class RolloutEngine:
       ),
     )
 
-  def _continue_pool(self, rollout, observations, key, version, sequences, max_new_tokens):
-    """`continue_` through the slot pool: each sequence with an observation enters a slot
-    with its history (the slots the static engine's cache would hold: `used_slots`)
-    prefilled and its observation fed after it; ended episodes are kept as they are."""
+  def _continuation(self, rollout, observations, version, sequences, max_new_tokens):
+    """A continuation's checked inputs, for either engine: (sequence ids, budgets, skew,
+    the observations left-padded [B, C] and their mask)."""
     if len(observations) != rollout.tokens.shape[0]:
       raise ValueError(
         f"observations for {len(observations)} sequences; the rollout has {rollout.tokens.shape[0]}"
@@ -342,8 +335,16 @@ class RolloutEngine:
     _check_tokens(observations, self.cfg.vocab_size, "observations", allow_empty=True)
     ids = self._sequence_ids(sequences, len(observations))
     budget = self._budget(max_new_tokens, len(observations))
-    skew = self._skew(version, ids)
     chunk, mask = _pad_left(observations, self.config.prompt_bucket, self.config.pad_id)
+    return ids, budget, self._skew(version, ids), chunk, mask
+
+  def _continue_pool(self, rollout, observations, key, version, sequences, max_new_tokens):
+    """`continue_` through the slot pool: each sequence with an observation enters a slot
+    with its history (the slots the static engine's cache would hold: `used_slots`)
+    prefilled and its observation fed after it; ended episodes are kept as they are."""
+    ids, budget, skew, chunk, mask = self._continuation(
+      rollout, observations, version, sequences, max_new_tokens
+    )
     used = rollout.used_slots
     need = used + chunk.shape[1] + self.config.sampling.max_new_tokens
     if need > self.config.max_len:

@@ -152,13 +152,31 @@ class StudyConfig:
     return out
 
 
-def _sft(policy, task, tokenizer, config: StudyConfig, progress: bool) -> list[float]:
-  """The run's SFT warm start (`run.warmstart.run_sft`) on the study's own demonstrations:
-  rows as long as the longest of 8 from the seed plus 16, step `s` drawn from seed
-  `100003 * seed + s` (the study's draw since its first results, so they stay comparable)."""
-  pairs = data.demonstration_pairs(task, tokenizer, config.seed, 8)
+def study_sft(
+  policy, task, tokenizer, *, steps, batch, seed, learning_rate, progress, demos, step_seed=None
+) -> list[float]:
+  """A study's SFT warm start (`run.warmstart.run_sft`) on its own demonstrations: rows as
+  long as the longest of `demos` drawn from the seed, plus 16."""
+  pairs = data.demonstration_pairs(task, tokenizer, seed, demos)
   length = round_up(max(len(p) + len(c) for p, c in pairs) + 16, 16)
   return run_sft(
+    policy,
+    task,
+    tokenizer,
+    steps=steps,
+    batch=batch,
+    seed=seed,
+    learning_rate=learning_rate,
+    progress=progress,
+    length=length,
+    step_seed=step_seed,
+  )
+
+
+def _sft(policy, task, tokenizer, config: StudyConfig, progress: bool) -> list[float]:
+  """This study's warm start: rows from 8 demonstrations, step `s` drawn from seed
+  `100003 * seed + s` (the study's draw since its first results, so they stay comparable)."""
+  return study_sft(
     policy,
     task,
     tokenizer,
@@ -167,7 +185,7 @@ def _sft(policy, task, tokenizer, config: StudyConfig, progress: bool) -> list[f
     seed=config.seed,
     learning_rate=config.sft_lr,
     progress=progress,
-    length=length,
+    demos=8,
     step_seed=lambda step: config.seed * 100_003 + step,
   )
 

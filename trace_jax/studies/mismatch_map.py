@@ -38,8 +38,7 @@ from trace_jax.rl.metrics import fp4_disagreement, mismatch_metrics
 from trace_jax.rollout.config import COMPUTE_DTYPES, RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.rollout.trajectories import FINISH_STOP
-from trace_jax.run.warmstart import run_sft
-from trace_jax.studies.mismatch import training_path
+from trace_jax.studies.mismatch import study_sft, training_path
 from trace_jax.tasks.registry import get_task
 from trace_jax.tasks.tokenizer import CharTokenizer
 from trace_jax.utils import round_up
@@ -135,9 +134,7 @@ def warm_start(config: MapConfig, terms: int, layers: int, *, progress: bool = T
   vocab = max(get_preset(config.preset).vocab_size, tokenizer.vocab_size)
   cfg = get_preset(config.preset, num_layers=layers, vocab_size=vocab)
   policy = Transformer(cfg, rngs=nnx.Rngs(config.seed))
-  pairs = data.demonstration_pairs(task, tokenizer, config.seed, 16)
-  length = round_up(max(len(p) + len(c) for p, c in pairs) + 16, 16)
-  losses = run_sft(
+  losses = study_sft(
     policy,
     task,
     tokenizer,
@@ -146,7 +143,7 @@ def warm_start(config: MapConfig, terms: int, layers: int, *, progress: bool = T
     seed=config.seed,
     learning_rate=config.sft_lr,
     progress=progress,
-    length=length,
+    demos=16,
   )
   return policy, losses
 
