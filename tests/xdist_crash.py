@@ -8,6 +8,10 @@ pending: the next worker runs it again, crashes again, and after `--max-worker-r
 crashes (4 per worker) the whole session stops with "maximum crashed workers reached",
 the rest of the suite unrun. The scheduler here marks the crashed test done before the
 file goes back in the queue, so the replacement worker carries on after it.
+
+A second crash while the first one's replacement is still collecting made xdist hand work
+to that replacement before it had a collection (an INTERNALERROR, KeyError on the worker in
+`_assign_work_unit`); such a worker is now given work once its collection arrives.
 """
 
 import pytest
@@ -35,6 +39,11 @@ def _crash_once(base: type) -> type:
           unit[crashed] = True
       super().remove_node(node)  # re-queues the file's tests after the crashed one
       return crashed
+
+    def _reschedule(self, node):
+      if node not in self.registered_collections:  # a replacement worker still collecting
+        return
+      super()._reschedule(node)
 
   return CrashedTestFailsOnce
 
