@@ -421,7 +421,8 @@ def test_a_mesh_axis_of_minus_one_takes_the_devices_left():
       dict(prompts_per_step=8, group_size=16, rollout_devices=2),
       8,
       r"RLConfig.mesh=\(-1, 1, 1\) is \(6, 1, 1\) on the 6 devices after rollout_devices=2: "
-      r"RLConfig: batch 128 and its minibatches must divide over 6 data-parallel devices",
+      r"RLConfig: batch 128 and its minibatches must divide over 6 data-parallel devices; "
+      r"allowed: prompts_per_step x group_size a multiple of 6 .*divides 128",
     ),
   ],
 )

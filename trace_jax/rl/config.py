@@ -416,7 +416,10 @@ class RLConfig:
       )
     if data != -1 and (batch % data or (batch // minibatches) % data):  # -1: `on_devices`
       raise ValueError(
-        f"RLConfig: batch {batch} and its minibatches must divide over {data} data-parallel devices"
+        f"RLConfig: batch {batch} and its minibatches must divide over {data} data-parallel "
+        f"devices; allowed: prompts_per_step x group_size a multiple of {data * minibatches} "
+        f"({minibatches} minibatch(es) of a multiple of {data}), or a --mesh data axis that "
+        f"divides {batch // minibatches}"
       )
     rollout = self.rollout_devices
     if isinstance(rollout, bool) or not isinstance(rollout, int) or rollout < 0:
