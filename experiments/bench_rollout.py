@@ -45,7 +45,8 @@ _MEAN = flags.DEFINE_float("mean_frac", 0.3, "longtail: mean budget as a fractio
 _CHECK = flags.DEFINE_integer(
   "stop_check_every",
   None,
-  "longtail: decode steps between the pool's refills (default: 8 on GPU, 1 on CPU).",
+  "longtail: decode steps between stop checks (default: the pool refills every 8; the static "
+  "waves check every step on CPU, every 8 on GPU).",
 )
 
 ARMS = {

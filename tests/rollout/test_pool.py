@@ -2,6 +2,8 @@
 guidance and routing records equal the static engine's for pools of 1, 3 and 16 slots, on a
 single turn and a continuation; a group's prompt is prefilled once; the stats it reports."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from trace_jax import rollout as R
 from trace_jax.model.sharding import make_mesh
 from trace_jax.rollout import pool as pool_lib
+from trace_jax.rollout.decode import POOL_CHECK_EVERY
 
 # Two groups of identical prompts (GRPO samples), two single prompts.
 PROMPTS = [[5, 17, 3]] * 3 + [[9, 2, 44, 7, 61, 8, 30], [100], [1, 2, 3, 4], [1, 2, 3, 4]]
@@ -82,8 +85,23 @@ def test_a_pool_of_any_size_gives_the_static_engines_rollout(policy, static_bf16
   stats = engine.take_stats()
   assert stats.generated == int(np.asarray(second.response_lengths).sum())
   assert stats.slot_steps >= stats.generated and stats.slot_steps % slots == 0
-  if slots == 1:  # one slot never idles
-    assert stats.slot_steps == stats.generated
+  every = engine.statics.stop_every
+  assert every == POOL_CHECK_EVERY  # the pool's own default: no host sync per token
+  if slots == 1:  # one slot idles only between its sequence's end and the next check
+    turns = len(PROMPTS) + sum(1 for o in OBSERVATIONS if o)
+    assert stats.slot_steps - stats.generated <= (every - 1) * turns
+
+
+def test_a_pool_checked_every_step_never_idles_a_single_slot(policy, static_bf16):
+  """stop_check_every=1: one slot refilled at every step runs no idle step, and the rollout
+  is the same."""
+  config = _config("bf16")
+  sampling = dataclasses.replace(config.sampling, stop_check_every=1)
+  engine = R.RolloutEngine(policy, config.replace(slots=1, sampling=sampling))
+  first, second = _play(engine)
+  _assert_same(static_bf16[1], second)
+  stats = engine.take_stats()
+  assert stats.slot_steps == stats.generated
 
 
 @pytest.mark.slow

@@ -44,7 +44,9 @@ class SamplingConfig:
   stop_tokens: tuple[int, ...] = ()  # a sequence ends after emitting one of these
   stop_check_every: int | None = None  # decode steps between checks of "all stopped?";
   #   None: 8 on a GPU (each check is a device-to-host sync), 1 elsewhere (a check is free
-  #   there, and up to N - 1 steps after the last stop are wasted). Results are identical.
+  #   there, and up to N - 1 steps after the last stop are wasted); a slot pool's refills
+  #   (RolloutConfig.slots) every 8 anywhere (each also runs a prefill, an insert and a
+  #   copy out). Results are identical.
 
   def __post_init__(self):
     where = "SamplingConfig"

@@ -122,7 +122,7 @@ class Statics:
       capture_inputs=capture_inputs,
       kernels=kernels,
       mesh=mesh,
-      stop_every=stop_check_every(config.sampling),
+      stop_every=stop_check_every(config.sampling, pool=bool(config.slots)),
     )
 
   @property
@@ -367,8 +367,14 @@ def _finalise(r: Rollout) -> Rollout:
   return r
 
 
-def stop_check_every(sampling) -> int:
-  """SamplingConfig.stop_check_every, resolved: None is 8 on a GPU, 1 elsewhere."""
+POOL_CHECK_EVERY = 8  # a slot pool's decode steps between refills, by default
+
+
+def stop_check_every(sampling, pool: bool = False) -> int:
+  """SamplingConfig.stop_check_every, resolved: None is 8 on a GPU or in a slot pool (whose
+  check also refills: a prefill, an insert and a copy out), 1 elsewhere."""
   if sampling.stop_check_every is not None:
     return sampling.stop_check_every
+  if pool:
+    return POOL_CHECK_EVERY
   return 8 if jax.default_backend() == "gpu" else 1
