@@ -158,6 +158,7 @@ def _run_loads(meshes, forward, only=None):
   assert result.stdout.count("FORWARD") == len(forward), result.stdout
 
 
+@pytest.mark.slow
 def test_sharded_load_equals_the_whole_load_bit_for_bit():
   """Every axis split at once (2, 2, 2), one checkpoint of each family in a different layout
   (per-expert bf16, fused, NVFP4, MXFP4, Qwen3.5 published); the sharded Qwen3.5 (hybrid

@@ -269,6 +269,7 @@ def _assert_records_are_fp4_of_inputs(out, what):
         )
 
 
+@pytest.mark.slow
 def test_bf16_records_are_the_fp4_of_the_recorded_inputs_and_capture_changes_nothing(bf16_policy):
   """Issue 27 (defects 3, 4), at bf16 compute on both paths.
 

@@ -181,6 +181,7 @@ print("equal")
 """
 
 
+@pytest.mark.slow
 def test_scanned_bf16_logits_differ_only_by_excess_precision():
   """In bf16 the scan's carry rounds the residual stream to bf16 at every layer boundary, where
   the unrolled program may keep it in float32 across fusions (XLA's default

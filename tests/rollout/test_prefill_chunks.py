@@ -53,6 +53,7 @@ def test_chunked_prefill_is_the_whole_prompt_prefill(policy):
         np.testing.assert_allclose(np.asarray(a)[held], np.asarray(b)[held], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_chunked_fp4_prefill_records_the_whole_prompt_prefill(policy):
   """FP4 (float32 compute, full guidance at every layer), the prompt and one sampled token:
   the same positions and masks; the guidance and cache codes of every prompt slot equal but

@@ -102,6 +102,7 @@ def test_multi_turn_continuation_keeps_the_counters(policy):
   )
 
 
+@pytest.mark.slow
 def test_the_mismatch_with_the_training_path_grows_with_the_skew(policy):
   """k3 and |log-prob difference| of the rollout against the training path (the policy's
   own float32 forward of the sampled tokens) rise with the skew, and at 0 are the bf16

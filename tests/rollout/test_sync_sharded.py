@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import pytest
 
 SCRIPT = textwrap.dedent("""
     import os
@@ -62,6 +63,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sync_params_sharded_bit_identical_without_host_transfers():
   result = subprocess.run(
     [sys.executable, "-c", SCRIPT],

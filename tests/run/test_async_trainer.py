@@ -131,6 +131,7 @@ def test_staleness_zero_is_the_synchronous_loop(tmp_path):
   assert history[1]["mismatch/k3_kl"] != sync_history[1]["mismatch/k3_kl"]
 
 
+@pytest.mark.slow
 def test_a_failing_rollout_worker_stops_the_run(tmp_path, monkeypatch):
   """k = 2 with a cap of 1: steps 1 and 2 train on batches of version 0 (gaps 0 and 1) with
   the decoupled loss, and at a gap of 1 the cap masks tokens (the share is logged). Then

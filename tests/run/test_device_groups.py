@@ -1,6 +1,7 @@
 """Rollouts and learning on disjoint device groups (RLConfig.rollout_devices): the guarantees,
 on 8 CPU devices in one subprocess (`device_groups_runs.py`: seven tiny runs, ~1.5-2 min on
-2 cores, shared by the tests below), and the refusals, in this process."""
+2 cores, shared by the tests below; `pytest -m slow tests/run/test_device_groups.py`), and the
+refusals and the default mesh on 8 devices, in the default suite."""
 
 import json
 import os
@@ -35,6 +36,7 @@ def runs(tmp_path_factory):
   return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_k0_with_groups_is_the_synchronous_loop(runs):
   """k = 0 with rollouts on devices 0-3 and the learner's (4, 1, 1) mesh on 4-7 equals the
   synchronous loop on one (4, 1, 1) mesh (devices 0-3 for both) bit for bit: every metric
@@ -50,6 +52,7 @@ def test_k0_with_groups_is_the_synchronous_loop(runs):
   assert all(m["async/learner_devices"] == "4,5,6,7" for m in k0["groups_async"])
 
 
+@pytest.mark.slow
 def test_resume_mid_pipeline_with_groups_continues_exactly(runs):
   """k = 2, a checkpoint at step 2 (batches 2 and 3 in flight): the resumed run refills both
   rings (the learner's masters and the rollout group's published weights) with versions
@@ -61,6 +64,7 @@ def test_resume_mid_pipeline_with_groups_continues_exactly(runs):
   assert resume["same_metrics"] and resume["same_params"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("side", ["rollout", "learner", "hung"])
 def test_a_failing_side_stops_the_run_in_one_line(runs, side):
   """A rollout worker that raises (batch 2), a learner update that raises (step 2), and a
@@ -92,6 +96,7 @@ def test_a_failing_side_stops_the_run_in_one_line(runs, side):
   assert "\n" not in error["message"]
 
 
+@pytest.mark.slow
 def test_the_queue_never_holds_more_than_its_bound(runs):
   """k = 2 with a slowed learner: the queue fills to k + 1 = 3 batches and never past; the
   batches generated but not received (the one generating included) never exceed k + 1."""
@@ -101,6 +106,7 @@ def test_the_queue_never_holds_more_than_its_bound(runs):
   assert max(q["in_flight"]) == 3 and all(1 <= n <= 3 for n in q["in_flight"])
 
 
+@pytest.mark.slow
 def test_rollout_and_learner_arrays_never_share_a_device(runs):
   """The policy, Adam's moments, the master ring and every batch the learner trained on
   lie on devices 4-7; the published ring (the last k + 1 = 3 versions), the engine's

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import pytest
 
 from trace_jax.run import memory_check
 
@@ -135,6 +136,7 @@ text = memory_check.rollout_program(cfg, config, mesh, 16).as_text()
 )
 
 
+@pytest.mark.slow
 def test_rollout_on_a_mesh_sorts_each_data_shards_own_tokens():
   """The compiled rollout's MoE dispatch sorts, per device, the (token, slot) rows of its
   own "data" shard's sequences only: 4 prompts x 16 prompt tokens x top-k in the prefill,

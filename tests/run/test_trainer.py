@@ -159,6 +159,7 @@ def test_resume_continues_exactly(tmp_path, skew):
   assert [strip(m) for m in a] == [strip(m) for m in b]
 
 
+@pytest.mark.slow
 def test_a_skewed_run_skews_its_rollouts_only_by_run_quantities(tmp_path):
   """RLConfig.rollout_skew reaches the arm's rollout engine, not the evaluation's; a step's
   rollout is a function of (seed, step, policy version) as without a skew, the version one

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from trace_jax.rl.config import RLConfig
 from trace_jax.studies import compare
@@ -47,6 +48,7 @@ def _run(base, variant, *extra):
   return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_kv_ablation_writes_the_paired_table_and_refuses_other_changes(tmp_path):
   rng = np.random.default_rng(47)
   setting = {"fp4_sites": "experts+kv", "steps": 60}

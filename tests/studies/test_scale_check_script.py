@@ -78,6 +78,7 @@ def test_two_processes_hold_what_the_rules_put_on_their_devices(tmp_path):
   assert "expert weights span processes: no" in stdout
 
 
+@pytest.mark.slow
 def test_float32_logits_and_rl_steps_with_the_experts_split_across_processes(tmp_path):
   rows, stdout = _scale_check(
     tmp_path, "--mesh=1,4,1", "--dtype=float32", "--rl_steps=2", "--arm=trace"
