@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 SCRIPT = os.path.join(ROOT, "experiments", "scale_check.py")
 SIZES = dict(d_model=64, num_experts=4, moe_ffn_dim=32, num_heads=4, num_kv_heads=2, head_dim=16)
