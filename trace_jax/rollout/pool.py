@@ -9,6 +9,8 @@ a free decode slot, generate):
    (chunked, as the static engine does) by one program; consecutive identical prompts (a
    GRPO group's G samples) are prefilled once and the row is copied into each of their
    slots: cache rows, positions, masks and the guidance and routing records of the prompt.
+   A group whose samples enter over several refills keeps its prefilled row (one row, no
+   more) until its last sample has entered.
 2. Every slot decodes one token per step at its own cache index (`KVCache.index` [S]); each
    token is drawn with `sequence_keys(key, sequence id, position)`, so a sequence gets the
    tokens it gets in the static batch, whatever its slot, neighbours or the pool's size.
@@ -163,6 +165,16 @@ def insert_program(pool: PoolState, new: Rollout, logits, slots, src, budget, se
   )
 
 
+@jax.jit
+def take_row(new: Rollout, logits, row):
+  """Row `row` of a prefill's rows (its scalar cache index kept): a group's prefilled prompt,
+  kept for its samples that enter the pool in a later refill."""
+  take = lambda a, _, axis: a if a.ndim == 0 else jax.lax.dynamic_slice_in_dim(a, row, 1, axis)  # noqa: E731
+  fields = _rows_map(take, new, new, cache=True)
+  fields["cache"] = dataclasses.replace(fields["cache"], index=new.cache.index)
+  return dataclasses.replace(new, **fields), jax.lax.dynamic_slice_in_dim(logits, row, 1, 0)
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def extract_program(out: Rollout, pool: PoolState, slots, rows):
   """Output rows `rows` [k] (N for padding) take pool slots `slots` [k], finish included."""
@@ -304,40 +316,58 @@ def run_pool(
   def skew_of(sequence):
     return None if skew is None else skew.replace(sequence=jnp.asarray(sequence))
 
+  # A group's prefilled row, kept while its later samples wait: (group, row, logits).
+  kept = None
+
+  def insert(pool, new, logits, at, src, taken):
+    k = _bucket(len(taken))
+    return insert_program(
+      pool,
+      new,
+      logits,
+      jnp.asarray(pad(at, k, slots)),
+      jnp.asarray(pad(np.asarray(src), k, 0)),
+      jnp.asarray(pad(budget[taken], k, 1)),
+      jnp.asarray(pad(ids[taken], k, 0)),
+    )
+
   while waiting or (occupant >= 0).any():
     free = np.nonzero(occupant < 0)[0]
     if waiting and len(free):
       taken = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
-      unique, src = [], []
-      for i in taken:
-        if not unique or group[unique[-1]] != group[i]:
-          unique.append(i)
-        src.append(len(unique) - 1)
-      width = _bucket(len(unique))
-      rows_in = pad(np.asarray(unique), width, unique[0])
-      new, logits = prefill_program(
-        engine.graphdef,
-        engine.params,
-        jnp.asarray(prefix[rows_in]),
-        jnp.asarray(prefix_mask[rows_in]),
-        None if chunk is None else jnp.asarray(chunk[rows_in]),
-        None if chunk is None else jnp.asarray(chunk_mask[rows_in]),
-        skew_of(ids[rows_in]),
-        st,
-      )
-      k = _bucket(len(taken))
       at = free[: len(taken)]
-      pool = insert_program(
-        pool,
-        new,
-        logits,
-        jnp.asarray(pad(at, k, slots)),
-        jnp.asarray(pad(np.asarray(src), k, 0)),
-        jnp.asarray(pad(budget[taken], k, 1)),
-        jnp.asarray(pad(ids[taken], k, 0)),
-      )
+      # the kept group's samples enter from its row; the others are prefilled
+      n_kept = 0
+      while kept is not None and n_kept < len(taken) and group[taken[n_kept]] == kept[0]:
+        n_kept += 1
+      if n_kept:
+        pool = insert(pool, kept[1], kept[2], at[:n_kept], [0] * n_kept, taken[:n_kept])
+      rest = taken[n_kept:]
+      if rest:
+        unique, src = [], []
+        for i in rest:
+          if not unique or group[unique[-1]] != group[i]:
+            unique.append(i)
+          src.append(len(unique) - 1)
+        rows_in = pad(np.asarray(unique), _bucket(len(unique)), unique[0])
+        new, logits = prefill_program(
+          engine.graphdef,
+          engine.params,
+          jnp.asarray(prefix[rows_in]),
+          jnp.asarray(prefix_mask[rows_in]),
+          None if chunk is None else jnp.asarray(chunk[rows_in]),
+          None if chunk is None else jnp.asarray(chunk_mask[rows_in]),
+          skew_of(ids[rows_in]),
+          st,
+        )
+        pool = insert(pool, new, logits, at[n_kept:], src, rest)
+        stats.prefilled += len(unique)
+        last = rest[-1]
+        if waiting and group[waiting[0]] == group[last]:  # the group goes on in a later refill
+          kept = (group[last], *take_row(new, logits, jnp.int32(len(unique) - 1)))
+      if kept is not None and not (waiting and group[waiting[0]] == kept[0]):
+        kept = None  # its last sample entered
       occupant[at] = taken
-      stats.prefilled += len(unique)
       stats.sequences += len(taken)
     pool = decode_program(engine.graphdef, engine.params, pool, key, skew_of(ids[:1]), every, st)
     stats.slot_steps += slots * every
