@@ -6,7 +6,8 @@
 
 `--mix=longtail` (`longtail`, below): 256 sequences in groups of 8, response budgets long-tailed;
 the static engine in waves of `--slots` sequences (the same KV memory as the pool) against a pool
-of `--slots` decode slots, FP4 and bf16 each.
+of `--slots` decode slots, FP4 and bf16 each; peak_bytes is XLA's memory analysis of each
+engine's programs (arguments, outputs, temporaries) plus the output rows both keep.
 
 Every row is measured in one run: tokens/s is generated tokens (batch x new tokens, no stop
 tokens) over the median wall time of a jitted generate after compilation. On CPU, FP4 is
@@ -19,13 +20,17 @@ import time
 
 from absl import app, flags
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from trace_jax import model as M
 from trace_jax import rollout as R
 from trace_jax.model import accounting
+from trace_jax.rollout import pool as pool_lib
 from trace_jax.rollout.accounting import guidance_bytes_per_token
+from trace_jax.rollout.decode import generate_program
+from trace_jax.rollout.engine import _pad_left
 from trace_jax.utils import markdown_table, round_up, time_jitted
 
 _PRESETS = flags.DEFINE_list("presets", ["tiny", "small"], "Presets.")
@@ -40,7 +45,7 @@ _JSON = flags.DEFINE_string("json", None, "longtail: write its rows here (a JSON
 _SEQUENCES = flags.DEFINE_integer("sequences", 256, "longtail: sequences per rollout.")
 _GROUP = flags.DEFINE_integer("group", 8, "longtail: samples per prompt (a GRPO group).")
 _CAP = flags.DEFINE_integer("cap", 256, "longtail: the response budget's cap (max_new_tokens).")
-_SLOTS = flags.DEFINE_integer("slots", 32, "longtail: decode slots (and the static waves' size).")
+_SLOTS = flags.DEFINE_integer("slots", 16, "longtail: decode slots (and the static waves' size).")
 _MEAN = flags.DEFINE_float("mean_frac", 0.3, "longtail: mean budget as a fraction of the cap.")
 _CHECK = flags.DEFINE_integer(
   "stop_check_every",
@@ -68,14 +73,39 @@ def longtail_budgets(rng: np.random.Generator, n: int, cap: int, mean_frac: floa
   return np.clip(np.round(draws * cap), 1, cap).astype(np.int32)
 
 
-def _peak_bytes(engine_config, cfg, rows: int) -> tuple[int, str]:
-  """The device's peak bytes in use where it reports one (GPU), else the KV cache's bytes
-  for `rows` sequences of max_len slots (CPU: no allocator statistics)."""
-  stats = jax.devices()[0].memory_stats() or {}
-  if "peak_bytes_in_use" in stats:
-    return int(stats["peak_bytes_in_use"]), "device"
-  kv = accounting.kv_bytes_per_token(cfg, engine_config.quant)
-  return int(kv * rows * engine_config.max_len), "kv_cache"
+def _program_bytes(lowered) -> int:
+  """A program's device bytes by XLA's memory analysis: its arguments, outputs and
+  temporaries, less the donated inputs its outputs reuse."""
+  m = lowered.compile().memory_analysis()
+  used = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+  return int(used - m.alias_size_in_bytes)
+
+
+def _nbytes(tree) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def _peak_bytes(engine, name: str, prompts, n: int, slots: int) -> int:
+  """The device bytes an engine's rollout of `n` sequences needs at its peak (XLA's memory
+  analysis of its programs, the same on every backend): a static wave of `slots` sequences
+  (prefill and decode, one program), or the pool's state with its decode program or with a
+  prefill of `slots` rows beside it; each plus the n sequences' output rows (no cache)."""
+  st, graphdef, params = engine.statics, engine.graphdef, engine.params
+  tokens, mask = _pad_left(prompts[:slots], engine.config.prompt_bucket, engine.config.pad_id)
+  tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+  out = _nbytes(pool_lib.empty_output(graphdef, params, n, st))
+  if name == "static":
+    ids = jnp.arange(slots, dtype=jnp.uint32)
+    budget = jnp.full((slots,), engine.config.sampling.max_new_tokens, jnp.int32)
+    key = jax.random.key(0)
+    lowered = generate_program.lower(graphdef, params, tokens, mask, key, None, ids, budget, st)
+    return out + _program_bytes(lowered)
+  state = pool_lib.empty_pool(graphdef, params, slots, st)
+  decode = pool_lib.decode_program.lower(
+    graphdef, params, state, jax.random.key(0), None, st.stop_every, st
+  )
+  prefill = pool_lib.prefill_program.lower(graphdef, params, tokens, mask, None, None, None, st)
+  return out + max(_program_bytes(decode), _nbytes(state) + _program_bytes(prefill))
 
 
 def longtail() -> list[dict]:
@@ -124,7 +154,7 @@ def longtail() -> list[dict]:
       seconds = time.perf_counter() - start
       stats = engine.take_stats()
       generated = sum(int(np.asarray(r.response_lengths).sum()) for r in out)
-      peak, source = _peak_bytes(engine_config, cfg, slots)
+      peak = _peak_bytes(engine, name, prompts, n, slots)
       rows.append(
         dict(
           engine=name,
@@ -133,7 +163,6 @@ def longtail() -> list[dict]:
           slot_utilization=stats.metrics()["rollout/slot_utilization"],
           prefill_shared_frac=stats.metrics()["rollout/prefill_shared_frac"],
           peak_bytes=peak,
-          peak_source=source,
           generated=generated,
           seconds=seconds,
         )
