@@ -434,7 +434,7 @@ def test_a_mesh_the_devices_cannot_hold_is_refused_by_name(overrides, devices, m
 def test_rollout_slots_is_a_flag_that_reaches_every_engine_and_is_refused_by_name():
   """--rollout_slots (default 0: the static batch) becomes RolloutConfig.slots of the run's
   sampling and greedy engines (None for 0); a resume may change it; a negative count, or a
-  pool on a mesh of several devices, is refused naming the field."""
+  pool whose slots do not split over the mesh's data axis, is refused naming the field."""
   from trace_jax.rl import episodes  # noqa: PLC0415
   from trace_jax.run import policy_source  # noqa: PLC0415
   from trace_jax.tasks import get_task  # noqa: PLC0415
@@ -449,5 +449,8 @@ def test_rollout_slots_is_a_flag_that_reaches_every_engine_and_is_refused_by_nam
   assert RLConfig.from_flat(rollout_slots=8).differences(old) == []  # resumable
   with pytest.raises(ValueError, match=r"RLConfig.rollout_slots=-1 must be >= 0"):
     RLConfig.from_flat(rollout_slots=-1)
-  with pytest.raises(ValueError, match=r"RLConfig.rollout_slots=8 with mesh=\[2, 1, 1\]"):
-    RLConfig.from_flat(rollout_slots=8, mesh=(2, 1, 1))
+  with pytest.raises(
+    ValueError, match=r"RLConfig.rollout_slots=3 with mesh=\[2, 1, 1\]: .*multiple of 2"
+  ):
+    RLConfig.from_flat(rollout_slots=3, mesh=(2, 1, 1))
+  assert RLConfig.from_flat(rollout_slots=8, mesh=(2, 1, 1)).sampling.rollout_slots == 8

@@ -3,6 +3,9 @@ guidance and routing records equal the static engine's for pools of 1, 3 and 16 
 single turn and a continuation; a group's prompt is prefilled once; the stats it reports."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -34,10 +37,11 @@ def _config(precision):
 def _play(engine):
   """A first turn (per-sequence budgets) and a continuation of it, both on the host."""
   first = engine.generate(
-    PROMPTS, jax.random.key(3), sequences=range(10, 17), max_new_tokens=BUDGETS
+    PROMPTS, jax.random.key(3), sequences=range(10, 10 + len(PROMPTS)), max_new_tokens=BUDGETS
   )
   host = first.without_cache()
-  second = engine.continue_(first, OBSERVATIONS, jax.random.key(4), sequences=range(10, 17))
+  ids = range(10, 10 + len(PROMPTS))
+  second = engine.continue_(first, OBSERVATIONS, jax.random.key(4), sequences=ids)
   return host, second.without_cache()
 
 
@@ -140,7 +144,7 @@ def test_a_groups_prompt_is_prefilled_once(policy, monkeypatch, slots):
 
 def test_stats_of_the_static_engine_and_bad_slots(policy):
   """The static engine's stats: its batch times the longest response as slot-steps, every
-  sequence prefilled alone. slots must be None or an int >= 0; a mesh refuses a pool."""
+  sequence prefilled alone. slots must be None or an int >= 0."""
   engine = R.RolloutEngine(policy, _config("bf16"))
   rollout = engine.generate(PROMPTS, jax.random.key(3), max_new_tokens=BUDGETS)
   lengths = np.asarray(rollout.response_lengths)
@@ -152,6 +156,60 @@ def test_stats_of_the_static_engine_and_bad_slots(policy):
   for bad in (-1, 2.5, True):
     with pytest.raises(ValueError, match=f"slots={bad!r}"):
       _config("bf16").replace(slots=bad)
+
+
+def test_a_pool_on_a_one_device_mesh_gives_the_static_engines_rollout(policy, static_bf16):
+  """The mesh's sharding constraints in the pool's programs change no number."""
   mesh = make_mesh(devices=jax.devices()[:1])
-  with pytest.raises(ValueError, match="slots=2 with a mesh"):
-    R.RolloutEngine(policy, _config("bf16").replace(slots=2), mesh=mesh)
+  engine = R.RolloutEngine(policy, _config("bf16").replace(slots=3), mesh=mesh)
+  first, second = _play(engine)
+  _assert_same(static_bf16[0], first)
+  _assert_same(static_bf16[1], second)
+
+
+ON_FOUR_DEVICES = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4 " + os.environ.get("XLA_FLAGS", "")
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")
+from flax import nnx
+from trace_jax import model as M
+from trace_jax import rollout as R
+from trace_jax.model.sharding import make_mesh
+from tests.rollout import test_pool as t
+
+policy = M.Transformer(M.tiny(), rngs=nnx.Rngs(0))
+t.PROMPTS, t.BUDGETS, t.OBSERVATIONS = t.PROMPTS + [[3, 3]], t.BUDGETS + [5], t.OBSERVATIONS + [[9]]
+mesh = make_mesh(2, 1, 2)  # data 2 (the slots and each prefill's rows), model 2
+static = t._play(R.RolloutEngine(policy, t._config(sys.argv[1]), mesh=mesh))
+for slots in (2, 6):
+  pool = t._play(R.RolloutEngine(policy, t._config(sys.argv[1]).replace(slots=slots), mesh=mesh))
+  for a, b in zip(static, pool):
+    t._assert_same(a, b)
+try:
+  R.RolloutEngine(policy, t._config("bf16").replace(slots=3), mesh=mesh)
+except ValueError as e:
+  print("refused:", e)
+print("same")
+"""
+
+
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp4", marks=pytest.mark.slow)])
+def test_a_pool_on_a_mesh_gives_the_static_engines_rollout_on_that_mesh(precision):
+  """4 CPU devices (a subprocess), a (data 2, model 2) mesh: pools of 2 and 6 slots give the
+  static engine's rollout on that mesh over a turn and a continuation; 3 slots, which do
+  not split over 2 data shards, are refused by name."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  result = subprocess.run(
+    [sys.executable, "-c", ON_FOUR_DEVICES, precision],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+    cwd=root,
+  )
+  assert result.returncode == 0, result.stderr[-4000:]
+  lines = result.stdout.splitlines()
+  assert lines[-1] == "same"
+  assert "RolloutConfig.slots=3 on a mesh of 2 data shards" in lines[-2], lines

@@ -382,10 +382,12 @@ class RLConfig:
       raise ValueError(f"task={self.task!r} is not registered; registered tasks: {registered()}")
     flags.check_choices(self, "RLConfig")  # correction, reward_control, compute_dtype
     check_amount(self.rollout_skew, "RLConfig.rollout_skew")
-    if self.sampling.rollout_slots and math.prod(abs(m) for m in self.mesh) > 1:
+    slots, data = self.sampling.rollout_slots, self.mesh[0]
+    if slots and data != -1 and slots % data:  # -1: the engine checks the resolved mesh
       raise ValueError(
-        f"RLConfig.rollout_slots={self.sampling.rollout_slots} with mesh={list(self.mesh)}: "
-        "the slot pool decodes on one device; use --rollout_slots=0 on a mesh"
+        f"RLConfig.rollout_slots={slots} with mesh={list(self.mesh)}: the slots split over "
+        f"the {data} data-parallel devices; allowed: a multiple of {data}, or 0 (the static "
+        "batch)"
       )
     if self.rollout_skew and self.schedule.steps == 0:
       raise ValueError(

@@ -28,7 +28,7 @@ from absl import logging
 from flax import nnx
 
 from trace_jax import kernels as kernels_lib
-from trace_jax.model.sharding import batch_sharding
+from trace_jax.model.sharding import batch_sharding, data_shards
 from trace_jax.model.skew import Skew
 from trace_jax.model.transformer import Transformer
 from trace_jax.rollout.config import RolloutConfig
@@ -103,10 +103,16 @@ class RolloutEngine:
       raise ValueError(f"stop_tokens {bad_stops} lie outside the vocabulary [0, {cfg.vocab_size})")
     if not 0 <= config.pad_id < cfg.vocab_size:
       raise ValueError(f"pad_id={config.pad_id} lies outside the vocabulary [0, {cfg.vocab_size})")
-    if config.slots and mesh is not None:
+    shards = data_shards(mesh)
+    if config.slots and config.slots % shards:
       raise ValueError(
-        f"RolloutConfig.slots={config.slots} with a mesh: the slot pool decodes on one "
-        "device; use slots=None (the static batch) on a mesh"
+        f"RolloutConfig.slots={config.slots} on a mesh of {shards} data shards: the slots "
+        f"split over them; allowed: a multiple of {shards}"
+      )
+    if config.slots and mesh is not None and mesh.devices.size > len(mesh.local_devices):
+      raise ValueError(
+        f"RolloutConfig.slots={config.slots} on a mesh across processes: the slot pool "
+        "refills from this process's host; use slots=None (the static batch) there"
       )
     self.statics = Statics.of(config, cfg, self.kernels, capture_inputs=capture_inputs, mesh=mesh)
     self._stats = pool_lib.PoolStats()

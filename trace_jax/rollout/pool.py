@@ -24,6 +24,10 @@ per sequence. A multi-turn continuation enters the same way: its history (the pr
 rollout's slots) is prefilled as a prompt, its observation fed after it; the history's
 records are the previous rollout's own. All programs have fixed shapes (the prefill and
 copy batches are rounded up to powers of two), so a refill compiles nothing new.
+
+On a mesh the slots are split over "data" (RolloutConfig.slots a multiple of its size), as a
+static batch is, and each prefill's rows too (rounded up to a multiple of it); the weights
+lie as the static engine's do.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from trace_jax.model.sharding import data_shards
 from trace_jax.rollout.decode import (
   Statics,
   _empty_rollout,
@@ -48,6 +53,7 @@ from trace_jax.rollout.decode import (
 )
 from trace_jax.rollout.sampling import sample, sequence_keys
 from trace_jax.rollout.trajectories import FINISH_LENGTH, FINISH_RUNNING, FINISH_STOP, Rollout
+from trace_jax.utils import round_up
 
 _PER_SLOT = ("tokens", "positions", "prompt_mask", "response_mask", "env_mask", "logprobs")
 _PER_SLOT += ("sampling_logprobs",)
@@ -349,7 +355,9 @@ def run_pool(
           if not unique or group[unique[-1]] != group[i]:
             unique.append(i)
           src.append(len(unique) - 1)
-        rows_in = pad(np.asarray(unique), _bucket(len(unique)), unique[0])
+        # the rows a prefill runs: a bucket that splits over the mesh's "data" shards
+        width = round_up(_bucket(len(unique)), data_shards(st.mesh))
+        rows_in = pad(np.asarray(unique), width, unique[0])
         new, logits = prefill_program(
           engine.graphdef,
           engine.params,
