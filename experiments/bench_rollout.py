@@ -108,6 +108,47 @@ def _peak_bytes(engine, name: str, prompts, n: int, slots: int) -> int:
   return out + max(_program_bytes(decode), _nbytes(state) + _program_bytes(prefill))
 
 
+def _per_sequence(rollouts) -> list[tuple]:
+  """Per sequence (the rows of `rollouts` in order): its real tokens, and at its real slots
+  the guidance's mantissa bits (one per element) and block scales of every site."""
+  out = []
+  for r in rollouts:
+    mask, tokens = np.asarray(r.mask), np.asarray(r.tokens)
+    sites = [] if r.guidance is None else list(r.guidance.sites.values())
+    sites = [g for g in sites if hasattr(g, "mantissa_bits")]  # compact guidance
+    bits = [np.unpackbits(np.asarray(g.mantissa_bits), axis=-1) for g in sites]
+    scales = [np.asarray(g.scales) for g in sites]
+    for b in range(mask.shape[0]):
+      real = mask[b]
+      out.append((tokens[b][real], [x[b][real] for x in bits], [x[b][real] for x in scales]))
+  return out
+
+
+def agreement(static, pool) -> dict:
+  """How far the pool's rollout is from the static engine's, sequence by sequence: the share
+  of sequences with the same tokens, and over those, the share of recorded FP4 mantissa bits
+  and block scales that differ (codes at a rounding boundary, where a batch of another
+  shape rounds the other way)."""
+  same, bits, scales = 0, [0, 0], [0, 0]
+  for (ts, bs, ss), (tp, bp, sp) in zip(_per_sequence(static), _per_sequence(pool)):
+    if not np.array_equal(ts, tp):
+      continue
+    same += 1
+    for a, b in zip(bs, bp):
+      bits[0] += int(np.sum(a != b))
+      bits[1] += a.size
+    for a, b in zip(ss, sp):
+      scales[0] += int(np.sum(a != b))
+      scales[1] += a.size
+  n = len(_per_sequence(pool))
+  return dict(
+    same_tokens_frac=same / n,
+    mantissa_bits_differ=bits[0] / bits[1] if bits[1] else None,
+    block_scales_differ=scales[0] / scales[1] if scales[1] else None,
+    mantissa_bits_compared=bits[1],
+  )
+
+
 def longtail() -> list[dict]:
   """The static engine in waves of `--slots` sequences against a pool of `--slots` slots,
   on the same prompts, budgets and keys (each timed after a warm-up run that compiles)."""
@@ -131,6 +172,7 @@ def longtail() -> list[dict]:
       prompt_bucket=16,
       sampling=R.SamplingConfig(max_new_tokens=cap, stop_check_every=_CHECK.value),
     )
+    outputs = {}
     for name, engine_config in (("static", config), ("pool", config.replace(slots=slots))):
       engine = R.RolloutEngine(policy, engine_config)
 
@@ -152,6 +194,8 @@ def longtail() -> list[dict]:
       start = time.perf_counter()
       out = jax.block_until_ready(run())
       seconds = time.perf_counter() - start
+      out = [r.without_cache() for r in out]
+      outputs[name] = out
       stats = engine.take_stats()
       generated = sum(int(np.asarray(r.response_lengths).sum()) for r in out)
       peak = _peak_bytes(engine, name, prompts, n, slots)
@@ -167,6 +211,8 @@ def longtail() -> list[dict]:
           seconds=seconds,
         )
       )
+    rows[-1].update(agreement(outputs["static"], outputs["pool"]))
+    rows[-2].update({key: None for key in rows[-1] if key not in rows[-2]})
   return rows
 
 

@@ -14,7 +14,7 @@ from flax import nnx
 
 from trace_jax import model as M
 from trace_jax.model.config import get_preset
-from trace_jax import plan
+from trace_jax import memory_bound, plan
 from trace_jax.model.quant import CallOptions, QuantConfig, Recording
 from trace_jax.rl import programs
 from trace_jax.rl import step as T
@@ -96,9 +96,11 @@ def test_qwen3_30b_rows_match_hand_derivation(qwen3_rows):
 def test_lm_head_gradients_split_the_vocabulary_over_model():
   """Three float32 [batch, context, vocabulary / model] buffers, the last shard rounded up."""
   cfg = get_preset("qwen3_5_35b_a3b")  # vocabulary 248,320
-  assert plan.lm_head_grad_bytes(cfg, 1, 8192) == 3 * 8192 * 248320 * 4
-  assert plan.lm_head_grad_bytes(cfg, 2, 4096, model=4) == 3 * 2 * 4096 * 62080 * 4
-  assert plan.lm_head_grad_bytes(cfg, 1, 16, model=3) == 3 * 16 * 82774 * 4  # 248,320 / 3 up
+  assert memory_bound.lm_head_grad_bytes(cfg, 1, 8192) == 3 * 8192 * 248320 * 4
+  assert memory_bound.lm_head_grad_bytes(cfg, 2, 4096, model=4) == 3 * 2 * 4096 * 62080 * 4
+  assert (
+    memory_bound.lm_head_grad_bytes(cfg, 1, 16, model=3) == 3 * 16 * 82774 * 4
+  )  # 248,320 / 3 up
   rows = plan.plan(
     cfg.replace(num_layers=4, layer_types=cfg.layer_types[:4]),
     plan.PlanConfig(mesh=(2, 1, 4), batch=8, context=256, micro_batch=8),

@@ -247,7 +247,7 @@ def test_max_new_tokens_beyond_the_model_s_positions_is_refused_before_any_work(
 
 
 def test_a_batch_that_cannot_fit_a_device_is_refused_by_the_estimate(monkeypatch):
-  from trace_jax import plan
+  from trace_jax import memory_bound
   from trace_jax.model.config import get_preset
   from trace_jax.run import policy_source
 
@@ -257,7 +257,7 @@ def test_a_batch_that_cannot_fit_a_device_is_refused_by_the_estimate(monkeypatch
   cfg = get_preset("tiny")
   # The estimate's KV cache by hand: K and V, bf16, per layer, per slot, per sequence (and
   # the cache's few bytes of positions and lengths per slot).
-  need = plan.batch_lower_bound_bytes(cfg, 256, 48, chunk=16)
+  need = memory_bound.batch_lower_bound_bytes(cfg, 256, 48, chunk=16)
   per_slot = 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
   assert 256 * 48 * per_slot <= need["rollout"]["KV cache (bf16)"] <= 256 * 48 * (per_slot + 8)
   scores = need["rollout"]["prefill attention scores (f32)"]
@@ -265,10 +265,10 @@ def test_a_batch_that_cannot_fit_a_device_is_refused_by_the_estimate(monkeypatch
   assert need["update"]["minibatch logits (f32)"] == 256 * 48 * cfg.vocab_size * 4
   assert need["update"]["LM head gradients (f32)"] == 3 * 256 * 48 * cfg.vocab_size * 4
   assert "pi_old" not in need
-  unfused = plan.batch_lower_bound_bytes(cfg, 256, 48, minibatch=64, fused=False)
+  unfused = memory_bound.batch_lower_bound_bytes(cfg, 256, 48, minibatch=64, fused=False)
   assert unfused["pi_old"] == {"batch logits (f32)": 256 * 48 * cfg.vocab_size * 4}
   assert unfused["update"]["minibatch logits (f32)"] == 64 * 48 * cfg.vocab_size * 4
-  monkeypatch.setattr(plan, "device_memory_bytes", lambda: 1e5)
+  monkeypatch.setattr(memory_bound, "device_memory_bytes", lambda: 1e5)
   with pytest.raises(ValueError, match=r"prompts_per_step=64 x group_size=4 = 256 sequences"):
     policy_source.check_fits(config, task)
 
@@ -278,7 +278,7 @@ def test_a_batch_whose_update_cannot_fit_is_refused_though_cache_and_logits_woul
   logits-sized buffers of their gradient at once, 4x the logits; a device holding the KV
   cache and the logits once (all the estimate counted before, so the run sat at step 0) but
   not that is refused, naming the flags and the bytes needed and available."""
-  from trace_jax import plan
+  from trace_jax import memory_bound
   from trace_jax.model.config import get_preset
   from trace_jax.rl import episodes
   from trace_jax.run import policy_source
@@ -292,7 +292,7 @@ def test_a_batch_whose_update_cannot_fit_is_refused_though_cache_and_logits_woul
   kv_bf16 = 100000 * slots * 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
   memory = 3 * logits  # > the bf16 KV cache and the logits once; < 4x the logits
   assert kv_bf16 + logits < memory
-  monkeypatch.setattr(plan, "device_memory_bytes", lambda: float(memory))
+  monkeypatch.setattr(memory_bound, "device_memory_bytes", lambda: float(memory))
   with pytest.raises(ValueError) as refused:
     policy_source.check_fits(config, task)
   message = str(refused.value)

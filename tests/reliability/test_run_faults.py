@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from trace_jax.rl import optimizer as optimizer_lib
 from trace_jax.rl import step as step_lib
 from trace_jax.rl.config import RLConfig
 from trace_jax.rl.step import DivergenceError
@@ -178,7 +179,9 @@ def test_divergence_stops_before_saving_and_keeps_the_last_good_checkpoint(strai
   trainer = Trainer(_config(steps=4), str(workdir), progress=False)
   assert trainer.step == 3
   by_layer = step_lib.scans_layers(trainer.policy)  # the restored moments' layout
-  opt = nnx.Optimizer(trainer.policy, step_lib.optimizer(1e30, by_layer=by_layer), wrt=nnx.Param)
+  opt = nnx.Optimizer(
+    trainer.policy, optimizer_lib.optimizer(1e30, by_layer=by_layer), wrt=nnx.Param
+  )
   nnx.update(opt, nnx.state(trainer.state.opt))
   trainer.state = trainer.state.replace(opt=opt)
   with pytest.raises(

@@ -13,6 +13,7 @@ from flax import nnx
 
 from trace_jax.run import report
 from trace_jax.rl.config import RLConfig
+from trace_jax.rl import optimizer as optimizer_lib
 from trace_jax.rl import step as step_lib
 from trace_jax.run.rundir import read_metrics
 from trace_jax.run.trainer import Trainer
@@ -294,7 +295,7 @@ def test_learning_rate_warmup():
   import jax.numpy as jnp
 
   lr, warmup = 1e-3, 4
-  tx = step_lib.optimizer(lr, warmup)
+  tx = optimizer_lib.optimizer(lr, warmup)
   grads = {"w": jnp.asarray(np.random.default_rng(248).uniform(0.01, 0.1, 5), jnp.float32)}
   state = tx.init(grads)
   sizes = []
@@ -314,7 +315,7 @@ def test_learning_rate_decay_by_hand(decay):
   import jax.numpy as jnp
 
   lr, warmup, total = 1e-3, 3, 12
-  tx = step_lib.optimizer(lr, warmup, decay, total)
+  tx = optimizer_lib.optimizer(lr, warmup, decay, total)
   grads = {"w": jnp.asarray(np.random.default_rng().uniform(0.01, 0.1, 5), jnp.float32)}
   state = tx.init(grads)
   sizes = []
@@ -331,7 +332,7 @@ def test_learning_rate_decay_by_hand(decay):
     np.testing.assert_allclose(size, want, rtol=1e-3, err_msg=f"update {t}")
   assert sizes[-1] == pytest.approx(lr / 10, rel=1e-3)
   with pytest.raises(ValueError, match="lr_decay='step' is not allowed"):
-    step_lib.optimizer(lr, 0, "step", total)
+    optimizer_lib.optimizer(lr, 0, "step", total)
 
 
 def _adam_by_hand(grads, lr, max_grad_norm, b1=0.9, b2=0.999, eps=1e-8):
@@ -354,7 +355,7 @@ def test_gradient_clipping_follows_max_grad_norm(max_grad_norm):
 
   rng = np.random.default_rng(int(max_grad_norm * 10))
   grads = [rng.normal(0, s, 6).astype(np.float32) for s in (4.0, 0.05, 1.0, 0.2)]
-  tx = step_lib.optimizer(1e-3, 0, "constant", 0, max_grad_norm)
+  tx = optimizer_lib.optimizer(1e-3, 0, "constant", 0, max_grad_norm)
   state = tx.init({"w": jnp.zeros(6)})
   for g, want in zip(grads, _adam_by_hand(grads, 1e-3, max_grad_norm)):
     updates, state = tx.update({"w": jnp.asarray(g)}, state)
@@ -364,14 +365,14 @@ def test_gradient_clipping_follows_max_grad_norm(max_grad_norm):
   policy = nnx.Module()
   policy.w = nnx.Param(jnp.ones(3))
   opt = step_lib.init_state(config, policy).opt
-  assert opt.tx is step_lib.optimizer(
+  assert opt.tx is optimizer_lib.optimizer(
     config.schedule.learning_rate, 0, config.schedule.lr_decay, 3, max_grad_norm
   )
   for bad in (0.0, -1.0, float("nan"), float("inf")):
     with pytest.raises(ValueError, match=rf"RLConfig.max_grad_norm={bad!r} must be a finite"):
       RLConfig.from_flat(max_grad_norm=bad)
     with pytest.raises(ValueError, match=rf"max_grad_norm={bad!r} must be a finite"):
-      step_lib.optimizer(1e-3, max_grad_norm=bad)
+      optimizer_lib.optimizer(1e-3, max_grad_norm=bad)
 
 
 @pytest.mark.parametrize("decay", ["cosine", "linear"])
@@ -383,10 +384,10 @@ def test_a_decay_with_no_update_after_the_warmup_is_refused(decay):
       ValueError,
       match=rf"lr_decay='{decay}'.*total_updates={total} <= warmup_updates={warmup}",
     ):
-      step_lib.optimizer(1e-3, warmup, decay, total)
-  step_lib.optimizer(1e-3, 5, "constant", 5)
-  step_lib.optimizer(1e-3, 5, decay, 0)
-  step_lib.optimizer(1e-3, 5, decay, 6)
+      optimizer_lib.optimizer(1e-3, warmup, decay, total)
+  optimizer_lib.optimizer(1e-3, 5, "constant", 5)
+  optimizer_lib.optimizer(1e-3, 5, decay, 0)
+  optimizer_lib.optimizer(1e-3, 5, decay, 6)
 
 
 def test_placebo_run_trains_on_permuted_rewards_and_logs_the_true_ones(tmp_path):

@@ -20,15 +20,12 @@ Everything random derives from (seed, step).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding
 
@@ -43,9 +40,10 @@ from trace_jax.model.sharding import (
 )
 from trace_jax.rl import episodes as episodes_lib
 from trace_jax.rl.arms import Arm
-from trace_jax.rl.config import LR_DECAYS, RLConfig
+from trace_jax.rl.config import RLConfig
 from trace_jax.rl.decoupled import DecoupledConfig
 from trace_jax.rl.grpo import group_advantages
+from trace_jax.rl.optimizer import run_optimizer
 from trace_jax.rl.metrics import (
   disagreement_metrics,
   group_reward_metrics,
@@ -53,7 +51,6 @@ from trace_jax.rl.metrics import (
   mismatch_metrics,
 )
 from trace_jax.rl.programs import TrainExample, loss_static, old_logprobs, param_health, train_step
-from trace_jax.training.optim import by_layer_stacks
 from trace_jax.rollout.engine import Rollout, RolloutEngine
 from trace_jax.utils import round_up
 from trace_jax.utils.distributed import global_array, host_array
@@ -163,83 +160,6 @@ class StepSpec:
     quant = static["quant"]
     nearest = None if quant is None else quant.replace(rounding="nearest")
     return dict(static, quant=nearest, replay=False)
-
-
-def optimizer(
-  learning_rate: float,
-  warmup_updates: int = 0,
-  decay: str = "constant",
-  total_updates: int = 0,
-  max_grad_norm: float = 1.0,
-  by_layer: bool = False,
-):
-  """One transformation per schedule, so runs of one config share compiled steps.
-  (`_optimizer`, cached by its arguments given in one way.)
-
-  The gradient is clipped to global norm `max_grad_norm` before Adam.
-
-  A linear warmup from lr / 10 over the first `warmup_updates` optimizer updates: Adam's
-  first updates are sign-like (every parameter moves by ~lr whatever its gradient's size),
-  which on a noisy RL gradient undoes part of the warm start. Then the learning rate stays
-  (`decay="constant"`) or falls to lr / 10 at update `total_updates` ("cosine", "linear"):
-  the last updates move the policy less, so its final evaluation is less one update's noise.
-  A decay needs updates after the warmup (`total_updates > warmup_updates`); with
-  `total_updates=0` (a run of no updates) there is nothing to decay and nothing is refused.
-
-  by_layer: clip and Adam run over the parameters stacked by layer (`training.optim`), as a
-  model under `scan_layers` is trained: its update compiles them once per parameter of a
-  layer, not once per layer (the same arithmetic per element; the clip's global norm sums
-  by stack, which can move its last bit).
-  """
-  return _optimizer(
-    learning_rate, warmup_updates, decay, total_updates, max_grad_norm, bool(by_layer)
-  )
-
-
-@functools.lru_cache(maxsize=None)
-def _optimizer(learning_rate, warmup_updates, decay, total_updates, max_grad_norm, by_layer):
-  if decay not in LR_DECAYS:
-    raise ValueError(f"lr_decay={decay!r} is not allowed; use one of {LR_DECAYS}")
-  if not (
-    isinstance(max_grad_norm, (int, float)) and math.isfinite(max_grad_norm) and max_grad_norm > 0
-  ):
-    raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0")
-  if decay != "constant" and 0 < total_updates <= warmup_updates:
-    raise ValueError(
-      f"lr_decay={decay!r} falls after the warmup, but total_updates={total_updates} <= "
-      f"warmup_updates={warmup_updates} leaves no update to decay; use fewer warmup updates, "
-      "more updates, or lr_decay='constant'"
-    )
-  floor = learning_rate / 10
-  schedule = learning_rate
-  if decay != "constant" and total_updates > warmup_updates:
-    span = total_updates - warmup_updates
-    if decay == "cosine":
-      schedule = optax.cosine_decay_schedule(learning_rate, span, alpha=0.1)
-    else:
-      schedule = optax.linear_schedule(learning_rate, floor, span)
-    if warmup_updates > 0:
-      warm = optax.linear_schedule(floor, learning_rate, warmup_updates)
-      schedule = optax.join_schedules([warm, schedule], [warmup_updates])
-  elif warmup_updates > 0:
-    schedule = optax.linear_schedule(floor, learning_rate, warmup_updates)
-  tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(schedule))
-  return by_layer_stacks(tx) if by_layer else tx
-
-
-def run_optimizer(config: RLConfig, by_layer: bool):
-  """`optimizer` as a run of `config` trains: its schedule counted in optimizer updates
-  (minibatches x epochs per RL step), over layer stacks where the policy scans its layers."""
-  schedule = config.schedule
-  per_step = schedule.minibatches * schedule.epochs  # optimizer updates per RL step
-  return optimizer(
-    schedule.learning_rate,
-    schedule.lr_warmup_steps * per_step,
-    schedule.lr_decay,
-    schedule.steps * per_step,
-    schedule.max_grad_norm,
-    by_layer=by_layer,
-  )
 
 
 def init_state(config: RLConfig, policy, *, mesh=None) -> RLState:

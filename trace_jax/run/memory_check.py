@@ -34,6 +34,7 @@ from trace_jax.model import sharding
 from trace_jax.model.config import ModelConfig
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl import programs
+from trace_jax.rl import optimizer as optimizer_lib
 from trace_jax.rl import step as step_lib
 from trace_jax.rl.config import RLConfig
 from trace_jax.rollout import decode as decode_lib
@@ -136,7 +137,7 @@ def update_program(cfg: ModelConfig, config: plan_lib.PlanConfig, mesh):
   rl = rl_config(config)
   spec = step_lib.StepSpec.of(rl, cfg.num_layers, mesh)
   policy = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-  tx = step_lib.run_optimizer(rl, cfg.scan_layers)
+  tx = optimizer_lib.run_optimizer(rl, cfg.scan_layers)
   opt = nnx.eval_shape(lambda: nnx.Optimizer(Transformer(cfg, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param))
   opt_shardings = sharding.optimizer_shardings(opt, policy, mesh)
   policy = _with_state(policy, _placed(nnx.state(policy), sharding.param_shardings(policy, mesh)))

@@ -24,7 +24,7 @@ import os
 import jax
 from flax import nnx
 
-from trace_jax import fp4, plan
+from trace_jax import fp4, memory_bound
 from trace_jax.model.config import PRESETS, ModelConfig, get_preset
 from trace_jax.model.hf import checkpoint_file, from_hf, read_config, shard_files
 from trace_jax.model.transformer import Transformer
@@ -266,7 +266,7 @@ def observation_len(config, tokenizer: Tokenizer) -> int:
 def check_fits(config, task: Task, checked: tuple[Tokenizer, ModelConfig] | None = None) -> None:
   """A ValueError before any work (no weight read, no workdir touched) if the run's episodes
   do not fit the model (`max_new_tokens` beyond `max_seq_len`) or one of its step's
-  programs cannot fit a device at its batch (`plan.batch_lower_bound_bytes`: the rollout's
+  programs cannot fit a device at its batch (`memory_bound.batch_lower_bound_bytes`: the rollout's
   KV cache and attention scores, the update's logits and their gradients, against the
   device's memory). checked: what `check(config, task)` returned, if the caller has it."""
   tokenizer, model_cfg = check(config, task) if checked is None else checked
@@ -281,7 +281,7 @@ def check_fits(config, task: Task, checked: tuple[Tokenizer, ModelConfig] | None
     data = max(1, left // math.prod(config.mesh[1:]))
   schedule = config.schedule
   fp4_kv = config.arm_spec.rollout_precision == "fp4" and config.fp4.kv == "fp4"
-  phases = plan.batch_lower_bound_bytes(
+  phases = memory_bound.batch_lower_bound_bytes(
     model_cfg,
     config.batch,
     max_len,
@@ -291,7 +291,7 @@ def check_fits(config, task: Task, checked: tuple[Tokenizer, ModelConfig] | None
     kv_quant=config.fp4 if fp4_kv else None,
     fused=schedule.minibatches == 1 and schedule.epochs == 1,
   )
-  memory = plan.device_memory_bytes()
+  memory = memory_bound.device_memory_bytes()
   phase, rows = max(phases.items(), key=lambda item: sum(item[1].values()))
   need = sum(rows.values())
   if memory is not None and need > memory:
