@@ -23,7 +23,9 @@ def _loss(model, tokens, quant):
   return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1)) + 0.01 * aux.lb_loss
 
 
-@pytest.mark.parametrize("preset", ["tiny", pytest.param("qwen3_5_tiny", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "preset", [pytest.param(p, marks=pytest.mark.slow) for p in ("tiny", "qwen3_5_tiny")]
+)
 def test_remat_matches_unrolled(preset):
   quant = QuantConfig()  # FP4 QAT: the straight-through quantizers run under remat too
   tokens = jax.random.randint(jax.random.key(1), (2, 13), 0, 128)

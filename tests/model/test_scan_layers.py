@@ -231,7 +231,12 @@ def _cached_calls(preset, overrides, scan, seed, tokens, mask, recorded):
 @pytest.mark.parametrize(
   "preset, overrides, recorded",
   [
-    ("tiny", {"num_layers": 5, "dense_layers": (0,), "ffn_dim": 64}, (2, 3, 4)),
+    pytest.param(
+      "tiny",
+      {"num_layers": 5, "dense_layers": (0,), "ffn_dim": 64},
+      (2, 3, 4),
+      marks=pytest.mark.slow,  # the float32 bit test above covers the scan by default
+    ),
     pytest.param(
       "qwen3_5_tiny",
       {"num_layers": 8, "layer_types": hybrid_layer_types(8)},

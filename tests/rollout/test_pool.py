@@ -194,7 +194,8 @@ print("same")
 """
 
 
-@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp4", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~40 s each; the 1-device mesh above runs by default
+@pytest.mark.parametrize("precision", ["bf16", "fp4"])
 def test_a_pool_on_a_mesh_gives_the_static_engines_rollout_on_that_mesh(precision):
   """4 CPU devices (a subprocess), a (data 2, model 2) mesh: pools of 2 and 6 slots give the
   static engine's rollout on that mesh over a turn and a continuation; 3 slots, which do

@@ -36,7 +36,7 @@ def _same(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp4"])
+@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp4", marks=pytest.mark.slow)])
 def test_skew_zero_is_the_plain_engine_bit_for_bit(policy, precision):
   key = jax.random.key(int(np.random.default_rng().integers(1 << 30)))
   ids = [4, 3, 2, 1]  # (the sampling keys' counters too)

@@ -89,6 +89,7 @@ print("JSON" + json.dumps(rows))
 )
 
 
+@pytest.mark.slow
 def test_update_returns_records_laid_out_by_the_guidance_rule():
   """Every site record and fallback the fused, recording update returns is split as
   `guidance_site_specs` says (batch over "data"), none held whole on every device: without

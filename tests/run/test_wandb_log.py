@@ -66,11 +66,12 @@ def _offline_runs(root) -> list[dict]:
   """Every offline run under WANDB_DIR, in start order: its id, config and history rows."""
   runs = []
   for path in sorted(glob.glob(str(root / "wandb" / "offline-run-*" / "*.wandb"))):
-    run = {"id": None, "config": {}, "history": []}
+    run = {"id": None, "config": {}, "history": [], "start": 0}
     for record in _records(path):
       kind = record.WhichOneof("record_type")
       if kind == "run":
         run["id"] = record.run.run_id
+        run["start"] = record.run.start_time.ToNanoseconds()
       elif kind == "config":
         updates = record.config.update
         run["config"].update(
@@ -82,7 +83,8 @@ def _offline_runs(root) -> list[dict]:
           {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
         )
     runs.append(run)
-  return runs
+  # directory names carry the start to the second only: order by the recorded start
+  return sorted(runs, key=lambda run: run["start"])
 
 
 def _line(rng, step: int) -> dict:
