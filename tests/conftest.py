@@ -45,6 +45,17 @@ if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # also when a plugin imported j
   )
 
 
+# Files that run one long subprocess each: first, so that under `--dist loadfile` neither
+# worker is left running one of them alone at the end of the run.
+_FIRST = ("tests/test_gpu_window.py", "tests/test_notebooks.py", "tests/run/test_multihost.py")
+
+
+def pytest_collection_modifyitems(items):
+  """Put the long subprocess files first (a stable sort: the rest keep their order)."""
+  rank = {path: i for i, path in enumerate(_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(_FIRST)))
+
+
 def pytest_runtest_teardown(item):
   """A worker compiles thousands of distinct programs; JAX keeps them all, and past the
   kernel's limit on memory maps XLA segfaults. Release them before that."""
