@@ -110,13 +110,13 @@ def _peak_bytes(engine, name: str, prompts, n: int, slots: int) -> int:
 
 def _per_sequence(rollouts) -> list[tuple]:
   """Per sequence (the rows of `rollouts` in order): its real tokens, and at its real slots
-  the guidance's mantissa bits (one per element) and block scales of every site."""
+  the guidance's packed mantissa bytes and block scales of every compact site."""
   out = []
   for r in rollouts:
     mask, tokens = np.asarray(r.mask), np.asarray(r.tokens)
     sites = [] if r.guidance is None else list(r.guidance.sites.values())
     sites = [g for g in sites if hasattr(g, "mantissa_bits")]  # compact guidance
-    bits = [np.unpackbits(np.asarray(g.mantissa_bits), axis=-1) for g in sites]
+    bits = [np.asarray(g.mantissa_bits) for g in sites]
     scales = [np.asarray(g.scales) for g in sites]
     for b in range(mask.shape[0]):
       real = mask[b]
@@ -127,22 +127,21 @@ def _per_sequence(rollouts) -> list[tuple]:
 def agreement(static, pool) -> dict:
   """How far the pool's rollout is from the static engine's, sequence by sequence: the share
   of sequences with the same tokens, and over those, the share of recorded FP4 mantissa bits
-  and block scales that differ (codes at a rounding boundary, where a batch of another
-  shape rounds the other way)."""
+  (the set bits of the packed bytes' XOR) and of block scales that differ."""
   same, bits, scales = 0, [0, 0], [0, 0]
-  for (ts, bs, ss), (tp, bp, sp) in zip(_per_sequence(static), _per_sequence(pool)):
+  pool_rows = _per_sequence(pool)
+  for (ts, bs, ss), (tp, bp, sp) in zip(_per_sequence(static), pool_rows):
     if not np.array_equal(ts, tp):
       continue
     same += 1
     for a, b in zip(bs, bp):
-      bits[0] += int(np.sum(a != b))
-      bits[1] += a.size
+      bits[0] += int(np.unpackbits(a ^ b).sum())
+      bits[1] += 8 * a.size
     for a, b in zip(ss, sp):
       scales[0] += int(np.sum(a != b))
       scales[1] += a.size
-  n = len(_per_sequence(pool))
   return dict(
-    same_tokens_frac=same / n,
+    same_tokens_frac=same / len(pool_rows),
     mantissa_bits_differ=bits[0] / bits[1] if bits[1] else None,
     block_scales_differ=scales[0] / scales[1] if scales[1] else None,
     mantissa_bits_compared=bits[1],
