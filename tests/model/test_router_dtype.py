@@ -1,5 +1,6 @@
 """The MoE router in the activations' dtype (`CallOptions.router_dtype="compute"`, an
-engine difference a study can turn on) against the same top-k computed here in NumPy."""
+engine difference a study can turn on) against the same top-k computed here in NumPy, and
+the router's own choice under routing replay (`ModelOutput.router_choice`)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import pytest
 from flax import nnx
 
 from trace_jax import model as M
+from trace_jax.guidance import Guidance
 
 
 def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
@@ -42,8 +44,41 @@ def test_routing_follows_the_logits_of_the_chosen_dtype(router_dtype):
   np.testing.assert_array_equal(np.sort(got[clear], -1), np.sort(want[clear], -1))
 
 
-def _moe_input(model, tokens, options):
-  """The model's output and its first layer's MoE input (normed, compute dtype), float32."""
+def test_under_replay_the_router_still_reports_its_own_choice():
+  """Replayed experts are used (`routing`); `router_choice` is each MoE layer's own top-k
+  of its float32 logits, computed here from the layer's input; without replay both agree."""
+  seed = np.random.randint(1000)
+  cfg = M.get_preset("tiny", num_layers=2, dense_layers=(), scan_layers=False)  # (spied)
+  model = M.Transformer(cfg, rngs=nnx.Rngs(seed))
+  b, t, k = 2, 9, cfg.num_experts_per_tok
+  tokens = jax.random.randint(jax.random.key(seed), (b, t), 0, cfg.vocab_size)
+  options = M.CallOptions(compute_dtype="float32")
+  plain, _ = _moe_input(model, tokens, options)
+  np.testing.assert_array_equal(plain.router_choice, plain.routing)
+  rng = np.random.default_rng(seed)
+  replay = np.stack(
+    [rng.permutation(cfg.num_experts)[:k] for _ in range(cfg.num_moe_layers * b * t)]
+  ).reshape(cfg.num_moe_layers, b, t, k)
+  guidance = Guidance(sites={}, routing=jnp.asarray(replay, jnp.int32), mode="none", layers=())
+  out, inputs = _moe_input(model, tokens, options, guidance=guidance, every_layer=True)
+  np.testing.assert_array_equal(out.routing, replay)
+  for moe_layer, x in enumerate(inputs):
+    router = np.asarray(model.blocks[moe_layer].moe.router.get_value(), np.float64)
+    logits = x.astype(np.float64) @ router
+    want = _top_k(logits, k)
+    ordered = np.sort(logits, axis=-1)[:, ::-1]
+    clear = ordered[:, k - 1] - ordered[:, k] > 1e-6 * np.abs(ordered[:, k - 1]) + 1e-9
+    got = np.asarray(out.router_choice[moe_layer]).reshape(-1, k)
+    assert clear.sum() >= b * t - 2
+    np.testing.assert_array_equal(got[clear], want[clear])
+  # replayed experts differ from the router's own choice at some tokens, so the flips it
+  # reports are the router's, not the replay's
+  assert np.any(np.sort(np.asarray(out.router_choice), -1) != np.sort(replay, -1))
+
+
+def _moe_input(model, tokens, options, guidance=None, every_layer=False):
+  """The model's output and its first layer's MoE input (normed, compute dtype), float32;
+  with `every_layer`, the list of every MoE layer's input, in order."""
   seen = []
   moe = model.blocks[0].moe
   original = type(moe).__call__
@@ -54,10 +89,10 @@ def _moe_input(model, tokens, options):
 
   type(moe).__call__ = spy
   try:
-    out = model(tokens, options=options)
+    out = model(tokens, guidance=guidance, options=options)
   finally:
     type(moe).__call__ = original
-  return out, seen[0]
+  return out, (seen if every_layer else seen[0])
 
 
 def test_an_unknown_router_dtype_is_refused():

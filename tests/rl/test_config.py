@@ -63,15 +63,15 @@ def test_each_arm_states_its_rollout():
   arms that train in FP4 capture at least compact guidance on every layer (the per-layer
   disagreement is measured each step), others capture what they train on."""
   base = RolloutConfig(max_len=64)
-  expected = {  # name: (precision, guidance captured, its layers, routing recorded)
-    "bf16": ("bf16", "none", "none", False),
-    "fp4-rollout": ("fp4", "none", "none", False),
-    "fp4-qat": ("fp4", "compact", "all", False),
+  expected = {  # name: (precision, guidance captured, its layers, routing recorded: always)
+    "bf16": ("bf16", "none", "none", True),
+    "fp4-rollout": ("fp4", "none", "none", True),
+    "fp4-qat": ("fp4", "compact", "all", True),
     "trace": ("fp4", "compact", "all", True),
     "trace-full": ("fp4", "full", "all", True),
     "trace-sparse": ("fp4", "sparse", "all", True),
-    "ptq": ("bf16", "none", "none", False),
-    "ptq-46": ("bf16", "none", "none", False),
+    "ptq": ("bf16", "none", "none", True),
+    "ptq-46": ("bf16", "none", "none", True),
   }
   for name, row in expected.items():
     r = ARMS[name].rollout(base)

@@ -17,7 +17,7 @@ from trace_jax.rl.episodes import Episodes
 
 def test_fused_update_equals_the_separate_pi_old_forward_and_update():
   """A fused step (one minibatch, one epoch): `update` gives the same parameters, Adam state,
-  loss, pi_old log-probs, entropy and training-path site records as an unfused step, whose
+  loss, pi_old log-probs, entropy, training-path site records and router choices as an unfused step, whose
   `score` runs pi_old's own forward before `update`, on FP4 QAT with fresh random
   trajectories and rewards."""
   rng = np.random.default_rng(20)
@@ -60,6 +60,7 @@ def test_fused_update_equals_the_separate_pi_old_forward_and_update():
         s.example.old_logp,
         s.entropy,
         s.train_sites,
+        s.router_choice,
         nnx.state(state.policy, nnx.Param),
         nnx.state(state.opt),
       )
@@ -70,3 +71,5 @@ def test_fused_update_equals_the_separate_pi_old_forward_and_update():
         np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-5, atol=1e-6
       )
   assert jax.tree.leaves(results[0][3])  # the site records are there
+  k = cfg.num_experts_per_tok
+  assert results[0][4].shape == (cfg.num_moe_layers, batch, length, k)  # the routers' own

@@ -68,6 +68,39 @@ def test_the_tails_against_a_loop_over_tokens_and_responses():
   assert math.isnan(empty["mismatch/extreme_frac"])
 
 
+def test_the_router_flip_rate_counts_differing_expert_sets_per_layer():
+  rng = np.random.default_rng()
+  layers, b, s, k, experts = 3, 4, 7, 2, 6
+  rollout = np.stack([rng.permutation(experts)[:k] for _ in range(layers * b * s)])
+  rollout = rollout.reshape(layers, b, s, k)
+  train = rollout.copy()
+  flip = rng.random((layers, b, s)) < 0.3
+  for index in zip(*np.nonzero(flip)):
+    train[index] = [(e + 1) % experts for e in train[index]]  # another set
+  swap = rng.random((layers, b, s)) < 0.3
+  train[swap] = train[swap][:, ::-1]  # the same set in another order is no flip
+  mask = rng.random((b, s)) < 0.7
+  mask[0, 0] = True
+  got = metrics.router_flip_rate(rollout, np.concatenate([train, train[:, :, :2]], 2), mask)
+  got = np.asarray(got)
+  for layer in range(layers):
+    want = [set(rollout[layer, i, t]) != set(train[layer, i, t]) for i, t in zip(*np.nonzero(mask))]
+    assert got[layer] == pytest.approx(np.mean(want))
+
+
+def test_the_router_flip_metrics_are_the_mean_and_the_largest_layer():
+  rng = np.random.default_rng()
+  rollout = rng.integers(0, 8, (3, 2, 5, 1))
+  train = np.where(rng.random(rollout.shape) < 0.4, (rollout + 1) % 8, rollout)
+  mask = np.ones((2, 5), bool)
+  per_layer = (train != rollout)[..., 0].mean(axis=(1, 2))
+  got = metrics.router_flip_metrics(rollout, train, mask)
+  assert got["mismatch/router_flip_rate"] == pytest.approx(per_layer.mean())
+  assert got["mismatch/router_flip_rate_max"] == pytest.approx(per_layer.max())
+  assert metrics.router_flip_metrics(rollout[:0], train[:0], mask) == {}  # no MoE layer
+  assert metrics.router_flip_metrics(None, train, mask) == {}
+
+
 def test_identical_paths_have_zero_mismatch():
   logp = jnp.log(jnp.asarray([[0.3, 0.6], [0.2, 0.9]]))
   m = metrics.mismatch_metrics(logp, logp, jnp.ones((2, 2), bool))

@@ -1,4 +1,4 @@
-"""studies.mismatch_map: the router flip rate against a loop, the map's points, and the
+"""studies.mismatch_map: the map's points, and the
 script end to end on one tiny point (slow: `pytest -m slow tests/studies/test_mismatch_map.py`)."""
 
 import json
@@ -6,31 +6,11 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from trace_jax.studies import mismatch_map as study
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "mismatch_map.py")
-
-
-def test_the_router_flip_rate_counts_differing_expert_sets_per_layer():
-  rng = np.random.default_rng()
-  layers, b, s, k, experts = 3, 4, 7, 2, 6
-  rollout = np.stack([rng.permutation(experts)[:k] for _ in range(layers * b * s)])
-  rollout = rollout.reshape(layers, b, s, k)
-  train = rollout.copy()
-  flip = rng.random((layers, b, s)) < 0.3
-  for index in zip(*np.nonzero(flip)):
-    train[index] = [(e + 1) % experts for e in train[index]]  # another set
-  swap = rng.random((layers, b, s)) < 0.3
-  train[swap] = train[swap][:, ::-1]  # the same set in another order is no flip
-  mask = rng.random((b, s)) < 0.7
-  mask[0, 0] = True
-  got = study.router_flip_rate(rollout, np.concatenate([train, train[:, :, :2]], 2), mask)
-  for layer in range(layers):
-    want = [set(rollout[layer, i, t]) != set(train[layer, i, t]) for i, t in zip(*np.nonzero(mask))]
-    assert got[layer] == pytest.approx(np.mean(want))
 
 
 def test_the_map_is_every_length_and_depth_on_three_engines():
@@ -72,8 +52,11 @@ def test_one_tiny_point_end_to_end_and_resumed(tmp_path):
   for name, metrics in point["paths"].items():
     assert set(study.METRICS) <= set(metrics)
     assert len(metrics["router_flip_rate"]) == 2 and len(metrics["code_disagreement"]) == 2
-    if name != "fp4-qat":  # replay: the rollout's experts
-      assert metrics["router_flip_rate"] == [0.0, 0.0]
+    assert all(0.0 <= x <= 1.0 for x in metrics["router_flip_rate"])
+  # The first MoE layer's router reads the same input with or without replay: the replaying
+  # path's would-be flips there are fp4-qat's flips.
+  flips = {name: point["paths"][name]["router_flip_rate"][0] for name in ("fp4-qat", "fp4-qat-r3")}
+  assert flips["fp4-qat-r3"] == pytest.approx(flips["fp4-qat"], abs=0.02)
   for name in ("table.md", "length.png", "depth.png"):
     assert (tmp_path / name).exists()
   refused = run("--sft_steps=4")

@@ -29,6 +29,7 @@ class RouterStats:
   """What one MoE layer reports of its routing."""
 
   experts: jax.Array  # int32 [B, T, k], descending router probability
+  chosen: jax.Array  # int32 [B, T, k], the router's own top-k (the experts, unless replayed)
   lb_loss: jax.Array  # float32 [], the load-balancing loss
   load: jax.Array  # float32 [E], the share of (token, slot) choices per expert
 
@@ -212,8 +213,11 @@ class MoE(nnx.Module):
       out = out + shared
     flat_valid = valid.reshape(n)
     load = jnp.sum(jax.nn.one_hot(experts, probs.shape[-1]).sum(1) * flat_valid[:, None], 0)
+    # Under replay the router's own choice is computed too: how often it would flip.
+    chosen = experts if routing is None else jax.lax.top_k(probs, k)[1]
     stats = RouterStats(
       experts=experts.reshape(b, t, k),
+      chosen=chosen.reshape(b, t, k),
       lb_loss=load_balancing_loss(probs, experts, flat_valid),
       load=load / jnp.maximum(jnp.sum(load), 1.0),
     )

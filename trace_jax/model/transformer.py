@@ -57,6 +57,8 @@ class ModelOutput:
   routing: jax.Array  # int32 [num_moe_layers, B, T, k], descending router probability
   lb_loss: jax.Array  # float32 [], the load-balancing loss, mean over MoE layers
   router_load: jax.Array  # float32 [num_moe_layers, E]
+  # int32 [num_moe_layers, B, T, k], each MoE layer's own top-k: the routing, unless replayed
+  router_choice: jax.Array | None = None
   cache: KVCache | None = None  # the updated cache, when the call had one
   # {(layer, site): ...} (a `ByLayer` where layers ran under a scan): the records in
   # recording.form, the guided sites' bool fallbacks, the inputs (recording.inputs)
@@ -454,8 +456,9 @@ class Transformer(nnx.Module):
     if moe_stats:
       _, stats = in_key_order(moe_stats)  # MoE layers in order
       routing_out, lb_loss, router_load = stats.experts, jnp.mean(stats.lb_loss), stats.load
+      choice = stats.chosen
     else:
-      routing_out = jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32)
+      routing_out = choice = jnp.zeros((0, b, t, cfg.num_experts_per_tok), jnp.int32)
       lb_loss = jnp.zeros((), jnp.float32)
       router_load = jnp.zeros((0, cfg.num_experts), jnp.float32)
     new_cache = None
@@ -472,5 +475,10 @@ class Transformer(nnx.Module):
         recurrent=held("recurrent"),
       )
     return ModelOutput(
-      logits=logits, routing=routing_out, lb_loss=lb_loss, router_load=router_load, cache=new_cache
+      logits=logits,
+      routing=routing_out,
+      lb_loss=lb_loss,
+      router_load=router_load,
+      router_choice=choice,
+      cache=new_cache,
     )

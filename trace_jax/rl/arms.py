@@ -125,13 +125,15 @@ class Arm:
     return scheme.replace(rounding="guided", guided_layers=self.guided_layers)
 
   def rollout(self, base: RolloutConfig) -> RolloutConfig:
-    """`base` with this arm's rollout settings: precision, capture, guided layers, routing."""
+    """`base` with this arm's rollout settings: precision, capture and guided layers. Every
+    arm records the rollout's experts: replay trains with them, and every arm's router flip
+    rate is measured against them."""
     capture = "compact" if self.measured and self.guidance == "none" else self.guidance
     return base.replace(
       precision=self.rollout_precision,
       guidance=capture,
       guided_layers="all" if self.measured else self.guided_layers,
-      record_routing=self.routing_replay,
+      record_routing=True,
     )
 
 

@@ -21,6 +21,13 @@ and the tails that precede collapse in the published reports, which a mean hides
   mismatch/seq_logratio_p90     its 90th percentile (a sequence-level importance weight's
                                 log; it grows with length, where token means do not)
 
+and, for a model with MoE layers, how often the training path's router chooses other experts
+than the rollout did (`router_flip_rate`; under routing replay, the experts it would have
+chosen):
+
+  mismatch/router_flip_rate      share of (real token, MoE layer) expert sets that differ
+  mismatch/router_flip_rate_max  the same in the MoE layer where it is largest
+
 and, where both paths quantize, how their FP4 outcomes differ (`fp4_disagreement`).
 """
 
@@ -87,6 +94,31 @@ def tail_metrics(log_ratio: jax.Array, mask: jax.Array) -> dict[str, float]:
     "mismatch/extreme_frac": jnp.sum(extreme) / jnp.sum(mask),  # NaN: no tokens
     "mismatch/seq_logratio_mean": jnp.nanmean(sequence),
     "mismatch/seq_logratio_p90": jnp.nanpercentile(sequence, 90),
+  }
+  return {k: float(v) for k, v in jax.device_get(values).items()}
+
+
+def router_flip_rate(rollout_routing, train_choice, mask) -> jax.Array:
+  """Per MoE layer, float32 [L]: the share of real tokens (`mask` [B, S]) whose set of k
+  experts on the training path (`train_choice`, the router's own top-k) differs from the
+  rollout's. Routing arrays: int [L, B, S, k] (the training path's may hold more slots; they
+  are cut to the rollout's). NaN where `mask` holds no token. In jnp, so a batch spread over
+  processes is read as a whole."""
+  rollout = jnp.sort(jnp.asarray(rollout_routing).astype(jnp.int32), axis=-1)
+  train = jnp.asarray(train_choice).astype(jnp.int32)[:, :, : rollout.shape[2]]
+  differ = jnp.any(rollout != jnp.sort(train, axis=-1), axis=-1)  # [L, B, S]
+  mask = jnp.asarray(mask).astype(bool)
+  return jnp.sum(differ & mask, axis=(1, 2)) / jnp.sum(mask)
+
+
+def router_flip_metrics(rollout_routing, train_choice, mask) -> dict[str, float]:
+  """The two router flip metrics above (empty for a model without MoE layers)."""
+  if rollout_routing is None or train_choice is None or rollout_routing.shape[0] == 0:
+    return {}
+  flips = router_flip_rate(rollout_routing, train_choice, mask)
+  values = {
+    "mismatch/router_flip_rate": jnp.mean(flips),
+    "mismatch/router_flip_rate_max": jnp.max(flips),
   }
   return {k: float(v) for k, v in jax.device_get(values).items()}
 

@@ -70,14 +70,16 @@ def _forward(policy, example: TrainExample, guidance, quant, options, replay, te
 def old_logprobs(
   policy, example: TrainExample, guidance, *, quant, options, replay, temperature, record: bool
 ):
-  """(log pi_old, entropy, guidance fallbacks, training-path site records): the records
-  (full QArrays, for the per-layer disagreement) only when `record`."""
+  """(log pi_old, entropy, guidance fallbacks, training-path site records, the routers' own
+  choices [num_moe_layers, B, S, k]): the records (full QArrays, for the per-layer
+  disagreement) only when `record`."""
   logp, out = _forward(policy, example, guidance, quant, options, replay, temperature, record)
   return (
     logp,
     token_entropy(out.logits, temperature),
     ByLayer.of(out.fallbacks),
     ByLayer.of(out.sites),
+    out.router_choice,
   )
 
 
@@ -113,8 +115,8 @@ def train_step(
   fused: the step's only update (one minibatch, one epoch). pi_old is then the policy this
   update starts from, so its log-probs are this forward's own, held without gradient
   (`example.old_logp` is not read and `old_logprobs` need not run), and the update also
-  returns what `old_logprobs` would have: log pi_old, token entropy, guidance fallbacks
-  and (with `record`) the training path's site records.
+  returns what `old_logprobs` would have: log pi_old, token entropy, guidance fallbacks,
+  (with `record`) the training path's site records, and the routers' own choices.
 
   mesh: the run's mesh; the returned site records and fallbacks are then laid out by
   `guidance_site_specs` (batch over "data", each site's declared dimension over "model"),
@@ -142,6 +144,7 @@ def train_step(
         token_entropy(jax.lax.stop_gradient(out.logits), temperature),
         out.fallbacks,
         out.sites,
+        out.router_choice,
       )
     return loss + policy.cfg.router_aux_loss_coef * out.lb_loss, (stats, scored)
 
@@ -152,12 +155,13 @@ def train_step(
     (loss, (stats, scored)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(policy)
     grad_norm = apply_update(opt, policy, grads)
   if fused:
-    old_logp, entropy, fallbacks, sites = scored
+    old_logp, entropy, fallbacks, sites, router_choice = scored
     scored = (
       old_logp,
       entropy,
       constrain_guidance_sites(ByLayer.of(fallbacks), mesh),
       constrain_guidance_sites(ByLayer.of(sites), mesh),
+      router_choice,
     )
   return (loss, stats, grad_norm) + tuple(scored)
 

@@ -49,6 +49,7 @@ from trace_jax.rl.metrics import (
   group_reward_metrics,
   guidance_agreement,
   mismatch_metrics,
+  router_flip_metrics,
 )
 from trace_jax.rl.programs import TrainExample, loss_static, old_logprobs, param_health, train_step
 from trace_jax.rollout.engine import Rollout, RolloutEngine
@@ -95,6 +96,7 @@ class Scored:
   entropy: jax.Array | None  # float32 [B, S], the training path's token entropy
   fallbacks: dict | None  # {(layer, site): bool [B, S, ...]}, guided elements that fell back
   train_sites: dict | None  # {(layer, site): fp4.QArray}, training-path records (measured)
+  router_choice: jax.Array | None = None  # int32 [num_moe_layers, B, S, k], the routers' own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,9 +335,9 @@ def score(spec: StepSpec, state: RLState, collected: Collected, step: int) -> Sc
   """pi_old (unless fused) and the reference's log-probs on the training path, and the
   advantages; the training path's site records only where the metrics read them."""
   config, static, c = spec.config, spec.static, collected
-  old_logp = entropy = fallbacks = train_sites = None  # the fused update gives them
+  old_logp = entropy = fallbacks = train_sites = router_choice = None  # or the fused update
   if not spec.fused:
-    old_logp, entropy, fallbacks, train_sites = old_logprobs(
+    old_logp, entropy, fallbacks, train_sites, router_choice = old_logprobs(
       state.policy, c.example, c.guidance, record=spec.arm.measured, **static
     )
   ref_logp = None
@@ -355,6 +357,7 @@ def score(spec: StepSpec, state: RLState, collected: Collected, step: int) -> Sc
     entropy=entropy,
     fallbacks=fallbacks,
     train_sites=train_sites,
+    router_choice=router_choice,
   )
 
 
@@ -363,7 +366,7 @@ def update(spec: StepSpec, state: RLState, scored: Scored) -> tuple[RLState, Upd
   updated in place); returns the next state (one version on) and what the updates did."""
   config, static, s = spec.config, spec.static, scored
   if spec.fused:  # one update: pi_old's forward is the update's own
-    loss, stats, norm, old_logp, entropy, fallbacks, sites = train_step(
+    loss, stats, norm, old_logp, entropy, fallbacks, sites, choice = train_step(
       state.policy,
       state.opt,
       s.example,
@@ -381,6 +384,7 @@ def update(spec: StepSpec, state: RLState, scored: Scored) -> tuple[RLState, Upd
       entropy=entropy,
       fallbacks=fallbacks,
       train_sites=sites,
+      router_choice=choice,
     )
     updates = [(loss, stats, norm)]
   else:
@@ -488,6 +492,7 @@ def step_metrics(
       tis_threshold=config.loss.tis_threshold,
     )
   )
+  metrics.update(router_flip_metrics(rollout.routing, s.router_choice, rollout.mask))
   mask = host_array(rollout.mask)
   fallbacks, train_sites = jax.tree.map(host_array, (s.fallbacks, s.train_sites))
   metrics.update(guidance_agreement(fallbacks, mask))

@@ -16,8 +16,9 @@ A point is (chain terms, layers, rollout skew, router dtype). For each point:
    is every path's own;
 4. per path, on the response tokens: k3 mean and p99, the extreme-token share (r > 2 or
    < 1/2), the sequence log-ratio |sum log r| mean and p90, the router flip rate per layer
-   (the share of (token, layer) expert sets that differ from the rollout's, over the real
-   tokens) and the code disagreement per layer (`rl.metrics.fp4_disagreement`).
+   (the share of real tokens whose router picks another expert set than the rollout's; on
+   a replaying path, the set it would have picked: replay uses the rollout's) and the code
+   disagreement per layer (`rl.metrics.fp4_disagreement`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from trace_jax.model.quant import ROUTER_DTYPES, QuantConfig, resolve_layers
 from trace_jax.model.skew import check_amount
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl import data
-from trace_jax.rl.metrics import fp4_disagreement, mismatch_metrics
+from trace_jax.rl.metrics import fp4_disagreement, mismatch_metrics, router_flip_rate
 from trace_jax.rollout.config import COMPUTE_DTYPES, RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.rollout.trajectories import FINISH_STOP
@@ -154,20 +155,10 @@ def _answer_budget(task, tokenizer, seed: int) -> int:
   return max(len(c) for _, c in pairs) + 16
 
 
-def router_flip_rate(rollout_routing, train_routing, mask) -> list[float]:
-  """Per MoE layer, the share of real tokens (`mask` [B, S]) whose set of k experts on the
-  training path differs from the rollout's. Routing arrays: [L, B, S, k]."""
-  a = np.sort(np.asarray(rollout_routing, np.int64), axis=-1)
-  b = np.sort(np.asarray(train_routing, np.int64)[:, :, : a.shape[2]], axis=-1)
-  differ = np.any(a != b, axis=-1)  # [L, B, S]
-  mask = np.asarray(mask, bool)
-  return [float(differ[layer][mask].mean()) for layer in range(differ.shape[0])]
-
-
 def path_metrics(rollout, logp, out, full_sites, mask) -> dict:
   """The point's metrics of one training path (see the module docstring)."""
   m = mismatch_metrics(rollout.logprobs, logp, rollout.response_mask)
-  flips = router_flip_rate(rollout.guidance.routing, out.routing, mask)
+  flips = [float(x) for x in router_flip_rate(rollout.guidance.routing, out.router_choice, mask)]
   per_layer = fp4_disagreement(full_sites, out.sites, mask)["per_layer"]
   codes = [per_layer[layer]["code_disagree_frac"] for layer in sorted(per_layer)]
   return dict(
