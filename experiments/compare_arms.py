@@ -35,7 +35,6 @@ correction on any arm (fp4-rollout loses its TIS); results under <name> "stress"
 
 import functools
 import os
-import shutil
 import time
 
 import jax
@@ -44,11 +43,10 @@ from absl import app, flags, logging
 
 from trace_jax.model.transformer import Transformer  # noqa: F401  (the policy class)
 from trace_jax.studies import compare, ptq
-from trace_jax.run import report, warmstart
+from trace_jax.run import warmstart
 from trace_jax.rl.arms import ARMS
 from trace_jax.rl.config import LR_DECAYS, RLConfig
 from trace_jax.rl.grpo import CORRECTIONS
-from trace_jax.run.rundir import read_metrics
 from trace_jax.run.trainer import Trainer
 from trace_jax.utils import flags as config_flags
 
@@ -201,27 +199,7 @@ def main(argv):
       for root in roots
       for a in ("bf16", *(a for a in arms if a not in compare.DERIVED_ARMS))
     ]
-    first = next((p for p in made if os.path.exists(p)), made[0])
-    target = os.path.join(path, warmstart.WARMSTART_DIR)
-    if first != target and os.path.exists(first) and not os.path.exists(target):
-      shutil.copytree(first, target)  # one start policy
-    summary = report.finished_summary(path, config)  # e.g. an rl.py run copied in: read
-    if summary is None:
-      start = time.time()
-      trainer = Trainer(config, path)
-      trainer.run()
-      summary = report.summarize(config, read_metrics(path), time.time() - start, trainer.warmstart)
-    metrics = read_metrics(path)
-    train = [m for m in metrics if "rewards/mean" in m]
-    summary["curve_train"] = [[m["step"] for m in train], [m["rewards/mean"] for m in train]]
-    summary["curve_mixed"] = [
-      [m["step"] for m in train],
-      [m.get("reward/mixed_group_frac") for m in train],
-    ]
-    summary["curve_eval"] = report.eval_curve(metrics, config.arm_spec.deploy)
-    summary["curve_fp4"] = report.eval_curve(metrics, "fp4")
-    report.write_summary(path, summary)
-    return summary
+    return compare.train_cell(config, path, made)
 
   def run_ptq(task, seed, arm):
     source = ARMS[arm].derived_from  # the trained arm whose final policy it packs

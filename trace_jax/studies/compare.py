@@ -22,6 +22,8 @@ import dataclasses
 import json
 import math
 import os
+import shutil
+import time
 from typing import Callable, Iterable, Sequence
 
 import matplotlib.pyplot as plt
@@ -29,6 +31,9 @@ import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from trace_jax.rl.arms import ARMS, COMPARED  # noqa: E402
+from trace_jax.run import report, warmstart  # noqa: E402
+from trace_jax.run.rundir import read_metrics  # noqa: E402
+from trace_jax.run.trainer import Trainer  # noqa: E402
 from trace_jax.utils import markdown_table, write_json  # noqa: E402
 from trace_jax.utils.compiled import release_compiled_near_map_limit  # noqa: E402
 
@@ -111,6 +116,52 @@ class Results:
       "cells": [c.to_json() for c in self.cells],
       "rows": [r.to_json() for r in self.rows],
     }
+
+
+# The step metrics that precede collapse in the published reports (a cell keeps their curves).
+PRECURSORS = (
+  "mismatch/extreme_frac",
+  "is_ratio/p99",
+  "mismatch/seq_logratio_p90",
+  "mismatch/router_flip_rate",
+  "grad_norm",
+  "entropy",
+  "completions/mean_length",
+)
+
+
+def train_cell(config, path: str, warm_from: Sequence[str] = ()) -> dict:
+  """One trained cell: `config` (an RLConfig) run in `path`, or read if it finished there
+  with that config (e.g. an experiments/rl.py run copied in). A cell without a warm start of
+  its own copies the first of `warm_from` (warm-start directories) that exists: the cells of
+  one seed start from one policy (warm starts are keyed by their settings, so one made for
+  anything else is rebuilt, never reused). Returns its summary with its curves: train reward,
+  mixed-group share, eval in the deployment precision and in FP4, and `precursors`
+  ({metric: [[steps], [values]]} of `PRECURSORS` it logged)."""
+  first = next((p for p in warm_from if os.path.exists(p)), None)
+  target = os.path.join(path, warmstart.WARMSTART_DIR)
+  if first is not None and first != target and not os.path.exists(target):
+    shutil.copytree(first, target)
+  summary = report.finished_summary(path, config)
+  if summary is None:
+    start = time.time()
+    trainer = Trainer(config, path)
+    trainer.run()
+    summary = report.summarize(config, read_metrics(path), time.time() - start, trainer.warmstart)
+  metrics = read_metrics(path)
+  train = [m for m in metrics if "rewards/mean" in m]
+  steps = [m["step"] for m in train]
+  summary["curve_train"] = [steps, [m["rewards/mean"] for m in train]]
+  summary["curve_mixed"] = [steps, [m.get("reward/mixed_group_frac") for m in train]]
+  summary["curve_eval"] = report.eval_curve(metrics, config.arm_spec.deploy)
+  summary["curve_fp4"] = report.eval_curve(metrics, "fp4")
+  summary["precursors"] = {
+    key: [[m["step"] for m in train if key in m], [m[key] for m in train if key in m]]
+    for key in PRECURSORS
+    if any(key in m for m in train)
+  }
+  report.write_summary(path, summary)
+  return summary
 
 
 def cell_dir(results_dir: str, task: str, seed: int, arm: str) -> str:

@@ -149,7 +149,7 @@ def warm_start(config: MapConfig, terms: int, layers: int, *, progress: bool = T
   return policy, losses
 
 
-def _answer_budget(task, tokenizer, seed: int) -> int:
+def answer_budget(task, tokenizer, seed: int) -> int:
   """New tokens per sequence: the longest of 32 demonstrations' completions, plus 16."""
   pairs = data.demonstration_pairs(task, tokenizer, seed + 20_000, 32)
   return max(len(c) for _, c in pairs) + 16
@@ -181,7 +181,7 @@ def measure_point(config: MapConfig, point: MapPoint, policy) -> dict:
   task, tokenizer = get_task("chain", terms=point.terms), CharTokenizer()
   items = task.sample(config.seed + 10_000, config.rollouts, split="eval")
   prompts = [data.prompt_ids(tokenizer, item) for item in items]
-  new_tokens = _answer_budget(task, tokenizer, config.seed)
+  new_tokens = answer_budget(task, tokenizer, config.seed)
   rollout_config = RolloutConfig(
     precision="fp4",
     compute_dtype=config.compute_dtype,
