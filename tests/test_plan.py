@@ -17,6 +17,7 @@ from trace_jax.model.config import get_preset
 from trace_jax import memory_bound, plan
 from trace_jax.model.quant import CallOptions, QuantConfig, Recording
 from trace_jax.rl import programs
+from trace_jax.rl import optimizer as optimizer_lib
 from trace_jax.rl import step as T
 from trace_jax.rl.grpo import LossConfig
 from trace_jax.training.forward import training_forward
@@ -168,7 +169,9 @@ def test_train_peak_against_the_compiled_update():
   guidance = plan.abstract_guidance(cfg.replace(dtype="bfloat16"), config, QuantConfig())
   policy = nnx.eval_shape(lambda: M.Transformer(cfg, rngs=nnx.Rngs(0)))
   opt = nnx.eval_shape(
-    lambda: nnx.Optimizer(M.Transformer(cfg, rngs=nnx.Rngs(0)), T.optimizer(1e-3), wrt=nnx.Param)
+    lambda: nnx.Optimizer(
+      M.Transformer(cfg, rngs=nnx.Rngs(0)), optimizer_lib.optimizer(1e-3), wrt=nnx.Param
+    )
   )
   slots = lambda dtype: jax.ShapeDtypeStruct((batch, context), dtype)
   example = T.TrainExample(

@@ -210,10 +210,10 @@ def test_huge_learning_rate_diverges_at_step_one_and_saves_nothing(tmp_path):
 
 
 def test_crash_before_the_first_checkpoint_logs_each_step_once(tmp_path):
-  # What a crash at step 2 with checkpoint_every=20 left: the step-0 evaluation, steps 1 and 2,
-  # a torn append, and no checkpoint. The rerun starts from step 0, so none of it may stay
-  # (the old code kept the step-0 line and logged it again).
-  config = _config(checkpoint_every=20, steps=1)
+  # What a crash at step 2 of 2 with checkpoint_every=20 left: the step-0 evaluation, steps 1
+  # and 2, a torn append, no checkpoint and no summary. The rerun starts from step 0, so none
+  # of it may stay (the old code kept the step-0 line and logged it again).
+  config = _config(checkpoint_every=20, steps=2)
   Trainer(config, str(tmp_path), progress=False).close()  # the run's record, made at its start
   lines = [json.dumps({"step": s, "rewards/mean": 0.5}) for s in (0, 1, 2)]
   (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"ste')

@@ -162,7 +162,7 @@ def test_one_measurement_on_the_tiny_preset():
     config, policy, rollout, full.sites, nearest, None, False, inputs=True
   )
   assert row.followed_frac is None  # nothing guided
-  logp, _ = mismatch._training_path(  # the same compiled forward: its log-probs
+  logp, _ = mismatch.training_path(  # the same compiled forward: its log-probs
     policy,
     rollout.without_cache(),
     None,
