@@ -41,7 +41,7 @@ from trace_jax.tasks.tokenizer import CharTokenizer
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _D = RLConfig()
 TASK = "chain_flawed"
-_TERMS = flags.DEFINE_list("terms", ["4", "16"], "Chain lengths (terms; 4: the main job's).")
+_TERMS = flags.DEFINE_list("terms", ["4", "8"], "Chain lengths (terms; 4: the main job's).")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2", "3", "4"], "Seeds of every variant.")
 _CORRECTION_SEEDS = flags.DEFINE_list(
   "correction_seeds", ["0", "1", "2"], "Seeds of fp4-qat+tis and fp4-qat+geo_mask."
