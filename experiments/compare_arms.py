@@ -230,7 +230,8 @@ def main(argv):
       return summary
     start = time.time()
     config = _rl_config(task, seed, source, overrides)
-    trainer = Trainer(config, workdir(task, seed, source), progress=False)  # its final step
+    # its final step (the run finished: reopened, not restarted)
+    trainer = Trainer(config, workdir(task, seed, source), progress=False, reopen=True)
     final = ptq.ptq_eval_reward(trainer, ARMS[arm].scale_rule)
     trainer.rundir.warm_start(trainer.policy, trainer.task, trainer.tokenizer, progress=False)
     initial = ptq.ptq_eval_reward(trainer, ARMS[arm].scale_rule)

@@ -156,7 +156,8 @@ def test_train_peak_against_the_compiled_update():
 
   - arguments: master weights + Adam + guidance, plus the trajectories' own arrays, exactly;
   - what the update returns beside the donated state: the training-path records row, plus
-    log pi_old and entropy (f32 per slot) and a few scalars (< 4 KiB);
+    log pi_old and entropy (f32 per slot), the routers' own choices (int32 per slot, MoE
+    layer and expert slot) and a few scalars (< 4 KiB);
   - temporaries: at least the planner's remat activations plus the gradients. Only a lower
     bound: XLA:CPU does not realise remat's savings (its temporaries are the same with and
     without jax.checkpoint, for an 8-layer MLP too). How close the remat row comes on a GPU
@@ -206,6 +207,7 @@ def test_train_peak_against_the_compiled_update():
   assert memory.argument_size_in_bytes == resident + example_bytes
   returned = memory.output_size_in_bytes - memory.alias_size_in_bytes
   per_slot = 2 * batch * context * 4  # log pi_old and entropy
+  per_slot += cfg.num_moe_layers * batch * context * cfg.num_experts_per_tok * 4  # router choice
   assert 0 <= returned - rows["training-path records"] - per_slot < 4096
   assert memory.temp_size_in_bytes >= rows["activations (remat)"] + rows["gradients (f32)"]
 

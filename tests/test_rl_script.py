@@ -148,8 +148,8 @@ def test_the_export_command_is_shell_quoted(monkeypatch):
 @pytest.mark.slow
 def test_ctrl_c_mid_run_ends_with_one_line_and_its_command_resumes(tmp_path):
   """SIGINT to a real run (tens of seconds: an RL step compiles): one line, no traceback,
-  the workdir released; the printed command, run with --steps at the checkpoint it names,
-  resumes from that checkpoint and finishes."""
+  the workdir released; the printed command, run with --steps past the step it reached,
+  resumes from the checkpoint it names and finishes."""
   workdir = tmp_path / "a run"
   run = subprocess.Popen(
     [sys.executable, "experiments/rl.py", f"--workdir={workdir}", *SMOKE, "--steps=1000"],
@@ -181,7 +181,7 @@ def test_ctrl_c_mid_run_ends_with_one_line_and_its_command_resumes(tmp_path):
   command = shlex.split(found[4])
   assert command[:3] == ["python", "experiments/rl.py", f"--workdir={workdir}"]
   resumed = subprocess.run(
-    [sys.executable, *command[1:], f"--steps={saved}"],
+    [sys.executable, *command[1:], f"--steps={reached + 1}"],
     cwd=ROOT,
     env=dict(os.environ, PYTHONPATH=ROOT),
     capture_output=True,

@@ -157,7 +157,9 @@ class RunDir:
   The workdir is locked from the first line on (`utils.lock`: a second run on it is refused
   before anything is written) until `close()`, garbage collection or the process's exit."""
 
-  def __init__(self, workdir: str, config: RLConfig):
+  def __init__(self, workdir: str, config: RLConfig, *, reopen: bool = False):
+    """reopen: open a finished run to read its final policy (a post-training evaluation):
+    the run may have reached `config`'s steps, and its run.json is left as it is."""
     self._events, self._close_events = None, None  # the TensorBoard log, opened on `restore`
     self._wandb, self._close_wandb = None, None  # the W&B run (--wandb), opened with it
     check_workdir_place(workdir, config.source.hf_checkpoint)  # before the lock writes
@@ -188,11 +190,12 @@ class RunDir:
       if os.path.exists(self.metrics_path):  # a damaged log fails here, before any work
         records = read_jsonl(self.metrics_path)
         _check_steps(self.metrics_path, records)
-      self._refuse_going_back(checkpoints, records)
+      if not reopen:
+        self._refuse_going_back(checkpoints, records)
       recorded = self._check_record()
       self.checkpoints = Checkpoints(checkpoints)
       self._check_saved_config(recorded)
-      if is_main_process():
+      if is_main_process() and not reopen:
         write_atomic(
           os.path.join(self.path, RUN_RECORD),
           json.dumps({"config": config.to_dict()}, indent=1) + "\n",

@@ -49,9 +49,13 @@ class Trainer:
   """One RL run in `workdir` (resumed if the workdir holds a checkpoint of the same config).
 
   The workdir is locked for the Trainer's life (`RunDir`); `close()` (or `with Trainer(...)
-  as trainer:`) releases it, as do garbage collection and the process's exit."""
+  as trainer:`) releases it, as do garbage collection and the process's exit. `reopen=True`
+  opens a finished run at its last checkpoint to read its policy (a post-training
+  evaluation); otherwise a workdir that already reached `config`'s steps is refused."""
 
-  def __init__(self, config: RLConfig, workdir: str, *, progress: bool = True):
+  def __init__(
+    self, config: RLConfig, workdir: str, *, progress: bool = True, reopen: bool = False
+  ):
     config = on_devices(config, workdir)  # RLConfig.mesh's -1: the devices left
     self.config, self.progress = config, progress
     # RLConfig.rollout_devices against this job's devices, before any work
@@ -65,7 +69,9 @@ class Trainer:
     # the tokenizer and the template's first renders: a bad checkpoint leaves no workdir
     checked = policy_source.check(config, self.task)
     policy_source.check_fits(config, self.task, checked)  # episodes and the batch fit
-    self.rundir = RunDir(workdir, config)  # locks it: a busy workdir is refused before any write
+    self.rundir = RunDir(
+      workdir, config, reopen=reopen
+    )  # locks it: a busy workdir is refused before any write
     try:
       self._start(config, progress, checked)
     except BaseException as error:
