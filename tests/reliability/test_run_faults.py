@@ -19,6 +19,7 @@ from flax import nnx
 from trace_jax.rl import optimizer as optimizer_lib
 from trace_jax.rl import step as step_lib
 from trace_jax.rl.config import RLConfig
+from trace_jax.rl.metrics import TIMING_METRICS
 from trace_jax.rl.step import DivergenceError
 from trace_jax.run.rundir import read_metrics
 from trace_jax.run.trainer import Trainer
@@ -60,7 +61,8 @@ def _steps(workdir):
 
 
 def _strip(metrics):
-  return [{k: v for k, v in m.items() if not k.endswith("_seconds")} for m in metrics]
+  """The metrics without the ones that time the run (they differ between identical runs)."""
+  return [{k: v for k, v in m.items() if k not in TIMING_METRICS} for m in metrics]
 
 
 @pytest.fixture(scope="module")
