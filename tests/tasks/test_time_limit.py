@@ -52,8 +52,11 @@ def test_a_call_past_its_limit_is_stopped_on_a_worker_thread():
 def test_many_short_calls_leave_nothing_behind():
   def calls():
     for _ in range(2000):
-      time_limit.call(0.001, int, "1")  # each may reach its limit as it returns
-    return _spin(0.5)
+      try:  # each may reach its limit as it returns, or on a loaded machine while it runs
+        time_limit.call(0.001, int, "1")
+      except time_limit.TimeLimitExceeded:
+        pass
+    return _spin(0.5)  # no alarm of theirs is left to interrupt it
 
   assert calls() == "ran to its end"
   assert _on_a_worker(calls) == "ran to its end"
