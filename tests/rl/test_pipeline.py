@@ -11,10 +11,12 @@ import copy
 import threading
 import time
 import traceback
+import types
 
 import numpy as np
 import pytest
 
+from trace_jax.rl import pipeline
 from trace_jax.rl.pipeline import (
   RolloutWorker,
   RolloutWorkerError,
@@ -160,33 +162,51 @@ def test_worker_runs_exactly_k_plus_one_batches_ahead():
     assert worker.close(timeout=WAIT_S)
 
 
+class _Clock:
+  """The pipeline's clock, moved only by the test: a pause is an advance of this clock, so
+  what the worker counts as blocked is what advanced while it was blocked, not wall time."""
+
+  def __init__(self):
+    self._now, self._lock = 0.0, threading.Lock()
+
+  def monotonic(self) -> float:
+    with self._lock:
+      return self._now
+
+  def advance(self, seconds: float) -> None:
+    with self._lock:
+      self._now += seconds
+
+
 @pytest.mark.parametrize("slow", ["learner", "rollout"])
-def test_worker_wait_is_the_time_the_worker_is_blocked(slow):
-  """worker_wait_seconds: a slow learner leaves the worker blocked (on weights, or a full
-  queue) about all of the learner's time once it is ahead; a slow rollout never blocks it.
-  The batches' waits add up to the worker's blocked_seconds, within the run's wall time."""
-  k, steps, pause = 1, 6, 0.1
+def test_worker_wait_is_the_time_the_worker_is_blocked(slow, monkeypatch):
+  """worker_wait_seconds, on a clock the test moves: a slow learner leaves the worker
+  blocked (on weights, or a full queue) through its pauses once the worker is ahead; a
+  slow rollout's time passes while the worker generates, never while it is blocked, so its
+  waits are exactly 0. The batches' waits add up to at most the worker's blocked_seconds."""
+  k, steps, pause = 1, 6, 0.25
+  clock = _Clock()
+  monkeypatch.setattr(pipeline, "time", types.SimpleNamespace(monotonic=clock.monotonic))
 
   def generate(j, version, params):
     if slow == "rollout":
-      time.sleep(pause)
+      clock.advance(pause)
     return _generate(j, version, params)
 
   def learner_pause():
     if slow == "learner":
-      time.sleep(pause)
+      time.sleep(0.05)  # real time for the worker to run ahead and block
+      clock.advance(pause)
 
-  start = time.monotonic()
   worker = RolloutWorker(generate, _ring(k))
   try:
     received, _ = _drive(worker, _initial(), steps, on_receive=learner_pause)
-    elapsed = time.monotonic() - start
     waits = [r.worker_wait_seconds for r in received]
-    assert min(waits) >= 0.0 and sum(waits) <= min(worker.blocked_seconds, elapsed) + 1e-9
-    if slow == "learner":  # blocked for the learner's pauses after the first k + 1 batches
-      assert sum(waits) >= 0.5 * pause * (steps - k - 1)
+    assert min(waits) >= 0.0 and sum(waits) <= worker.blocked_seconds
+    if slow == "learner":  # every pause after the first k + 1 batches, and no other time
+      assert pause * (steps - k - 1) <= sum(waits) <= pause * steps
     else:
-      assert sum(waits) < 0.5 * pause
+      assert waits == [0.0] * steps
   finally:
     assert worker.close(timeout=WAIT_S)
   inline = RolloutWorker(_generate, _ring(0))

@@ -3,7 +3,6 @@ an in-memory stand-in for jax.distributed's key-value store, and the one-process
 side's refusal to start a second worker beside one still generating."""
 
 import threading
-import time
 import types
 
 import pytest
@@ -76,10 +75,8 @@ def test_a_value_sent_is_received_once_and_deleted(store):
 
 def test_a_wait_ends_at_its_own_timeout_and_tells_the_other_side(store):
   link = remote_rollouts.GroupLink(60.0)
-  start = time.monotonic()
   with pytest.raises(TimeoutError, match=r"learner: no end of the run within 0.5 s"):
     link.receive("done", waiting="learner: no end of the run", error=RuntimeError, timeout=0.5)
-  assert time.monotonic() - start < 5
   assert (
     remote_rollouts.GroupLink(60.0).failure()
     == "learner: no end of the run within 0.5 s; the run stops"
@@ -89,10 +86,8 @@ def test_a_wait_ends_at_its_own_timeout_and_tells_the_other_side(store):
 def test_the_other_sides_line_ends_a_wait_at_once(store):
   link = remote_rollouts.GroupLink(60.0)
   threading.Timer(0.3, lambda: link.fail("rollout worker (devices 0,1) failed: OSError")).start()
-  start = time.monotonic()
   with pytest.raises(remote_rollouts.LearnerError, match=r"rollout worker \(devices 0,1\) failed"):
-    link.receive("batch/0", waiting="no batch", error=remote_rollouts.LearnerError)
-  assert time.monotonic() - start < 5
+    link.receive("batch/0", waiting="no batch", error=remote_rollouts.LearnerError)  # not 60 s
   link.fail("a second line")  # the first line said stays
   assert link.failure() == "rollout worker (devices 0,1) failed: OSError"
 

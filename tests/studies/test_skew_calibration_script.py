@@ -6,9 +6,10 @@ import math
 import os
 import subprocess
 import sys
-import time
 
 import pytest
+
+from tests.scripts import refusal
 
 from trace_jax.studies.mismatch import MODES
 
@@ -27,9 +28,7 @@ def _run(out, *extra, timeout=600):
 def test_calibration_writes_every_cell_and_a_rerun_skips_them(tmp_path):
   skews = (0.0, 0.03125)
   out = tmp_path / "cal"
-  start = time.time()
   done = _run(out, "--skews=0,0.03125")
-  first = time.time() - start
   assert done.returncode == 0, done.stderr[-3000:]
   cells = {s: json.loads((out / f"skew_{s!r}.json").read_text()) for s in skews}
   assert "rollout_skew" not in cells[0.0]["config"]  # the unskewed study's own config
@@ -49,10 +48,8 @@ def test_calibration_writes_every_cell_and_a_rerun_skips_them(tmp_path):
   assert (out / "k3_vs_skew.png").stat().st_size > 0
 
   mtimes = {s: os.stat(out / f"skew_{s!r}.json").st_mtime_ns for s in skews}
-  start = time.time()
   again = _run(out, "--skews=0,0.03125", "--bf16_reference_k3=1e-5", "--fp4_reference_k3=1e-1")
   assert again.returncode == 0, again.stderr[-3000:]
-  assert time.time() - start < first / 2
   text = again.stdout + again.stderr
   assert text.count("skipped") == len(skews)
   assert {s: os.stat(out / f"skew_{s!r}.json").st_mtime_ns for s in skews} == mtimes
@@ -69,6 +66,6 @@ def test_calibration_writes_every_cell_and_a_rerun_skips_them(tmp_path):
   [("0,-0.01", "rollout_skew"), ("0,0", "repeats a skew"), ("0,x", "must be numbers")],
 )
 def test_calibration_refuses_bad_skews_before_any_work(tmp_path, skews, message):
-  done = _run(tmp_path / "cal", f"--skews={skews}", timeout=120)
-  assert done.returncode != 0 and message in done.stderr
+  said = refusal("skew_calibration", *SMALL, f"--out={tmp_path / 'cal'}", f"--skews={skews}")
+  assert message in said, said
   assert not (tmp_path / "cal").exists()
