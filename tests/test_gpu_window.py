@@ -13,6 +13,8 @@ import sys
 import pytest
 from packaging.specifiers import SpecifierSet
 
+from tests.scripts import refusal
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 EXPERIMENTS = os.path.join(ROOT, "experiments")
 SCRIPTS = ("gpu_check.py", "gpu_decode.py", "gpu_record.py", "gpu_env.py")
@@ -173,19 +175,8 @@ def test_version_bounds_read_as_pip_reads_them():
 
 
 def test_bad_flags_are_refused_before_any_work(tmp_path):
-  result = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(EXPERIMENTS, "gpu_check.py"),
-      "--smoke",
-      "--rollout_arms=fp8",
-      f"--out={tmp_path / 'o'}",
-    ],
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert result.returncode != 0 and "--rollout_arms=['fp8'] is not allowed" in result.stderr
+  said = refusal("gpu_check", "--smoke", "--rollout_arms=fp8", f"--out={tmp_path / 'o'}")
+  assert "--rollout_arms=['fp8'] is not allowed" in said, said
   assert not (tmp_path / "o").exists()
 
 

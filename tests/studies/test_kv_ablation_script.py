@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.scripts import refusal
 from trace_jax.rl.config import RLConfig
 from trace_jax.studies import compare
 
@@ -71,8 +72,8 @@ def test_kv_ablation_writes_the_paired_table_and_refuses_other_changes(tmp_path)
   for name in ("reward_curves.png", "final_reward.png", "k3.png"):
     assert (tmp_path / "kv" / "ablation" / name).stat().st_size > 0
   _write(tmp_path / "other", rng, ("trace",), {**setting, "kv_precision": "bf16", "steps": 30})
-  refused = _run(tmp_path / "long", tmp_path / "other")
-  assert refused.returncode != 0 and "also differ in {'steps': (60, 30)}" in refused.stderr
+  said = refusal("kv_ablation", f"--base={tmp_path / 'long'}", f"--variant={tmp_path / 'other'}")
+  assert "also differ in {'steps': (60, 30)}" in said, said
   _write(
     tmp_path / "cold",
     rng,
@@ -80,5 +81,5 @@ def test_kv_ablation_writes_the_paired_table_and_refuses_other_changes(tmp_path)
     {**setting, "kv_precision": "bf16"},
     warm={**WARM, "steps": 400},
   )
-  refused = _run(tmp_path / "long", tmp_path / "cold")
-  assert refused.returncode != 0 and "warm starts differ" in refused.stderr
+  said = refusal("kv_ablation", f"--base={tmp_path / 'long'}", f"--variant={tmp_path / 'cold'}")
+  assert "warm starts differ" in said, said

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tests.scripts import refusal
 from trace_jax.studies import compare, length
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "length_arms.py")
@@ -135,13 +136,8 @@ def test_the_results_hold_the_differences_and_the_table_says_them(tmp_path):
   ],
 )
 def test_the_script_refuses_bad_flags_before_any_work(tmp_path, flag, message):
-  result = subprocess.run(
-    [sys.executable, SCRIPT, flag, f"--workdir={tmp_path}/w", f"--results={tmp_path}/r"],
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
+  said = refusal("length_arms", flag, f"--workdir={tmp_path}/w", f"--results={tmp_path}/r")
+  assert message in said, said
   assert not os.path.exists(tmp_path / "w") and not os.path.exists(tmp_path / "r")
 
 

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.scripts import refusal
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "experiments", "skew_study.py")
 
@@ -24,13 +26,10 @@ SCRIPT = os.path.join(ROOT, "experiments", "skew_study.py")
   ],
 )
 def test_bad_flags_are_refused_before_any_run(tmp_path, flag, message):
-  run = subprocess.run(
-    [sys.executable, SCRIPT, flag, f"--workdir={tmp_path / 'runs'}", f"--results={tmp_path / 'r'}"],
-    capture_output=True,
-    text=True,
-    timeout=300,
+  said = refusal(
+    "skew_study", flag, f"--workdir={tmp_path / 'runs'}", f"--results={tmp_path / 'r'}"
   )
-  assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
+  assert message in said, said
   assert not (tmp_path / "runs").exists() and not (tmp_path / "r").exists()
 
 
