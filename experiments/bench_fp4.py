@@ -1,6 +1,6 @@
 """FP4 quantize / dequantize / fake_quant throughput against a plain jitted copy.
 
-  python experiments/bench_fp4.py                 # 4096 x 4096 float32, as in the issue
+  python experiments/bench_fp4.py                 # 4096 x 4096 float32
   python experiments/bench_fp4.py --size=1024 --repeats=3   # a quick smoke run
 
 Every figure is measured in the same run as the copy baseline; GB/s counts the float32

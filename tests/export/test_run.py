@@ -1,4 +1,4 @@
-"""Export of an RL run (issue 27, 2): the run's own format, scope and activations (a
+"""Export of an RL run: the run's own format, scope and activations (a
 contradicting setting refused, naming both values); nothing written to the run, even while
 it runs; the output folder replaced whole.
 
@@ -182,7 +182,7 @@ def test_export_settings_follow_the_run(run, given, expected):
 @pytest.mark.slow
 @pytest.mark.timeout(2700)  # a run and an export of up to 20 min each
 def test_rl_py_mxfp4_run_and_the_export_command_it_prints(tmp_path):
-  """The issue's check end to end (minutes on 2 cores: an RL step of `small` compiles): an
+  """The export end to end (minutes on 2 cores: an RL step of `small` compiles): an
   `rl.py --fmt=mxfp4` run, then the export command it prints, run as printed."""
   workdir = tmp_path / "run"
   flags = [f"--{k}={v}" for k, v in MXFP4_RUN.items()]

@@ -166,7 +166,7 @@ def test_block_scale_ties_at_e4m3_midpoints():
 
 
 def test_bf16_rows_with_random_row_factors_match_the_spec():
-  """The issue's measurement: bf16 data, a random factor per row; the old reciprocal
+  """Ties at scale: bf16 data, a random factor per row; the old reciprocal
   formulation differed from the spec in ~0.06% of codes and ~0.1% of block scales."""
   rng = np.random.default_rng(4)
   x = rng.standard_normal((4096, 128)).astype(BF16)

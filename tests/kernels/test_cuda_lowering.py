@@ -38,7 +38,11 @@ from trace_jax.rollout.lowering import lower_decode_step
 S = jax.ShapeDtypeStruct
 D_MODEL, FFN, EXPERTS, TOP_K, KV_HEADS, HEAD_DIM = 2048, 768, 128, 8, 4, 128
 CACHE_READERS = ("decode_attention",)  # the kernels that read the KV cache
-SHAPES = [(1, 32769), (32, 32769), (128, 4097)]  # (batch, cache slots) of the issue
+SHAPES = [
+  (1, 32769),
+  (32, 32769),
+  (128, 4097),
+]  # (batch, cache slots): one long, 32 long, 128 short
 
 
 def _qarray(shape, fmt, axis, global_shape):
@@ -255,7 +259,7 @@ def test_a_scanned_decode_step_holds_one_layer_of_kernels():
   assert names(step) == names(one)
 
 
-@pytest.mark.slow  # ~30 s: the two other shapes of the issue, FP4 and bf16 layers
+@pytest.mark.slow  # ~30 s: the two other shapes, FP4 and bf16 layers
 @pytest.mark.parametrize("batch, length", SHAPES[1:])
 def test_one_layer_decode_step_at_the_other_shapes(batch, length):
   _check_layer(batch, length)

@@ -66,7 +66,7 @@ def test_quant_config_validation_and_guided_layers():
 
 
 def test_last_half_is_the_top_ceil_half_and_never_empty():
-  """The deeper half of n layers is the top ceil(n / 2) (issue 27, 8): a 1-layer model used
+  """The deeper half of n layers is the top ceil(n / 2): a 1-layer model used
   to guide nothing (range(1, 1)), silently; odd n now guide the middle layer too."""
   for n in range(0, 42):
     want = tuple(range(n - math.ceil(n / 2), n))  # counted from the top, rounded up

@@ -271,7 +271,7 @@ def _assert_records_are_fp4_of_inputs(out, what):
 
 @pytest.mark.slow
 def test_bf16_records_are_the_fp4_of_the_recorded_inputs_and_capture_changes_nothing(bf16_policy):
-  """Issue 27 (defects 3, 4), at bf16 compute on both paths.
+  """Capture changes nothing, and records the FP4 of its inputs, at bf16 compute on both paths.
 
   Rollout layout (packed weights, a prefill into an FP4 cache): the logits and cache of
   every capture form ("compact", "full", "sparse", with inputs) are those of a forward that
@@ -318,7 +318,7 @@ def test_bf16_records_are_the_fp4_of_the_recorded_inputs_and_capture_changes_not
 
 
 def test_kv_precision_bf16_leaves_only_the_cache_unquantized(hybrid):
-  """Issue 30's KV ablation (`--kv_precision=bf16`): the K/V sites leave the scope, the cache
+  """The KV ablation (`--kv_precision=bf16`): the K/V sites leave the scope, the cache
   is bf16, and every other site and weight stays as the scope says: the forward equals the
   same scope written out as its sites without k and v (an independent spelling), bit for
   bit in one process, and differs from the FP4-cache forward."""

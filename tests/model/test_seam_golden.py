@@ -1,9 +1,9 @@
-"""The seam of issue 12 (one QuantConfig, one Guidance, a ModelOutput), guarded in a form
+"""The model's seam (one QuantConfig, one Guidance, a ModelOutput), guarded in a form
 that holds bit for bit on any x86 CPU.
 
 The first guard compared every output of today's model with arrays recorded by the code
 before the seam (main at 9ce547c) on an AMD EPYC. On an Intel Xeon (AVX-512, AMX) 31 FP4
-codes differed (issue 27, defect 9): the test pinned what one CPU's code generation decides.
+codes differed: the test pinned what one CPU's code generation decides.
 
 What depends on the CPU, and what does not:
 - XLA's CPU code generation depends on the instruction set: dot products (Eigen / oneDNN
@@ -33,7 +33,7 @@ So the guard now has two parts:
    the value it stores as the input. With float32 compute it does (where XLA computes the
    value twice, in two fusions, it runs the same instructions on the same CPU). With bf16
    compute XLA may skip the rounding to bf16 inside the quantizing fusion (excess
-   precision), so before the fix of issue 27's defect 4 the quantizer saw another value
+   precision), so before the fix of the input's rounding the quantizer saw another value
    than the stored one; now every site quantizes and returns one materialised float32
    value (`quantizer.site_input`), so the bf16 cases hold bit for bit too. Two checks have
    tolerances, not bits: guided training falls back at under 1% of the elements, and its

@@ -1,4 +1,4 @@
-"""Checkpoints under damage and a full disk (issue 15, point 4): restore uses the newest
+"""Checkpoints under damage and a full disk: restore uses the newest
 checkpoint that restores and verifies, says which it skipped and why, cleans stale
 temporary directories; a full disk during a save leaves the previous checkpoints usable
 and says so in one line."""

@@ -1,5 +1,4 @@
-"""experiments/rl.py on a damaged or full workdir, and with bad flags (issue 15, point 1 and
-the flag parts of 5 and 6): only bad flags are usage errors (the flag help); every other
+"""experiments/rl.py on a damaged or full workdir, and with bad flags: only bad flags are usage errors (the flag help); every other
 fault ends the run with one line naming what failed, the path and what to do, exit 1."""
 
 import importlib.util

@@ -1,4 +1,4 @@
-"""Inputs that used to be accepted silently or failed deep inside (issue 15, point 6): each
+"""Inputs that used to be accepted silently or failed deep inside: each
 is refused with a ValueError naming the value (or the file) and what is allowed."""
 
 import json

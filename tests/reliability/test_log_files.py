@@ -1,4 +1,4 @@
-"""metrics.jsonl and other files under crashes and a full disk (issue 15, point 2): a torn
+"""metrics.jsonl and other files under crashes and a full disk: a torn
 last line (an append cut short) is dropped with a warning instead of making the workdir
 impossible to resume; damage elsewhere names the file and the line; a write that fails
 leaves the previous file whole and names the path."""

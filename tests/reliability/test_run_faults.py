@@ -1,4 +1,4 @@
-"""An RL run under faults (issue 15): SIGKILL during a checkpoint save, a damaged latest
+"""An RL run under faults: SIGKILL during a checkpoint save, a damaged latest
 checkpoint, divergence, a crash before the first checkpoint. Each resumes from the last
 good checkpoint, logs every step exactly once and ends where an uninterrupted run ends."""
 
@@ -203,7 +203,7 @@ def test_divergence_stops_before_saving_and_keeps_the_last_good_checkpoint(strai
 
 @pytest.mark.slow  # a fresh run (~10 s); the test above covers the guard in the default suite
 def test_huge_learning_rate_diverges_at_step_one_and_saves_nothing(tmp_path):
-  # The issue's repro: --learning_rate=1e30 --minibatches=1 logged step 1, exited 0 and
+  # Once, --learning_rate=1e30 --minibatches=1 logged step 1, exited 0 and
   # saved weights of 1e30 that every resume then died on.
   with pytest.raises(DivergenceError, match=r"step 1 diverged.*no checkpoint was saved"):
     Trainer(_config(learning_rate=1e30, steps=2), str(tmp_path), progress=False).run()

@@ -254,7 +254,7 @@ def test_one_step_keeps_the_arms_promises(tmp_path, monkeypatch, arm, fp4_sites,
 
 @pytest.mark.slow
 def test_a_bf16_kv_cache_reaches_both_paths(tmp_path):
-  """Issue 30's KV ablation, `--kv_precision=bf16` on the method's scope: the rollout's cache
+  """The KV ablation, `--kv_precision=bf16` on the method's scope: the rollout's cache
   is bf16 and K/V are neither FP4 nor guided on either path (the guidance bytes are the
   experts' alone, from the model's shapes), the experts stay FP4 and guided, and the
   step runs with guidance followed."""

@@ -1,5 +1,5 @@
 """What a rollout captures never changes what it samples, and every record is the FP4 of
-the input recorded beside it (issue 27, defects 3 and 4).
+the input recorded beside it.
 
 bf16 compute, the rollout's default: there XLA may carry an activation in float32 inside a
 fusion (excess precision) for one use and round it for another. Before the fix, sparse

@@ -1,4 +1,4 @@
-"""The trainer with bounded staleness (issue 26): the fixed-lag version schedule, the
+"""The trainer with bounded staleness: the fixed-lag version schedule, the
 decoupled loss's IS mask, a failing rollout worker, and resume mid-pipeline."""
 
 import threading

@@ -35,7 +35,7 @@ def test_padding_rows_change_no_loss():
 
 
 def test_a_warm_start_is_reused_only_for_its_own_settings(tmp_path):
-  """Issue 30, 4: the saved warm start carries its settings; the same settings load it
+  """The saved warm start carries its settings; the same settings load it
   (the very parameters), any other setting is refused naming the field and both values,
   and a warm start saved without settings is refused too, never reused silently."""
   import json
@@ -76,7 +76,7 @@ def test_a_warm_start_is_reused_only_for_its_own_settings(tmp_path):
 
 
 def test_a_warm_start_stops_at_its_target_level(tmp_path, monkeypatch):
-  """Issue 30: --sft_target ends the SFT at the first check (every LEVEL_EVERY steps) whose
+  """--sft_target ends the SFT at the first check (every LEVEL_EVERY steps) whose
   greedy FP4 reward on training problems reaches it. Unreached, every step runs and each
   check is recorded, the last one equal to an independent greedy play of the saved policy;
   reached, the SFT stops there. The target keys the warm start like any setting."""

@@ -1,4 +1,4 @@
-"""The evaluation's problems (issue 30): a listable held-out split whole and each problem
+"""The evaluation's problems: a listable held-out split whole and each problem
 once; n distinct problems for a task whose space is vast."""
 
 import itertools

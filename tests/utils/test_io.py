@@ -1,4 +1,4 @@
-"""Durable publication of files and folders (issue 27, 6): every rename that puts a file or
+"""Durable publication of files and folders: every rename that puts a file or
 folder in place is followed by an fsync of the directory it was renamed into (until then
 the rename itself can be lost in a power cut), for write_atomic, the checkpoint save and
 the metrics rewrite; and a folder is replaced whole (`atomic_directory`)."""

@@ -1,4 +1,4 @@
-"""One run per workdir (issue 27, 7): a second run on a busy workdir is refused with one line
+"""One run per workdir: a second run on a busy workdir is refused with one line
 naming the holder and writes nothing; a lock left by a dead process is taken over (and said);
 released at exit and when a start fails; one process shares its lock; a multi-host job takes
 it on process 0 only. The holder is a small helper process, not a training run."""
