@@ -75,7 +75,8 @@ GUIDED_LAYER_NAMES = ("last_half", "all", "none")
 # nearest without guidance: full-code guidance would cost 8 bits per element, the FP8
 # activation itself, and an FP8 flip moves a value by at most 1/8 relative (E2M1: 1/2).
 ACTIVATION_FORMATS = ("fp4", "fp8")
-KV_PRECISIONS = PRECISIONS[::-1]  # the KV cache's (and the K/V sites') precision in scope; FP4 first
+# The KV cache's (and the K/V sites') precision in scope, FP4 first (the default)
+KV_PRECISIONS = PRECISIONS[::-1]
 GuidedLayers = Union[str, int, Sequence[int]]
 
 
