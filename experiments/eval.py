@@ -62,7 +62,7 @@ _SAMPLES = flags.DEFINE_integer(
 )
 _K = flags.DEFINE_list("k", None, "pass@k's k, each in [1, --samples] (default: 1, 2, 4, ..., n).")
 _PRECISIONS = flags.DEFINE_list(
-  "precisions", list(evaluation.PRECISIONS), "Rollout precisions: fp4, bf16 or both."
+  "precisions", list(evaluation.EvalSettings.precisions), "Rollout precisions: fp4, bf16 or both."
 )
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the samples' key.")
 _OUT = flags.DEFINE_string(

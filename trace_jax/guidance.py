@@ -30,7 +30,8 @@ import numpy as np
 from trace_jax import fp4
 from trace_jax.utils.io import write_atomic
 
-GUIDANCE_MODES = ("none", "compact", "full", "sparse")
+# What a rollout records and training follows: nothing, an FP4 record form, or sparse records
+GUIDANCE_MODES = ("none",) + fp4.RECORD_FORMS + ("sparse",)
 SiteKey = tuple[int, str]  # (layer, site name): the key of a site's records and guidance
 
 

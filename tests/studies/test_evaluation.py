@@ -99,7 +99,7 @@ def test_default_ks_and_bad_settings_name_the_setting():
     (dict(samples=4, ks=(5,)), r"k=\[5\]: .* a whole number from 1 to samples=4"),
     (dict(samples=4, ks=(2, 2)), r"k=\[2, 2\]: .* each once"),
     (dict(ks=(1,)), r"k=\[1\]: pass@k needs sampled answers; use samples >= 1"),
-    (dict(precisions=("fp8",)), r"precisions='fp8': use one or both of fp4,bf16"),
+    (dict(precisions=("fp8",)), r"precisions='fp8': use one or both of bf16,fp4"),
     (dict(precisions=()), r"precisions='': use one or both"),
   ]:
     with pytest.raises(ValueError, match=match):

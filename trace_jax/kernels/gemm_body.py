@@ -29,7 +29,7 @@ from trace_jax.fp4 import numerics, tiles
 from trace_jax.kernels import layout
 
 _F32 = jnp.float32
-RECORD_FORMS = ("none", "compact", "full")
+RECORD_FORMS = ("none",) + fp4.RECORD_FORMS
 GEMV_ROWS = 8  # row tiles up to this size skip the tensor cores
 
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe")
 LAYER_TYPES = ("full_attention", "linear_attention")
 QK_NORMS = ("none", "head", "full")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}  # compute dtypes; parameters: float32
+COMPUTE_DTYPES = tuple(DTYPES)
 DISPATCHES = ("grouped", "dense")
 
 

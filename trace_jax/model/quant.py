@@ -50,6 +50,7 @@ from typing import Any, Sequence, Union
 import jax.numpy as jnp
 
 from trace_jax import fp4, kernels as kernels_lib
+from trace_jax.guidance import GUIDANCE_MODES
 from trace_jax.model import parameters
 from trace_jax.model.parameters import WEIGHT_GROUPS
 from trace_jax.utils import flags
@@ -74,7 +75,8 @@ GUIDED_LAYER_NAMES = ("last_half", "all", "none")
 # nearest without guidance: full-code guidance would cost 8 bits per element, the FP8
 # activation itself, and an FP8 flip moves a value by at most 1/8 relative (E2M1: 1/2).
 ACTIVATION_FORMATS = ("fp4", "fp8")
-KV_PRECISIONS = ("fp4", "bf16")  # the KV cache's (and the K/V sites') precision in scope
+# The KV cache's (and the K/V sites') precision in scope, FP4 first (the default)
+KV_PRECISIONS = PRECISIONS[::-1]
 GuidedLayers = Union[str, int, Sequence[int]]
 
 
@@ -124,9 +126,6 @@ def _check_layers_spec(guided_layers: GuidedLayers) -> None:
     raise ValueError(f"guided_layers={guided_layers!r} must hold non-negative layer ids")
 
 
-RECORD_FORMS = ("none",) + fp4.RECORD_FORMS + ("sparse",)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recording:
   """What a forward records of its quantization sites (static: part of the jit key).
@@ -143,8 +142,8 @@ class Recording:
   sparse: fp4.SparseSpec = fp4.SparseSpec()  # form "sparse": margins and buffer capacity
 
   def __post_init__(self):
-    if self.form not in RECORD_FORMS:
-      raise ValueError(f"Recording.form={self.form!r} is not allowed; use one of {RECORD_FORMS}")
+    if self.form not in GUIDANCE_MODES:
+      raise ValueError(f"Recording.form={self.form!r} is not allowed; use one of {GUIDANCE_MODES}")
     if self.layers is not None:
       object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
 

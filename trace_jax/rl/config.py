@@ -26,7 +26,7 @@ import math
 import os
 
 from trace_jax import fp4
-from trace_jax.model.config import PRESETS
+from trace_jax.model.config import COMPUTE_DTYPES, PRESETS
 from trace_jax.model.quant import QuantConfig, check_run_scheme
 from trace_jax.model.skew import check_amount
 from trace_jax.rl.arms import ARMS, RUNNABLE, Arm, get_arm
@@ -53,7 +53,6 @@ RESUMABLE_FIELDS = (
   "wandb_project",
   "rollout_timeout",
 )
-COMPUTE_DTYPES = ("bfloat16", "float32")
 # The lowest sampling temperature a run takes (vLLM clamps to the same): every log-prob of the
 # rollout and the training path is scaled by 1 / temperature, and below it a logit gap of
 # under one nat between the two paths overflows float32's exp in the IS ratio and k3 (inf,

@@ -15,9 +15,8 @@ from trace_jax.model.quant import (
   _check_layers_spec,
   check_run_scheme,
 )
+from trace_jax.model.config import COMPUTE_DTYPES
 from trace_jax.model.skew import check_amount
-
-COMPUTE_DTYPES = ("bfloat16", "float32")
 
 
 def _require(ok: bool, where: str, field: str, value, allowed: str) -> None:

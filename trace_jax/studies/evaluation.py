@@ -36,6 +36,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from trace_jax.model.quant import PRECISIONS
 from trace_jax.export.run import SavedRun, check_step, config_from_meta, open_checkpoints
 from trace_jax.rl import data, episodes
 from trace_jax.rl.config import RLConfig
@@ -47,7 +48,6 @@ from trace_jax.utils import lock, markdown_table, write_atomic, write_json
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp4", "bf16")
 # RLConfig fields an evaluation may set (by flat name); the rest are the run's
 OVERRIDABLE = ("task", "task_options", "eval_size", "max_new_tokens", "temperature")
 RESULTS, TABLE, PROBLEMS = "results.json", "results.md", "problems.jsonl"
@@ -84,7 +84,7 @@ class EvalSettings:
 
   samples: int = 0  # sampled sequences per problem (n); 0: greedy only
   ks: tuple = ()  # pass@k's k, each in [1, samples]; (): `default_ks(samples)`
-  precisions: tuple = PRECISIONS  # rollout precisions, each once
+  precisions: tuple = ("fp4", "bf16")  # rollout precisions (of `PRECISIONS`), each once
   seed: int = 0  # the samples' key
 
   def __post_init__(self):

@@ -63,7 +63,8 @@ from trace_jax.studies.mismatch_results import (
 )
 from trace_jax.rl.metrics import fp4_disagreement, guidance_agreement, mismatch_metrics
 from trace_jax.rollout.accounting import guidance_bytes_per_token
-from trace_jax.rollout.config import COMPUTE_DTYPES, RolloutConfig, SamplingConfig
+from trace_jax.model.config import COMPUTE_DTYPES
+from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.run.warmstart import run_sft
 from trace_jax.tasks.registry import get_task

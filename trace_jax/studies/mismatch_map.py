@@ -36,7 +36,8 @@ from trace_jax.model.skew import check_amount
 from trace_jax.model.transformer import Transformer
 from trace_jax.rl import data
 from trace_jax.rl.metrics import fp4_disagreement, mismatch_metrics, router_flip_rate
-from trace_jax.rollout.config import COMPUTE_DTYPES, RolloutConfig, SamplingConfig
+from trace_jax.model.config import COMPUTE_DTYPES
+from trace_jax.rollout.config import RolloutConfig, SamplingConfig
 from trace_jax.rollout.engine import RolloutEngine
 from trace_jax.rollout.trajectories import FINISH_STOP
 from trace_jax.studies.mismatch import study_sft, training_path
