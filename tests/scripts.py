@@ -70,7 +70,8 @@ def _alone(name: str):
 
 def refusal(name: str, *argv: str) -> str:
   """The message experiments/<name>.py refuses `argv` with, in this process: a flag's parse
-  error (absl's flags.Error), or the UsageError or ValueError its main raises. Fails if main returns."""
+  error (absl's flags.Error), or the UsageError or ValueError its main raises. Fails if main
+  returns."""
   with _alone(name) as script:
     parse = getattr(script, "parse_flags", None)
     try:
