@@ -11,13 +11,16 @@ probabilities), so a cache entry is never dequantized in memory. Masked slots ar
 before every product, so a NaN left in a slot that is not attended to (0 * NaN) cannot
 reach the output; NaN in an attended slot stays visible.
 
-Grid: (B, Hkv, S) over any length L: the slots are cut into `chunk`-slot chunks (the last
-one partial: L = context + 1 is odd), S splits of whole chunks, and S chosen from B * Hkv
-and L so that there are at least `TARGET_PROGRAMS` programs (two per SM of an H100/H200)
-whenever L has that many 32-slot chunks (`num_splits`, `default_chunk`). Each program walks its split with an
-online softmax (stopping at the sequence's length) and writes an unnormalised partial
-(out, max, sum); a second small kernel (grid B x H) combines the splits of each head. A
-sequence with no valid slot gets 0 (the engine never asks for one: a step attends to itself).
+Programs: both kernels are written for one KV head of one sequence, and `jax.vmap` over
+the sequences and the KV heads gives each pair its own programs and BlockSpec slices (the
+cache is read in place). The slots, any length L, are cut into `chunk`-slot chunks (the last
+one partial: L = context + 1 is odd) and S splits of whole chunks, one program each, with S
+chosen from B * Hkv and L so that there are at least `TARGET_PROGRAMS` programs (two per SM
+of an H100/H200) whenever L has that many 32-slot chunks (`num_splits`, `default_chunk`):
+grid (B, Hkv, S). Each program walks its split with an online softmax (stopping at the
+sequence's length) and writes an unnormalised partial (out, max, sum); a second small kernel
+(grid B x Hkv x G, one program a query head) combines the splits. A sequence with no valid
+slot gets 0 (the engine never asks for one: a step attends to itself).
 
 K and V may be the stacks of every layer's entries [N, B, L, Hkv, ...] (`model.cache`'s
 `LayerEntries`) with the layer's position in them given (`layer`, traced inside a scan over
@@ -86,17 +89,29 @@ def num_splits(batch: int, kv_heads: int, length: int, chunk: int) -> tuple[int,
 
 
 def _attention_kernel(
-  layer_ref, len_ref, q_ref, kp_ref, ks_ref, kg_ref, vp_ref, vs_ref, vg_ref, valid_ref, o_ref, m_ref, l_ref,
-  *, fmt, groups, rows, chunk, per_split, length, dtype,
+  layer_ref,  # [1] int32: the layer's entry in the stacks
+  len_ref,  # [] int32: the sequence's length
+  q_ref,  # [G, Dh]: the query heads of this KV head
+  kp_ref,  # [N, span, Dh/2] uint8: K's codes in this split's slots, two a byte
+  ks_ref,  # [N, span, Dh/block] uint8: K's E4M3 (E8M0) block scales
+  kg_ref,  # [N, span, 1] f32: K's global scale per token
+  vp_ref,  # [N, span, Dh/2] uint8: V's codes
+  vs_ref,  # [N, span, Dh/block] uint8: V's block scales
+  vg_ref,  # [N, span, 1] f32: V's global scale per token
+  valid_ref,  # [span] int8: the split's slots that hold real tokens
+  o_ref,  # [G, Dh] f32 out: the split's unnormalised output
+  m_ref,  # [G] f32 out: the split's running max of the scores
+  l_ref,  # [G] f32 out: the split's sum of exp(score - max)
+  *, fmt, rows, chunk, per_split, length, dtype,
 ):  # fmt: skip
-  b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  layer = layer_ref[0]
-  dh = q_ref.shape[-1]
-  first = s * per_split * chunk
-  n = len_ref[b]
+  """One KV head of one sequence over one split (`per_split` chunks of `chunk` slots):
+  an online softmax over the split's valid slots, stopping at the sequence's length."""
+  groups, dh = q_ref.shape
+  first = pl.program_id(0) * per_split * chunk  # the split's first slot in the cache
+  layer, n = layer_ref[0], len_ref[()]
   steps = jnp.clip((jnp.minimum(n, length) - first + chunk - 1) // chunk, 0, per_split)
   head_rows = jax.lax.broadcasted_iota(jnp.int32, (rows, dh), 0) < groups
-  q = plgpu.load(q_ref.at[b, pl.ds(h * groups, rows), :], mask=head_rows, other=0)
+  q = plgpu.load(q_ref.at[pl.ds(0, rows), :], mask=head_rows, other=0)
   q_even, q_odd = (a.reshape(rows, dh // 2) for a in jnp.split(q.reshape(rows, dh // 2, 2), 2, 2))
   q_even, q_odd = q_even.astype(dtype), q_odd.astype(dtype)
   scale = dh**-0.5
@@ -104,15 +119,15 @@ def _attention_kernel(
 
   def step(c, carry):
     out_even, out_odd, m, l = carry
-    start = pl.multiple_of(first + c * chunk, chunk)
+    start = pl.multiple_of(c * chunk, chunk)  # within the split
     slots = pl.ds(start, chunk)
-    position = start + jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    position = first + start + jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     inside = position < length  # the last chunk may run past the cache
-    keep = inside & (position < n) & (plgpu.load(valid_ref.at[b, slots], mask=inside, other=0) != 0)
+    keep = inside & (position < n) & (plgpu.load(valid_ref.at[slots], mask=inside, other=0) != 0)
 
     def load(ref, width):
       mask = jnp.broadcast_to(inside[:, None], (chunk, width))
-      return plgpu.load(ref.at[layer, b, slots, h, :], mask=mask, other=0)
+      return plgpu.load(ref.at[layer, slots, :], mask=mask, other=0)
 
     k_even, k_odd = tiles.scaled_pairs_bf16(
       load(kp_ref, dh // 2), load(ks_ref, ks_ref.shape[-1]), fmt, axis=1
@@ -152,28 +167,34 @@ def _attention_kernel(
   )
   out_even, out_odd, m, l = jax.lax.fori_loop(0, steps, step, init)
   out = jnp.stack([out_even, out_odd], axis=-1).reshape(rows, dh)  # even/odd interleaved
-  plgpu.store(o_ref.at[b, pl.ds(h * groups, rows), s, :], out, mask=head_rows)
-  stat_rows = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < groups
-  plgpu.store(m_ref.at[b, pl.ds(h * groups, rows), pl.ds(s, 1)], m, mask=stat_rows)
-  plgpu.store(l_ref.at[b, pl.ds(h * groups, rows), pl.ds(s, 1)], l, mask=stat_rows)
+  plgpu.store(o_ref.at[pl.ds(0, rows), :], out, mask=head_rows)
+  stat_rows = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < groups
+  plgpu.store(m_ref.at[pl.ds(0, rows)], m.reshape(rows), mask=stat_rows)
+  plgpu.store(l_ref.at[pl.ds(0, rows)], l.reshape(rows), mask=stat_rows)
 
 
-def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits, width):
-  """One head of one sequence: the splits' partials rescaled to the overall max, summed
-  and normalised (0 when no slot was valid)."""
-  b, h = pl.program_id(0), pl.program_id(1)
-  dh = o_ref.shape[-1]
+def _combine_kernel(
+  o_ref,  # [S, Dh] f32: the query head's unnormalised partial per split
+  m_ref,  # [S] f32: each split's max score
+  l_ref,  # [S] f32: each split's sum
+  out_ref,  # [Dh] out: the query head's output
+  *, width,
+):  # fmt: skip
+  """One query head of one sequence: the splits' partials rescaled to the overall max,
+  summed and normalised (0 when no slot was valid). `width`: the splits, rounded up to a
+  power of two (loads are powers of two: the rest is masked)."""
+  splits, dh = o_ref.shape
   used = jax.lax.broadcasted_iota(jnp.int32, (width,), 0) < splits
-  m = plgpu.load(m_ref.at[b, h, pl.ds(0, width)], mask=used, other=_NEG)
-  l = plgpu.load(l_ref.at[b, h, pl.ds(0, width)], mask=used, other=0.0)
+  m = plgpu.load(m_ref.at[pl.ds(0, width)], mask=used, other=_NEG)
+  l = plgpu.load(l_ref.at[pl.ds(0, width)], mask=used, other=0.0)
   parts = plgpu.load(
-    o_ref.at[b, h, pl.ds(0, width), :], mask=jnp.broadcast_to(used[:, None], (width, dh)), other=0.0
+    o_ref.at[pl.ds(0, width), :], mask=jnp.broadcast_to(used[:, None], (width, dh)), other=0.0
   )
   weight = jnp.where(used, jnp.exp(m - jnp.max(m)), 0.0)
   total = jnp.sum(weight * l)
-  out = jnp.sum(weight[:, None] * parts, axis=0, keepdims=True)  # [1, Dh]
+  out = jnp.sum(weight[:, None] * parts, axis=0)  # [Dh]
   out = jnp.where(total > 0, numerics.true_divide(out, jnp.where(total > 0, total, 1.0)), 0.0)
-  out_ref[b, pl.ds(h, 1), :] = out.astype(out_ref.dtype)
+  out_ref[...] = out.astype(out_ref.dtype)
 
 
 def decode_attention(
@@ -222,43 +243,64 @@ def decode_attention(
   else:
     per_split = -(-chunks // splits)
     splits = -(-chunks // per_split)
-  interpret = launch.interpret_default(interpret)
   valid = jnp.ones((b, length), jnp.int8) if valid is None else valid.astype(jnp.int8)
-  launch_args = (interpret, poison, num_warps or (8 if chunk >= 128 else 4), num_stages)
-  lengths = lengths.astype(jnp.int32)
   if layer is None:
     k, v = (jax.tree.map(lambda a: a[None], entry) for entry in (k, v))
-  layer = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
-  return _attention(q, k, v, layer, lengths, valid, chunk, splits, per_split, *launch_args)
-
-
-@functools.partial(jax.jit, static_argnums=tuple(range(6, 13)))
-def _attention(
-  q, k, v, layer, lengths, valid, chunk, splits, per_split, interpret, poison, warps, stages
-):
-  b, h, dh = q.shape
-  length, hkv = k.packed.shape[2], k.packed.shape[3]
-  groups = h // hkv
-  rows = groups if interpret else max(16, groups)  # GPU dots want >= 16 rows
-  whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # noqa: E731
-  inputs = (
-    layer,
-    lengths,
+  return _attention(
     q,
-    k.packed,
-    k.scales,
-    k.global_scale.astype(_F32),
-    v.packed,
-    v.scales,
-    v.global_scale.astype(_F32),
+    k,
+    v,
+    jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1),
+    lengths.astype(jnp.int32),
     valid,
+    chunk=chunk,
+    splits=splits,
+    per_split=per_split,
+    interpret=launch.interpret_default(interpret),
+    poison=poison,
+    num_warps=num_warps or (8 if chunk >= 128 else 4),
+    num_stages=num_stages,
   )
-  part = jax.ShapeDtypeStruct((b, h, splits, dh), _F32)
-  stat = jax.ShapeDtypeStruct((b, h, splits), _F32)
+
+
+_STATIC = ("chunk", "splits", "per_split", "interpret", "poison", "num_warps", "num_stages")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _attention(q, k, v, layer, lengths, valid, **static):
+  """Both kernels, each written for one KV head of one sequence; `jax.vmap` over the
+  sequences and then the KV heads gives each (sequence, KV head) its own programs and its
+  own slices of q, the cache and the outputs (the cache is read in place: no copy)."""
+  b, h, dh = q.shape
+  hkv = k.packed.shape[3]
+  heads = q.reshape(b, hkv, h // hkv, dh)
+  fields = lambda e: (e.packed, e.scales, e.global_scale.astype(_F32))  # noqa: E731
+  head = functools.partial(_one_head, layer=layer, fmt=k.fmt, **static)
+  # the cache fields are [N, B, L, Hkv, ...]: B is axis 1, then Hkv is axis 2
+  per_kv_head = jax.vmap(head, in_axes=(0, 2, 2, 2, 2, 2, 2, None, None))
+  per_sequence = jax.vmap(per_kv_head, in_axes=(0, 1, 1, 1, 1, 1, 1, 0, 0))
+  out = per_sequence(heads, *fields(k), *fields(v), lengths, valid)  # [B, Hkv, G, Dh]
+  return out.reshape(b, h, dh)
+
+
+def _one_head(
+  q, kp, ks, kg, vp, vs, vg, length_b, valid, *, layer, fmt, chunk, splits, per_split,
+  interpret, poison, num_warps, num_stages,
+):  # fmt: skip
+  """q [G, Dh] of one KV head over its cache fields [N, L, ...] -> [G, Dh]: the attention
+  kernel over (split) and the combine kernel over (query head)."""
+  groups, dh = q.shape
+  length = kp.shape[1]
+  rows = groups if interpret else max(16, groups)  # GPU dots want >= 16 rows
+  span = per_split * chunk  # a split's slots (the last split's may run past the cache)
+  whole = lambda a: pl.BlockSpec(a.shape, lambda s: (0,) * a.ndim)  # noqa: E731
+  slots = lambda a: pl.BlockSpec((a.shape[0], span, a.shape[2]), lambda s: (0, s, 0))  # noqa: E731
+  cache = (kp, ks, kg, vp, vs, vg)
+  part = jax.ShapeDtypeStruct((splits, groups, dh), _F32)
+  stat = jax.ShapeDtypeStruct((splits, groups), _F32)
   kernel = functools.partial(
     _attention_kernel,
-    fmt=k.fmt,
-    groups=groups,
+    fmt=fmt,
     rows=rows,
     chunk=chunk,
     per_split=per_split,
@@ -268,24 +310,38 @@ def _attention(
   parts, m, l = launch.pallas_call(
     kernel,
     out_shape=[part, stat, stat],
-    grid=(b, hkv, splits),
-    in_specs=[whole(a) for a in inputs],
-    out_specs=[whole(part), whole(stat), whole(stat)],
-    inputs=inputs,
+    grid=(splits,),
+    in_specs=[
+      whole(layer),
+      pl.BlockSpec((), lambda s: ()),
+      whole(q),
+      *(slots(a) for a in cache),
+      pl.BlockSpec((span,), lambda s: (s,)),
+    ],
+    out_specs=[
+      pl.BlockSpec((None, groups, dh), lambda s: (s, 0, 0)),
+      pl.BlockSpec((None, groups), lambda s: (s, 0)),
+      pl.BlockSpec((None, groups), lambda s: (s, 0)),
+    ],
+    inputs=(layer, length_b, q, *cache, valid),
     interpret=interpret,
     poison=poison,
     name="decode_attention",
-    num_warps=warps,
-    num_stages=stages,
+    num_warps=num_warps,
+    num_stages=num_stages,
   )
-  width = 1 << max(0, splits - 1).bit_length()  # loads are powers of two: mask the rest
-  out_shape = jax.ShapeDtypeStruct((b, h, dh), q.dtype)
+  width = 1 << max(0, splits - 1).bit_length()
+  out_shape = jax.ShapeDtypeStruct((groups, dh), q.dtype)
   (out,) = launch.pallas_call(
-    functools.partial(_combine_kernel, splits=splits, width=width),
+    functools.partial(_combine_kernel, width=width),
     out_shape=[out_shape],
-    grid=(b, h),
-    in_specs=[whole(parts), whole(m), whole(l)],
-    out_specs=[whole(out_shape)],
+    grid=(groups,),
+    in_specs=[
+      pl.BlockSpec((splits, None, dh), lambda g: (0, g, 0)),
+      pl.BlockSpec((splits, None), lambda g: (0, g)),
+      pl.BlockSpec((splits, None), lambda g: (0, g)),
+    ],
+    out_specs=[pl.BlockSpec((None, dh), lambda g: (g, 0))],
     inputs=(parts, m, l),
     interpret=interpret,
     poison=poison,

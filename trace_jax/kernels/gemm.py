@@ -120,38 +120,52 @@ def fp4_gemm(
     row_div=1,
     out_dtype=jnp.dtype(out_dtype),
   )
-  launch_args = (launch.interpret_default(interpret), poison, num_warps or (8 if bm >= 32 else 4))
-  y, record_out = _dense_call(x2, qw, spec, splits, *launch_args, num_stages)
+  y, record_out = _dense_call(
+    x2,
+    qw,
+    spec=spec,
+    splits=splits,
+    interpret=launch.interpret_default(interpret),
+    poison=poison,
+    num_warps=num_warps or (8 if bm >= 32 else 4),
+    num_stages=num_stages,
+  )
   return y.reshape(*lead, y.shape[-1]), record_output(record_out, spec, lead)
 
 
-@functools.partial(jax.jit, static_argnums=tuple(range(2, 8)))
-def _dense_call(x2, qw, spec, splits, interpret, poison, num_warps, num_stages):
+@functools.partial(
+  jax.jit, static_argnames=("spec", "splits", "interpret", "poison", "num_warps", "num_stages")
+)
+def _dense_call(x2, qw, *, spec, splits, interpret, poison, num_warps, num_stages):
   m, k = x2.shape
   n = qw.packed.shape[-1]
   n_out = n // 2 if spec.swiglu else n
   wn = 2 * spec.block_n if spec.swiglu else spec.block_n
-  whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, s: (0,) * a.ndim)  # noqa: E731
+  bm, bn = spec.block_m, spec.block_n
+  # each program (row tile i, column block j, K split s) its own slices: bm rows of x, of y
+  # and of the records; the column block of w; the last row tile may run past m (masked)
+  rows = lambda a: pl.BlockSpec((bm, a.shape[1]), lambda i, j, s: (i, 0))  # noqa: E731
   inputs = [x2, qw.packed, qw.scales]
   inputs.append(qw.global_scale.reshape(1).astype(_F32))
-  in_specs = [whole(a) for a in inputs[:-3]] + [
+  in_specs = [
+    rows(x2),
     pl.BlockSpec((k // 2, wn), lambda i, j, s: (0, j)),
     pl.BlockSpec((qw.scales.shape[0], wn), lambda i, j, s: (0, j)),
-    whole(inputs[-1]),
+    pl.BlockSpec((1,), lambda i, j, s: (0,)),
   ]
   if spec.split:
     y_shape = jax.ShapeDtypeStruct((splits, m, n_out), _F32)
-    y_spec = pl.BlockSpec((splits, m, spec.block_n), lambda i, j, s: (0, 0, j))
+    y_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
   else:
     y_shape = jax.ShapeDtypeStruct((m, n_out), spec.out_dtype)
-    y_spec = pl.BlockSpec((m, spec.block_n), lambda i, j, s: (0, j))
+    y_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
   records = record_shapes(spec, (m,), k)
   out = launch.pallas_call(
     functools.partial(kernel, spec=spec),
     out_shape=[y_shape, *records],
     grid=(-(-m // spec.block_m), n // wn, splits),
     in_specs=in_specs,
-    out_specs=[y_spec, *(pl.BlockSpec(r.shape, lambda i, j, s: (0, 0)) for r in records)],
+    out_specs=[y_spec, *(rows(r) for r in records)],
     inputs=inputs,
     interpret=interpret,
     poison=poison,

@@ -135,6 +135,20 @@ def _dot(a, b, gemv: bool):
 
 
 def kernel(*refs, spec: Spec):
+  """One program: a tile of rows, one column block, its share of K. Every operand that is
+  indexed by row comes as the program's own BlockSpec slice of bm rows (the dense rows
+  past m and a tile's empty places masked), except x gathered by token ("gather").
+
+  refs, in order (grouped: the first two; bf16 weights: no ws, wg and records):
+    tile_expert_ref  # [T] int32: each tile's expert (-1: unused)
+    tile_rows_ref    # [bm] int32: the tile's routed rows (-1: empty place)
+    x_ref            # [bm, K] (dense, tiled) or [tokens, K] (gather): activations
+    wp_ref           # [(E,) K/2, wn] uint8 (bf16: [(E,) K, wn]): the column block's codes
+    ws_ref           # [(E,) K/block, wn] uint8: its block scales
+    wg_ref           # [1] or [E] f32: the global scale(s)
+    y_ref            # [bm, bn] out (K split: [bm, bn] f32 partial of split s)
+    *record_refs     # [bm, K/2 | K/block | K/8 | 1] out: x's record, by `record_fields`
+  """
   refs = list(refs)
   grouped = spec.rows != "dense"
   if grouped:
@@ -155,35 +169,30 @@ def kernel(*refs, spec: Spec):
     expert = tile_expert_ref[tile]
     live = expert >= 0
     expert = jnp.maximum(expert, 0)  # a dead tile (-1) is skipped; keep its loads in range
-    valid = tile_rows_ref[tile, :] >= 0
+    valid = tile_rows_ref[...] >= 0
     first_step = 0
   else:
-    row0 = pl.program_id(0) * bm
-    valid = row0 + lanes < spec.num_rows
+    valid = pl.program_id(0) * bm + lanes < spec.num_rows
     first_step = pl.program_id(2) * spec.steps
   w_index = (expert,) if grouped else ()
   widths = (bn, bn) if spec.swiglu else (bn,)
 
   def load_x(k0, width):
     mask = jnp.broadcast_to(valid[:, None], (bm, width))
-    if spec.rows == "dense":
-      ref = x_ref.at[pl.ds(row0, bm), pl.ds(k0, width)]
-    elif spec.rows == "gather":  # the rows' tokens, gathered
-      source = jnp.maximum(tile_rows_ref[tile, :], 0) // spec.row_div
+    if spec.rows == "gather":  # the rows' tokens, gathered
+      source = jnp.maximum(tile_rows_ref[...], 0) // spec.row_div
       cols = k0 + jax.lax.broadcasted_iota(jnp.int32, (bm, width), 1)
       ref = x_ref.at[jnp.broadcast_to(source[:, None], (bm, width)), cols]
-    else:  # tile order
-      ref = x_ref.at[tile, pl.ds(0, bm), pl.ds(k0, width)]
+    else:  # the program's own rows
+      ref = x_ref.at[pl.ds(0, bm), pl.ds(k0, width)]
     return plgpu.load(ref, mask=mask, other=0).astype(_F32)
 
   def store_rows(ref, k0, value):
-    """Store a [bm, width] tile of x-row or output values at this tile's rows."""
+    """Store a [bm, width] tile of x-row or output values in the program's rows (a tile's
+    empty places too; dense rows past m are masked)."""
     width = value.shape[1]
-    if grouped:
-      plgpu.store(ref.at[tile, pl.ds(0, bm), pl.ds(k0, width)], value.astype(ref.dtype))
-    else:
-      mask = jnp.broadcast_to(valid[:, None], (bm, width))
-      plgpu.store(ref.at[pl.ds(row0, bm), pl.ds(k0, width)], value.astype(ref.dtype), mask=mask)
+    mask = None if grouped else jnp.broadcast_to(valid[:, None], (bm, width))
+    plgpu.store(ref.at[pl.ds(0, bm), pl.ds(k0, width)], value.astype(ref.dtype), mask=mask)
 
   def body():
     w_gs = 1.0 if bf16 else (wg_ref[expert] if grouped else wg_ref[0])
@@ -265,11 +274,7 @@ def kernel(*refs, spec: Spec):
       y = gate * numerics.true_divide(one, one + jnp.exp(-gate)) * up
     else:
       y = ys[0]
-    if spec.split:
-      mask = jnp.broadcast_to(valid[:, None], y.shape)
-      plgpu.store(y_ref.at[pl.program_id(2), pl.ds(row0, bm), pl.ds(0, bn)], y, mask=mask)
-    else:
-      store_rows(y_ref, 0, y)
+    store_rows(y_ref, 0, y)
 
   if grouped:
     pl.when(live)(body)

@@ -109,26 +109,45 @@ def fp4_grouped_gemm(
     row_div=routing.top_k,
     out_dtype=jnp.dtype(out_dtype),
   )
-  launch_args = (launch.interpret_default(interpret), poison, num_warps or (8 if bm >= 32 else 4))
-  y, record_out = _grouped_call(x, qw, routing, spec, *launch_args, num_stages)
+  y, record_out = _grouped_call(
+    x,
+    qw,
+    routing,
+    spec=spec,
+    interpret=launch.interpret_default(interpret),
+    poison=poison,
+    num_warps=num_warps or (8 if bm >= 32 else 4),
+    num_stages=num_stages,
+  )
   return y, record_output(record_out, spec, routing.tile_rows.shape)
 
 
-@functools.partial(jax.jit, static_argnums=tuple(range(3, 8)))
-def _grouped_call(x, qw, routing, spec, interpret, poison, num_warps, num_stages):
+@functools.partial(
+  jax.jit, static_argnames=("spec", "interpret", "poison", "num_warps", "num_stages")
+)
+def _grouped_call(x, qw, routing, *, spec, interpret, poison, num_warps, num_stages):
   k = x.shape[-1]
   bf16 = spec.w_fmt == "bf16"
   num_experts, _, n = qw.shape if bf16 else qw.packed.shape
   n_out = n // 2 if spec.swiglu else n
   wn = 2 * spec.block_n if spec.swiglu else spec.block_n
   tiles_shape = routing.tile_rows.shape
+  bm = spec.block_m
+  # each program (tile t, column block j) its own slices: the tile's places of tile_rows,
+  # of x in tile order, of y and of the records; the column block of every expert's w
+  # (the tile's expert is picked in the kernel). Gathered x stays whole: rows by token.
+  tile = lambda a: pl.BlockSpec((None, bm, *a.shape[2:]), lambda t, j: (t, 0, 0)[: a.ndim])  # noqa: E731
   whole = lambda a: pl.BlockSpec(a.shape, lambda t, j: (0,) * a.ndim)  # noqa: E731
+  operands = [
+    (routing.tile_expert, whole(routing.tile_expert)),
+    (routing.tile_rows, tile(routing.tile_rows)),
+    (x, tile(x) if spec.rows == "tiled" else whole(x)),
+  ]
   if bf16:
-    inputs = [routing.tile_expert, routing.tile_rows, x, qw]
-    in_specs = [whole(a) for a in inputs[:-1]]
-    in_specs.append(pl.BlockSpec((num_experts, k, wn), lambda t, j: (0, 0, j)))
+    operands.append((qw, pl.BlockSpec((num_experts, k, wn), lambda t, j: (0, 0, j))))
   else:
-    inputs, in_specs = _grouped_fp4_inputs(routing, x, qw, k, wn, whole)
+    operands += _grouped_fp4_operands(qw, k, wn, whole)
+  inputs, in_specs = zip(*operands)
   records = record_shapes(spec, tiles_shape, k)
   out = launch.pallas_call(
     functools.partial(kernel, spec=spec),
@@ -136,8 +155,8 @@ def _grouped_call(x, qw, routing, spec, interpret, poison, num_warps, num_stages
     grid=(routing.num_tiles, n // wn),
     in_specs=in_specs,
     out_specs=[
-      pl.BlockSpec((*tiles_shape, spec.block_n), lambda t, j: (0, 0, j)),
-      *(pl.BlockSpec(r.shape, lambda t, j: (0, 0, 0)) for r in records),
+      pl.BlockSpec((None, bm, spec.block_n), lambda t, j: (t, 0, j)),
+      *(tile(r) for r in records),
     ],
     inputs=inputs,
     interpret=interpret,
@@ -149,16 +168,16 @@ def _grouped_call(x, qw, routing, spec, interpret, poison, num_warps, num_stages
   return out[0], out[1:]
 
 
-def _grouped_fp4_inputs(routing, x, qw, k, wn, whole):
+def _grouped_fp4_operands(qw, k, wn, whole):
+  """(array, BlockSpec) of the FP4 experts: codes and block scales by column block, the
+  experts' global scales whole."""
   num_experts = qw.packed.shape[0]
-  inputs = [routing.tile_expert, routing.tile_rows, x, qw.packed, qw.scales]
-  inputs.append(qw.global_scale.reshape(num_experts).astype(_F32))
-  in_specs = [whole(a) for a in inputs[:3]] + [
-    pl.BlockSpec((num_experts, k // 2, wn), lambda t, j: (0, 0, j)),
-    pl.BlockSpec((num_experts, qw.scales.shape[1], wn), lambda t, j: (0, 0, j)),
-    whole(inputs[-1]),
+  global_scale = qw.global_scale.reshape(num_experts).astype(_F32)
+  return [
+    (qw.packed, pl.BlockSpec((num_experts, k // 2, wn), lambda t, j: (0, 0, j))),
+    (qw.scales, pl.BlockSpec((num_experts, qw.scales.shape[1], wn), lambda t, j: (0, 0, j))),
+    (global_scale, whole(global_scale)),
   ]
-  return inputs, in_specs
 
 
 def grouped_reference(

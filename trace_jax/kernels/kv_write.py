@@ -118,19 +118,18 @@ def write_kv(
   interpret = launch.interpret_default(interpret)
   index = jnp.asarray(index, jnp.int32).reshape(1)
   keep = jnp.asarray(keep).astype(jnp.int32).reshape(1)
+  static = dict(record=record, interpret=interpret, poison=poison)
   if stacked:
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    return _write(k_new, v_new, cache_k, cache_v, layer, index, keep, record, interpret, poison)
+    return _write(k_new, v_new, cache_k, cache_v, layer, index, keep, **static)
   one = lambda entry: jax.tree.map(lambda a: a[None], entry)  # noqa: E731
   layer = jnp.zeros((1,), jnp.int32)
-  k, v, rk, rv = _write(
-    k_new, v_new, one(cache_k), one(cache_v), layer, index, keep, record, interpret, poison
-  )
+  k, v, rk, rv = _write(k_new, v_new, one(cache_k), one(cache_v), layer, index, keep, **static)
   return jax.tree.map(lambda a: a[0], k), jax.tree.map(lambda a: a[0], v), rk, rv
 
 
-@functools.partial(jax.jit, static_argnums=(7, 8, 9))
-def _write(k_new, v_new, cache_k, cache_v, layer, index, keep, record, interpret, poison):
+@functools.partial(jax.jit, static_argnames=("record", "interpret", "poison"))
+def _write(k_new, v_new, cache_k, cache_v, layer, index, keep, *, record, interpret, poison):
   b, t, hkv, dh = k_new.shape
   length = cache_k.packed.shape[2]
   rows = 1 << max(0, hkv - 1).bit_length()

@@ -73,11 +73,22 @@ def quantize(
   """
   _check(x, fmt)
   interpret = launch.interpret_default(interpret)  # outside the jit: part of its key
-  return _quantize(x, fmt, interpret, poison, block_m, num_warps, num_stages)
+  return _quantize(
+    x,
+    fmt=fmt,
+    interpret=interpret,
+    poison=poison,
+    block_m=block_m,
+    num_warps=num_warps,
+    num_stages=num_stages,
+  )
 
 
-@functools.partial(jax.jit, static_argnums=tuple(range(1, 7)))
-def _quantize(x, fmt, interpret, poison, block_m, num_warps, num_stages):
+@functools.partial(
+  jax.jit,
+  static_argnames=("fmt", "interpret", "poison", "block_m", "num_warps", "num_stages"),
+)
+def _quantize(x, *, fmt, interpret, poison, block_m, num_warps, num_stages):
   block = _check(x, fmt)
   lead, k = x.shape[:-1], x.shape[-1]
   width = 1 << (k - 1).bit_length()  # Triton tiles are powers of two: pad K with zeros
