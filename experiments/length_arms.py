@@ -18,12 +18,15 @@ Runs go to <workdir>/<length>/seed<seed>/<variant> (checkpoints: a killed cell r
 results (small, meant to be committed cell by cell) to --results: cells/<length>/seed<seed>/
 <variant>/summary.json (with the collapse precursors' curves), results.json (`settings`,
 `cells`, `rows`, `differences`: each paired gain difference per length with its interval and
-fp4-qat's sequence-level mismatch, `collapses`), table.md and the comparison's plots. The
+fp4-qat's sequence-level mismatch, `collapses`, and `extrapolation`: the mismatch map's
+(--map_results) growth per answer token and with depth, carried to the paper's lengths),
+table.md and the comparison's plots. The
 cells run seed by seed: a study cut short still pairs every seed it finished. Run it alone:
 the wall times are in the table.
 """
 
 import functools
+import json
 import os
 
 import jax
@@ -53,6 +56,11 @@ _SFT = flags.DEFINE_integer("sft_steps", None, "Warm-start steps (default RLConf
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", None, "Eval problems (default RLConfig's).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", None, "Eval period (default RLConfig's).")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/length_arms", "Root of the run directories.")
+_MAP = flags.DEFINE_string(
+  "map_results",
+  os.path.join(_ROOT, "experiments", "results", "mismatch_map", "results.json"),
+  "The mismatch map's results.json, for the extrapolation to long answers ('': none).",
+)
 _RESULTS = flags.DEFINE_string(
   "results",
   os.path.join(_ROOT, "experiments", "results", "arms", "length"),
@@ -81,6 +89,23 @@ def _overrides() -> dict:
   return {k: v for k, v in values.items() if v is not None}
 
 
+def _map_points() -> list[dict] | None:
+  """The mismatch map's points (None with --map_results=''), checked before any work."""
+  path = _MAP.value
+  if not path:
+    return None
+  try:
+    with open(path) as f:
+      points = json.load(f)["points"]
+  except (OSError, ValueError, KeyError) as e:
+    raise app.UsageError(
+      f"--map_results={path!r} must be the mismatch map's results.json (with 'points'): {e}"
+    ) from e
+  if not points:
+    raise app.UsageError(f"--map_results={path!r} holds no points")
+  return points
+
+
 @functools.cache
 def _budget(terms: int) -> int:
   return answer_budget(get_task(TASK, terms=terms), CharTokenizer(), 0)
@@ -107,6 +132,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax and JAX log every save at INFO
   terms, seeds, correction_seeds = _ints(_TERMS), _ints(_SEEDS), _ints(_CORRECTION_SEEDS)
   overrides = _overrides()
+  map_points = _map_points()
   try:
     variants = length.check_variants(_VARIANTS.value)
     plan = length.plan(terms, seeds, correction_seeds, variants)
@@ -150,9 +176,9 @@ def main(argv):
     "variants": variants,
     "overrides": overrides,
   }
-  length.write_results(results_dir, cells, settings, title)
+  length.write_results(results_dir, cells, settings, title, map_points)
   print()
-  print(length.markdown(cells))
+  print(length.markdown(cells, map_points))
   print(f"\nwrote {results_dir}/results.json, table.md and plots")
 
 

@@ -127,12 +127,97 @@ def test_the_results_hold_the_differences_and_the_table_says_them(tmp_path):
   assert (tmp_path / "final_reward.png").exists()
 
 
+PATHS = ("fp4-qat", "fp4-qat-r3", "trace", "trace-full")
+
+
+def _map_points(rng):
+  """A map like the committed one: the default engine at 4 layers over four lengths, depth
+  varied at 8 terms, and other engines (skew, router dtype) that the fits must skip."""
+  points = []
+
+  def point(terms, layers, skew=0.0, router="float32"):
+    metrics = {p: {"seq_logratio_p90": float(rng.uniform(0.01, 20))} for p in PATHS}
+    points.append(
+      {
+        "terms": terms,
+        "layers": layers,
+        "rollout_skew": skew,
+        "router_dtype": router,
+        "answer_tokens": float(terms * rng.uniform(5, 8)),
+        "paths": metrics,
+      }
+    )
+
+  for terms in (4, 8, 16, 32):
+    point(terms, 4)
+    point(terms, 4, skew=0.0625)
+    point(terms, 4, router="compute")
+  for layers in (8, 16):
+    point(8, layers)
+    point(8, layers, skew=0.0625)
+  return points
+
+
+def test_the_extrapolation_against_a_hand_fit():
+  """Per-token growth is the least-squares line through 0 over the default engine's points
+  at the shallowest depth; depth the deepest over the shallowest p90 at 8 terms; the gain
+  line goes through the two lengths' mean differences."""
+  rng = np.random.default_rng()
+  points = _map_points(rng)
+  default = [p for p in points if p["rollout_skew"] == 0 and p["router_dtype"] == "float32"]
+  shallow = [p for p in default if p["layers"] == 4]
+  deep = {p["layers"]: p for p in default if p["terms"] == 8}
+  cells = _cells(rng)
+  diffs = length.differences(cells)
+  ex = length.extrapolate(points, diffs)
+  assert ex.depths == (4, 16)
+  for path in PATHS:
+    xy = sum(p["answer_tokens"] * p["paths"][path]["seq_logratio_p90"] for p in shallow)
+    xx = sum(p["answer_tokens"] ** 2 for p in shallow)
+    assert ex.per_token[path] == pytest.approx(xy / xx)
+    factor = (
+      deep[16]["paths"][path]["seq_logratio_p90"] / deep[4]["paths"][path]["seq_logratio_p90"]
+    )
+    assert ex.depth_factor[path] == pytest.approx(factor)
+    for tokens in length.EXTRAPOLATE_TOKENS:
+      assert ex.at_tokens[path][tokens] == pytest.approx(xy / xx * tokens * factor)
+  (x0, y0), (x1, y1) = [
+    (d.qat_seq_logratio_p90, d.gain.mean)
+    for d in diffs
+    if (d.arm, d.baseline) == ("trace", "fp4-qat")
+  ]
+  slope = (y1 - y0) / (x1 - x0)
+  assert ex.gain_per_nat == pytest.approx(slope)
+  assert ex.gain_at_zero == pytest.approx(y0 - slope * x0)
+  if slope > 0:
+    nats = (length.PAPER_GAP - (y0 - slope * x0)) / slope
+    assert ex.paper_gap_nats == pytest.approx(nats)
+    per_token = ex.per_token["fp4-qat"] * ex.depth_factor["fp4-qat"]
+    assert ex.paper_gap_tokens == pytest.approx(nats / per_token)
+  else:
+    assert ex.paper_gap_nats is None and ex.paper_gap_tokens is None
+  one_length = [d for d in diffs if d.length == length.label(4)]
+  assert length.extrapolate(points, one_length).gain_per_nat is None
+
+
+def test_the_results_hold_the_extrapolation_with_the_map(tmp_path):
+  rng = np.random.default_rng()
+  points, cells = _map_points(rng), _cells(rng)
+  length.write_results(str(tmp_path), cells, {}, "length: test", map_points=points)
+  saved = json.loads((tmp_path / "results.json").read_text())
+  ex = saved["extrapolation"]
+  assert set(ex["at_tokens"]["trace"]) == {str(t) for t in length.EXTRAPOLATE_TOKENS}
+  assert ex["assumptions"] == list(length.ASSUMPTIONS)
+  assert "## Extrapolation" in (tmp_path / "table.md").read_text()
+
+
 @pytest.mark.parametrize(
   "flag, message",
   [
     ("--variants=trace,fp4-qat+mask", "fp4-qat+mask"),
     ("--correction_seeds=9", "correction_seeds [9]"),
     ("--terms=four", "--terms"),
+    ("--map_results=/nonexistent/results.json", "--map_results='/nonexistent/results.json'"),
   ],
 )
 def test_the_script_refuses_bad_flags_before_any_work(tmp_path, flag, message):

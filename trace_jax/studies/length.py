@@ -13,7 +13,12 @@ What the table reads:
 - fp4-qat's sequence-level mismatch at that length (the mean over its steps of
   `mismatch/seq_logratio_p90`, then over seeds), the axis the difference is read against;
 - collapses: a cell whose final eval fell more than `COLLAPSE_DROP` below its initial eval,
-  with its collapse precursors (`PRECURSORS`) over its first and last tenth of steps.
+  with its collapse precursors (`PRECURSORS`) over its first and last tenth of steps;
+- with the mismatch map's points (`studies.mismatch_map`), an extrapolation to the paper's
+  setting (`extrapolate`): each path's sequence-level mismatch per answer token and its
+  growth with depth, measured on the map, and the gain difference per nat of fp4-qat's
+  mismatch, measured across the lengths here, each carried to longer answers under the
+  assumptions it states.
 """
 
 from __future__ import annotations
@@ -50,6 +55,17 @@ PRECURSORS = compare.PRECURSORS  # kept per cell as curves (`compare.train_cell`
 COLLAPSE_DROP = 0.1  # a final eval this far below the initial one is a collapse
 MISMATCH = "mismatch/seq_logratio_p90"  # the sequence-level mismatch a difference is read by
 GAIN = "gain"  # the summary key `with_gain` adds: final - initial eval reward
+# The paper's gap: TRACE 75.3 against plain FP4 QAT 59.6 (accuracy, as a fraction)
+PAPER_GAP = 0.157
+EXTRAPOLATE_TOKENS = (1024, 4096, 16384)  # answer lengths of the paper's setting
+ASSUMPTIONS = (
+  "a path's sequence-level log-ratio p90 grows in proportion to the answer's tokens (a line "
+  "through 0, fitted on the map's points with its default engine at its shallowest depth)",
+  "depth multiplies it by the factor the map measured between its shallowest and deepest "
+  "models at one answer length, and by no more beyond that depth",
+  "the gain difference trace - fp4-qat is linear in fp4-qat's sequence-level mismatch (a "
+  "line through the lengths' mean differences), and a longer answer changes nothing else",
+)
 
 
 def label(terms: int) -> str:
@@ -133,6 +149,125 @@ def differences(cells) -> list[Difference]:
   return out
 
 
+def _default_engine(points) -> list[dict]:
+  """The map's points with its default engine: no skew, the router in float32."""
+  return [p for p in points if p["rollout_skew"] == 0 and p["router_dtype"] == "float32"]
+
+
+def per_token_mismatch(points) -> dict[str, float]:
+  """path -> sequence-level log-ratio p90 per answer token: the least-squares line through
+  0 over the map's default-engine points at their shallowest depth, sum(x y) / sum(x^2)
+  with x the answer tokens and y the p90."""
+  points = _default_engine(points)
+  shallow = [p for p in points if p["layers"] == min(q["layers"] for q in points)]
+  x = np.array([p["answer_tokens"] for p in shallow], float)
+  out = {}
+  for path in shallow[0]["paths"]:
+    y = np.array([p["paths"][path]["seq_logratio_p90"] for p in shallow], float)
+    out[path] = float(np.dot(x, y) / np.dot(x, x))
+  return out
+
+
+def depth_factor(points) -> tuple[tuple[int, int], dict[str, float]] | None:
+  """((shallowest, deepest) layers, path -> p90 at the deepest / at the shallowest) at the
+  answer length the map varied depth at (default engine); None without such a length."""
+  points = _default_engine(points)
+  by_terms: dict[int, dict[int, dict]] = {}
+  for p in points:
+    by_terms.setdefault(p["terms"], {})[p["layers"]] = p
+  terms = max(by_terms, key=lambda t: len(by_terms[t]))
+  depths = by_terms[terms]
+  if len(depths) < 2:
+    return None
+  lo, hi = depths[min(depths)], depths[max(depths)]
+  ratio = {
+    path: hi["paths"][path]["seq_logratio_p90"] / lo["paths"][path]["seq_logratio_p90"]
+    for path in lo["paths"]
+  }
+  return (min(depths), max(depths)), ratio
+
+
+@dataclasses.dataclass(frozen=True)
+class Extrapolation:
+  """The study's numbers carried to the paper's setting, under `assumptions`."""
+
+  per_token: dict[str, float]  # path -> seq. log-ratio p90 per answer token (the map)
+  depths: tuple[int, int] | None  # the map's shallowest and deepest models
+  depth_factor: dict[str, float] | None  # path -> p90 deepest / shallowest (the map)
+  at_tokens: dict[str, dict[int, float]]  # path -> {answer tokens: p90, depth included}
+  gain_per_nat: float | None  # trace - fp4-qat gain difference per nat of fp4-qat's p90
+  gain_at_zero: float | None  # that line at no mismatch
+  paper_gap_nats: float | None  # fp4-qat's p90 at which the line reaches PAPER_GAP
+  paper_gap_tokens: float | None  # the answer length that gives it (deepest model)
+  assumptions: tuple[str, ...] = ASSUMPTIONS
+
+  def to_json(self) -> dict:
+    out = dataclasses.asdict(self)
+    out["at_tokens"] = {p: {str(t): v for t, v in by.items()} for p, by in self.at_tokens.items()}
+    return out
+
+
+def extrapolate(points, diffs) -> Extrapolation:
+  """The map's `points` (results.json's list) and the study's `differences`, carried to
+  `EXTRAPOLATE_TOKENS` answer tokens and to the gap the paper reports (`PAPER_GAP`)."""
+  per_token = per_token_mismatch(points)
+  depth = depth_factor(points)
+  depths, factor = depth if depth else (None, None)
+  scale = lambda path: factor[path] if factor else 1.0  # noqa: E731
+  at_tokens = {
+    path: {t: slope * t * scale(path) for t in EXTRAPOLATE_TOKENS}
+    for path, slope in per_token.items()
+  }
+  line = [
+    (d.qat_seq_logratio_p90, d.gain.mean)
+    for d in diffs
+    if (d.arm, d.baseline) == ("trace", "fp4-qat") and d.qat_seq_logratio_p90 is not None
+  ]
+  per_nat = at_zero = nats = tokens = None
+  if len({x for x, _ in line}) >= 2:
+    per_nat, at_zero = (float(v) for v in np.polyfit(*np.array(line).T, 1))
+    if per_nat > 0:
+      nats = (PAPER_GAP - at_zero) / per_nat
+      tokens = nats / (per_token["fp4-qat"] * scale("fp4-qat"))
+  return Extrapolation(per_token, depths, factor, at_tokens, per_nat, at_zero, nats, tokens)
+
+
+def extrapolation_markdown(ex: Extrapolation) -> str:
+  """The extrapolation as a table of predicted mismatch and the paper-gap reading."""
+  paths = list(ex.per_token)
+  rows = [
+    (
+      path,
+      f"{ex.per_token[path]:.4f}",
+      "-" if ex.depth_factor is None else f"{ex.depth_factor[path]:.2f}",
+      *(f"{ex.at_tokens[path][t]:.1f}" for t in EXTRAPOLATE_TOKENS),
+    )
+    for path in paths
+  ]
+  depth = "-" if ex.depths is None else f"{ex.depths[0]} -> {ex.depths[1]} layers"
+  head = ["path", "p90 per token", f"depth factor ({depth})"]
+  head += [f"p90 at {t} tokens" for t in EXTRAPOLATE_TOKENS]
+  lines = [
+    "## Extrapolation (sequence-level log-ratio p90; assumptions below)",
+    markdown_table(head, rows),
+  ]
+  if ex.gain_per_nat is None:
+    lines.append("The gain difference needs two lengths with fp4-qat's mismatch for a slope.")
+  else:
+    said = (
+      f"trace - fp4-qat gains {ex.gain_per_nat:+.4f} per nat of fp4-qat's p90 "
+      f"({ex.gain_at_zero:+.3f} at none)"
+    )
+    if ex.paper_gap_nats is not None:
+      said += (
+        f"; at that slope the paper's gap ({PAPER_GAP:.3f}) comes at "
+        f"{ex.paper_gap_nats:.1f} nats, about {ex.paper_gap_tokens:.0f} answer tokens"
+      )
+    lines.append(said + ".")
+  lines.append("Assumptions:\n" + "\n".join(f"- {a}" for a in ex.assumptions))
+  return "\n\n".join(lines)
+
+
 def collapses(cells) -> list[dict]:
   """The cells whose final eval fell more than `COLLAPSE_DROP` below their initial eval,
   each with its precursors' means over the first and the last tenth of its steps."""
@@ -156,8 +291,9 @@ def collapses(cells) -> list[dict]:
   return out
 
 
-def markdown(cells) -> str:
-  """The arms per length (`compare.markdown`), the paired gain differences and collapses."""
+def markdown(cells, map_points=None) -> str:
+  """The arms per length (`compare.markdown`), the paired gain differences, collapses and,
+  with the mismatch map's points, the extrapolation."""
   rows = [
     (
       terms_of(d.length),
@@ -183,16 +319,21 @@ def markdown(cells) -> str:
     parts += ["## Collapses (final eval more than 0.1 below the initial)", "\n".join(lines)]
   else:
     parts.append(f"No cell collapsed (no final eval more than {COLLAPSE_DROP} below its initial).")
+  if map_points:
+    parts.append(extrapolation_markdown(extrapolate(map_points, differences(cells))))
   return "\n\n".join(parts)
 
 
-def write_results(results_dir: str, cells, settings: dict, title: str) -> None:
-  """results.json (`settings`, `cells`, `rows`, `differences`, `collapses`), table.md and
-  the comparison's plots in `results_dir`."""
+def write_results(results_dir: str, cells, settings: dict, title: str, map_points=None) -> None:
+  """results.json (`settings`, `cells`, `rows`, `differences`, `collapses` and, with the
+  mismatch map's points, `extrapolation`), table.md and the comparison's plots in
+  `results_dir`."""
   compare.write_results(results_dir, cells, settings, title)  # plots, cells and rows
   saved = compare.load_results(results_dir).to_json()
   saved["differences"] = [d.to_json() for d in differences(cells)]
   saved["collapses"] = collapses(cells)
+  if map_points:
+    saved["extrapolation"] = extrapolate(map_points, differences(cells)).to_json()
   write_json(os.path.join(results_dir, "results.json"), compare.jsonish(saved))
   with open(os.path.join(results_dir, "table.md"), "w") as f:
-    f.write(f"# {title}\n\n{markdown(cells)}\n")
+    f.write(f"# {title}\n\n{markdown(cells, map_points)}\n")
