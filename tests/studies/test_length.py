@@ -198,6 +198,9 @@ def test_the_extrapolation_against_a_hand_fit():
     assert ex.paper_gap_nats is None and ex.paper_gap_tokens is None
   one_length = [d for d in diffs if d.length == length.label(4)]
   assert length.extrapolate(points, one_length).gain_per_nat is None
+  deep[4]["paths"]["trace-full"]["seq_logratio_p90"] = 0.0  # no factor can be read
+  factor = length.extrapolate(points, diffs).depth_factor
+  assert np.isnan(factor["trace-full"]) and np.isfinite(factor["trace"])
 
 
 def test_the_results_hold_the_extrapolation_with_the_map(tmp_path):

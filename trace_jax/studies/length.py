@@ -170,7 +170,8 @@ def per_token_mismatch(points) -> dict[str, float]:
 
 def depth_factor(points) -> tuple[tuple[int, int], dict[str, float]] | None:
   """((shallowest, deepest) layers, path -> p90 at the deepest / at the shallowest) at the
-  answer length the map varied depth at (default engine); None without such a length."""
+  answer length the map varied depth at (default engine); None without such a length. A
+  shallowest p90 of 0 gives NaN (no factor can be read), never a division error."""
   points = _default_engine(points)
   by_terms: dict[int, dict[int, dict]] = {}
   for p in points:
@@ -180,9 +181,9 @@ def depth_factor(points) -> tuple[tuple[int, int], dict[str, float]] | None:
   if len(depths) < 2:
     return None
   lo, hi = depths[min(depths)], depths[max(depths)]
+  p90 = lambda point, path: point["paths"][path]["seq_logratio_p90"]  # noqa: E731
   ratio = {
-    path: hi["paths"][path]["seq_logratio_p90"] / lo["paths"][path]["seq_logratio_p90"]
-    for path in lo["paths"]
+    path: p90(hi, path) / p90(lo, path) if p90(lo, path) else math.nan for path in lo["paths"]
   }
   return (min(depths), max(depths)), ratio
 
